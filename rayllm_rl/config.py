@@ -1,0 +1,173 @@
+"""Typed dataclass configs: load from YAML, override with `key.sub=value`, document every field.
+
+Each field's docstring is the string literal written under it in the dataclass body; `--help`
+prints them. Unknown keys and ill-typed values fail with an error naming the key.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config file or override names an unknown key or has a value of the wrong type."""
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Map field name -> the docstring literal that follows it in the class body."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body
+        for node, nxt in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                    and isinstance(nxt.value.value, str)):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin is typing.Union or str(origin) == "types.UnionType":
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"config key {key!r}: {value!r} does not match {tp}")
+    if origin is typing.Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"config key {key!r}: {value!r} is not one of {typing.get_args(tp)}")
+        return value
+    if origin in (tuple, list):
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v != ""]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config key {key!r}: expected a list, got {value!r}")
+        args = typing.get_args(tp)
+        inner = args[0] if args else Any
+        items = [_coerce(v, inner, key) for v in value]
+        return tuple(items) if origin is tuple else items
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key {key!r}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"config key {key!r}: expected a bool, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)) or (isinstance(value, str) and not value.lstrip("-").isdigit()):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"config key {key!r}: expected an int, got {value!r}")
+        return int(value)
+    if tp is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"config key {key!r}: expected a float, got {value!r}") from None
+    if tp is str:
+        return str(value)
+    return value
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def apply_dict(cfg: T, values: dict[str, Any], prefix: str = "") -> T:
+    """Return a copy of dataclass `cfg` with nested `values` applied (type-checked)."""
+    hints = _hints(type(cfg))
+    names = {f.name for f in dataclasses.fields(cfg)}
+    changes = {}
+    for k, v in values.items():
+        key = f"{prefix}{k}"
+        if k not in names:
+            raise ConfigError(f"unknown config key {key!r}; valid keys here: {sorted(names)}")
+        current = getattr(cfg, k)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(v, dict):
+                raise ConfigError(f"config key {key!r} is a section; give sub-keys like {key}.<name>=...")
+            changes[k] = apply_dict(current, v, prefix=key + ".")
+        else:
+            changes[k] = _coerce(v, hints[k], key)
+    return dataclasses.replace(cfg, **changes)
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """`["a.b=1", "c=x"]` -> `{"a": {"b": 1}, "c": "x"}` (values parsed as YAML scalars)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.sub=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r} conflicts with an earlier override of {p!r}")
+        node[parts[-1]] = value
+    return out
+
+
+def load_config(cls: type[T], argv: list[str] | None = None, *, config_key: str = "config") -> T:
+    """Defaults of `cls`, then the YAML file given as `config=path.yaml`, then overrides."""
+    argv = list(argv or [])
+    cfg = cls()
+    files = [a.split("=", 1)[1] for a in argv if a.startswith(f"{config_key}=")]
+    for f in files:
+        data = yaml.safe_load(Path(f).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {f} must hold a mapping at top level")
+        cfg = apply_dict(cfg, data)
+    rest = [a for a in argv if not a.startswith(f"{config_key}=")]
+    return apply_dict(cfg, parse_overrides(rest))
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def describe(cfg: Any, prefix: str = "") -> str:
+    """Every key with its default value and docstring (for `--help`)."""
+    lines = []
+    docs = field_docs(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            lines.append(f"{key}: {docs.get(f.name, '')}")
+            lines.append(describe(value, prefix=key + "."))
+        else:
+            lines.append(f"  {key}={value!r}  {docs.get(f.name, '')}")
+    return "\n".join(lines)

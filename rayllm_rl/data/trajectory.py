@@ -1,0 +1,115 @@
+"""The trajectory TensorDict of design.md: token-in/token-out, right-padded, batch dim first.
+
+Per-token keys `[N, T]`: input_ids, attention_mask, loss_mask (1 on policy-generated tokens),
+logprobs (behaviour logprobs, 0 elsewhere), versions (policy version per generated token, -1
+elsewhere). Per-sequence keys `[N]`: rewards, group_id. A packed view (`cu_seqlens`) is
+available for varlen kernels and buffers.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+from tensordict import TensorDict
+
+TOKEN_KEYS = ("input_ids", "attention_mask", "loss_mask", "logprobs", "versions")
+SEQ_KEYS = ("rewards", "group_id")
+PAD_VALUES = {"input_ids": 0, "attention_mask": 0, "loss_mask": 0, "logprobs": 0.0, "versions": -1}
+DTYPES = {
+    "input_ids": torch.long, "attention_mask": torch.bool, "loss_mask": torch.bool,
+    "logprobs": torch.float32, "versions": torch.long, "rewards": torch.float32, "group_id": torch.long,
+}
+
+
+def make_trajectory(
+    input_ids: Sequence[int],
+    logprobs: Sequence[float],
+    loss_mask: Sequence[int],
+    versions: Sequence[int],
+    reward: float,
+    group_id: int = 0,
+    **extra: float,
+) -> TensorDict:
+    """One sequence as a batch-of-1 trajectory; token lists must have equal lengths."""
+    n = len(input_ids)
+    for name, seq in (("logprobs", logprobs), ("loss_mask", loss_mask), ("versions", versions)):
+        if len(seq) != n:
+            raise ValueError(f"make_trajectory: {name} has {len(seq)} entries, input_ids has {n}")
+    data = {
+        "input_ids": torch.tensor([list(input_ids)], dtype=torch.long),
+        "attention_mask": torch.ones((1, n), dtype=torch.bool),
+        "loss_mask": torch.tensor([list(loss_mask)], dtype=torch.bool),
+        "logprobs": torch.tensor([list(logprobs)], dtype=torch.float32),
+        "versions": torch.tensor([list(versions)], dtype=torch.long),
+        "rewards": torch.tensor([float(reward)], dtype=torch.float32),
+        "group_id": torch.tensor([int(group_id)], dtype=torch.long),
+    }
+    for k, v in extra.items():
+        data[k] = torch.tensor([float(v)], dtype=torch.float32)
+    return TensorDict(data, batch_size=[1])
+
+
+def validate_trajectory(td: TensorDict) -> None:
+    """Raise a ValueError naming the first missing key or mis-shaped tensor."""
+    missing = [k for k in TOKEN_KEYS + SEQ_KEYS if k not in td.keys()]
+    if missing:
+        raise ValueError(f"trajectory is missing keys {missing}; has {sorted(td.keys())}")
+    if td.batch_dims != 1:
+        raise ValueError(f"trajectory must have one batch dim, got batch_size {tuple(td.batch_size)}")
+    shape = td["input_ids"].shape
+    for k in TOKEN_KEYS:
+        if td[k].shape != shape:
+            raise ValueError(f"trajectory key {k!r} has shape {tuple(td[k].shape)}, input_ids has {tuple(shape)}")
+    if bool((td["loss_mask"] & ~td["attention_mask"]).any()):
+        raise ValueError("trajectory loss_mask is 1 on a padding position")
+
+
+def concat_padded(tds: Iterable[TensorDict]) -> TensorDict:
+    """Concatenate trajectories along the batch dim, right-padding token keys to the longest."""
+    tds = list(tds)
+    if not tds:
+        raise ValueError("concat_padded: empty list")
+    width = max(td["input_ids"].shape[-1] for td in tds)
+    keys = tds[0].keys()
+    out = {}
+    for k in keys:
+        parts = []
+        for td in tds:
+            v = td[k]
+            if k in PAD_VALUES or (v.dim() == 2 and v.shape[-1] == td["input_ids"].shape[-1]):
+                pad = width - v.shape[-1]
+                if pad:
+                    v = torch.nn.functional.pad(v, (0, pad), value=PAD_VALUES.get(k, 0))
+            parts.append(v)
+        out[k] = torch.cat(parts, dim=0)
+    return TensorDict(out, batch_size=[sum(td.batch_size[0] for td in tds)])
+
+
+def seq_lengths(td: TensorDict) -> torch.Tensor:
+    """Valid length of each sequence `[N]` (right padding)."""
+    return td["attention_mask"].sum(-1)
+
+
+def pack_sequences(td: TensorDict) -> tuple[TensorDict, torch.Tensor]:
+    """Drop padding: token keys become `[total]`, with `cu_seqlens` `[N+1]` marking boundaries."""
+    lengths = seq_lengths(td)
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = lengths.cumsum(0)
+    keep = td["attention_mask"].bool()
+    packed = {k: td[k][keep] for k in td.keys() if td[k].dim() == 2 and td[k].shape == keep.shape}
+    return TensorDict(packed, batch_size=[int(cu[-1])]), cu
+
+
+def unpack_sequences(packed: TensorDict, cu_seqlens: torch.Tensor) -> TensorDict:
+    """Inverse of pack_sequences for the token keys (right-padded `[N, T]`)."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    width = max(lengths) if lengths else 0
+    n = len(lengths)
+    out = {}
+    for k in packed.keys():
+        v = packed[k]
+        dst = torch.full((n, width), PAD_VALUES.get(k, 0), dtype=v.dtype)
+        for i, (s, ln) in enumerate(zip(cu_seqlens[:-1].tolist(), lengths)):
+            dst[i, :ln] = v[s:s + ln]
+        out[k] = dst
+    return TensorDict(out, batch_size=[n])

@@ -1,0 +1,248 @@
+"""A Transformers inference engine that batches concurrent `agenerate` calls.
+
+Requests arriving together are decoded as one left-padded batch with a KV cache: one forward
+pass per decode step for the whole batch, finished rows pruned from the cache. Each output
+token carries the sampled token's logprob and the engine version of the weights that
+produced it. Weight updates are applied under a lock taken once per decode step, so a swap
+lands between two decode steps and never inside one.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Mapping
+
+import torch
+
+from rayllm_rl.inference.protocol import LLMRequest, LLMResponse
+from rayllm_rl.inference.sampling import RowSampler
+
+log = logging.getLogger(__name__)
+
+
+class PromptTooLongError(ValueError):
+    """The prompt plus max_new_tokens does not fit the model's context window."""
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters for throughput reporting."""
+
+    requests: int = 0
+    batches: int = 0
+    generated_tokens: int = 0
+    decode_steps: int = 0
+    busy_seconds: float = 0.0
+
+
+class TransformersEngine:
+    """Batched KV-cache decoding over any local HF causal LM (loaded with from_pretrained)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        max_batch_size: int = 512,
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+        version: int = 0,
+        batch_wait_s: float = 0.0,
+        model: torch.nn.Module | None = None,
+    ):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model_path = model_path
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = model if model is not None else AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        self.model.eval().requires_grad_(False)
+        self.max_batch_size = max_batch_size
+        self.batch_wait_s = batch_wait_s
+        self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+        eos = self.model.generation_config.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        if self.tokenizer.eos_token_id is not None:
+            eos.append(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos)
+        self._generator = torch.Generator().manual_seed(seed)
+        self._version = version
+        self._weights_lock = threading.Lock()
+        self._params = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
+        self._pending: list[tuple[LLMRequest, asyncio.Future]] = []
+        self._wakeup: asyncio.Event | None = None
+        self._worker: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.stats = EngineStats()
+
+    # ---------------------------------------------------------------- versioning
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def update_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int | None = None) -> int:
+        """Copy new weights in between two decode steps; returns the new version."""
+        unknown = [k for k in named_tensors if k not in self._params]
+        if unknown:
+            raise KeyError(f"update_weights: unknown parameter names {unknown[:5]} (model has e.g. {list(self._params)[:3]})")
+        with self._weights_lock, torch.no_grad():
+            for name, tensor in named_tensors.items():
+                dst = self._params[name]
+                if dst.shape != tensor.shape:
+                    raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+                dst.copy_(tensor)
+            self._version = self._version + 1 if version is None else int(version)
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        """Set the version without changing weights (e.g. after a checkpoint restore)."""
+        with self._weights_lock:
+            self._version = int(version)
+
+    def weights_lock(self) -> threading.Lock:
+        """The lock a decode step holds; weight transports take it to swap buffers."""
+        return self._weights_lock
+
+    def named_parameters(self) -> dict[str, torch.Tensor]:
+        return dict(self._params)
+
+    # ---------------------------------------------------------------- serving
+    async def agenerate(self, request: LLMRequest) -> LLMResponse:
+        """Queue a request; it joins the next batch decoded by the background worker."""
+        self._check_request(request)
+        loop = asyncio.get_running_loop()
+        if self._worker is None or self._loop is not loop or self._worker.done():
+            self._loop = loop
+            self._wakeup = asyncio.Event()
+            self._worker = loop.create_task(self._serve())
+        fut = loop.create_future()
+        self._pending.append((request, fut))
+        self._wakeup.set()
+        return await fut
+
+    def _check_request(self, req: LLMRequest) -> None:
+        if not req.input_ids:
+            raise ValueError(f"request {req.rid}: empty input_ids")
+        if not all(isinstance(t, int) for t in req.input_ids):
+            bad = next(t for t in req.input_ids if not isinstance(t, int))
+            raise TypeError(f"request {req.rid}: input_ids must be a list of int token ids, found {type(bad).__name__} {bad!r}")
+        if req.sampling.max_new_tokens < 1:
+            raise ValueError(f"request {req.rid}: max_new_tokens must be >= 1, got {req.sampling.max_new_tokens}")
+        need = len(req.input_ids) + req.sampling.max_new_tokens
+        if need > self.max_positions:
+            raise PromptTooLongError(
+                f"request {req.rid}: prompt of {len(req.input_ids)} tokens + max_new_tokens="
+                f"{req.sampling.max_new_tokens} exceeds the model context of {self.max_positions}"
+            )
+
+    async def _serve(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            # Let callers scheduled in the same tick enqueue too, so they share the batch.
+            for _ in range(4):
+                await asyncio.sleep(0)
+            if self.batch_wait_s > 0:
+                await asyncio.sleep(self.batch_wait_s)
+            while self._pending:
+                batch = self._pending[: self.max_batch_size]
+                del self._pending[: self.max_batch_size]
+                live = [(r, f) for r, f in batch if not f.cancelled()]
+                if not live:
+                    continue
+                try:
+                    results = await asyncio.to_thread(self.generate_batch, [r for r, _ in live])
+                except Exception as exc:  # one bad batch fails its callers, not the engine
+                    for _, f in live:
+                        if not f.done():
+                            f.set_exception(exc)
+                    continue
+                for (_, f), res in zip(live, results):
+                    if not f.done():
+                        f.set_result(res)
+
+    @torch.no_grad()
+    def generate_batch(self, requests: list[LLMRequest]) -> list[LLMResponse]:
+        """Decode a list of requests together (synchronous; also usable without asyncio)."""
+        from transformers import DynamicCache
+
+        t0 = time.perf_counter()
+        n = len(requests)
+        for r in requests:
+            self._check_request(r)
+        lens = [len(r.input_ids) for r in requests]
+        width = max(lens)
+        ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
+        attn = torch.zeros((n, width), dtype=torch.long)
+        for i, r in enumerate(requests):
+            ids[i, width - lens[i]:] = torch.tensor(r.input_ids, dtype=torch.long)
+            attn[i, width - lens[i]:] = 1
+        positions = (attn.cumsum(-1) - 1).clamp_(min=0)
+        sampler = RowSampler(
+            [r.sampling.temperature for r in requests], [r.sampling.top_k for r in requests],
+            [r.sampling.top_p for r in requests], [r.sampling.greedy for r in requests],
+        )
+        stops = [self.eos_token_ids | frozenset(r.sampling.stop_token_ids) for r in requests]
+        budget = [r.sampling.max_new_tokens for r in requests]
+        out_tok: list[list[int]] = [[] for _ in range(n)]
+        out_lp: list[list[float]] = [[] for _ in range(n)]
+        out_ver: list[list[int]] = [[] for _ in range(n)]
+        reason = ["length"] * n
+        active = list(range(n))  # original row index of each row still in the batch
+        cache = DynamicCache(config=self.model.config)
+        step_ids, step_pos = ids, positions
+        while active:
+            with self._weights_lock:
+                version = self._version
+                logits = self.model(
+                    input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
+                    past_key_values=cache, use_cache=True, logits_to_keep=1,
+                ).logits[:, -1, :]
+                tokens, logps = sampler(logits, self._generator)
+            self.stats.decode_steps += 1
+            tok_list, lp_list = tokens.tolist(), logps.tolist()
+            keep = []
+            for j, row in enumerate(active):
+                t = tok_list[j]
+                out_tok[row].append(t)
+                out_lp[row].append(lp_list[j])
+                out_ver[row].append(version)
+                if t in stops[row]:
+                    reason[row] = "stop"
+                elif len(out_tok[row]) < budget[row]:
+                    keep.append(j)
+            if len(keep) < len(active):
+                if not keep:
+                    break
+                idx = torch.tensor(keep, dtype=torch.long)
+                cache.batch_select_indices(idx)
+                attn, tokens, sampler = attn[idx], tokens[idx], sampler.select(idx)
+                step_pos = step_pos[idx]
+                active = [active[j] for j in keep]
+            attn = torch.cat([attn, torch.ones((len(active), 1), dtype=attn.dtype)], dim=-1)
+            step_pos = step_pos[:, -1:] + 1
+            step_ids = tokens.unsqueeze(-1)
+        elapsed = time.perf_counter() - t0
+        self.stats.requests += n
+        self.stats.batches += 1
+        self.stats.generated_tokens += sum(len(t) for t in out_tok)
+        self.stats.busy_seconds += elapsed
+        return [
+            LLMResponse(
+                input_tokens=list(r.input_ids), output_tokens=out_tok[i], output_logprobs=out_lp[i],
+                output_versions=out_ver[i], stop_reason=reason[i], rid=r.rid, latency_s=elapsed,
+            )
+            for i, r in enumerate(requests)
+        ]
+
+    def generate(self, requests: list[LLMRequest]) -> list[LLMResponse]:
+        """Synchronous convenience wrapper, chunked by max_batch_size."""
+        out: list[LLMResponse] = []
+        for i in range(0, len(requests), self.max_batch_size):
+            out += self.generate_batch(requests[i:i + self.max_batch_size])
+        return out
+
+    def info(self) -> dict[str, Any]:
+        return {"model_path": self.model_path, "version": self._version, **dataclasses.asdict(self.stats)}

@@ -1,0 +1,131 @@
+"""Typed configuration of a GRPO-family job (YAML + `key.sub=value` overrides via rayllm_rl.config)."""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+from rayllm_rl.learner.learner import OptimConfig
+from rayllm_rl.objectives import AdvantageConfig, make_loss
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """Which HF model directory to train."""
+
+    path: str = ""
+    """Local HF model directory (from_pretrained); empty = build the offline tiny Qwen2."""
+
+
+@dataclasses.dataclass
+class TaskConfig:
+    """The verifiable task and its held-out evaluation split."""
+
+    name: str = "arithmetic"
+    """Task name; 'arithmetic' is the built-in demo (a+b in <answer> tags)."""
+    max_operand: int = 29
+    """Operands are drawn from 0..max_operand."""
+    eval_size: int = 200
+    """Held-out prompts (never trained on) for greedy evaluation."""
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    """Sampling and grouping of rollouts."""
+
+    group_size: int = 8
+    """Completions per prompt (GRPO group)."""
+    prompts_per_step: int = 16
+    """Prompts per training step; the batch holds prompts_per_step * group_size sequences."""
+    max_new_tokens: int = 10
+    """Generation budget per completion."""
+    temperature: float = 1.0
+    """Sampling temperature (the learner recomputes logprobs at the same temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = 0
+    """Top-k sampling; 0 disables."""
+
+
+@dataclasses.dataclass
+class AlgoConfig:
+    """The loss and its hyper-parameters; fields a loss does not take are ignored by it."""
+
+    name: str = "grpo"
+    """Loss name (see rayllm_rl.objectives.LOSSES)."""
+    clip_eps_low: float = 0.2
+    """Lower ratio clip: ratios below 1 - clip_eps_low are clipped."""
+    clip_eps_high: float = 0.2
+    """Upper ratio clip: ratios above 1 + clip_eps_high are clipped (DAPO clip-higher: 0.28)."""
+    kl_coef: float = 0.0
+    """Coefficient of the KL penalty to the reference policy (0 = off)."""
+    kl_estimator: str = "k3"
+    """KL estimator: k1, k2 or k3."""
+    aggregation: str = "token-mean"
+    """Loss aggregation: token-mean, seq-mean or seq-sum."""
+    advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
+    """How rewards become advantages (group/global normalisation)."""
+
+    def build_loss(self):
+        """Instantiate the named loss with the fields its constructor accepts."""
+        from rayllm_rl.objectives import LOSSES
+
+        if self.name not in LOSSES:
+            raise ValueError(f"unknown algo.name {self.name!r}; choose one of {sorted(LOSSES)}")
+        params = inspect.signature(LOSSES[self.name]).parameters
+        kwargs = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                  if f.name in params and f.name != "name"}
+        return make_loss(self.name, **kwargs)
+
+
+@dataclasses.dataclass
+class SFTConfig:
+    """Supervised warm start before RL (skipped when steps = 0)."""
+
+    steps: int = 250
+    """SFT optimizer steps (the demo stops the warm start while the model is still weak)."""
+    batch_size: int = 64
+    """Demonstrations per SFT step."""
+    lr: float = 1e-3
+    """SFT learning rate."""
+    warmup_steps: int = 20
+    """Linear learning-rate warm-up of the SFT phase."""
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    """Loop length, logging and outputs."""
+
+    steps: int = 500
+    """RL steps (one optimizer update and one weight sync each)."""
+    time_budget_s: float = 420.0
+    """Safety net: stop RL early once this many seconds of RL have elapsed (0 = no limit)."""
+    eval_every: int = 100
+    """Evaluate every N steps during RL (0 = only before and after)."""
+    log_every: int = 5
+    """Print a progress line every N steps."""
+    seed: int = 0
+    """Seed of model init, sampling and data order."""
+    run_dir: str = "runs/grpo"
+    """Where metrics.jsonl, the reward curve and checkpoints go (a timestamped subfolder)."""
+    num_threads: int = 0
+    """torch intra-op threads (0 = leave torch's default)."""
+
+
+@dataclasses.dataclass
+class GRPOJobConfig:
+    """A whole job: model, task, rollout, algorithm, optimizer, SFT warm start, trainer."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """Model to train."""
+    task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
+    """Task and evaluation split."""
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    """Rollout sampling."""
+    algo: AlgoConfig = dataclasses.field(default_factory=AlgoConfig)
+    """Algorithm."""
+    optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=5e-5, warmup_steps=10))
+    """Optimizer of the RL phase."""
+    sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
+    """SFT warm start."""
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    """Loop settings."""

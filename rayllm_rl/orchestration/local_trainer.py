@@ -1,0 +1,121 @@
+"""Single-process GRPO-family training: engine, collector and learner in one asyncio program.
+
+SFT warm start -> greedy eval -> [collect -> advantages -> learner step -> weight update] x N
+-> greedy eval -> checkpoint. The Ray driver runs the same steps with actors.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from rayllm_rl.data.loader import PromptLoader
+from rayllm_rl.data.sft import make_sft_batch
+from rayllm_rl.envs.task import make_task
+from rayllm_rl.inference.protocol import SamplingParams
+from rayllm_rl.inference.transformers_engine import TransformersEngine
+from rayllm_rl.learner.learner import Learner
+from rayllm_rl.models.tiny import ensure_tiny_model
+from rayllm_rl.objectives import SFTLoss, compute_advantages
+from rayllm_rl.orchestration.collector import LLMCollector
+from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.orchestration.reporting import RunReporter
+from rayllm_rl.workflows.evaluation import evaluate_greedy
+from rayllm_rl.workflows.rlvr import RLVRWorkflow
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def sft_warm_start(learner: Learner, task, tokenizer, cfg: GRPOJobConfig, reporter: RunReporter) -> None:
+    """Imitate the task's demonstrations on training prompts for cfg.sft.steps steps."""
+    if cfg.sft.steps <= 0 or task.sft_target is None:
+        return
+    loader = PromptLoader(task.train, seed=cfg.trainer.seed + 1)
+    loss = SFTLoss()
+    rl_optim = learner.cfg
+    learner.reset_optimizer(dataclasses.replace(rl_optim, lr=cfg.sft.lr, warmup_steps=cfg.sft.warmup_steps))
+    for step in range(cfg.sft.steps):
+        rows = loader.next_rows(cfg.sft.batch_size)
+        chats = [r["messages"] + [{"role": "assistant", "content": task.sft_target(r)}] for r in rows]
+        metrics = learner.train_step(make_sft_batch(tokenizer, chats), loss)
+        reporter.log({"phase": "sft", "sft_step": step + 1, **metrics}, show=(step + 1) % 50 == 0)
+    learner.reset_optimizer(rl_optim)
+    learner.version = 0
+
+
+async def train_local(cfg: GRPOJobConfig) -> dict:
+    """Run a whole job in this process; returns the summary dict."""
+    t_start = time.perf_counter()
+    seed_everything(cfg.trainer.seed)
+    if cfg.trainer.num_threads > 0:
+        torch.set_num_threads(cfg.trainer.num_threads)
+    reporter = RunReporter(cfg.trainer.run_dir, config=dataclasses.asdict(cfg))
+    model_path = cfg.model.path or ensure_tiny_model()
+    task = make_task(cfg.task.name, max_operand=cfg.task.max_operand, eval_size=cfg.task.eval_size, seed=cfg.trainer.seed)
+    engine = TransformersEngine(model_path, seed=cfg.trainer.seed)
+    tokenizer = engine.tokenizer
+    learner = Learner(model_path, cfg.optim, temperature=cfg.rollout.temperature, seed=cfg.trainer.seed)
+
+    sft_warm_start(learner, task, tokenizer, cfg, reporter)
+    engine.update_weights(learner.named_tensors(), version=0)
+    evaluate = lambda: evaluate_greedy(engine, tokenizer, task.eval, task.reward_fn, cfg.rollout.max_new_tokens)  # noqa: E731
+    before = (await evaluate())["eval_reward"]
+    reporter.log({"phase": "eval", "step": 0, "eval_reward": before}, show=True)
+
+    sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                              top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+    workflow = RLVRWorkflow(task.reward_fn, tokenizer, sampling, group_size=cfg.rollout.group_size)
+    collector = LLMCollector(engine, workflow, PromptLoader(task.train, seed=cfg.trainer.seed),
+                             dialog_turns_per_batch=cfg.rollout.prompts_per_step * cfg.rollout.group_size)
+    loss = cfg.algo.build_loss()
+    t_rl = time.perf_counter()
+    step = 0
+    progress = reporter.progress(total=cfg.trainer.steps, desc="grpo")
+    while step < cfg.trainer.steps:
+        batch = await collector.collect()
+        batch["advantages"] = compute_advantages(batch["rewards"], batch["group_id"], cfg.algo.advantage)
+        t0 = time.perf_counter()
+        metrics = await asyncio.to_thread(learner.train_step, batch, loss)
+        t_train = time.perf_counter() - t0
+        engine.update_weights(learner.named_tensors(), version=learner.version)
+        step += 1
+        record = {"phase": "rl", "step": step, "version": engine.version,
+                  "reward": float(batch["rewards"].mean()), "seqs": batch.batch_size[0],
+                  "gen_tokens": int(batch["loss_mask"].sum()), "collect_s": collector.last_collect_seconds,
+                  "train_s": t_train, **metrics}
+        if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
+            record["eval_reward"] = (await evaluate())["eval_reward"]
+        reporter.log(record, show=step % cfg.trainer.log_every == 0)
+        progress.update(1, reward=record["reward"])
+        if cfg.trainer.time_budget_s and time.perf_counter() - t_rl > cfg.trainer.time_budget_s:
+            break
+    progress.close()
+    after = (await evaluate())["eval_reward"]
+    reporter.log({"phase": "eval", "step": step, "eval_reward": after}, show=True)
+    ckpt = learner.save_pretrained(Path(reporter.run_dir) / "checkpoints" / f"step_{step}", tokenizer)
+    summary = {
+        "eval_reward_before": before, "eval_reward_after": after,
+        "eval_reward_gain": after - before, "steps": step, "algo": cfg.algo.name,
+        "eval_prompts": len(task.eval), "wall_seconds": round(time.perf_counter() - t_start, 1),
+        "rl_seconds": round(time.perf_counter() - t_rl, 1), "run_dir": str(reporter.run_dir),
+        "checkpoint": ckpt, "reward_errors": workflow.reward.num_errors,
+        "failed_episodes": collector.failed_episodes,
+    }
+    reporter.finish(summary)
+    return summary
+
+
+def main(cfg: GRPOJobConfig) -> dict:
+    summary = asyncio.run(train_local(cfg))
+    sys.stdout.write(json.dumps(summary) + "\n")
+    sys.stdout.flush()
+    return summary

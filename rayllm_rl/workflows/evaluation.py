@@ -1,0 +1,25 @@
+"""Greedy evaluation: mean reward of one greedy answer per held-out prompt."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable, Iterable, Mapping
+
+from rayllm_rl.inference.protocol import InferenceEngine, LLMRequest, SamplingParams
+from rayllm_rl.workflows.rewards import RewardCaller
+from rayllm_rl.workflows.rlvr import row_messages, tokenize_prompt
+
+
+async def evaluate_greedy(engine: InferenceEngine, tokenizer, rows: Iterable[Mapping[str, Any]],
+                          reward_fn: Callable[..., Any], max_new_tokens: int,
+                          prompt_key: str = "messages") -> dict[str, float]:
+    """Returns {"eval_reward": mean reward, "eval_n": number of prompts}."""
+    rows = list(rows)
+    reward = RewardCaller(reward_fn)
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
+    prompts = [tokenize_prompt(tokenizer, row_messages(r, prompt_key)) for r in rows]
+    responses = await asyncio.gather(*[engine.agenerate(LLMRequest(input_ids=p, sampling=sampling)) for p in prompts])
+    total = 0.0
+    for row, resp in zip(rows, responses):
+        text = tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
+        total += await reward(tokenizer.decode(resp.input_tokens), text, resp.input_tokens, resp.output_tokens, **row)
+    return {"eval_reward": total / max(1, len(rows)), "eval_n": float(len(rows))}

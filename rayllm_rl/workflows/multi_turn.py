@@ -1,0 +1,85 @@
+"""Multi-turn retry-with-feedback (AReaL's math agent), token-in/token-out.
+
+Unlike the seed's version, the past is never re-tokenized: turn t+1's prompt is exactly the
+tokens the engine saw and produced at turn t, followed by the tokens of the feedback message,
+so the trajectory trains on the tokens the model really saw. The dataset row is not mutated,
+and a first-turn success keeps the full reward (discount^(turns-1)).
+"""
+from __future__ import annotations
+
+import random
+from typing import Any, Callable, Mapping
+
+from tensordict import TensorDict
+
+from rayllm_rl.data.trajectory import make_trajectory
+from rayllm_rl.inference.protocol import InferenceEngine, LLMRequest, SamplingParams
+from rayllm_rl.workflows.base import RolloutWorkflow
+from rayllm_rl.workflows.rewards import RewardCaller
+from rayllm_rl.workflows.rlvr import row_messages, tokenize_prompt
+
+
+def feedback_suffix_ids(tokenizer, last_tokens: list[int], content: str, role: str = "user") -> list[int]:
+    """Tokens that close the assistant turn (if generation was cut) and open the next one."""
+    closing = "" if last_tokens and last_tokens[-1] == tokenizer.eos_token_id else tokenizer.eos_token
+    turn = tokenizer.apply_chat_template([{"role": role, "content": content}], add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(closing + "\n" + turn, add_special_tokens=False))
+
+
+class MultiTurnWorkflow(RolloutWorkflow):
+    """Retry until `reward >= success_threshold` or `max_turns`, discounting later successes."""
+
+    def __init__(
+        self,
+        reward_fn: Callable[..., Any],
+        tokenizer,
+        sampling: SamplingParams,
+        max_turns: int = 3,
+        turn_discount: float = 0.9,
+        feedback: str = "Your answer is not correct. Please try to answer it again.",
+        success_threshold: float = 1.0,
+        prompt_key: str = "messages",
+        reward_timeout_s: float = 30.0,
+    ):
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        self.reward = RewardCaller(reward_fn, timeout_s=reward_timeout_s)
+        self.tokenizer = tokenizer
+        self.sampling = sampling
+        self.max_turns = max_turns
+        self.turn_discount = turn_discount
+        self.feedback = feedback
+        self.success_threshold = success_threshold
+        self.prompt_key = prompt_key
+
+    async def arun_episode(self, engine: InferenceEngine, data: Mapping[str, Any]) -> TensorDict:
+        row = {k: v for k, v in data.items() if k not in ("prompt_ids", "group_id")}
+        prompt_ids = list(data.get("prompt_ids") or tokenize_prompt(self.tokenizer, row_messages(data, self.prompt_key)))
+        group_id = int(data.get("group_id", random.getrandbits(62)))
+        rid = f"mt{group_id}-{random.getrandbits(32)}"
+        seq, logprobs, loss_mask, versions = list(prompt_ids), [0.0] * len(prompt_ids), [0] * len(prompt_ids), [-1] * len(prompt_ids)
+        reward, turns = 0.0, 0
+        self.last_inputs: list[list[int]] = []  # what the engine received each turn (for inspection)
+        while turns < self.max_turns:
+            if turns > 0:
+                suffix = feedback_suffix_ids(self.tokenizer, seq, self.feedback)
+                seq += suffix
+                logprobs += [0.0] * len(suffix)
+                loss_mask += [0] * len(suffix)
+                versions += [-1] * len(suffix)
+            resp = await engine.agenerate(LLMRequest(input_ids=list(seq), sampling=self.sampling, rid=rid))
+            self.last_inputs.append(list(resp.input_tokens))
+            if resp.input_tokens != seq:  # the engine must have seen exactly our tokens
+                raise RuntimeError(f"episode {rid}: engine input differs from the trajectory prefix")
+            seq += resp.output_tokens
+            logprobs += resp.output_logprobs
+            loss_mask += [1] * resp.output_len
+            versions += resp.output_versions
+            turns += 1
+            completion = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
+            reward = await self.reward(self.tokenizer.decode(resp.input_tokens), completion,
+                                       resp.input_tokens, resp.output_tokens, **row)
+            if reward >= self.success_threshold:
+                break
+        final = reward * self.turn_discount ** (turns - 1)
+        return make_trajectory(seq, logprobs, loss_mask, versions, final, group_id, num_turns=float(turns))

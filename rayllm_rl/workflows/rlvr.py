@@ -1,0 +1,76 @@
+"""Single-turn RL with verifiable rewards: n completions of one prompt share a `group_id`."""
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any, Callable, Mapping
+
+from tensordict import TensorDict
+
+from rayllm_rl.data.trajectory import concat_padded, make_trajectory
+from rayllm_rl.inference.protocol import InferenceEngine, LLMRequest, SamplingParams
+from rayllm_rl.workflows.base import RolloutWorkflow
+from rayllm_rl.workflows.rewards import RewardCaller
+
+
+def row_messages(row: Mapping[str, Any], prompt_key: str = "messages") -> list[dict[str, str]]:
+    """The chat messages of a dataset row: `row[prompt_key]` as messages or as a user string."""
+    if prompt_key not in row:
+        raise ValueError(f"dataset row has no {prompt_key!r} field (fields: {sorted(row)})")
+    value = row[prompt_key]
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if isinstance(value, list) and value and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in value):
+        return [dict(m) for m in value]
+    raise ValueError(f"dataset row field {prompt_key!r} must be a string or a list of {{role, content}} messages, got {value!r:.120}")
+
+
+def tokenize_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Chat-template the messages with the generation prompt, as a list of token ids."""
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+class RLVRWorkflow(RolloutWorkflow):
+    """Group sampling: `group_size` completions per prompt, each scored by `reward_fn`."""
+
+    def __init__(
+        self,
+        reward_fn: Callable[..., Any],
+        tokenizer,
+        sampling: SamplingParams,
+        group_size: int = 8,
+        prompt_key: str = "messages",
+        reward_timeout_s: float = 30.0,
+    ):
+        self.reward = RewardCaller(reward_fn, timeout_s=reward_timeout_s)
+        self.tokenizer = tokenizer
+        self.sampling = sampling
+        self.group_size = group_size
+        self.prompt_key = prompt_key
+
+    async def arun_episode(self, engine: InferenceEngine, data: Mapping[str, Any]) -> TensorDict:
+        messages = row_messages(data, self.prompt_key)
+        prompt_ids = data.get("prompt_ids") or tokenize_prompt(self.tokenizer, messages)
+        group_id = int(data.get("group_id", random.getrandbits(62)))
+        base_rid = f"g{group_id}"
+        responses = await asyncio.gather(*[
+            engine.agenerate(LLMRequest(input_ids=list(prompt_ids), sampling=self.sampling, rid=f"{base_rid}-{i}"))
+            for i in range(self.group_size)
+        ])
+        prompt_text = self.tokenizer.decode(prompt_ids)
+        row = {k: v for k, v in data.items() if k not in ("prompt_ids", "group_id")}
+        trajs = []
+        for resp in responses:
+            completion = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
+            reward = await self.reward(prompt_text, completion, resp.input_tokens, resp.output_tokens, **row)
+            n_in, n_out = resp.input_len, resp.output_len
+            trajs.append(make_trajectory(
+                input_ids=resp.input_tokens + resp.output_tokens,
+                logprobs=[0.0] * n_in + resp.output_logprobs,
+                loss_mask=[0] * n_in + [1] * n_out,
+                versions=[-1] * n_in + resp.output_versions,
+                reward=reward,
+                group_id=group_id,
+                truncated=float(resp.stop_reason == "length"),
+            ))
+        return concat_padded(trajs)
