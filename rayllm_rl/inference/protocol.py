@@ -25,7 +25,9 @@ class SamplingParams:
     greedy: bool = False
     """Argmax decoding (logprobs then refer to temperature 1)."""
     stop_token_ids: tuple[int, ...] = ()
-    """Extra token ids that end generation (the engine always stops on its eos ids)."""
+    """Extra token ids that end generation (the engine also stops on its eos ids)."""
+    ignore_eos: bool = False
+    """Keep generating past eos until max_new_tokens (benchmarks, exact-length tests)."""
 
     def new(self, **kw: Any) -> "SamplingParams":
         """A copy with some fields replaced."""

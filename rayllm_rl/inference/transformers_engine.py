@@ -4,7 +4,8 @@ Requests arriving together are decoded as one left-padded batch with a KV cache:
 pass per decode step for the whole batch, finished rows pruned from the cache. Each output
 token carries the sampled token's logprob and the engine version of the weights that
 produced it. Weight updates are applied under a lock taken once per decode step, so a swap
-lands between two decode steps and never inside one.
+lands between two decode steps and never inside one; after a swap the KV cache is rebuilt
+with the new weights, so a token stamped version v was sampled from exactly policy v.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class EngineStats:
     generated_tokens: int = 0
     decode_steps: int = 0
     busy_seconds: float = 0.0
+    cache_rebuilds: int = 0
 
 
 class TransformersEngine:
@@ -184,18 +186,28 @@ class TransformersEngine:
             [r.sampling.temperature for r in requests], [r.sampling.top_k for r in requests],
             [r.sampling.top_p for r in requests], [r.sampling.greedy for r in requests],
         )
-        stops = [self.eos_token_ids | frozenset(r.sampling.stop_token_ids) for r in requests]
+        stops = [(frozenset() if r.sampling.ignore_eos else self.eos_token_ids) | frozenset(r.sampling.stop_token_ids)
+                 for r in requests]
         budget = [r.sampling.max_new_tokens for r in requests]
         out_tok: list[list[int]] = [[] for _ in range(n)]
         out_lp: list[list[float]] = [[] for _ in range(n)]
         out_ver: list[list[int]] = [[] for _ in range(n)]
         reason = ["length"] * n
         active = list(range(n))  # original row index of each row still in the batch
-        cache = DynamicCache(config=self.model.config)
+        full_ids = ids  # every token fed so far plus the one about to be fed, per active row
+        cache, cache_version = None, None
         step_ids, step_pos = ids, positions
         while active:
             with self._weights_lock:
                 version = self._version
+                if cache is not None and cache_version != version:
+                    # Weights changed since the KV cache was built: re-prefill the whole sequence
+                    # so every later token is sampled from exactly policy `version` (AReaL-style).
+                    cache, step_ids = None, full_ids
+                    step_pos = (attn.cumsum(-1) - 1).clamp_(min=0)
+                    self.stats.cache_rebuilds += 1
+                if cache is None:
+                    cache, cache_version = DynamicCache(config=self.model.config), version
                 logits = self.model(
                     input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
                     past_key_values=cache, use_cache=True, logits_to_keep=1,
@@ -219,11 +231,12 @@ class TransformersEngine:
                 idx = torch.tensor(keep, dtype=torch.long)
                 cache.batch_select_indices(idx)
                 attn, tokens, sampler = attn[idx], tokens[idx], sampler.select(idx)
-                step_pos = step_pos[idx]
+                step_pos, full_ids = step_pos[idx], full_ids[idx]
                 active = [active[j] for j in keep]
             attn = torch.cat([attn, torch.ones((len(active), 1), dtype=attn.dtype)], dim=-1)
             step_pos = step_pos[:, -1:] + 1
             step_ids = tokens.unsqueeze(-1)
+            full_ids = torch.cat([full_ids, step_ids], dim=-1)
         elapsed = time.perf_counter() - t0
         self.stats.requests += n
         self.stats.batches += 1

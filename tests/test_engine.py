@@ -1,0 +1,124 @@
+"""TransformersEngine: logprobs equal a full forward, versions are stamped, swaps land between steps."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from rayllm_rl.inference.protocol import LLMRequest, SamplingParams
+from rayllm_rl.inference.transformers_engine import PromptTooLongError
+
+
+def chat_ids(tok, text):
+    return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False))
+
+
+def forward_logprobs(model, prompt, output, temperature=1.0):
+    """log-softmax of a full forward pass at the sampled tokens."""
+    full = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model(full).logits[0].float() / temperature
+    lp = torch.log_softmax(logits, -1)[len(prompt) - 1:-1]
+    return lp.gather(-1, torch.tensor(output).unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(max_new_tokens=24, temperature=1.0),
+    SamplingParams(max_new_tokens=24, temperature=0.7, top_k=20),
+    SamplingParams(max_new_tokens=24, temperature=1.3, top_p=0.9),
+])
+def test_logprobs_equal_full_forward_and_versions_stamped(engine, tokenizer, sampling):
+    engine.update_weights(engine.named_parameters(), version=3)  # same weights, version 3
+    prompts = [chat_ids(tokenizer, "What is %d+%d?" % (i, 7 * i) + " please" * (i % 4)) for i in range(12)]
+
+    async def run():
+        return await asyncio.gather(*[engine.agenerate(LLMRequest(input_ids=p, sampling=sampling)) for p in prompts])
+
+    responses = asyncio.run(run())
+    assert engine.stats.batches == 1, "concurrent requests must share one batch"
+    assert sum(r.output_len for r in responses) > 12
+    for p, r in zip(prompts, responses):
+        assert r.input_tokens == p
+        ref = forward_logprobs(engine.model, p, r.output_tokens, sampling.temperature)
+        assert (ref - torch.tensor(r.output_logprobs)).abs().max().item() <= 1e-4
+        assert r.output_versions == [3] * r.output_len
+        assert r.stop_reason in ("stop", "length")
+        assert r.stop_reason == "stop" or r.output_len == sampling.max_new_tokens
+
+
+def test_greedy_is_argmax_and_deterministic(engine, tokenizer):
+    p = chat_ids(tokenizer, "What is 2+2?")
+    sp = SamplingParams(max_new_tokens=8, greedy=True, ignore_eos=True)
+    a, b = engine.generate([LLMRequest(input_ids=p, sampling=sp)] * 2)
+    assert a.output_tokens == b.output_tokens and a.output_len == 8
+    seq = list(p)
+    for tok_id in a.output_tokens:
+        with torch.no_grad():
+            nxt = engine.model(torch.tensor([seq])).logits[0, -1].argmax().item()
+        assert tok_id == nxt
+        seq.append(tok_id)
+
+
+def test_stop_reasons(engine, tokenizer):
+    p = chat_ids(tokenizer, "hi")
+    every_token = tuple(range(len(tokenizer)))
+    stop, = engine.generate([LLMRequest(input_ids=p, sampling=SamplingParams(max_new_tokens=5, stop_token_ids=every_token))])
+    assert stop.stop_reason == "stop" and stop.output_len == 1
+    length, = engine.generate([LLMRequest(input_ids=p, sampling=SamplingParams(max_new_tokens=5, ignore_eos=True))])
+    assert length.stop_reason == "length" and length.output_len == 5
+
+
+def test_bad_requests_fail_clearly(engine, tokenizer):
+    with pytest.raises(PromptTooLongError, match="exceeds the model context"):
+        engine.generate([LLMRequest(input_ids=[5] * 500, sampling=SamplingParams(max_new_tokens=64))])
+    with pytest.raises(TypeError, match="list of int token ids"):
+        engine.generate([LLMRequest(input_ids=["hello"])])
+    with pytest.raises(ValueError, match="empty input_ids"):
+        engine.generate([LLMRequest(input_ids=[])])
+    with pytest.raises(KeyError, match="unknown parameter names"):
+        engine.update_weights({"not.a.param": torch.zeros(1)})
+
+
+def test_bad_request_fails_only_its_caller(engine, tokenizer):
+    async def run():
+        good = engine.agenerate(LLMRequest(input_ids=chat_ids(tokenizer, "ok"), sampling=SamplingParams(max_new_tokens=3)))
+        bad = engine.agenerate(LLMRequest(input_ids=[5] * 600))
+        return await asyncio.gather(good, bad, return_exceptions=True)
+
+    good, bad = asyncio.run(run())
+    assert isinstance(bad, PromptTooLongError)
+    assert good.output_len >= 1
+
+
+def test_weight_swap_lands_between_decode_steps(engine, tokenizer):
+    """Update weights mid-generation: tokens before carry v0 and old-weight logprobs, after v1 and new."""
+    import copy
+
+    old_model = copy.deepcopy(engine.model)
+    torch.manual_seed(1)
+    new_weights = {k: v + 0.05 * torch.randn_like(v) for k, v in engine.named_parameters().items()}
+    prompts = [chat_ids(tokenizer, f"count {i}") for i in range(4)]
+    sp = SamplingParams(max_new_tokens=400, ignore_eos=True)
+    result = {}
+    worker = threading.Thread(target=lambda: result.setdefault("r", engine.generate([LLMRequest(input_ids=p, sampling=sp) for p in prompts])))
+    worker.start()
+    deadline = time.time() + 60
+    while engine.stats.decode_steps < 20 and time.time() < deadline:
+        time.sleep(0.001)
+    engine.update_weights(new_weights, version=1)
+    worker.join(timeout=120)
+    assert not worker.is_alive()
+    for p, r in zip(prompts, result["r"]):
+        k = r.output_versions.index(1)
+        assert 20 <= k < 400
+        assert r.output_versions == [0] * k + [1] * (400 - k)  # monotonic, one switch
+        before = forward_logprobs(old_model, p, r.output_tokens[:k])
+        assert (before - torch.tensor(r.output_logprobs[:k])).abs().max().item() <= 1e-4
+        after = forward_logprobs(engine.model, p, r.output_tokens)[k:]
+        assert (after - torch.tensor(r.output_logprobs[k:])).abs().max().item() <= 1e-4
+    assert all(torch.equal(engine.named_parameters()[k], v) for k, v in new_weights.items())
+    assert engine.stats.cache_rebuilds == 1
