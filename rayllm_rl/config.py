@@ -9,6 +9,7 @@ import ast
 import dataclasses
 import inspect
 import textwrap
+import types
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
@@ -41,13 +42,18 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+_NULLS = ("null", "none", "~")
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Convert `value` (typed from YAML, or raw text from the command line) to field type `tp`."""
     origin = typing.get_origin(tp)
-    if tp is Any:
+    if tp is Any or (tp is dict and not isinstance(value, str)):
         return value
-    if origin is typing.Union or str(origin) == "types.UnionType":
+    if origin is typing.Union or origin is types.UnionType:
         args = typing.get_args(tp)
-        if value is None and type(None) in args:
+        if type(None) in args and (value is None or (isinstance(value, str) and value.lower() in _NULLS)):
             return None
         for a in args:
             if a is type(None):
@@ -58,41 +64,56 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 continue
         raise ConfigError(f"config key {key!r}: {value!r} does not match {tp}")
     if origin is typing.Literal:
-        if value not in typing.get_args(tp):
-            raise ConfigError(f"config key {key!r}: {value!r} is not one of {typing.get_args(tp)}")
-        return value
+        for allowed in typing.get_args(tp):
+            if value == allowed or (isinstance(value, str) and value == str(allowed)):
+                return allowed
+        raise ConfigError(f"config key {key!r}: {value!r} is not one of {typing.get_args(tp)}")
     if origin in (tuple, list):
         if isinstance(value, str):
-            value = [v for v in value.split(",") if v != ""]
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"config key {key!r}: expected a list, got {value!r}")
+            value = [v.strip() for v in value.split(",") if v.strip() != ""]
+        elif not isinstance(value, (list, tuple)):
+            value = [value]  # a single value is a one-element sequence
         args = typing.get_args(tp)
         inner = args[0] if args else Any
         items = [_coerce(v, inner, key) for v in value]
         return tuple(items) if origin is tuple else items
     if origin is dict or tp is dict:
+        value = yaml.safe_load(value) if isinstance(value, str) else value
         if not isinstance(value, dict):
             raise ConfigError(f"config key {key!r}: expected a mapping, got {value!r}")
         return dict(value)
     if tp is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
+            return value.lower() in _TRUE
         raise ConfigError(f"config key {key!r}: expected a bool, got {value!r}")
     if tp is int:
-        if isinstance(value, bool) or not isinstance(value, (int, str)) or (isinstance(value, str) and not value.lstrip("-").isdigit()):
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
+        if isinstance(value, bool):
             raise ConfigError(f"config key {key!r}: expected an int, got {value!r}")
-        return int(value)
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                number = float(value)
+            except ValueError:
+                number = None
+            if number is not None and number.is_integer():
+                return int(number)
+        raise ConfigError(f"config key {key!r}: expected an int, got {value!r}")
     if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"config key {key!r}: expected a float, got {value!r}")
         try:
             return float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"config key {key!r}: expected a float, got {value!r}") from None
     if tp is str:
-        return str(value)
+        return value if isinstance(value, str) else str(value)
     return value
 
 
@@ -120,23 +141,19 @@ def apply_dict(cfg: T, values: dict[str, Any], prefix: str = "") -> T:
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """`["a.b=1", "c=x"]` -> `{"a": {"b": 1}, "c": "x"}` (values parsed as YAML scalars)."""
+    """`["a.b=1", "c=x"]` -> `{"a": {"b": "1"}, "c": "x"}`: values stay text until the field type converts them."""
     out: dict[str, Any] = {}
     for item in items:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.sub=value")
         key, raw = item.split("=", 1)
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
         node = out
         parts = key.strip().split(".")
         for p in parts[:-1]:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r} conflicts with an earlier override of {p!r}")
-        node[parts[-1]] = value
+        node[parts[-1]] = raw
     return out
 
 

@@ -78,9 +78,9 @@ OPTIM_KEYS = "['betas', 'inner', 'lr', 'milestones', 'steps', 'use_ema']"
 # ---------------------------------------------------------------- parse_overrides
 
 
-def test_parse_overrides_nests_keys_and_parses_yaml_scalars():
+def test_parse_overrides_nests_keys_and_keeps_text_for_the_field_type():
     got = parse_overrides(["a.b=1", "a.c=x", "a.d.e=0.28", "f=true", "g=1,2", "h=", "i=null", "j=k=v"])
-    assert got == {"a": {"b": 1, "c": "x", "d": {"e": 0.28}}, "f": True, "g": "1,2", "h": "", "i": None, "j": "k=v"}
+    assert got == {"a": {"b": "1", "c": "x", "d": {"e": "0.28"}}, "f": "true", "g": "1,2", "h": "", "i": "null", "j": "k=v"}
 
 
 def test_parse_overrides_without_equals_raises():
@@ -279,44 +279,28 @@ def test_describe_shows_current_values_not_class_defaults():
     assert "  optim.inner.depth=9  How deep to go." in text.splitlines()
 
 
-# ---------------------------------------------------------------- bugs (documented as strict xfails)
+# ---------------------------------------------------------------- regressions of bugs found in review
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG rayllm_rl/config.py:48 _coerce: PEP 604 unions (`int | None`) are not recognised, because "
-    "str(types.UnionType) is \"<class 'types.UnionType'>\", not 'types.UnionType'; the value falls "
-    "through unchecked, so 'maybe=abc' sets the str 'abc' on an int field instead of raising"))
 def test_pep604_optional_rejects_wrong_type():
     with pytest.raises(ConfigError, match="'maybe'"):
         load_config(Pep604, ["maybe=abc"])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG rayllm_rl/config.py:77-82 _coerce: bool accepts the strings '1'/'0', but CLI overrides and YAML "
-    "values are YAML-parsed first, so 'flag=1' arrives as int 1 and is rejected ('expected a bool, got 1')"))
 def test_bool_override_accepts_1_and_0():
     assert load_config(Job, ["optim.use_ema=1"]).optim.use_ema is True
     assert load_config(Job, ["optim.use_ema=0"]).optim.use_ema is False
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG rayllm_rl/config.py:89-93 _coerce: float fields accept bools (float(True) == 1.0), so "
-    "'optim.lr=true' silently sets lr=1.0 instead of raising (int fields do reject bools)"))
 def test_float_field_rejects_bool():
     with pytest.raises(ConfigError, match="'optim.lr'"):
         load_config(Job, ["optim.lr=true"])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG rayllm_rl/config.py:64-67 _coerce: a one-element tuple cannot be given on the CLI: 'milestones=5' "
-    "is YAML-parsed to int 5 (not a str, so not comma-split) and rejected with 'expected a list, got 5'"))
 def test_single_value_tuple_override():
     assert load_config(Job, ["optim.milestones=5"]).optim.milestones == (5,)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG rayllm_rl/config.py:94-95 + parse_overrides: a str field gets str() of the YAML-parsed value, "
-    "so 'name=1.10' becomes '1.1' (and 'name=null' becomes 'None', 'name=on' becomes 'True')"))
 def test_str_field_keeps_the_text_as_typed():
     assert load_config(Job, ["name=1.10"]).name == "1.10"
 

@@ -200,10 +200,6 @@ def test_validate_rejects_loss_mask_on_padding():
         validate_trajectory(td)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG rayllm_rl/data/trajectory.py validate_trajectory: docstring promises a ValueError naming any "
-    "mis-shaped tensor and per-sequence keys are documented as [N], but only TOKEN_KEYS shapes are "
-    "checked; rewards of shape [N, 2] passes silently"))
 def test_validate_names_misshaped_per_sequence_key():
     td = concat_padded(_three())
     td["rewards"] = torch.zeros(3, 2)
