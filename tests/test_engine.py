@@ -122,3 +122,19 @@ def test_weight_swap_lands_between_decode_steps(engine, tokenizer):
         assert (after - torch.tensor(r.output_logprobs[k:])).abs().max().item() <= 1e-4
     assert all(torch.equal(engine.named_parameters()[k], v) for k, v in new_weights.items())
     assert engine.stats.cache_rebuilds == 1
+
+
+def test_swap_weights_exchanges_buffers_and_bumps_version(engine, tokenizer):
+    old = {k: v.clone() for k, v in engine.named_parameters().items()}
+    back = engine.make_back_buffer()
+    for k, v in back.items():
+        v.copy_(old[k] + 1.0)
+    stall = engine.swap_weights(back, version=5)
+    assert stall >= 0 and engine.version == 5
+    for k, v in engine.named_parameters().items():
+        assert torch.equal(v, old[k] + 1.0) and torch.equal(back[k], old[k])
+    r, = engine.generate([LLMRequest(input_ids=chat_ids(tokenizer, "x"), sampling=SamplingParams(max_new_tokens=4, ignore_eos=True))])
+    assert r.output_versions == [5] * 4
+    assert (forward_logprobs(engine.model, r.input_tokens, r.output_tokens) - torch.tensor(r.output_logprobs)).abs().max() <= 1e-4
+    with pytest.raises(ValueError, match="expected"):
+        engine.swap_weights({"model.norm.weight": torch.zeros(3)}, version=6)

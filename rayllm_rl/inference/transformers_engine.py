@@ -98,6 +98,30 @@ class TransformersEngine:
             self._version = self._version + 1 if version is None else int(version)
         return self._version
 
+    def make_back_buffer(self) -> dict[str, torch.Tensor]:
+        """Empty tensors shaped like every weight: the back buffer a transport receives into."""
+        return {k: torch.empty_like(v) for k, v in self._params.items()}
+
+    def swap_weights(self, back: dict[str, torch.Tensor], version: int) -> float:
+        """Double-buffer swap: exchange storage with `back` between two decode steps.
+
+        O(1) per tensor (no copy), so generation stalls only for the swap; `back` then holds
+        the previous weights and can receive the next update. Returns the stall in seconds.
+        """
+        for name, t in back.items():
+            if name not in self._params:
+                raise KeyError(f"swap_weights: unknown parameter {name!r}")
+            if t.shape != self._params[name].shape or t.dtype != self._params[name].dtype:
+                raise ValueError(f"swap_weights: {name} is {tuple(t.shape)}/{t.dtype}, expected "
+                                 f"{tuple(self._params[name].shape)}/{self._params[name].dtype}")
+        t0 = time.perf_counter()
+        with self._weights_lock:
+            for name, t in back.items():
+                p = self._params[name]
+                p.data, t.data = t.data, p.data
+            self._version = int(version)
+        return time.perf_counter() - t0
+
     def set_version(self, version: int) -> None:
         """Set the version without changing weights (e.g. after a checkpoint restore)."""
         with self._weights_lock:
