@@ -72,7 +72,8 @@ class TransformersEngine:
         self._generator = torch.Generator().manual_seed(seed)
         self._version = version
         self._weights_lock = threading.Lock()
-        self._params = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
+        self._params = dict(self.model.named_parameters())  # what weight sync carries
+        self._buffers = dict(self.model.named_buffers())
         self._pending: list[tuple[LLMRequest, asyncio.Future]] = []
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
@@ -86,12 +87,13 @@ class TransformersEngine:
 
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int | None = None) -> int:
         """Copy new weights in between two decode steps; returns the new version."""
-        unknown = [k for k in named_tensors if k not in self._params]
+        targets = {**self._params, **self._buffers}
+        unknown = [k for k in named_tensors if k not in targets]
         if unknown:
             raise KeyError(f"update_weights: unknown parameter names {unknown[:5]} (model has e.g. {list(self._params)[:3]})")
         with self._weights_lock, torch.no_grad():
             for name, tensor in named_tensors.items():
-                dst = self._params[name]
+                dst = targets[name]
                 if dst.shape != tensor.shape:
                     raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
                 dst.copy_(tensor)

@@ -3,18 +3,34 @@
 A batch is a trajectory TensorDict (`rayllm_rl.data.trajectory`) plus `advantages` (`[N]` or
 `[N, T]`) and optionally `ref_logprobs` / `prox_logprobs`. The same worker runs the SFT warm
 start and every RL loss: it only calls `loss(logp, behav_logp, prox_logp, advantages, mask, ref_logp)`.
+
+Data parallel (FSDP2, `dist=DistConfig(rank, world_size, ...)` with world_size > 1): every rank
+gets the FULL batch and the same seeded minibatch permutation; within each optimizer step rank r
+trains on rows `[r*n//W, (r+1)*n//W)` of the minibatch, with loss weights normalised by the
+minibatch's GLOBAL token / sequence count and gradients SUMmed over ranks, so the update equals
+the single-process one on the same batch (up to float summation order). Every public method
+that touches the model (`compute_logprobs`, `train_step`, `named_tensors`, `iter_named_tensors`,
+checkpointing) is a collective: all ranks must call it, in the same order, with the same batch.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
 from tensordict import TensorDict
 
+from rayllm_rl.learner.distributed import (
+    DistConfig,
+    all_gather_objects,
+    destroy_distributed,
+    init_distributed,
+    iter_full_tensors,
+    shard_model,
+    to_local_scalar,
+)
 from rayllm_rl.objectives.base import Loss
 
 
@@ -52,24 +68,46 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     return torch.nn.functional.pad(logp, (1, 0), value=0.0)
 
 
+def _trim(td: TensorDict, width: int) -> TensorDict:
+    """Cut the token keys (`[B, T, ...]`) of a batch to their first `width` columns."""
+    full = td["input_ids"].shape[-1]
+    if width >= full:
+        return td
+    if td.batch_dims >= 2:
+        return td[:, :width]
+    return td.apply(lambda x: x[:, :width] if x.dim() >= 2 and x.shape[1] == full else x)
+
+
 def _micro_batches(td: TensorDict, size: int):
     for i in range(0, td.batch_size[0], size):
         mb = td[i:i + size]
-        width = int(mb["attention_mask"].sum(-1).max())  # trim shared right padding
-        yield mb[:, :width] if width < mb["input_ids"].shape[-1] else mb
+        yield _trim(mb, int(mb["attention_mask"].sum(-1).max()))  # trim shared right padding
 
 
 class Learner:
     """Owns the trainable model and its optimizer; usable directly or inside a Ray actor."""
 
     def __init__(self, model_path: str, optim: OptimConfig, *, temperature: float = 1.0,
-                 seed: int = 0, dtype: torch.dtype = torch.float32, model: torch.nn.Module | None = None):
+                 seed: int = 0, dtype: torch.dtype = torch.float32, model: torch.nn.Module | None = None,
+                 dist: DistConfig | None = None):
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
+        self.dist = dist if dist is not None else DistConfig()
+        self.rank, self.world_size = self.dist.rank, self.dist.world_size
         self.model = model if model is not None else AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
         self.model.train()
+        self.mesh = None
+        if self.world_size > 1:
+            self.mesh = init_distributed(self.dist)
+            if len(set(all_gather_objects(seed))) != 1:
+                raise ValueError("every FSDP rank must use the same seed (minibatch permutations must agree)")
+            shard_model(self.model, self.mesh)  # moves the shards to the mesh device (cuda for nccl)
+        self.device = next(self.model.parameters()).device
         self.temperature = temperature
+        self.seed = seed
+        # Minibatch permutations come from this generator only: identical on every rank, checkpointable.
+        self.generator = torch.Generator().manual_seed(seed)
         self.reset_optimizer(optim)
         self.version = 0
 
@@ -85,13 +123,18 @@ class Learner:
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
     def compute_logprobs(self, td: TensorDict) -> torch.Tensor:
-        """Logprobs of the current weights `[N, T]` (e.g. pi_prox before an update)."""
+        """Logprobs of the current weights `[N, T]` on CPU (e.g. pi_prox before an update).
+
+        With FSDP every rank runs the forward on ALL rows (a forward-only pass, cheap next to the
+        update) and returns the full `[N, T]`; the call is collective (parameter all-gathers).
+        """
         out = torch.zeros(td["input_ids"].shape, dtype=torch.float32)
         for i in range(0, td.batch_size[0], self.cfg.micro_batch_size):
             mb = td[i:i + self.cfg.micro_batch_size]
             width = int(mb["attention_mask"].sum(-1).max())
             out[i:i + mb.batch_size[0], :width] = token_logprobs(
-                self.model, mb["input_ids"][:, :width], mb["attention_mask"][:, :width], self.temperature)
+                self.model, mb["input_ids"][:, :width].to(self.device),
+                mb["attention_mask"][:, :width].to(self.device), self.temperature).cpu()
         return out
 
     # ------------------------------------------------------------------ update
@@ -109,11 +152,13 @@ class Learner:
             td = td.clone(False)
             td["prox_logprobs"] = self.compute_logprobs(td)
         n = td.batch_size[0]
+        if self.world_size > 1:
+            self._check_same_batch(td)
         mb_count = max(1, min(self.cfg.num_minibatches, n))
         sums: dict[str, float] = {}
         count = 0
         for _ in range(self.cfg.epochs):
-            perm = torch.randperm(n)
+            perm = torch.randperm(n, generator=self.generator)
             for chunk in perm.chunk(mb_count):
                 metrics = self._optimizer_step(td[chunk], loss_fn)
                 for k, v in metrics.items():
@@ -122,27 +167,56 @@ class Learner:
         self.version += 1
         return {k: v / count for k, v in sums.items()}
 
+    def _check_same_batch(self, td: TensorDict) -> None:
+        """FSDP ranks must all get the full, identical batch: compare a cheap fingerprint."""
+        if td.batch_size[0] < 1:
+            raise ValueError("train_step got an empty batch")
+        adv = td["advantages"].double()
+        prints = all_gather_objects(repr((tuple(td["input_ids"].shape), int(td["input_ids"].sum()),
+                                          int(td["loss_mask"].sum()), float(adv.sum()), float((adv * adv).sum()))))
+        if len(set(prints)) != 1:
+            raise ValueError(f"FSDP ranks got different batches (fingerprints {prints}); pass the full batch to all")
+
     def _optimizer_step(self, td: TensorDict, loss_fn: Loss) -> dict[str, float]:
         aggregation = getattr(loss_fn, "aggregation", "token-mean")
+        n = td.batch_size[0]  # the whole minibatch: the weights below use GLOBAL counts on every rank
         total_tokens = float(td["loss_mask"].sum().clamp(min=1))
-        total_seqs = float(td.batch_size[0])
+        total_seqs = float(n)
+        shard = td[self.rank * n // self.world_size:(self.rank + 1) * n // self.world_size]
+        mbs = list(_micro_batches(shard, self.cfg.micro_batch_size))
+        # FSDP: every rank must run as many forward/backward passes as the rank with the largest shard.
+        passes = max(1, math.ceil(math.ceil(n / self.world_size) / self.cfg.micro_batch_size))
         self.optimizer.zero_grad(set_to_none=True)
         metrics: dict[str, float] = {}
-        for mb in _micro_batches(td, self.cfg.micro_batch_size):
+        for mb in mbs:
             mask = mb["loss_mask"]
-            logp = token_logprobs(self.model, mb["input_ids"], mb["attention_mask"], self.temperature)
+            logp = token_logprobs(self.model, mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device),
+                                  self.temperature)
+            if self.device.type != "cpu":
+                mb = mb.to(self.device)
             adv = mb["advantages"]
             out = loss_fn(
-                logp, mb["logprobs"], mb.get("prox_logprobs", None), adv, mask, mb.get("ref_logprobs", None),
+                logp, mb["logprobs"], mb.get("prox_logprobs", None), adv, mb["loss_mask"], mb.get("ref_logprobs", None),
             )
             weight = float(mask.sum()) / total_tokens if aggregation == "token-mean" else mb.batch_size[0] / total_seqs
             (out.loss * weight).backward()
             for k, v in out.metrics.items():
                 metrics[k] = metrics.get(k, 0.0) + float(v) * weight
+        if self.world_size > 1:
+            for _ in range(passes - len(mbs)):  # zero-weight pass: joins the all-gathers / reduce-scatters
+                dummy = next(_micro_batches(td[:1], 1))
+                token_logprobs(self.model, dummy["input_ids"].to(self.device),
+                               dummy["attention_mask"].to(self.device), self.temperature).sum().mul(0.0).backward()
+            summed: dict[str, float] = {}  # weights are global fractions, so the rank sum is the global mean
+            for part in all_gather_objects(metrics):
+                for k, v in part.items():
+                    summed[k] = summed.get(k, 0.0) + v
+            metrics = summed
         if self.cfg.grad_clip > 0:
+            # FSDP2 grads are DTensors: clip_grad_norm_ computes the GLOBAL norm (Replicate DTensor).
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-            metrics["grad_norm"] = float(norm)
-        if not math.isfinite(metrics.get("grad_norm", 0.0)):
+            metrics["grad_norm"] = to_local_scalar(norm)
+        if not math.isfinite(metrics.get("grad_norm", 0.0)):  # global norm: every rank skips together
             self.optimizer.zero_grad(set_to_none=True)  # skip a non-finite step instead of corrupting weights
             metrics["skipped_step"] = 1.0
             return metrics
@@ -154,20 +228,35 @@ class Learner:
         return metrics
 
     # ------------------------------------------------------------------ state
+    def iter_named_tensors(self):
+        """Stream `(name, full detached tensor)` per parameter (weight sync); collective under FSDP.
+
+        Names are the unsharded model's `named_parameters()` names. Every rank must exhaust the
+        iterator in lockstep (each item is a `full_tensor()` all-gather); non-zero ranks may discard.
+        """
+        return iter_full_tensors(self.model)
+
     def named_tensors(self) -> dict[str, torch.Tensor]:
-        """Full, detached weights by name (what weight sync sends to inference)."""
-        return {k: v.detach() for k, v in self.model.named_parameters()}
+        """Full, detached weights by name (what weight sync sends to inference); on every rank.
+
+        Under FSDP every rank must call it and each holds a full copy afterwards: prefer
+        `iter_named_tensors()` for large models.
+        """
+        return dict(self.iter_named_tensors())
 
     def save_pretrained(self, path: str | os.PathLike, tokenizer=None) -> str:
-        """HF-format checkpoint (loadable with from_pretrained) plus optimizer state."""
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(path)
-        torch.save({"optimizer": self.optimizer.state_dict(), "optim_steps": self.optim_steps,
-                    "version": self.version}, path / "learner_state.pt")
-        return str(path)
+        """HF-format checkpoint (loadable with from_pretrained) plus optimizer/learner state.
+
+        Same as `rayllm_rl.learner.checkpoint.save_checkpoint` (collective under FSDP; rank 0 writes).
+        """
+        from rayllm_rl.learner.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, path, tokenizer=tokenizer)
 
     def state(self) -> dict[str, Any]:
         return {"optim_steps": self.optim_steps, "version": self.version}
+
+    def close(self) -> None:
+        """Leave the FSDP process group (no-op for a single-process learner)."""
+        if self.world_size > 1:
+            destroy_distributed()

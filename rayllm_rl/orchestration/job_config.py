@@ -44,6 +44,8 @@ class RolloutConfig:
     """Nucleus sampling mass."""
     top_k: int = 0
     """Top-k sampling; 0 disables."""
+    max_staleness: int = 1
+    """AReaL's eta: rollouts may be up to this many policy versions old (0 = synchronous)."""
 
 
 @dataclasses.dataclass
@@ -108,7 +110,37 @@ class TrainerConfig:
     run_dir: str = "runs/grpo"
     """Where metrics.jsonl, the reward curve and checkpoints go (a timestamped subfolder)."""
     num_threads: int = 0
-    """torch intra-op threads (0 = leave torch's default)."""
+    """torch intra-op threads of the local backend (0 = leave torch's default)."""
+    backend: str = "ray"
+    """'ray' (actors, async, weight sync over a collective) or 'local' (one process, synchronous)."""
+    checkpoint_every: int = 0
+    """Save a resumable checkpoint every N steps (0 = only at the end)."""
+
+
+@dataclasses.dataclass
+class RayConfig:
+    """Actors, placement and timeouts of the Ray backend."""
+
+    address: str = ""
+    """Ray cluster address; empty = RAY_ADDRESS if set (ray job submit), else start a local Ray."""
+    temp_dir: str = ""
+    """Temp dir of a locally started Ray (empty = Ray's default)."""
+    num_replicas: int = 1
+    """Inference replica actors."""
+    num_env_workers: int = 1
+    """Env worker actors running workflows."""
+    num_learners: int = 1
+    """FSDP learner ranks."""
+    threads_per_actor: int = 1
+    """torch intra-op threads of each actor."""
+    buffer_episodes: int = 0
+    """Replay buffer capacity in episodes (0 = 2 * (max_staleness + 1) * prompts_per_step)."""
+    sync_bucket_mb: float = 16.0
+    """Weight-sync bucket size in MiB."""
+    sync_timeout_s: float = 120.0
+    """Timeout of every weight-sync phase."""
+    call_timeout_s: float = 600.0
+    """Timeout of every other blocking actor call (train step, batch wait, episode)."""
 
 
 @dataclasses.dataclass
@@ -129,3 +161,7 @@ class GRPOJobConfig:
     """SFT warm start."""
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     """Loop settings."""
+    ray: RayConfig = dataclasses.field(default_factory=RayConfig)
+    """Ray backend settings."""
+    resume: str = ""
+    """Checkpoint directory to resume from (same step, version and data order)."""

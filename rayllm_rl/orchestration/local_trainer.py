@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -17,17 +15,15 @@ import torch
 
 from rayllm_rl.data.loader import PromptLoader
 from rayllm_rl.data.sft import make_sft_batch
-from rayllm_rl.envs.task import make_task
-from rayllm_rl.inference.protocol import SamplingParams
 from rayllm_rl.inference.transformers_engine import TransformersEngine
 from rayllm_rl.learner.learner import Learner
 from rayllm_rl.models.tiny import ensure_tiny_model
 from rayllm_rl.objectives import SFTLoss, compute_advantages
+from rayllm_rl.orchestration.builders import build_task, build_workflow, sft_chats
 from rayllm_rl.orchestration.collector import LLMCollector
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.reporting import RunReporter
 from rayllm_rl.workflows.evaluation import evaluate_greedy
-from rayllm_rl.workflows.rlvr import RLVRWorkflow
 
 
 def seed_everything(seed: int) -> None:
@@ -44,8 +40,7 @@ def sft_warm_start(learner: Learner, task, tokenizer, cfg: GRPOJobConfig, report
     rl_optim = learner.cfg
     learner.reset_optimizer(dataclasses.replace(rl_optim, lr=cfg.sft.lr, warmup_steps=cfg.sft.warmup_steps))
     for step in range(cfg.sft.steps):
-        rows = loader.next_rows(cfg.sft.batch_size)
-        chats = [r["messages"] + [{"role": "assistant", "content": task.sft_target(r)}] for r in rows]
+        chats = sft_chats(task, loader.next_rows(cfg.sft.batch_size))
         metrics = learner.train_step(make_sft_batch(tokenizer, chats), loss)
         reporter.log({"phase": "sft", "sft_step": step + 1, **metrics}, show=(step + 1) % 50 == 0)
     learner.reset_optimizer(rl_optim)
@@ -60,7 +55,7 @@ async def train_local(cfg: GRPOJobConfig) -> dict:
         torch.set_num_threads(cfg.trainer.num_threads)
     reporter = RunReporter(cfg.trainer.run_dir, config=dataclasses.asdict(cfg))
     model_path = cfg.model.path or ensure_tiny_model()
-    task = make_task(cfg.task.name, max_operand=cfg.task.max_operand, eval_size=cfg.task.eval_size, seed=cfg.trainer.seed)
+    task = build_task(cfg)
     engine = TransformersEngine(model_path, seed=cfg.trainer.seed)
     tokenizer = engine.tokenizer
     learner = Learner(model_path, cfg.optim, temperature=cfg.rollout.temperature, seed=cfg.trainer.seed)
@@ -71,9 +66,7 @@ async def train_local(cfg: GRPOJobConfig) -> dict:
     before = (await evaluate())["eval_reward"]
     reporter.log({"phase": "eval", "step": 0, "eval_reward": before}, show=True)
 
-    sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                              top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
-    workflow = RLVRWorkflow(task.reward_fn, tokenizer, sampling, group_size=cfg.rollout.group_size)
+    workflow = build_workflow(cfg, task, tokenizer)
     collector = LLMCollector(engine, workflow, PromptLoader(task.train, seed=cfg.trainer.seed),
                              dialog_turns_per_batch=cfg.rollout.prompts_per_step * cfg.rollout.group_size)
     loss = cfg.algo.build_loss()
@@ -114,8 +107,3 @@ async def train_local(cfg: GRPOJobConfig) -> dict:
     return summary
 
 
-def main(cfg: GRPOJobConfig) -> dict:
-    summary = asyncio.run(train_local(cfg))
-    sys.stdout.write(json.dumps(summary) + "\n")
-    sys.stdout.flush()
-    return summary

@@ -1,0 +1,121 @@
+"""Learner checkpoints: an HF model directory plus `learner_state.pt`, resumable bit for bit.
+
+Layout of `path/`:
+  config.json, model.safetensors, ...   full weights, `AutoModelForCausalLM.from_pretrained(path)`
+  tokenizer files                        when a tokenizer is given
+  learner_state.pt                       {"format", "optimizer" (full, keyed by parameter name),
+                                          "optim_steps", "version", "generator" (minibatch
+                                          permutation RNG), "rng" (torch RNG state per rank),
+                                          "world_size", "extra" (the driver's: data loader state,
+                                          policy version, ...)}
+
+Under FSDP both functions are collectives: every rank calls them; full weights and optimizer
+state are gathered to rank 0 (CPU) and only rank 0 writes; on load only rank 0 reads the files
+and broadcasts to the others. The optimizer state is stored unsharded and keyed by parameter
+name, so a checkpoint saved with W ranks loads with any W (exact continuation needs the same W:
+the summation order of the gradients depends on it).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rayllm_rl.learner.distributed import all_gather_objects, barrier, broadcast_object
+
+FORMAT = 1
+STATE_FILE = "learner_state.pt"
+
+
+def _options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(learner, path: str | os.PathLike, tokenizer=None, extra: dict | None = None) -> str:
+    """Write `learner`'s weights (HF format), optimizer, counters and RNG to `path`; returns `path`.
+
+    Collective under FSDP (all ranks gather, rank 0 writes, then all ranks sync on a barrier);
+    `tokenizer` and `extra` are only used on rank 0.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    path = Path(path)
+    sharded = learner.world_size > 1
+    # Gathers: every rank must run them (cpu_offload keeps the full copy on rank 0 only).
+    model_sd = get_model_state_dict(learner.model, options=_options(cpu_offload=True)) if sharded else None
+    optim_sd = get_optimizer_state_dict(learner.model, learner.optimizer, options=_options(cpu_offload=sharded))
+    rng = all_gather_objects(_rng_state())
+    if learner.rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+        if sharded:
+            learner.model.save_pretrained(path, state_dict=model_sd)
+        else:
+            learner.model.save_pretrained(path)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+        state = {
+            "format": FORMAT, "optimizer": optim_sd, "optim_steps": learner.optim_steps,
+            "version": learner.version, "generator": learner.generator.get_state(), "rng": rng,
+            "world_size": learner.world_size, "extra": dict(extra or {}),
+        }
+        tmp = path / (STATE_FILE + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, path / STATE_FILE)  # its presence marks a complete checkpoint
+    barrier()
+    return str(path)
+
+
+def load_checkpoint(learner, path: str | os.PathLike) -> dict:
+    """Restore weights, optimizer state, counters and RNG saved by `save_checkpoint`; returns `extra`.
+
+    Collective under FSDP: rank 0 reads `path` and broadcasts. With the same world size, data and
+    config, training afterwards is identical to an uninterrupted run. The learner's current
+    `OptimConfig` (lr schedule, betas, weight decay) stays in force.
+    """
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    sharded = learner.world_size > 1
+    model_sd: dict[str, Any] = {}
+    state: dict[str, Any] = {}
+    if learner.rank == 0:
+        if not (path / STATE_FILE).exists():
+            raise FileNotFoundError(f"{path} is not a learner checkpoint (no {STATE_FILE})")
+        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+        if state.get("format") != FORMAT:
+            raise ValueError(f"unsupported learner checkpoint format {state.get('format')!r} in {path}")
+        dtype = next(learner.model.parameters()).dtype
+        model_sd = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).state_dict()
+    optim_sd = state.pop("optimizer", {})
+    opts = _options(broadcast_from_rank0=True) if sharded else _options()
+    set_model_state_dict(learner.model, model_sd, options=opts)
+    set_optimizer_state_dict(learner.model, learner.optimizer, optim_sd, options=opts)
+    del model_sd, optim_sd
+    state = broadcast_object(state)
+    for g in learner.optimizer.param_groups:  # the current config wins over the saved hyperparameters
+        g["betas"] = (learner.cfg.beta1, learner.cfg.beta2)
+        g["weight_decay"] = learner.cfg.weight_decay
+    learner.optim_steps = int(state["optim_steps"])
+    learner.version = int(state["version"])
+    learner.generator.set_state(state["generator"])
+    rng = state["rng"]
+    _set_rng_state(rng[learner.rank] if len(rng) == learner.world_size else rng[0])
+    return state["extra"]

@@ -1,0 +1,260 @@
+"""Ray actor shells: each a thin `@ray.remote` class over a plain, Ray-free component.
+
+Names on the dashboard: `inference-<i>`, `env-<i>`, `learner-<rank>`, `collector`, `replay-buffer`.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import ray
+import torch
+
+from rayllm_rl.data.replay_buffer import ReplayBuffer
+from rayllm_rl.data.trajectory import validate_trajectory
+from rayllm_rl.inference.protocol import LLMRequest, LLMResponse
+from rayllm_rl.inference.transformers_engine import TransformersEngine
+from rayllm_rl.orchestration.router import ReplicaRouter
+
+
+def weights_checksum(named: dict[str, torch.Tensor]) -> float:
+    """Order-independent float64 checksum of a set of weights."""
+    return float(sum(t.double().sum().item() + 1e-3 * t.double().abs().sum().item() for t in named.values()))
+
+
+@ray.remote(num_cpus=0)
+class InferenceReplica:
+    """TransformersEngine + a double-buffered weight receiver."""
+
+    def __init__(self, model_path: str, seed: int = 0, num_threads: int = 1):
+        torch.set_num_threads(num_threads)
+        self.engine = TransformersEngine(model_path, seed=seed)
+        self.receiver = None
+        self.versions_held = [self.engine.version]  # every version this replica ever generated with
+
+    async def agenerate(self, request: LLMRequest) -> LLMResponse:
+        return await self.engine.agenerate(request)
+
+    def version(self) -> int:
+        return self.engine.version
+
+    async def init_weight_receiver(self, host: str, port: int, rank: int, world_size: int,
+                                   bucket_bytes: int, timeout_s: float) -> bool:
+        from rayllm_rl.weight_sync import DoubleBufferReceiver, StatelessGlooGroup, WeightReceiver, metadata_of
+
+        group = await asyncio.to_thread(StatelessGlooGroup, host, port, rank, world_size, timeout_s)
+        metas = metadata_of(self.engine.named_parameters())
+        self.receiver = DoubleBufferReceiver(self.engine, WeightReceiver(group, metas, bucket_bytes))
+        return True
+
+    async def receive_weights(self) -> dict[str, float]:
+        """Receive into the back buffer while generating, then swap between decode steps."""
+        if self.receiver is None:
+            raise RuntimeError("init_weight_receiver was not called on this replica")
+        t0 = time.perf_counter()
+        version = await asyncio.to_thread(self.receiver.receive)
+        t1 = time.perf_counter()
+        stall = self.receiver.swap(version)
+        self.versions_held.append(version)
+        return {"version": version, "receive_s": t1 - t0, "stall_s": stall}
+
+    def load_weights(self, named: dict[str, torch.Tensor], version: int) -> int:
+        """Weights through the object store (no collective): initial load or fallback."""
+        v = self.engine.update_weights(named, version)
+        self.versions_held.append(v)
+        return v
+
+    def version_history(self) -> list[int]:
+        return list(self.versions_held)
+
+    def checksum(self) -> float:
+        return weights_checksum(self.engine.named_parameters())
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.info()
+
+
+@ray.remote(num_cpus=0)
+class EnvWorker:
+    """Runs many workflow episodes concurrently against the replicas."""
+
+    def __init__(self, workflow_factory, replicas: list, timeout_s: float = 300.0, num_threads: int = 1):
+        torch.set_num_threads(num_threads)
+        self.workflow = workflow_factory()
+        self.router = ReplicaRouter(replicas, timeout_s=timeout_s)
+        self.episodes = 0
+
+    async def run_episode(self, row: dict) -> Any:
+        td = await self.workflow.arun_episode(self.router, row)
+        validate_trajectory(td)
+        self.episodes += 1
+        return td
+
+    def stats(self) -> dict[str, Any]:
+        reward = getattr(self.workflow, "reward", None)
+        return {"episodes": self.episodes, **(reward.counters() if reward is not None else {})}
+
+
+@ray.remote(num_cpus=0)
+class ReplayBufferActor:
+    """Bounded, version-aware episode buffer."""
+
+    def __init__(self, capacity_episodes: int, max_staleness: int):
+        self.buffer = ReplayBuffer(capacity_episodes, max_staleness)
+
+    def put(self, episode) -> bool:
+        return self.buffer.put(episode)
+
+    def sample(self, n_episodes: int, current_version: int):
+        return self.buffer.sample(n_episodes, current_version)
+
+    def sample_and_drops(self, n_episodes: int, current_version: int):
+        """(batch or None, episodes dropped as over-stale by this call)."""
+        before = self.buffer.stats()["dropped_stale"]
+        batch = self.buffer.sample(n_episodes, current_version)
+        return batch, self.buffer.stats()["dropped_stale"] - before
+
+    def size(self) -> int:
+        return len(self.buffer)
+
+    def stats(self) -> dict[str, Any]:
+        return self.buffer.stats()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.buffer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.buffer.load_state_dict(state)
+
+
+@ray.remote(num_cpus=0)
+class LearnerWorker:
+    """One FSDP rank of the learner; rank 0 also streams weights to the replicas."""
+
+    def __init__(self, rank: int, world_size: int, num_threads: int = 1):
+        torch.set_num_threads(num_threads)
+        self.rank, self.world_size = rank, world_size
+        self.learner = None
+        self.sender = None
+
+    def address(self) -> tuple[str, int]:
+        """(node ip, free port) for the FSDP rendezvous, asked of rank 0."""
+        from rayllm_rl.weight_sync import find_free_port
+
+        ip = ray.util.get_node_ip_address()
+        return ip, find_free_port(ip)
+
+    def setup(self, model_path: str, optim, algo, temperature: float, seed: int, master_addr: str, master_port: int) -> bool:
+        from rayllm_rl.learner.distributed import DistConfig
+        from rayllm_rl.learner.learner import Learner
+
+        dist = DistConfig(rank=self.rank, world_size=self.world_size, master_addr=master_addr, master_port=master_port) \
+            if self.world_size > 1 else None
+        self.learner = Learner(model_path, optim, temperature=temperature, seed=seed, dist=dist)
+        self.loss = algo.build_loss()
+        return True
+
+    def train_step(self, batch, loss=None) -> dict[str, float]:
+        return self.learner.train_step(batch, loss if loss is not None else self.loss)
+
+    def reset_optimizer(self, optim) -> None:
+        self.learner.reset_optimizer(optim)
+        self.learner.version = 0
+
+    def init_weight_sender(self, host: str, port: int, world_size: int, bucket_bytes: int, timeout_s: float) -> bool:
+        from rayllm_rl.weight_sync import StatelessGlooGroup, WeightSender, metadata_of
+
+        metas = metadata_of(dict(self.learner.model.named_parameters())) if self.world_size == 1 \
+            else metadata_of(self.learner.named_tensors())
+        if self.rank == 0:
+            group = StatelessGlooGroup(host, port, 0, world_size, timeout_s)
+            self.sender = WeightSender(group, metas, bucket_bytes)
+        return True
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """Every rank gathers full tensors in step; rank 0 streams them to the replicas."""
+        tensors = self.learner.iter_named_tensors()
+        if self.rank != 0:
+            for _ in tensors:
+                pass
+            return {}
+        stats = self.sender.send(tensors, version)
+        return {"sync_bytes": stats.bytes, "sync_s": stats.seconds, "sync_bytes_per_s": stats.bytes_per_s}
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        return self.learner.named_tensors()
+
+    def checksum(self) -> float:
+        return weights_checksum(self.learner.named_tensors())
+
+    def save_checkpoint(self, path: str, tokenizer_path: str | None, extra: dict) -> str:
+        from transformers import AutoTokenizer
+
+        from rayllm_rl.learner.checkpoint import save_checkpoint
+
+        tok = AutoTokenizer.from_pretrained(tokenizer_path) if tokenizer_path and self.rank == 0 else None
+        save_checkpoint(self.learner, path, tokenizer=tok, extra=extra)
+        return path
+
+    def load_checkpoint(self, path: str) -> dict:
+        from rayllm_rl.learner.checkpoint import load_checkpoint
+
+        return load_checkpoint(self.learner, path)
+
+
+@ray.remote(num_cpus=0)
+class RayLLMCollector:
+    """Shell over AsyncRolloutCollector: episodes run on env workers, land in the buffer actor."""
+
+    def __init__(self, dataset, env_workers: list, buffer, batch_size: int, max_staleness: int,
+                 seed: int = 0, episode_timeout_s: float = 600.0):
+        from rayllm_rl.data.loader import PromptLoader
+        from rayllm_rl.orchestration.async_collector import AsyncRolloutCollector
+        from rayllm_rl.orchestration.staleness import StalenessController
+
+        self.env_workers = list(env_workers)
+        self.in_flight = [0] * len(env_workers)
+        self.buffer = buffer
+        self.timeout_s = episode_timeout_s
+        self.collector = AsyncRolloutCollector(PromptLoader(dataset, seed=seed), self._run_episode, self._put,
+                                               StalenessController(batch_size, max_staleness))
+        self._task: asyncio.Task | None = None
+
+    async def _run_episode(self, row: dict):
+        i = min(range(len(self.env_workers)), key=lambda k: self.in_flight[k])
+        self.in_flight[i] += 1
+        try:
+            return await asyncio.wait_for(self.env_workers[i].run_episode.remote(row), self.timeout_s)
+        finally:
+            self.in_flight[i] -= 1
+
+    async def _put(self, episode) -> bool:
+        return await asyncio.wait_for(self.buffer.put.remote(episode), self.timeout_s)
+
+    async def start(self) -> bool:
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self.collector.run())
+        self.collector.resume()
+        return True
+
+    def set_version(self, version: int) -> None:
+        self.collector.set_version(version)
+
+    def on_dropped(self, n: int) -> None:
+        self.collector.on_dropped(n)
+
+    async def drain(self, timeout_s: float) -> dict:
+        await self.collector.drain(timeout_s)
+        return self.collector.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.collector.load_state_dict(state)
+
+    def stats(self) -> dict:
+        if self._task is not None and self._task.done() and self._task.exception() is not None:
+            raise RuntimeError(f"collector loop died: {self._task.exception()}")
+        return self.collector.stats()
+
+    async def stop(self) -> None:
+        self.collector.stop()

@@ -1,0 +1,128 @@
+"""AsyncRolloutCollector: keeps episodes running under the staleness bound and feeds the buffer.
+
+Plain asyncio (no Ray): `run_episode(row) -> TensorDict` and `put_episode(td) -> bool` are
+injected, so the Ray actor wraps env-worker and buffer handles while tests pass coroutines.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Awaitable, Callable
+
+from rayllm_rl.orchestration.staleness import StalenessController
+
+log = logging.getLogger(__name__)
+
+
+class AsyncRolloutCollector:
+    """Admit while `accepted + running < (eta + v + 1) * B`; deliver whole groups; never drop silently."""
+
+    def __init__(self, loader, run_episode: Callable[[dict], Awaitable[Any]],
+                 put_episode: Callable[[Any], Awaitable[bool]], controller: StalenessController, *,
+                 put_retry_s: float = 0.02, max_consecutive_failures: int = 64):
+        self.loader = loader
+        self.run_episode = run_episode
+        self.put_episode = put_episode
+        self.controller = controller
+        self.put_retry_s = put_retry_s
+        self.max_consecutive_failures = max_consecutive_failures
+        self.next_group_id = 0
+        self.failed = 0
+        self.consecutive_failures = 0
+        self.last_error: str | None = None
+        self.generated_tokens = 0
+        self.finished = 0
+        self._paused = False
+        self._stopped = False
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._t0 = time.perf_counter()
+        self.fatal: str | None = None
+
+    # ------------------------------------------------------------------ control
+    def set_version(self, version: int) -> None:
+        self.controller.set_version(version)
+        self._wake.set()
+
+    def on_dropped(self, n: int) -> None:
+        """The buffer dropped n over-stale episodes: free their slots under the bound."""
+        if n > 0:
+            self.controller.on_dropped(n)
+            self._wake.set()
+
+    def pause(self) -> None:
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Pause admissions and wait for every running episode to land in the buffer."""
+        self.pause()
+        if self._tasks:
+            done, pending = await asyncio.wait(set(self._tasks), timeout=timeout_s)
+            if pending:
+                raise TimeoutError(f"{len(pending)} episodes still running after {timeout_s:.0f}s of drain")
+
+    # ------------------------------------------------------------------ loop
+    async def run(self) -> None:
+        """Admit episodes whenever the bound allows; returns when stopped."""
+        while not self._stopped:
+            if self.fatal:
+                raise RuntimeError(self.fatal)
+            if not self._paused and self.controller.try_admit(1):
+                row = self.loader.next_row()
+                gid = self.next_group_id
+                self.next_group_id += 1
+                task = asyncio.ensure_future(self._episode({**row, "group_id": gid}))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                continue
+            self._wake.clear()
+            await self._wake.wait()
+
+    async def _episode(self, row: dict) -> None:
+        accepted = False
+        try:
+            td = await self.run_episode(row)
+            self.consecutive_failures = 0
+            while not await self.put_episode(td):  # back-pressure: wait for room, never drop
+                await asyncio.sleep(self.put_retry_s)
+            accepted = True
+            self.finished += 1
+            self.generated_tokens += int(td["loss_mask"].sum())
+        except Exception as exc:  # noqa: BLE001 - a bad episode is counted, not fatal
+            self.failed += 1
+            self.consecutive_failures += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            log.warning("episode of group %s failed: %s", row.get("group_id"), self.last_error)
+            if self.consecutive_failures >= self.max_consecutive_failures:
+                self.fatal = f"{self.consecutive_failures} consecutive episodes failed; last: {self.last_error}"
+        finally:
+            self.controller.finish(1, accepted=accepted)
+            self._wake.set()
+
+    # ------------------------------------------------------------------ state
+    def stats(self) -> dict[str, Any]:
+        elapsed = time.perf_counter() - self._t0
+        return {**self.controller.stats(), "failed_episodes": self.failed, "finished_episodes": self.finished,
+                "generated_tokens": self.generated_tokens, "tokens_per_s": self.generated_tokens / max(elapsed, 1e-9),
+                "last_error": self.last_error, "fatal": self.fatal}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Loader position and group counter; call after drain() so nothing is in flight."""
+        if self._tasks:
+            raise RuntimeError("state_dict() needs a drained collector (episodes still running)")
+        return {"loader": self.loader.state_dict(), "next_group_id": self.next_group_id,
+                "controller": self.controller.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state["loader"])
+        self.next_group_id = state["next_group_id"]
+        self.controller.load_state_dict(state["controller"])

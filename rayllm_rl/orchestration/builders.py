@@ -1,0 +1,26 @@
+"""Build task, workflow and sampling from a job config (shared by the local trainer and Ray actors)."""
+from __future__ import annotations
+
+from rayllm_rl.envs.task import Task, make_task
+from rayllm_rl.inference.protocol import SamplingParams
+from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.workflows.rlvr import RLVRWorkflow
+
+
+def build_task(cfg: GRPOJobConfig) -> Task:
+    return make_task(cfg.task.name, max_operand=cfg.task.max_operand, eval_size=cfg.task.eval_size,
+                     seed=cfg.trainer.seed)
+
+
+def build_sampling(cfg: GRPOJobConfig) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+
+
+def build_workflow(cfg: GRPOJobConfig, task: Task, tokenizer) -> RLVRWorkflow:
+    return RLVRWorkflow(task.reward_fn, tokenizer, build_sampling(cfg), group_size=cfg.rollout.group_size)
+
+
+def sft_chats(task: Task, rows: list[dict]) -> list[list[dict]]:
+    """Demonstration chats for the SFT warm start."""
+    return [r["messages"] + [{"role": "assistant", "content": task.sft_target(r)}] for r in rows]

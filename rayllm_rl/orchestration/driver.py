@@ -1,0 +1,170 @@
+"""The Ray driver: SFT warm start, then asynchronous GRPO with bounded staleness.
+
+    build actors -> SFT on learners -> sync v0 -> eval -> start collector ->
+    [sample B episodes (<= eta versions old) -> advantages -> learner step -> v += 1 ->
+     stream weights to replicas (double buffer) -> tell collector v] x N -> eval -> checkpoint
+
+The same loop is synchronous for max_staleness = 0 (the collector then admits exactly one
+batch per version) and asynchronous for max_staleness >= 1.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import time
+from pathlib import Path
+
+import ray
+
+from rayllm_rl.data.loader import PromptLoader
+from rayllm_rl.data.replay_buffer import batch_staleness_stats
+from rayllm_rl.data.sft import make_sft_batch
+from rayllm_rl.models.tiny import ensure_tiny_model
+from rayllm_rl.objectives import SFTLoss, compute_advantages
+from rayllm_rl.orchestration.builders import build_task, build_workflow, sft_chats
+from rayllm_rl.orchestration.cluster import Cluster, build_cluster, init_ray
+from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.orchestration.metrics import RayMetrics
+from rayllm_rl.orchestration.reporting import RunReporter
+from rayllm_rl.orchestration.router import ReplicaRouter
+from rayllm_rl.workflows.evaluation import evaluate_greedy
+
+
+def make_workflow(cfg: GRPOJobConfig, model_path: str):
+    """Top-level (picklable) factory run inside each EnvWorker."""
+    from transformers import AutoTokenizer
+
+    return build_workflow(cfg, build_task(cfg), AutoTokenizer.from_pretrained(model_path))
+
+
+def sft_warm_start(cluster: Cluster, cfg: GRPOJobConfig, task, tokenizer, reporter: RunReporter) -> None:
+    if cfg.sft.steps <= 0 or task.sft_target is None:
+        return
+    cluster.learner_call("reset_optimizer", dataclasses.replace(cfg.optim, lr=cfg.sft.lr, warmup_steps=cfg.sft.warmup_steps))
+    loader, loss = PromptLoader(task.train, seed=cfg.trainer.seed + 1), SFTLoss()
+    for step in range(1, cfg.sft.steps + 1):
+        batch = ray.put(make_sft_batch(tokenizer, sft_chats(task, loader.next_rows(cfg.sft.batch_size))))
+        metrics = cluster.learner_call("train_step", batch, loss)[0]
+        reporter.log({"phase": "sft", "sft_step": step, **metrics}, show=step % 50 == 0)
+    cluster.learner_call("reset_optimizer", cfg.optim)
+
+
+def wait_for_batch(cluster: Cluster, n: int, version: int, poll_s: float = 0.005):
+    """Poll the buffer until n episodes within the staleness bound are there (with a timeout).
+
+    Episodes the buffer drops as over-stale give their slots back to the collector.
+    """
+    deadline = time.perf_counter() + cluster.timeout_s
+    while time.perf_counter() < deadline:
+        batch, dropped = cluster.get(cluster.buffer.sample_and_drops.remote(n, version))
+        if dropped:
+            cluster.get(cluster.collector.on_dropped.remote(dropped))
+        if batch is not None:
+            return batch
+        cluster.get(cluster.collector.stats.remote())  # surfaces a dead collector loop
+        time.sleep(poll_s)
+    raise TimeoutError(f"no batch of {n} episodes within {cluster.timeout_s:.0f}s at version {version}")
+
+
+def prompts_digest(batch) -> str:
+    """Hash of the prompts a batch trains on, in group order (to check resume keeps data order)."""
+    import hashlib
+
+    h = hashlib.sha1()
+    for gid in sorted(set(batch["group_id"].tolist())):
+        row = batch["input_ids"][batch["group_id"] == gid][0]
+        first_gen = int(batch["loss_mask"][batch["group_id"] == gid][0].float().argmax())
+        h.update(str(row[:first_gen].tolist()).encode())
+    return h.hexdigest()[:16]
+
+
+def save_checkpoint(cluster: Cluster, path: Path, step: int, version: int, model_path: str) -> str:
+    """Quiesce the collector, then save learner + data + buffer state for an exact resume."""
+    collector_state = cluster.get(cluster.collector.drain.remote(cluster.timeout_s))
+    extra = {"step": step, "version": version, "collector": collector_state,
+             "buffer": cluster.get(cluster.buffer.state_dict.remote())}
+    cluster.learner_call("save_checkpoint", str(path), model_path, extra)
+    cluster.get(cluster.collector.start.remote())
+    return str(path)
+
+
+def restore(cluster: Cluster, path: str) -> tuple[int, int]:
+    extra = cluster.learner_call("load_checkpoint", path)[0]
+    cluster.get(cluster.collector.load_state_dict.remote(extra["collector"]))
+    cluster.get(cluster.buffer.load_state_dict.remote(extra["buffer"]))
+    return extra["step"], extra["version"]
+
+
+def train(cfg: GRPOJobConfig) -> dict:
+    t_start = time.perf_counter()
+    init_ray(cfg)
+    reporter = RunReporter(cfg.trainer.run_dir, config=dataclasses.asdict(cfg))
+    metrics = RayMetrics()
+    model_path = cfg.model.path or ensure_tiny_model()
+    task = build_task(cfg)
+    cluster = build_cluster(cfg, model_path, task, functools.partial(make_workflow, cfg, model_path))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if cfg.resume:
+        step, version = restore(cluster, cfg.resume)
+    else:
+        sft_warm_start(cluster, cfg, task, tokenizer, reporter)
+        step, version = 0, 0
+    cluster.sync_weights(version)
+    cluster.get(cluster.collector.set_version.remote(version))
+    evaluate = lambda: asyncio.run(evaluate_greedy(  # noqa: E731
+        ReplicaRouter(cluster.replicas, cluster.timeout_s), tokenizer, task.eval, task.reward_fn, cfg.rollout.max_new_tokens))
+    before = evaluate()["eval_reward"]
+    reporter.log({"phase": "eval", "step": step, "eval_reward": before}, show=True)
+
+    cluster.get(cluster.collector.start.remote())
+    t_rl, B = time.perf_counter(), cfg.rollout.prompts_per_step
+    progress = reporter.progress(total=cfg.trainer.steps, desc=f"grpo eta={cfg.rollout.max_staleness}")
+    progress.update(step)
+    while step < cfg.trainer.steps:
+        t0 = time.perf_counter()
+        batch = wait_for_batch(cluster, B, version)
+        t_wait = time.perf_counter() - t0
+        batch["advantages"] = compute_advantages(batch["rewards"], batch["group_id"], cfg.algo.advantage)
+        lag = batch_staleness_stats(batch, version)
+        versions_trained = sorted(set(batch["versions"][batch["loss_mask"]].tolist()))
+        train_metrics = cluster.learner_call("train_step", ray.put(batch))[0]
+        t_train = time.perf_counter() - t0 - t_wait
+        version += 1
+        sync = cluster.sync_weights(version)
+        cluster.get(cluster.collector.set_version.remote(version))
+        step += 1
+        col = cluster.get(cluster.collector.stats.remote())
+        record = {"phase": "rl", "step": step, "version": version, "reward": float(batch["rewards"].mean()),
+                  "seqs": batch.batch_size[0], "wait_s": t_wait, "train_s": t_train,
+                  "staleness_mean": lag["mean_lag"], "staleness_max": lag["max_lag"],
+                  "sync_seconds": sync["sync_s"], "stall_s": sync["stall_s"], "tokens_per_s": col["tokens_per_s"],
+                  "buffer_depth": cluster.get(cluster.buffer.size.remote()), "token_versions": versions_trained,
+                  "data_sha": prompts_digest(batch), **train_metrics}
+        if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
+            record["eval_reward"] = evaluate()["eval_reward"]
+        reporter.log(record, show=step % cfg.trainer.log_every == 0)
+        metrics.update(record)
+        progress.update(1, reward=record["reward"])
+        if cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0 and step < cfg.trainer.steps:
+            save_checkpoint(cluster, Path(reporter.run_dir) / "checkpoints" / f"step_{step}", step, version, model_path)
+        if cfg.trainer.time_budget_s and time.perf_counter() - t_rl > cfg.trainer.time_budget_s:
+            break
+    progress.close()
+    ckpt = save_checkpoint(cluster, Path(reporter.run_dir) / "checkpoints" / f"step_{step}", step, version, model_path)
+    cluster.get(cluster.collector.drain.remote(cluster.timeout_s))
+    after = evaluate()["eval_reward"]
+    reporter.log({"phase": "eval", "step": step, "eval_reward": after}, show=True)
+    col = cluster.get(cluster.collector.stats.remote())
+    lags = [r["staleness_max"] for r in reporter.records if r.get("phase") == "rl"]
+    summary = {"eval_reward_before": before, "eval_reward_after": after, "eval_reward_gain": after - before,
+               "steps": step, "version": version, "algo": cfg.algo.name, "max_staleness": cfg.rollout.max_staleness,
+               "max_version_lag": max(lags, default=0), "eval_prompts": len(task.eval),
+               "wall_seconds": round(time.perf_counter() - t_start, 1), "rl_seconds": round(time.perf_counter() - t_rl, 1),
+               "run_dir": str(reporter.run_dir), "checkpoint": ckpt, "failed_episodes": col["failed_episodes"],
+               "buffer": cluster.get(cluster.buffer.stats.remote())}
+    reporter.finish(summary)
+    cluster.shutdown()
+    return summary

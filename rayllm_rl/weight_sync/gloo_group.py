@@ -1,0 +1,234 @@
+"""A gloo process group that never touches the global ``torch.distributed`` state.
+
+Learner rank 0 may itself be a rank of the FSDP group that lives in the *global*
+``torch.distributed`` group, so the CPU weight-sync group between it and the inference
+replicas must be built on the side: rank 0 hosts a private ``TCPStore`` and every member
+builds a ``ProcessGroupGloo`` object on it directly. ``dist.is_initialized()`` is left as
+it was (``torch.distributed.init_process_group`` is never called here).
+
+Every operation is bounded in time: building the group waits at most ``timeout_s`` for the
+peers, and each collective is waited on with ``Work.wait(timedelta)``, which in torch 2.13
+raises ``RuntimeError("Operation timed out!")`` when the deadline passes (checked on this
+machine, also when the peer is connected but idle). A timed-out gloo operation is *not*
+cancelled (its background thread keeps running until gloo's own timeout), so after any
+failure the group is marked broken and every later call raises at once; build a new group
+to resume. c10d errors are converted into :class:`WeightSyncTimeout` (deadline passed) or
+:class:`WeightSyncError` (e.g. a peer closed its connection), whose message names the
+phase, the rank, the world size and the timeout.
+"""
+from __future__ import annotations
+
+import socket
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["WeightSyncError", "WeightSyncTimeout", "StatelessGlooGroup", "find_free_port"]
+
+
+class WeightSyncError(RuntimeError):
+    """A weight synchronisation failed (peer gone, plan mismatch, bad tensors, ...)."""
+
+    def __init__(self, message: str, *, phase: str | None = None, rank: int | None = None,
+                 world_size: int | None = None, timeout_s: float | None = None):
+        super().__init__(message)
+        self.phase = phase
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+
+
+class WeightSyncTimeout(WeightSyncError, TimeoutError):
+    """A phase of a weight synchronisation did not complete within its timeout."""
+
+
+_TIMEOUT_MARKERS = ("timed out", "timeout", "time out", "deadline")
+
+
+def is_timeout_error(exc: BaseException) -> bool:
+    """Whether a c10d / gloo exception reports an expired deadline (vs. e.g. a closed socket)."""
+    if isinstance(exc, WeightSyncError):  # our own messages always mention "timeout"
+        return isinstance(exc, WeightSyncTimeout)
+    if isinstance(exc, TimeoutError):
+        return True
+    text = str(exc).lower()
+    return any(m in text for m in _TIMEOUT_MARKERS)
+
+
+def sync_error(exc: BaseException | None, *, phase: str, rank: int, world_size: int, timeout_s: float,
+               where: str = "", detail: str = "") -> WeightSyncError:
+    """Build the WeightSyncError / WeightSyncTimeout for a failed `phase` (cause: `exc`)."""
+    timed_out = exc is None or is_timeout_error(exc)
+    cls = WeightSyncTimeout if timed_out else WeightSyncError
+    what = "timed out" if timed_out else "failed"
+    cause = f": {type(exc).__name__}: {str(exc).strip()[:500]}" if exc is not None else ""
+    msg = (f"weight sync phase '{phase}' {what} on rank {rank} of world size {world_size} "
+           f"(timeout {timeout_s:g}s{', ' + where if where else ''}){'; ' + detail if detail else ''}{cause}")
+    return cls(msg, phase=phase, rank=rank, world_size=world_size, timeout_s=timeout_s)
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on `host` right now (the OS picks it; racy by nature)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class StatelessGlooGroup:
+    """A private gloo group of `world_size` processes; rank 0 hosts its TCPStore at host:port.
+
+    Args:
+        host: address of rank 0 (reachable from every member).
+        port: TCP port rank 0 listens on for the store (see :func:`find_free_port`).
+        rank: this process's rank in the group (0 = the weight sender by convention).
+        world_size: number of members (1 sender + K receivers).
+        timeout_s: default deadline of every phase: building the group (waiting for the
+            peers; c10d's connect retries can add up to ~1 s to it) and each collective
+            unless the call passes its own `timeout_s` (which may be longer or shorter).
+        device_host: optional local address gloo binds its sockets to (default: gloo's
+            default device, i.e. the interface the hostname resolves to / GLOO_SOCKET_IFNAME).
+    """
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 60.0, *,
+                 device_host: str | None = None):
+        if world_size < 1:
+            raise ValueError(f"StatelessGlooGroup: world_size must be >= 1, got {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"StatelessGlooGroup: rank {rank} is outside [0, {world_size})")
+        if not timeout_s > 0:
+            raise ValueError(f"StatelessGlooGroup: timeout_s must be > 0, got {timeout_s}")
+        self.host, self.port = host, int(port)
+        self.rank, self.world_size = int(rank), int(world_size)
+        self.timeout_s = float(timeout_s)
+        self.device = torch.device("cpu")
+        self._broken: WeightSyncError | None = None
+        self._closed = False
+        self._store = None
+        self._pg = None
+        where = f"store {host}:{port}"
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            # Rank 0 serves the store and waits (<= timeout) for every client to connect;
+            # clients retry connecting to it until the same timeout.
+            self._store = dist.TCPStore(host, self.port, self.world_size, is_master=(self.rank == 0),
+                                        timeout=timedelta(seconds=self.timeout_s), wait_for_workers=True)
+            left = max(deadline - time.monotonic(), 0.5)
+            if device_host is not None:
+                opts = dist.ProcessGroupGloo._Options()
+                opts._timeout = timedelta(seconds=left)
+                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=device_host)]
+                self._pg = dist.ProcessGroupGloo(self._store, self.rank, self.world_size, opts)
+            else:
+                self._pg = dist.ProcessGroupGloo(self._store, self.rank, self.world_size, timedelta(seconds=left))
+            # gloo's own per-operation timeout: the group default (calls may lower it per op).
+            self._pg._set_default_timeout(timedelta(seconds=self.timeout_s))
+        except Exception as exc:  # DistStoreError / DistNetworkError / RuntimeError from gloo
+            self._store = self._pg = None
+            raise sync_error(exc, phase="connect", rank=self.rank, world_size=self.world_size,
+                             timeout_s=self.timeout_s, where=where,
+                             detail="not every peer joined the group" if is_timeout_error(exc) else "") from exc
+
+    # ------------------------------------------------------------------ helpers
+    def _check_usable(self, phase: str) -> None:
+        if self._closed:
+            raise WeightSyncError(f"weight sync phase '{phase}' on rank {self.rank}: the group is closed",
+                                  phase=phase, rank=self.rank, world_size=self.world_size, timeout_s=self.timeout_s)
+        if self._broken is not None:
+            raise WeightSyncError(
+                f"weight sync phase '{phase}' on rank {self.rank} of world size {self.world_size}: the group "
+                f"is broken by an earlier failure ({self._broken}); build a new group",
+                phase=phase, rank=self.rank, world_size=self.world_size, timeout_s=self.timeout_s)
+
+    def _wait(self, work, timeout_s: float, phase: str) -> None:
+        try:
+            ok = work.wait(timedelta(seconds=timeout_s))
+        except Exception as exc:
+            err = sync_error(exc, phase=phase, rank=self.rank, world_size=self.world_size, timeout_s=timeout_s,
+                             where=f"store {self.host}:{self.port}")
+            self._broken = err
+            raise err from exc
+        if ok is False:  # defensive: the gloo Work raises instead of returning False
+            err = sync_error(None, phase=phase, rank=self.rank, world_size=self.world_size, timeout_s=timeout_s,
+                             where=f"store {self.host}:{self.port}")
+            self._broken = err
+            raise err
+
+    def _issue(self, fn, phase: str, timeout_s: float):
+        try:
+            return fn()
+        except Exception as exc:
+            err = sync_error(exc, phase=phase, rank=self.rank, world_size=self.world_size, timeout_s=timeout_s,
+                             where=f"store {self.host}:{self.port}")
+            self._broken = err
+            raise err from exc
+
+    def _timeout(self, timeout_s: float | None) -> float:
+        t = self.timeout_s if timeout_s is None else float(timeout_s)
+        if not t > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        return t
+
+    # ------------------------------------------------------------------ collectives
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, timeout_s: float | None = None, *,
+                  phase: str = "broadcast") -> None:
+        """Broadcast `tensor` in place from rank `src` to every member (CPU, contiguous)."""
+        phase_t = self._timeout(timeout_s)
+        self._check_usable(phase)
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"broadcast: src {src} is outside [0, {self.world_size})")
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError(f"broadcast ({phase}): gloo needs a contiguous CPU tensor, got "
+                             f"device={tensor.device} contiguous={tensor.is_contiguous()}")
+        opts = dist.BroadcastOptions()
+        opts.rootRank = int(src)
+        opts.rootTensor = 0
+        opts.timeout = timedelta(seconds=phase_t)
+        work = self._issue(lambda: self._pg.broadcast([tensor], opts), phase, phase_t)
+        self._wait(work, phase_t, phase)
+
+    def allreduce_max(self, tensor: torch.Tensor, timeout_s: float | None = None, *,
+                      phase: str = "allreduce") -> None:
+        """Element-wise MAX over every member, in place (used for votes and acknowledgements)."""
+        phase_t = self._timeout(timeout_s)
+        self._check_usable(phase)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        opts.timeout = timedelta(seconds=phase_t)
+        work = self._issue(lambda: self._pg.allreduce([tensor], opts), phase, phase_t)
+        self._wait(work, phase_t, phase)
+
+    def barrier(self, timeout_s: float | None = None, *, phase: str = "barrier") -> None:
+        """Return once every member reached the barrier (a 1-element allreduce)."""
+        self.allreduce_max(torch.zeros(1, dtype=torch.int64), timeout_s, phase=phase)
+
+    @property
+    def broken(self) -> bool:
+        return self._broken is not None
+
+    def close(self) -> None:
+        """Release the group (idempotent). Pending operations are abandoned, not awaited."""
+        if self._closed:
+            return
+        self._closed = True
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            try:
+                pg.shutdown() if self._broken is None else pg.abort()
+            except Exception:  # best effort: the process may be tearing down anyway
+                pass
+        self._store = None
+
+    def __enter__(self) -> "StatelessGlooGroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("broken" if self._broken else "ok")
+        return (f"StatelessGlooGroup(rank={self.rank}, world_size={self.world_size}, "
+                f"store={self.host}:{self.port}, timeout_s={self.timeout_s:g}, {state})")
