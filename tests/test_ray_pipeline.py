@@ -35,7 +35,8 @@ def rl_records(summary) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["phase"] == "rl"]
 
 
-def test_sync_makes_replica_weights_equal_and_versions_are_real(local_ray, tmp_path):
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_sync_makes_replica_weights_equal(local_ray, tmp_path, transport):
     from rayllm_rl.models.tiny import ensure_tiny_model
     from rayllm_rl.orchestration.builders import build_task
     from rayllm_rl.orchestration.cluster import build_cluster
@@ -43,9 +44,10 @@ def test_sync_makes_replica_weights_equal_and_versions_are_real(local_ray, tmp_p
 
     import functools
 
-    cfg = small_cfg(tmp_path, "ray.num_replicas=2", "rollout.max_staleness=1")
+    cfg = small_cfg(tmp_path, "ray.num_replicas=2", "rollout.max_staleness=1", f"ray.sync_transport={transport}")
     path = ensure_tiny_model()
     cluster = build_cluster(cfg, path, build_task(cfg), functools.partial(make_workflow, cfg, path))
+    assert cluster.transport == transport
     try:
         # Perturb the learner with one SFT-free RL-shaped step, then sync v1 to both replicas.
         import torch
@@ -66,7 +68,7 @@ def test_sync_makes_replica_weights_equal_and_versions_are_real(local_ray, tmp_p
         assert cluster.get([r.version.remote() for r in cluster.replicas]) == [1, 1]
         assert stats["sync_bytes"] > 0 and stats["stall_s"] < stats["sync_s"] + stats["receive_s"]
         named = cluster.get(cluster.learners[0].named_tensors.remote())
-        assert sum(t.numel() for t in named.values()) * 4 == stats["sync_bytes"]
+        assert sum(t.numel() for t in named.values()) * 4 <= stats["sync_bytes"]
         assert isinstance(named[next(iter(named))], torch.Tensor)
     finally:
         cluster.shutdown()

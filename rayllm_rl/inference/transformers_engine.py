@@ -108,7 +108,8 @@ class TransformersEngine:
         """Double-buffer swap: exchange storage with `back` between two decode steps.
 
         O(1) per tensor (no copy), so generation stalls only for the swap; `back` then holds
-        the previous weights and can receive the next update. Returns the stall in seconds.
+        the previous weights and can receive the next update. Returns the stall in seconds:
+        the time the swap holds the decode lock (generation cannot run then).
         """
         for name, t in back.items():
             if name not in self._params:
@@ -116,13 +117,13 @@ class TransformersEngine:
             if t.shape != self._params[name].shape or t.dtype != self._params[name].dtype:
                 raise ValueError(f"swap_weights: {name} is {tuple(t.shape)}/{t.dtype}, expected "
                                  f"{tuple(self._params[name].shape)}/{self._params[name].dtype}")
-        t0 = time.perf_counter()
-        with self._weights_lock:
+        with self._weights_lock:  # waiting for the running decode step is not a stall: it is generating
+            t0 = time.perf_counter()
             for name, t in back.items():
                 p = self._params[name]
                 p.data, t.data = t.data, p.data
             self._version = int(version)
-        return time.perf_counter() - t0
+            return time.perf_counter() - t0
 
     def set_version(self, version: int) -> None:
         """Set the version without changing weights (e.g. after a checkpoint restore)."""

@@ -39,25 +39,31 @@ class InferenceReplica:
     def version(self) -> int:
         return self.engine.version
 
-    async def init_weight_receiver(self, host: str, port: int, rank: int, world_size: int,
-                                   bucket_bytes: int, timeout_s: float) -> bool:
-        from rayllm_rl.weight_sync import DoubleBufferReceiver, StatelessGlooGroup, WeightReceiver, metadata_of
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
+    async def init_weight_receiver(self, transport: str, host: str, port: int, rank: int, world_size: int,
+                                   bucket_bytes: int, timeout_s: float, segment_names: list[str] | None = None) -> bool:
+        """Join the sync group; `shm`: zero-copy views into the learner's shared segments, `gloo`: buckets."""
+        from rayllm_rl.weight_sync import (DoubleBufferReceiver, ShmWeightReceiver, StatelessGlooGroup,
+                                           WeightReceiver, metadata_of)
 
         group = await asyncio.to_thread(StatelessGlooGroup, host, port, rank, world_size, timeout_s)
         metas = metadata_of(self.engine.named_parameters())
-        self.receiver = DoubleBufferReceiver(self.engine, WeightReceiver(group, metas, bucket_bytes))
+        if transport == "shm":
+            await asyncio.to_thread(group.barrier, phase="segments created")
+            self.receiver = ShmWeightReceiver(self.engine, group, metas, segment_names, timeout_s)
+        else:
+            self.receiver = DoubleBufferReceiver(self.engine, WeightReceiver(group, metas, bucket_bytes))
         return True
 
     async def receive_weights(self) -> dict[str, float]:
-        """Receive into the back buffer while generating, then swap between decode steps."""
+        """Receive while generating (in a thread), then swap between two decode steps."""
         if self.receiver is None:
             raise RuntimeError("init_weight_receiver was not called on this replica")
-        t0 = time.perf_counter()
-        version = await asyncio.to_thread(self.receiver.receive)
-        t1 = time.perf_counter()
-        stall = self.receiver.swap(version)
-        self.versions_held.append(version)
-        return {"version": version, "receive_s": t1 - t0, "stall_s": stall}
+        out = await asyncio.to_thread(self.receiver.receive_and_swap)
+        self.versions_held.append(out["version"])
+        return {"version": out["version"], "receive_s": out["receive_s"], "stall_s": out["stall_s"]}
 
     def load_weights(self, named: dict[str, torch.Tensor], version: int) -> int:
         """Weights through the object store (no collective): initial load or fallback."""
@@ -110,10 +116,10 @@ class ReplayBufferActor:
         return self.buffer.sample(n_episodes, current_version)
 
     def sample_and_drops(self, n_episodes: int, current_version: int):
-        """(batch or None, episodes dropped as over-stale by this call)."""
+        """(batch or None, episodes dropped as over-stale by this call, episodes left)."""
         before = self.buffer.stats()["dropped_stale"]
         batch = self.buffer.sample(n_episodes, current_version)
-        return batch, self.buffer.stats()["dropped_stale"] - before
+        return batch, self.buffer.stats()["dropped_stale"] - before, len(self.buffer)
 
     def size(self) -> int:
         return len(self.buffer)
@@ -162,15 +168,27 @@ class LearnerWorker:
         self.learner.reset_optimizer(optim)
         self.learner.version = 0
 
-    def init_weight_sender(self, host: str, port: int, world_size: int, bucket_bytes: int, timeout_s: float) -> bool:
-        from rayllm_rl.weight_sync import StatelessGlooGroup, WeightSender, metadata_of
+    def init_weight_sender(self, transport: str, host: str, port: int, world_size: int, bucket_bytes: int,
+                           timeout_s: float, segment_prefix: str | None = None) -> list[str] | None:
+        """Every rank computes the same metadata; rank 0 hosts the sync group (and the shm segments)."""
+        from rayllm_rl.weight_sync import ShmWeightSender, StatelessGlooGroup, WeightSender, metadata_of
 
-        metas = metadata_of(dict(self.learner.model.named_parameters())) if self.world_size == 1 \
-            else metadata_of(self.learner.named_tensors())
-        if self.rank == 0:
-            group = StatelessGlooGroup(host, port, 0, world_size, timeout_s)
+        metas = metadata_of(dict(self.learner.iter_named_tensors()))
+        if self.rank != 0:
+            return None
+        group = StatelessGlooGroup(host, port, 0, world_size, timeout_s)
+        if transport == "shm":
+            self.sender = ShmWeightSender(group, metas, name_prefix=segment_prefix, timeout_s=timeout_s)
+            group.barrier(phase="segments created")  # receivers attach only after this
+        else:
             self.sender = WeightSender(group, metas, bucket_bytes)
-        return True
+        return None
+
+    def close(self) -> None:
+        """Release the sync group and unlink shared segments (before the actor is killed)."""
+        if self.sender is not None and hasattr(self.sender, "close"):
+            self.sender.close()
+        self.sender = None
 
     def sync_weights(self, version: int) -> dict[str, float]:
         """Every rank gathers full tensors in step; rank 0 streams them to the replicas."""

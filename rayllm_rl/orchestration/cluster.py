@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import uuid
 from typing import Any
 
 import ray
@@ -23,8 +24,8 @@ def init_ray(cfg: GRPOJobConfig) -> None:
         return
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
     runtime_env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(cfg.ray.threads_per_actor)}}
-    if address:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+    if address:  # e.g. under `ray job submit`: keep the job's own runtime env (working_dir)
+        ray.init(address=address, log_to_driver=True)
     else:
         ray.init(address="local", _temp_dir=cfg.ray.temp_dir or None, include_dashboard=False,
                  runtime_env=runtime_env, log_to_driver=True)
@@ -41,6 +42,7 @@ class Cluster:
     collector: Any
     timeout_s: float
     sync_timeout_s: float
+    transport: str = "gloo"
 
     def get(self, refs, timeout_s: float | None = None):
         """ray.get with the job's timeout: a hang becomes a GetTimeoutError naming the wait."""
@@ -59,6 +61,10 @@ class Cluster:
                 "receive_s": max(r["receive_s"] for r in replicas)}
 
     def shutdown(self) -> None:
+        try:  # unlink shared segments and close sync groups before the processes go
+            self.get([l.close.remote() for l in self.learners], timeout_s=30)
+        except Exception:  # noqa: BLE001 - shutting down anyway
+            pass
         for a in self.replicas + self.env_workers + self.learners + [self.buffer, self.collector]:
             ray.kill(a, no_restart=True)
 
@@ -83,10 +89,19 @@ def build_cluster(cfg: GRPOJobConfig, model_path: str, task, workflow_factory) -
     cluster.learner_call("setup", model_path, cfg.optim, cfg.algo, cfg.rollout.temperature, seed, host, port)
     # Weight-sync group: learner rank 0 (rank 0 of the group) + every replica, beside FSDP's group.
     sync_host, sync_port = cluster.get(learners[0].address.remote())
-    world = 1 + len(replicas)
-    bucket = int(rc.sync_bucket_mb * (1 << 20))
-    refs = [l.init_weight_sender.remote(sync_host, sync_port, world, bucket, rc.sync_timeout_s) for l in learners]
-    refs += [r.init_weight_receiver.remote(sync_host, sync_port, i + 1, world, bucket, rc.sync_timeout_s)
-             for i, r in enumerate(replicas)]
+    transport = rc.sync_transport
+    if transport == "auto":  # shared memory when every replica lives on learner rank 0's node
+        ips = set(cluster.get([r.node_ip.remote() for r in replicas]))
+        transport = "shm" if ips == {sync_host} else "gloo"
+    if transport not in ("shm", "gloo"):
+        raise ValueError(f"ray.sync_transport must be auto, shm or gloo, got {rc.sync_transport!r}")
+    cluster.transport = transport
+    prefix = f"rayllm_{uuid.uuid4().hex[:12]}"
+    segments = [f"{prefix}_0", f"{prefix}_1"]
+    world, bucket = 1 + len(replicas), int(rc.sync_bucket_mb * (1 << 20))
+    refs = [l.init_weight_sender.remote(transport, sync_host, sync_port, world, bucket, rc.sync_timeout_s, prefix)
+            for l in learners]
+    refs += [r.init_weight_receiver.remote(transport, sync_host, sync_port, i + 1, world, bucket,
+                                           rc.sync_timeout_s, segments) for i, r in enumerate(replicas)]
     cluster.get(refs, timeout_s=rc.sync_timeout_s + 30)
     return cluster

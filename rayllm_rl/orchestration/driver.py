@@ -57,11 +57,11 @@ def wait_for_batch(cluster: Cluster, n: int, version: int, poll_s: float = 0.005
     """
     deadline = time.perf_counter() + cluster.timeout_s
     while time.perf_counter() < deadline:
-        batch, dropped = cluster.get(cluster.buffer.sample_and_drops.remote(n, version))
+        batch, dropped, depth = cluster.get(cluster.buffer.sample_and_drops.remote(n, version))
         if dropped:
             cluster.get(cluster.collector.on_dropped.remote(dropped))
         if batch is not None:
-            return batch
+            return batch, depth
         cluster.get(cluster.collector.stats.remote())  # surfaces a dead collector loop
         time.sleep(poll_s)
     raise TimeoutError(f"no batch of {n} episodes within {cluster.timeout_s:.0f}s at version {version}")
@@ -121,11 +121,12 @@ def train(cfg: GRPOJobConfig) -> dict:
 
     cluster.get(cluster.collector.start.remote())
     t_rl, B = time.perf_counter(), cfg.rollout.prompts_per_step
+    pending, col = cluster.collector.set_version.remote(version), {"tokens_per_s": None}
     progress = reporter.progress(total=cfg.trainer.steps, desc=f"grpo eta={cfg.rollout.max_staleness}")
     progress.update(step)
     while step < cfg.trainer.steps:
         t0 = time.perf_counter()
-        batch = wait_for_batch(cluster, B, version)
+        batch, depth = wait_for_batch(cluster, B, version)
         t_wait = time.perf_counter() - t0
         batch["advantages"] = compute_advantages(batch["rewards"], batch["group_id"], cfg.algo.advantage)
         lag = batch_staleness_stats(batch, version)
@@ -134,14 +135,16 @@ def train(cfg: GRPOJobConfig) -> dict:
         t_train = time.perf_counter() - t0 - t_wait
         version += 1
         sync = cluster.sync_weights(version)
-        cluster.get(cluster.collector.set_version.remote(version))
+        cluster.get(pending)  # the previous step's set_version (bounded wait)
+        pending = cluster.collector.set_version.remote(version)
         step += 1
-        col = cluster.get(cluster.collector.stats.remote())
+        if step % cfg.trainer.log_every == 0 or step == cfg.trainer.steps:
+            col = cluster.get(cluster.collector.stats.remote())
         record = {"phase": "rl", "step": step, "version": version, "reward": float(batch["rewards"].mean()),
                   "seqs": batch.batch_size[0], "wait_s": t_wait, "train_s": t_train,
                   "staleness_mean": lag["mean_lag"], "staleness_max": lag["max_lag"],
                   "sync_seconds": sync["sync_s"], "stall_s": sync["stall_s"], "tokens_per_s": col["tokens_per_s"],
-                  "buffer_depth": cluster.get(cluster.buffer.size.remote()), "token_versions": versions_trained,
+                  "buffer_depth": depth, "token_versions": versions_trained,
                   "data_sha": prompts_digest(batch), **train_metrics}
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
             record["eval_reward"] = evaluate()["eval_reward"]
@@ -153,6 +156,7 @@ def train(cfg: GRPOJobConfig) -> dict:
         if cfg.trainer.time_budget_s and time.perf_counter() - t_rl > cfg.trainer.time_budget_s:
             break
     progress.close()
+    cluster.get(pending)
     ckpt = save_checkpoint(cluster, Path(reporter.run_dir) / "checkpoints" / f"step_{step}", step, version, model_path)
     cluster.get(cluster.collector.drain.remote(cluster.timeout_s))
     after = evaluate()["eval_reward"]

@@ -135,6 +135,8 @@ class RayConfig:
     """torch intra-op threads of each actor."""
     buffer_episodes: int = 0
     """Replay buffer capacity in episodes (0 = 2 * (max_staleness + 1) * prompts_per_step)."""
+    sync_transport: str = "auto"
+    """Weight transport: 'shm' (shared-memory double buffer, same node), 'gloo' (TCP buckets), 'auto'."""
     sync_bucket_mb: float = 16.0
     """Weight-sync bucket size in MiB."""
     sync_timeout_s: float = 120.0

@@ -36,3 +36,9 @@ def __getattr__(name: str):
 
         return getattr(ray_collective, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# Same-node transport through two shared-memory segments (a double buffer across processes).
+from rayllm_rl.weight_sync.shm import ShmLayout, ShmWeightReceiver, ShmWeightSender, plan_layout  # noqa: E402
+
+__all__ += ["ShmWeightSender", "ShmWeightReceiver", "ShmLayout", "plan_layout"]
