@@ -88,6 +88,10 @@ def test_training_respects_staleness_and_versions(local_ray, tmp_path, eta):
         trained_at = r["version"] - 1  # the learner was at this version when it sampled the batch
         assert all(trained_at - v <= eta and v <= trained_at for v in r["token_versions"])
     assert summary["max_version_lag"] <= eta and summary["failed_episodes"] == 0
+    held = summary["replica_versions_held"]
+    assert all(h == sorted(h) for h in held)  # each replica's versions never go back (v0 = load, then post-SFT sync)
+    assert all(set(r["token_versions"]) <= set().union(*map(set, held)) for r in records)
+    assert summary["learner_checksums_equal_replicas"]
     if eta == 0:
         assert all(r["token_versions"] == [r["version"] - 1] for r in records)
 
@@ -103,3 +107,12 @@ def test_resume_continues_same_step_version_and_data(local_ray, tmp_path):
     assert [r["step"] for r in b] == [3, 4] and [r["version"] for r in b] == [3, 4]
     assert [r["data_sha"] for r in b] == [r["data_sha"] for r in a[2:]]
     assert resumed["steps"] == 4 and resumed["version"] == 4
+
+
+def test_two_fsdp_learner_actors_train_and_sync(local_ray, tmp_path):
+    from rayllm_rl.orchestration.driver import train
+
+    summary = train(small_cfg(tmp_path, "trainer.steps=3", "ray.num_learners=2", "rollout.max_staleness=1"))
+    assert summary["steps"] == 3 and summary["version"] == 3
+    assert summary["learner_checksums_equal_replicas"]  # both FSDP ranks' full weights == every replica's
+    assert summary["replica_versions_held"] == [[0, 0, 1, 2, 3]]

@@ -168,7 +168,10 @@ def train(cfg: GRPOJobConfig) -> dict:
                "max_version_lag": max(lags, default=0), "eval_prompts": len(task.eval),
                "wall_seconds": round(time.perf_counter() - t_start, 1), "rl_seconds": round(time.perf_counter() - t_rl, 1),
                "run_dir": str(reporter.run_dir), "checkpoint": ckpt, "failed_episodes": col["failed_episodes"],
-               "buffer": cluster.get(cluster.buffer.stats.remote())}
+               "buffer": cluster.get(cluster.buffer.stats.remote()),
+               "replica_versions_held": cluster.get([r.version_history.remote() for r in cluster.replicas]),
+               "learner_checksums_equal_replicas": len(set(cluster.get(
+                   [l.checksum.remote() for l in cluster.learners] + [r.checksum.remote() for r in cluster.replicas]))) == 1}
     reporter.finish(summary)
     cluster.shutdown()
     return summary
