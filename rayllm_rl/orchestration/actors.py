@@ -226,7 +226,7 @@ class RayLLMCollector:
     """Shell over AsyncRolloutCollector: episodes run on env workers, land in the buffer actor."""
 
     def __init__(self, dataset, env_workers: list, buffer, batch_size: int, max_staleness: int,
-                 seed: int = 0, episode_timeout_s: float = 600.0):
+                 seed: int = 0, episode_timeout_s: float = 600.0, episode_filter=None):
         from rayllm_rl.data.loader import PromptLoader
         from rayllm_rl.orchestration.async_collector import AsyncRolloutCollector
         from rayllm_rl.orchestration.staleness import StalenessController
@@ -236,7 +236,8 @@ class RayLLMCollector:
         self.buffer = buffer
         self.timeout_s = episode_timeout_s
         self.collector = AsyncRolloutCollector(PromptLoader(dataset, seed=seed), self._run_episode, self._put,
-                                               StalenessController(batch_size, max_staleness))
+                                               StalenessController(batch_size, max_staleness),
+                                               episode_filter=episode_filter)
         self._task: asyncio.Task | None = None
 
     async def _run_episode(self, row: dict):

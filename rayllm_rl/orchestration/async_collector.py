@@ -20,13 +20,17 @@ class AsyncRolloutCollector:
 
     def __init__(self, loader, run_episode: Callable[[dict], Awaitable[Any]],
                  put_episode: Callable[[Any], Awaitable[bool]], controller: StalenessController, *,
-                 put_retry_s: float = 0.02, max_consecutive_failures: int = 64):
+                 put_retry_s: float = 0.02, max_consecutive_failures: int = 64,
+                 episode_filter: Callable[[Any], bool] | None = None):
         self.loader = loader
         self.run_episode = run_episode
         self.put_episode = put_episode
         self.controller = controller
         self.put_retry_s = put_retry_s
         self.max_consecutive_failures = max_consecutive_failures
+        self.episode_filter = episode_filter
+        """Keep an episode only if this returns True (e.g. DAPO dynamic sampling); others free their slot."""
+        self.filtered = 0
         self.next_group_id = 0
         self.failed = 0
         self.consecutive_failures = 0
@@ -92,6 +96,9 @@ class AsyncRolloutCollector:
         try:
             td = await self.run_episode(row)
             self.consecutive_failures = 0
+            if self.episode_filter is not None and not self.episode_filter(td):
+                self.filtered += 1  # rejected: its slot goes back, a new prompt refills the batch
+                return
             while not await self.put_episode(td):  # back-pressure: wait for room, never drop
                 await asyncio.sleep(self.put_retry_s)
             accepted = True
@@ -112,6 +119,7 @@ class AsyncRolloutCollector:
     def stats(self) -> dict[str, Any]:
         elapsed = time.perf_counter() - self._t0
         return {**self.controller.stats(), "failed_episodes": self.failed, "finished_episodes": self.finished,
+                "filtered_episodes": self.filtered,
                 "generated_tokens": self.generated_tokens, "tokens_per_s": self.generated_tokens / max(elapsed, 1e-9),
                 "last_error": self.last_error, "fatal": self.fatal}
 

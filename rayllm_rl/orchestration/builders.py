@@ -24,3 +24,13 @@ def build_workflow(cfg: GRPOJobConfig, task: Task, tokenizer) -> RLVRWorkflow:
 def sft_chats(task: Task, rows: list[dict]) -> list[list[dict]]:
     """Demonstration chats for the SFT warm start."""
     return [r["messages"] + [{"role": "assistant", "content": task.sft_target(r)}] for r in rows]
+
+
+def has_reward_variance(episode) -> bool:
+    """DAPO dynamic sampling: keep a group only if its rewards are not all equal."""
+    r = episode["rewards"]
+    return bool((r != r[0]).any())
+
+
+def build_episode_filter(cfg: GRPOJobConfig):
+    return has_reward_variance if cfg.algo.dynamic_sampling else None

@@ -15,6 +15,7 @@ from rayllm_rl.orchestration.actors import (
     RayLLMCollector,
     ReplayBufferActor,
 )
+from rayllm_rl.orchestration.builders import build_episode_filter
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 
 
@@ -82,7 +83,8 @@ def build_cluster(cfg: GRPOJobConfig, model_path: str, task, workflow_factory) -
     capacity = rc.buffer_episodes or 2 * (cfg.rollout.max_staleness + 1) * batch
     buffer = ReplayBufferActor.options(name="replay-buffer").remote(capacity, cfg.rollout.max_staleness)
     collector = RayLLMCollector.options(name="collector", max_concurrency=1000).remote(
-        task.train, env_workers, buffer, batch, cfg.rollout.max_staleness, seed, rc.call_timeout_s)
+        task.train, env_workers, buffer, batch, cfg.rollout.max_staleness, seed, rc.call_timeout_s,
+        build_episode_filter(cfg))
     cluster = Cluster(replicas, env_workers, learners, buffer, collector, rc.call_timeout_s, rc.sync_timeout_s)
 
     host, port = cluster.get(learners[0].address.remote())

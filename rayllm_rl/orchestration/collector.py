@@ -24,7 +24,8 @@ class LLMCollector:
     """Collects `dialog_turns_per_batch` trajectories per call from concurrent episodes."""
 
     def __init__(self, engine: InferenceEngine, workflow: RolloutWorkflow, loader, *,
-                 dialog_turns_per_batch: int, max_concurrency: int = 256, max_failures: int = 16):
+                 dialog_turns_per_batch: int, max_concurrency: int = 256, max_failures: int = 16,
+                 episode_filter=None, max_filtered: int = 10_000):
         self.engine = engine
         self.workflow = workflow
         self.loader = loader
@@ -33,6 +34,10 @@ class LLMCollector:
         self.max_failures = max_failures
         self._group_ids = itertools.count()
         self.failed_episodes = 0
+        self.episode_filter = episode_filter
+        """Keep an episode only if this returns True (DAPO dynamic sampling); others are replaced."""
+        self.max_filtered = max_filtered
+        self.filtered_episodes = 0
         self.last_error: str | None = None
 
     async def _episode(self, row: Mapping[str, Any]) -> TensorDict | None:
@@ -61,6 +66,11 @@ class LLMCollector:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 td = task.result()
+                if td is not None and self.episode_filter is not None and not self.episode_filter(td):
+                    self.filtered_episodes += 1
+                    if self.filtered_episodes > self.max_filtered:
+                        raise RuntimeError(f"more than {self.max_filtered} episodes filtered out; is every group uniform?")
+                    continue
                 if td is not None:
                     parts.append(td)
                     have += td.batch_size[0]

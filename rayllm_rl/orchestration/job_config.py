@@ -64,6 +64,8 @@ class AlgoConfig:
     """KL estimator: k1, k2 or k3."""
     aggregation: str = "token-mean"
     """Loss aggregation: token-mean, seq-mean or seq-sum."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and sample new prompts to keep the batch full."""
     advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
     """How rewards become advantages (group/global normalisation)."""
 

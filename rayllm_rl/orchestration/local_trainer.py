@@ -19,7 +19,7 @@ from rayllm_rl.inference.transformers_engine import TransformersEngine
 from rayllm_rl.learner.learner import Learner
 from rayllm_rl.models.tiny import ensure_tiny_model
 from rayllm_rl.objectives import SFTLoss, compute_advantages
-from rayllm_rl.orchestration.builders import build_task, build_workflow, sft_chats
+from rayllm_rl.orchestration.builders import build_episode_filter, build_task, build_workflow, sft_chats
 from rayllm_rl.orchestration.collector import LLMCollector
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.reporting import RunReporter
@@ -68,7 +68,8 @@ async def train_local(cfg: GRPOJobConfig) -> dict:
 
     workflow = build_workflow(cfg, task, tokenizer)
     collector = LLMCollector(engine, workflow, PromptLoader(task.train, seed=cfg.trainer.seed),
-                             dialog_turns_per_batch=cfg.rollout.prompts_per_step * cfg.rollout.group_size)
+                             dialog_turns_per_batch=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+                             episode_filter=build_episode_filter(cfg))
     loss = cfg.algo.build_loss()
     t_rl = time.perf_counter()
     step = 0
