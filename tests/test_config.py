@@ -316,13 +316,14 @@ def test_grpo_job_config_overrides_and_build_loss():
     assert cfg.algo.clip_eps_high == 0.28
     assert cfg.rollout.group_size == 4
     assert cfg.algo.advantage.std is False
-    # untouched neighbours keep their defaults
-    assert cfg.algo.clip_eps_low == 0.2
+    # untouched neighbours keep their defaults (None = the chosen loss's own default)
+    assert cfg.algo.clip_eps_low is None
     assert cfg.algo.advantage.mean is True
     assert cfg.algo.advantage.mode == "group"
     assert cfg.rollout.prompts_per_step == 16
     assert cfg.optim.lr == 5e-5 and cfg.optim.warmup_steps == 10
     loss = cfg.algo.build_loss()
+    assert loss.clip_eps_low == 0.2  # GRPOLoss default
     assert type(loss) is GRPOLoss
     assert loss.clip_eps_high == 0.28
     assert loss.clip_eps_low == 0.2
@@ -344,7 +345,7 @@ def test_grpo_job_config_unknown_loss_name():
 
     cfg = load_config(GRPOJobConfig, ["algo.name=nope"])
     assert cfg.algo.name == "nope"
-    with pytest.raises(ValueError, match=r"unknown algo\.name 'nope'; choose one of \['grpo', 'sft'\]"):
+    with pytest.raises(ValueError, match=r"unknown algo\.name 'nope'; choose one of \[.*'dapo'.*'grpo'.*\]"):
         cfg.algo.build_loss()
 
 

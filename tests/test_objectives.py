@@ -406,7 +406,7 @@ def test_compute_advantages_modes():
 
 # ---------------------------------------------------------------- registry
 def test_make_loss():
-    assert set(LOSSES) == {"grpo", "sft"}
+    assert set(LOSSES) >= {"grpo", "sft", "dapo", "dr_grpo", "cispo", "ppo_decoupled"}
     loss = make_loss("grpo", clip_eps_high=0.28, kl_coef=0.01)
     assert isinstance(loss, GRPOLoss) and loss.clip_eps_high == 0.28 and loss.needs_ref_logp
     sft = make_loss("sft", loss_function="minor_sft")

@@ -9,10 +9,22 @@ from rayllm_rl.objectives.advantages import (
     masked_normalize,
 )
 from rayllm_rl.objectives.base import Loss, LossOutput
+from rayllm_rl.objectives.cispo import CISPOLoss
+from rayllm_rl.objectives.dapo import DAPOLoss, DrGRPOLoss, overlong_reward_shaping
 from rayllm_rl.objectives.grpo import GRPOLoss, aggregate, kl_estimate, masked_mean
+from rayllm_rl.objectives.importance import GRPOTISLoss, TruncatedIS
+from rayllm_rl.objectives.ppo_decoupled import DecoupledPPOLoss, loglinear_prox_logp
 from rayllm_rl.objectives.sft import SFTLoss
 
-LOSSES: dict[str, type[Loss]] = {"grpo": GRPOLoss, "sft": SFTLoss}
+LOSSES: dict[str, type[Loss]] = {
+    "grpo": GRPOLoss,
+    "sft": SFTLoss,
+    "dapo": DAPOLoss,
+    "dr_grpo": DrGRPOLoss,
+    "cispo": CISPOLoss,
+    "ppo_decoupled": DecoupledPPOLoss,
+    "grpo_tis": GRPOTISLoss,
+}
 
 
 def make_loss(name: str, **kwargs) -> Loss:
@@ -27,16 +39,24 @@ def make_loss(name: str, **kwargs) -> Loss:
 __all__ = [
     "LOSSES",
     "AdvantageConfig",
+    "CISPOLoss",
+    "DAPOLoss",
+    "DecoupledPPOLoss",
+    "DrGRPOLoss",
     "GRPOLoss",
+    "GRPOTISLoss",
     "Loss",
     "LossOutput",
     "SFTLoss",
+    "TruncatedIS",
     "aggregate",
     "compute_advantages",
     "global_advantages",
     "group_advantages",
     "kl_estimate",
+    "loglinear_prox_logp",
     "make_loss",
     "masked_mean",
     "masked_normalize",
+    "overlong_reward_shaping",
 ]

@@ -11,19 +11,31 @@ import torch
 from rayllm_rl.objectives.base import Loss, LossOutput
 
 AGGREGATIONS = ("token-mean", "seq-mean", "seq-sum")
+RATIO_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
+def aggregate(
+    per_token: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", *, max_tokens: int | None = None
+) -> torch.Tensor:
     """Reduce a per-token `[B, T]` tensor over masked tokens to a scalar.
 
     token-mean: sum of masked values / number of masked tokens in the batch.
     seq-mean: mean over sequences of each sequence's masked mean.
     seq-sum: mean over sequences of each sequence's masked sum.
+    constant (Dr.GRPO, needs `max_tokens`): sum of masked values / (B * max_tokens), B counting
+    every row, empty ones included; the normaliser does not depend on the sequence lengths.
+    "constant" is not in `AGGREGATIONS` (the modes every loss accepts): only losses that own a
+    `max_tokens` use it; a learner weights its micro-batches like the seq modes (by row count).
     Sequences with no masked token are excluded from the mean over sequences in both seq modes
     (they have no tokens to learn from); an all-empty batch gives 0 (still attached to the graph).
     Values at unmasked positions are never read (inf/NaN there cannot leak into the result).
     """
+    if mode == "constant":
+        if max_tokens is None or max_tokens <= 0:
+            raise ValueError(f"aggregation 'constant' needs max_tokens > 0, got {max_tokens}")
+        vals = torch.where(mask != 0, per_token, torch.zeros_like(per_token))
+        return vals.sum() / (per_token.shape[0] * float(max_tokens))
     if mode not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {mode!r}; valid: {list(AGGREGATIONS)}")
     m = mask != 0
@@ -75,12 +87,76 @@ def check_shapes(logp: torch.Tensor, **others: torch.Tensor | None) -> None:
             )
 
 
+def prepare(
+    logp: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Masked, NaN-safe inputs shared by the policy losses: `(m, safe_logp, safe_old, adv)`.
+
+    Every input is zeroed off-mask so garbage there (inf, NaN, huge ratios) cannot reach a loss
+    or its gradient (torch.where alone does not stop NaN gradients from the other branch).
+    `old` and `advantages` are detached; `advantages` `[B]` is broadcast to `[B, T]`.
+    """
+    m = mask != 0
+    zeros = torch.zeros_like(logp)
+    adv = advantages.detach().to(logp.dtype)
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(-1)
+    adv = torch.where(m, adv.expand_as(logp), zeros)
+    safe_logp = torch.where(m, logp, zeros)
+    safe_old = torch.where(m, old.detach().to(logp.dtype), zeros)
+    return m, safe_logp, safe_old, adv
+
+
+def ratio_metrics(
+    m: torch.Tensor,
+    safe_logp: torch.Tensor,
+    log_ratio: torch.Tensor,
+    low: torch.Tensor,
+    high: torch.Tensor,
+) -> dict[str, float]:
+    """The metrics every policy loss reports, from the masked per-token log-ratio `[B, T]`.
+
+    clip_fraction_low/high/clip_fraction: fraction of masked tokens in the boolean `low`/`high`;
+    approx_kl: k3 estimate of KL(old || new), `exp(old - logp) - 1 - (old - logp)`;
+    ess: `(sum r)^2 / (n sum r^2)`; entropy_proxy: mean `-logp` of the sampled tokens (true
+    entropy needs logits).
+    """
+    with torch.no_grad():
+        n = m.sum().clamp_min(1)
+        lr = log_ratio.detach()
+        r = torch.where(m, torch.exp(lr), torch.zeros_like(lr))
+        sum_r, sum_r2 = r.sum(), (r * r).sum()
+        ess = sum_r * sum_r / (m.sum() * sum_r2) if m.any() else torch.zeros(())
+        low, high = low & m, high & m
+        return {
+            "clip_fraction_low": float(low.sum() / n),
+            "clip_fraction_high": float(high.sum() / n),
+            "clip_fraction": float((low.sum() + high.sum()) / n),
+            "approx_kl": float(masked_mean(torch.expm1(-lr) + lr, m)),
+            "ess": float(ess),
+            "entropy_proxy": float(masked_mean(-safe_logp.detach(), m)),
+        }
+
+
 class GRPOLoss(Loss):
     """PPO-clip surrogate with separate low/high clip bounds (DAPO clip-higher) and optional KL.
 
     Per token: `-min(r*A, clip(r, 1-eps_low, 1+eps_high)*A) + kl_coef * KL_t` with
     `r = exp(logp - old)`, `old = prox_logp if given else behav_logp`; then `aggregate`d.
     `old`, `advantages` and `ref_logp` are treated as constants (detached).
+
+    `ratio_level="sequence"` is GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization",
+    arXiv:2507.18071): every token of sequence i uses the length-normalised sequence ratio
+    `s_i = exp(mean_{t in i, masked} (logp_t - old_t))` (the gradient flows through the mean, so
+    d s_i / d logp_t = s_i / |y_i|), clipped to `[1-eps_low, 1+eps_high]` exactly like the token
+    ratio. GSPO clips far tighter than token-level PPO (the paper uses eps_low=3e-4,
+    eps_high=4e-4) because s_i is a geometric mean close to 1. GSPO averages per sequence, so
+    with `aggregation=None` sequence level defaults to "seq-mean" (token level to "token-mean");
+    an explicit aggregation is honoured. With per-sequence advantages, seq-mean gives exactly the
+    GSPO objective `mean_i min(s_i A_i, clip(s_i) A_i)`.
+
+    `per_token(logp, old, advantages, mask)` returns the unaggregated policy-gradient term (zero
+    off-mask) and the ratio metrics, so wrappers (`TruncatedIS`) can reweight it before `reduce`.
     """
 
     def __init__(
@@ -90,7 +166,8 @@ class GRPOLoss(Loss):
         clip_eps_high: float = 0.2,
         kl_coef: float = 0.0,
         kl_estimator: str = "k3",
-        aggregation: str = "token-mean",
+        aggregation: str | None = None,
+        ratio_level: str = "token",
     ) -> None:
         super().__init__()
         if not 0.0 <= clip_eps_low < 1.0 or clip_eps_high < 0.0:
@@ -101,6 +178,10 @@ class GRPOLoss(Loss):
             raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
         if kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"unknown kl_estimator {kl_estimator!r}; valid: {list(KL_ESTIMATORS)}")
+        if ratio_level not in RATIO_LEVELS:
+            raise ValueError(f"unknown ratio_level {ratio_level!r}; valid: {list(RATIO_LEVELS)}")
+        if aggregation is None:
+            aggregation = "seq-mean" if ratio_level == "sequence" else "token-mean"
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"unknown aggregation {aggregation!r}; valid: {list(AGGREGATIONS)}")
         self.clip_eps_low = float(clip_eps_low)
@@ -108,13 +189,48 @@ class GRPOLoss(Loss):
         self.kl_coef = float(kl_coef)
         self.kl_estimator = kl_estimator
         self.aggregation = aggregation
+        self.ratio_level = ratio_level
         self.needs_ref_logp = self.kl_coef > 0
 
     def extra_repr(self) -> str:
         return (
             f"clip_eps_low={self.clip_eps_low}, clip_eps_high={self.clip_eps_high}, "
-            f"kl_coef={self.kl_coef}, kl_estimator={self.kl_estimator!r}, aggregation={self.aggregation!r}"
+            f"kl_coef={self.kl_coef}, kl_estimator={self.kl_estimator!r}, aggregation={self.aggregation!r}, "
+            f"ratio_level={self.ratio_level!r}"
         )
+
+    def per_token(
+        self, logp: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Unaggregated clipped surrogate `[B, T]` (0 off-mask) and the ratio metrics."""
+        m, safe_logp, safe_old, adv = prepare(logp, old, advantages, mask)
+        log_ratio = safe_logp - safe_old
+        if self.ratio_level == "sequence":
+            counts = m.sum(dim=-1, keepdim=True).clamp_min(1)
+            seq_log_ratio = log_ratio.sum(dim=-1, keepdim=True) / counts  # [B, 1]
+            log_ratio = torch.where(m, seq_log_ratio.expand_as(log_ratio), torch.zeros_like(log_ratio))
+        ratio = torch.exp(log_ratio)
+        clipped = torch.clamp(ratio, 1.0 - self.clip_eps_low, 1.0 + self.clip_eps_high)
+        per_token = torch.maximum(-ratio * adv, -clipped * adv)
+        r = ratio.detach()
+        metrics = ratio_metrics(
+            m, safe_logp, log_ratio, (adv < 0) & (r < 1.0 - self.clip_eps_low), (adv > 0) & (r > 1.0 + self.clip_eps_high)
+        )
+        return per_token, metrics
+
+    def kl_per_token(self, logp: torch.Tensor, ref_logp: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
+        """`kl_estimate(logp, ref_logp)` `[B, T]` (0 off-mask) when kl_coef > 0, else None."""
+        if self.kl_coef <= 0:
+            return None
+        if ref_logp is None:
+            raise ValueError(f"{type(self).__name__} with kl_coef > 0 needs ref_logp, got None")
+        m = mask != 0
+        zeros = torch.zeros_like(logp)
+        return kl_estimate(torch.where(m, logp, zeros), torch.where(m, ref_logp.detach(), zeros), self.kl_estimator)
+
+    def reduce(self, per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Aggregate a per-token loss with this loss's aggregation."""
+        return aggregate(per_token, mask, self.aggregation)
 
     def forward(
         self,
@@ -129,48 +245,13 @@ class GRPOLoss(Loss):
         check_shapes(
             logp, behav_logp=behav_logp, prox_logp=prox_logp, advantages=advantages, mask=mask, ref_logp=ref_logp
         )
-        if self.kl_coef > 0 and ref_logp is None:
-            raise ValueError("GRPOLoss with kl_coef > 0 needs ref_logp, got None")
-        m = mask != 0
-        old = (prox_logp if prox_logp is not None else behav_logp).detach()
-        adv = advantages.detach().to(logp.dtype)
-        if adv.dim() == 1:
-            adv = adv.unsqueeze(-1)
-        zeros = torch.zeros_like(logp)
-        # Zero every input off-mask so garbage there (inf, NaN, huge ratios) cannot reach the
-        # loss or its gradient: torch.where alone does not stop NaN gradients from the other branch.
-        adv = torch.where(m, adv.expand_as(logp), zeros)
-        safe_logp = torch.where(m, logp, zeros)
-        log_ratio = safe_logp - torch.where(m, old, zeros)
-        ratio = torch.exp(log_ratio)
-        clipped = torch.clamp(ratio, 1.0 - self.clip_eps_low, 1.0 + self.clip_eps_high)
-        per_token = torch.maximum(-ratio * adv, -clipped * adv)
-
-        kl = None
-        if self.kl_coef > 0:
-            kl = kl_estimate(safe_logp, torch.where(m, ref_logp.detach(), zeros), self.kl_estimator)
+        kl = self.kl_per_token(logp, ref_logp, mask)
+        old = prox_logp if prox_logp is not None else behav_logp
+        per_token, ratio_stats = self.per_token(logp, old, advantages, mask)
+        if kl is not None:
             per_token = per_token + self.kl_coef * kl
-        loss = aggregate(per_token, m, self.aggregation)
-
-        with torch.no_grad():
-            n = m.sum().clamp_min(1)
-            r = ratio.detach()
-            low = m & (adv < 0) & (r < 1.0 - self.clip_eps_low)
-            high = m & (adv > 0) & (r > 1.0 + self.clip_eps_high)
-            r_m = torch.where(m, r, torch.zeros_like(r))
-            sum_r, sum_r2 = r_m.sum(), (r_m * r_m).sum()
-            ess = sum_r * sum_r / (m.sum() * sum_r2) if m.any() else torch.zeros(())
-            metrics = {
-                "loss": float(loss.detach()),
-                "clip_fraction_low": float(low.sum() / n),
-                "clip_fraction_high": float(high.sum() / n),
-                "clip_fraction": float((low.sum() + high.sum()) / n),
-                # k3 estimate of KL(old || new): exp(old - logp) - 1 - (old - logp).
-                "approx_kl": float(masked_mean(torch.expm1(-log_ratio.detach()) + log_ratio.detach(), m)),
-                "ess": float(ess),
-                # Mean negative logprob of the sampled tokens (a proxy: true entropy needs logits).
-                "entropy_proxy": float(masked_mean(-safe_logp.detach(), m)),
-            }
-            if kl is not None:
-                metrics["kl_ref"] = float(masked_mean(kl.detach(), m))
+        loss = self.reduce(per_token, mask)
+        metrics = {"loss": float(loss.detach()), **ratio_stats}
+        if kl is not None:
+            metrics["kl_ref"] = float(masked_mean(kl.detach(), mask != 0))
         return LossOutput(loss=loss, metrics=metrics)

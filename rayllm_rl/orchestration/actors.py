@@ -151,14 +151,15 @@ class LearnerWorker:
         ip = ray.util.get_node_ip_address()
         return ip, find_free_port(ip)
 
-    def setup(self, model_path: str, optim, algo, temperature: float, seed: int, master_addr: str, master_port: int) -> bool:
+    def setup(self, model_path: str, optim, algo, temperature: float, seed: int, master_addr: str, master_port: int,
+              max_new_tokens: int | None = None) -> bool:
         from rayllm_rl.learner.distributed import DistConfig
         from rayllm_rl.learner.learner import Learner
 
         dist = DistConfig(rank=self.rank, world_size=self.world_size, master_addr=master_addr, master_port=master_port) \
             if self.world_size > 1 else None
         self.learner = Learner(model_path, optim, temperature=temperature, seed=seed, dist=dist)
-        self.loss = algo.build_loss()
+        self.loss = algo.build_loss(max_new_tokens)
         return True
 
     def train_step(self, batch, loss=None) -> dict[str, float]:

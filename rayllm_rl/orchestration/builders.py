@@ -34,3 +34,14 @@ def has_reward_variance(episode) -> bool:
 
 def build_episode_filter(cfg: GRPOJobConfig):
     return has_reward_variance if cfg.algo.dynamic_sampling else None
+
+
+def shape_rewards(batch, cfg: GRPOJobConfig):
+    """Apply reward shaping that depends on the rollout (DAPO overlong penalty) in place."""
+    if cfg.algo.overlong_buffer_len > 0:
+        from rayllm_rl.objectives.dapo import overlong_reward_shaping
+
+        lengths = batch["loss_mask"].sum(-1)
+        batch["rewards"] = batch["rewards"] + overlong_reward_shaping(
+            lengths, cfg.rollout.max_new_tokens, cfg.algo.overlong_buffer_len, cfg.algo.overlong_penalty)
+    return batch

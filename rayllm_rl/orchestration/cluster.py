@@ -88,7 +88,8 @@ def build_cluster(cfg: GRPOJobConfig, model_path: str, task, workflow_factory) -
     cluster = Cluster(replicas, env_workers, learners, buffer, collector, rc.call_timeout_s, rc.sync_timeout_s)
 
     host, port = cluster.get(learners[0].address.remote())
-    cluster.learner_call("setup", model_path, cfg.optim, cfg.algo, cfg.rollout.temperature, seed, host, port)
+    cluster.learner_call("setup", model_path, cfg.optim, cfg.algo, cfg.rollout.temperature, seed, host, port,
+                         cfg.rollout.max_new_tokens)
     # Weight-sync group: learner rank 0 (rank 0 of the group) + every replica, beside FSDP's group.
     sync_host, sync_port = cluster.get(learners[0].address.remote())
     transport = rc.sync_transport

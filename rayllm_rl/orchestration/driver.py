@@ -22,7 +22,7 @@ from rayllm_rl.data.replay_buffer import batch_staleness_stats
 from rayllm_rl.data.sft import make_sft_batch
 from rayllm_rl.models.tiny import ensure_tiny_model
 from rayllm_rl.objectives import SFTLoss, compute_advantages
-from rayllm_rl.orchestration.builders import build_task, build_workflow, sft_chats
+from rayllm_rl.orchestration.builders import build_task, build_workflow, sft_chats, shape_rewards
 from rayllm_rl.orchestration.cluster import Cluster, build_cluster, init_ray
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.metrics import RayMetrics
@@ -128,6 +128,7 @@ def train(cfg: GRPOJobConfig) -> dict:
         t0 = time.perf_counter()
         batch, depth = wait_for_batch(cluster, B, version)
         t_wait = time.perf_counter() - t0
+        shape_rewards(batch, cfg)
         batch["advantages"] = compute_advantages(batch["rewards"], batch["group_id"], cfg.algo.advantage)
         lag = batch_staleness_stats(batch, version)
         versions_trained = sorted(set(batch["versions"][batch["loss_mask"]].tolist()))

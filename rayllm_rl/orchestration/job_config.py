@@ -50,34 +50,55 @@ class RolloutConfig:
 
 @dataclasses.dataclass
 class AlgoConfig:
-    """The loss and its hyper-parameters; fields a loss does not take are ignored by it."""
+    """The loss and its hyper-parameters. A field left None takes the chosen loss's own default
+    (e.g. DAPO's clip_eps_high=0.28); fields a loss does not take are ignored by it."""
 
     name: str = "grpo"
-    """Loss name (see rayllm_rl.objectives.LOSSES)."""
-    clip_eps_low: float = 0.2
-    """Lower ratio clip: ratios below 1 - clip_eps_low are clipped."""
-    clip_eps_high: float = 0.2
-    """Upper ratio clip: ratios above 1 + clip_eps_high are clipped (DAPO clip-higher: 0.28)."""
-    kl_coef: float = 0.0
+    """Loss name: grpo, dapo, dr_grpo, cispo, ppo_decoupled, grpo_tis, sft (rayllm_rl.objectives.LOSSES)."""
+    clip_eps_low: float | None = None
+    """Lower ratio clip: ratios below 1 - clip_eps_low are clipped (GRPO/DAPO default 0.2)."""
+    clip_eps_high: float | None = None
+    """Upper ratio clip: ratios above 1 + clip_eps_high are clipped (GRPO 0.2, DAPO/CISPO 0.28)."""
+    kl_coef: float | None = None
     """Coefficient of the KL penalty to the reference policy (0 = off)."""
-    kl_estimator: str = "k3"
+    kl_estimator: str | None = None
     """KL estimator: k1, k2 or k3."""
-    aggregation: str = "token-mean"
-    """Loss aggregation: token-mean, seq-mean or seq-sum."""
+    aggregation: str | None = None
+    """Loss aggregation: token-mean, seq-mean or seq-sum (Dr.GRPO uses its constant normaliser)."""
+    ratio_level: str | None = None
+    """GRPO only: 'token' or 'sequence' (GSPO's sequence-level ratio)."""
+    max_tokens: int | None = None
+    """Dr.GRPO's constant length normaliser (None = rollout.max_new_tokens)."""
+    behav_weight_cap: float | None = None
+    """Decoupled PPO: cap of the behaviour weight exp(logp_prox - logp_behav) (default 5)."""
+    behav_weight_mode: str | None = None
+    """Decoupled PPO: 'cap' (truncate the weight) or 'mask' (drop tokens above the cap)."""
+    tis_level: str | None = None
+    """grpo_tis: truncated importance sampling at 'token' or 'sequence' level."""
+    tis_mode: str | None = None
+    """grpo_tis: 'truncate' or 'mask' weights above tis_cap."""
+    tis_cap: float | None = None
+    """grpo_tis: cap of the importance weight exp(logp_prox - logp_behav)."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal and sample new prompts to keep the batch full."""
+    overlong_buffer_len: int = 0
+    """DAPO overlong shaping: linear penalty over the last N tokens of the budget (0 = off)."""
+    overlong_penalty: float = 1.0
+    """DAPO overlong shaping: penalty at (and beyond) the full generation budget."""
     advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
-    """How rewards become advantages (group/global normalisation)."""
+    """How rewards become advantages (group/global normalisation, RLOO)."""
 
-    def build_loss(self):
-        """Instantiate the named loss with the fields its constructor accepts."""
+    def build_loss(self, max_new_tokens: int | None = None):
+        """Instantiate the named loss with the non-None fields its constructor accepts."""
         from rayllm_rl.objectives import LOSSES
 
         if self.name not in LOSSES:
             raise ValueError(f"unknown algo.name {self.name!r}; choose one of {sorted(LOSSES)}")
         params = inspect.signature(LOSSES[self.name]).parameters
         kwargs = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                  if f.name in params and f.name != "name"}
+                  if f.name in params and f.name != "name" and getattr(self, f.name) is not None}
+        if "max_tokens" in params and "max_tokens" not in kwargs and max_new_tokens:
+            kwargs["max_tokens"] = max_new_tokens
         return make_loss(self.name, **kwargs)
 
 

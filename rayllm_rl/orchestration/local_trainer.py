@@ -19,7 +19,7 @@ from rayllm_rl.inference.transformers_engine import TransformersEngine
 from rayllm_rl.learner.learner import Learner
 from rayllm_rl.models.tiny import ensure_tiny_model
 from rayllm_rl.objectives import SFTLoss, compute_advantages
-from rayllm_rl.orchestration.builders import build_episode_filter, build_task, build_workflow, sft_chats
+from rayllm_rl.orchestration.builders import build_episode_filter, build_task, build_workflow, sft_chats, shape_rewards
 from rayllm_rl.orchestration.collector import LLMCollector
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.reporting import RunReporter
@@ -70,12 +70,13 @@ async def train_local(cfg: GRPOJobConfig) -> dict:
     collector = LLMCollector(engine, workflow, PromptLoader(task.train, seed=cfg.trainer.seed),
                              dialog_turns_per_batch=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
                              episode_filter=build_episode_filter(cfg))
-    loss = cfg.algo.build_loss()
+    loss = cfg.algo.build_loss(cfg.rollout.max_new_tokens)
     t_rl = time.perf_counter()
     step = 0
     progress = reporter.progress(total=cfg.trainer.steps, desc="grpo")
     while step < cfg.trainer.steps:
         batch = await collector.collect()
+        shape_rewards(batch, cfg)
         batch["advantages"] = compute_advantages(batch["rewards"], batch["group_id"], cfg.algo.advantage)
         t0 = time.perf_counter()
         metrics = await asyncio.to_thread(learner.train_step, batch, loss)

@@ -1,0 +1,79 @@
+"""CISPO (MiniMax-M1, 2025): clip the detached importance weight, never drop a token's gradient."""
+from __future__ import annotations
+
+import torch
+
+from rayllm_rl.objectives.base import Loss, LossOutput
+from rayllm_rl.objectives.grpo import AGGREGATIONS, aggregate, check_shapes, prepare, ratio_metrics
+
+
+class CISPOLoss(Loss):
+    """Clipped IS-weight Policy Optimization (MiniMax et al. 2025, "MiniMax-M1: Scaling
+    Test-Time Compute Efficiently with Lightning Attention", arXiv:2506.13585, Eq. 4-5).
+
+    Per token `-sg(clip(r, 1-eps_low, 1+eps_high)) * A * logp`, `r = exp(logp - old)`,
+    `old = prox_logp if given else behav_logp`, sg = stop-gradient; aggregated "token-mean"
+    (the paper normalises by the total number of tokens of the group, sum_i |o_i|).
+    Gradient per token: `-clip(r) * A / n` -- tokens whose ratio is clipped STILL contribute
+    (unlike PPO-clip, which zeroes them); the clip only bounds the weight.
+
+    Defaults: `clip_eps_low=None` = no lower bound (MiniMax-M1: "we did not impose a lower bound
+    on the IS weight by setting eps_low to a large value" and tuned only eps_high);
+    `clip_eps_high=0.28` is our default, borrowed from DAPO's clip-higher value (the paper does
+    not fix one number for eps_high; tune it).
+    Metrics: clip_fraction_low/high count masked tokens whose weight is clipped on that side,
+    whatever the sign of A (CISPO clips the weight, not the objective).
+    """
+
+    def __init__(
+        self,
+        *,
+        clip_eps_low: float | None = None,
+        clip_eps_high: float = 0.28,
+        aggregation: str = "token-mean",
+    ) -> None:
+        super().__init__()
+        if clip_eps_low is not None and not 0.0 <= clip_eps_low <= 1.0:
+            raise ValueError(f"clip_eps_low must be None or in [0, 1], got {clip_eps_low}")
+        if clip_eps_high < 0:
+            raise ValueError(f"clip_eps_high must be >= 0, got {clip_eps_high}")
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"unknown aggregation {aggregation!r}; valid: {list(AGGREGATIONS)}")
+        self.clip_eps_low = None if clip_eps_low is None else float(clip_eps_low)
+        self.clip_eps_high = float(clip_eps_high)
+        self.aggregation = aggregation
+
+    def extra_repr(self) -> str:
+        return f"clip_eps_low={self.clip_eps_low}, clip_eps_high={self.clip_eps_high}, aggregation={self.aggregation!r}"
+
+    def per_token(
+        self, logp: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Unaggregated `-sg(clip(r)) * A * logp` `[B, T]` (0 off-mask) and the ratio metrics."""
+        m, safe_logp, safe_old, adv = prepare(logp, old, advantages, mask)
+        log_ratio = safe_logp - safe_old
+        r = torch.exp(log_ratio).detach()
+        lo = None if self.clip_eps_low is None else 1.0 - self.clip_eps_low
+        hi = 1.0 + self.clip_eps_high
+        weight = torch.clamp(r, min=lo, max=hi)
+        per_token = -weight * adv * safe_logp
+        low = (r < lo) if lo is not None else torch.zeros_like(m)
+        return per_token, ratio_metrics(m, safe_logp, log_ratio, low, r > hi)
+
+    def reduce(self, per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return aggregate(per_token, mask, self.aggregation)
+
+    def forward(
+        self,
+        logp: torch.Tensor,
+        behav_logp: torch.Tensor,
+        prox_logp: torch.Tensor | None,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        ref_logp: torch.Tensor | None = None,
+    ) -> LossOutput:
+        check_shapes(logp, behav_logp=behav_logp, prox_logp=prox_logp, advantages=advantages, mask=mask)
+        old = prox_logp if prox_logp is not None else behav_logp
+        per_token, stats = self.per_token(logp, old, advantages, mask)
+        loss = self.reduce(per_token, mask)
+        return LossOutput(loss=loss, metrics={"loss": float(loss.detach()), **stats})

@@ -1,0 +1,98 @@
+"""DAPO (Yu et al. 2025) and Dr.GRPO (Liu et al. 2025): PPO-clip variants of `GRPOLoss`.
+
+Both reuse GRPOLoss's per-token clipped surrogate and differ only in defaults and aggregation.
+DAPO's soft overlong punishment is a reward-shaping helper, `overlong_reward_shaping`.
+"""
+from __future__ import annotations
+
+import torch
+
+from rayllm_rl.objectives.grpo import aggregate, GRPOLoss
+
+
+class DAPOLoss(GRPOLoss):
+    """DAPO policy loss (Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System
+    at Scale", arXiv:2503.14476).
+
+    Per token `-min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)`, `r = exp(logp - old)`, with the
+    paper's decoupled "clip-higher" bounds eps_low=0.2, eps_high=0.28, the token-level policy
+    gradient loss (aggregation "token-mean": sum over every masked token of the batch / their
+    count) and no KL penalty (DAPO removes it). Dynamic sampling (dropping groups whose rewards
+    are all equal) lives in the rollout/advantage side, overlong shaping in
+    `overlong_reward_shaping`.
+    """
+
+    def __init__(
+        self,
+        *,
+        clip_eps_low: float = 0.2,
+        clip_eps_high: float = 0.28,
+        aggregation: str = "token-mean",
+    ) -> None:
+        super().__init__(
+            clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, kl_coef=0.0, aggregation=aggregation
+        )
+
+
+def overlong_reward_shaping(
+    lengths: torch.Tensor, max_len: int, cache_len: int, penalty: float = 1.0
+) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, Eq. 13), added to the task reward.
+
+    With `L = lengths` (response tokens) and `L_max = max_len`, `L_cache = cache_len`:
+        0                                   if L <= L_max - L_cache
+        -(L - (L_max - L_cache)) / L_cache * penalty   if L_max - L_cache < L <= L_max
+        -penalty                            if L > L_max
+    Returns a float tensor shaped like `lengths` `[N]`.
+    """
+    if cache_len <= 0 or cache_len > max_len:
+        raise ValueError(f"need 0 < cache_len <= max_len, got cache_len={cache_len}, max_len={max_len}")
+    lengths = torch.as_tensor(lengths)
+    lf = lengths.to(torch.float64) if not lengths.is_floating_point() else lengths
+    start = float(max_len - cache_len)
+    window = -(lf - start) / float(cache_len) * penalty
+    out = torch.where(lf <= start, torch.zeros_like(lf), window)
+    out = torch.where(lf > max_len, torch.full_like(lf, -float(penalty)), out)
+    return out
+
+
+class DrGRPOLoss(GRPOLoss):
+    """Dr.GRPO policy loss (Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical
+    Perspective", arXiv:2503.20783).
+
+    Per token the PPO-clip surrogate `-min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)`; the loss is
+    the sum over every masked token of the batch divided by the CONSTANT `B * max_tokens` (B =
+    rows, empty ones included; `max_tokens` = the generation budget, e.g. max new tokens). Unlike
+    token-mean or per-sequence means, this normaliser does not depend on response lengths, which
+    removes GRPO's length bias (short wrong answers penalised more per token, long wrong answers
+    less). The paper's other half, advantages without std normalisation (`A = R - mean(R)`), is
+    configured on the advantage side (`AdvantageConfig(std=False)`), not here.
+
+    `aggregation = "constant"` (see `aggregate`). Learner weighting: any aggregation other than
+    "token-mean" makes the learner weight micro-batch k by `B_k / B`; the micro-batch loss is
+    `sum_k / (B_k * max_tokens)`, so `sum_k weight_k * loss_k = sum_all / (B * max_tokens)`,
+    which is exactly the full-batch loss. No learner change is needed.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_tokens: int = 1024,
+        clip_eps_low: float = 0.2,
+        clip_eps_high: float = 0.2,
+        kl_coef: float = 0.0,
+        kl_estimator: str = "k3",
+    ) -> None:
+        super().__init__(
+            clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, kl_coef=kl_coef, kl_estimator=kl_estimator
+        )
+        if int(max_tokens) <= 0:
+            raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
+        self.max_tokens = int(max_tokens)
+        self.aggregation = "constant"
+
+    def extra_repr(self) -> str:
+        return f"max_tokens={self.max_tokens}, " + super().extra_repr()
+
+    def reduce(self, per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return aggregate(per_token, mask, "constant", max_tokens=self.max_tokens)

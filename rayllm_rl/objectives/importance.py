@@ -1,0 +1,130 @@
+"""Truncated importance sampling for the inference/training mismatch, as a `Loss` wrapper."""
+from __future__ import annotations
+
+import torch
+
+from rayllm_rl.objectives.base import Loss, LossOutput
+from rayllm_rl.objectives.grpo import GRPOLoss, check_shapes, masked_mean
+
+TIS_LEVELS = ("token", "sequence")
+TIS_MODES = ("truncate", "mask")
+
+
+class TruncatedIS(Loss):
+    """Correct a base loss for the rollout-engine vs trainer mismatch with truncated IS.
+
+    The inference engine (vLLM/SGLang kernels, bf16, ...) samples from pi_behav, which differs
+    from the trainer's own recompute pi_prox of the same weights even when fully on-policy.
+    Following Yao et al. 2025 ("Your Efficient RL Framework Secretly Brings You Off-Policy RL
+    Training", fengyao.notion.site, TIS) and its sequence-level / masking variants (Liu et al.
+    2025, "When Speed Kills Stability", MIS), the base loss is computed with
+    `old = prox_logp` (`needs_prox_logp = True`: the learner recomputes it) and every token's
+    base loss is multiplied by a detached weight:
+        level "token":    w_t = exp(prox_t - behav_t)
+        level "sequence": w_t = exp(sum_{s in seq, masked} (prox_s - behav_s)) for each token t
+        mode "truncate":  w <- min(w, cap)          (TIS)
+        mode "mask":      w <- 0 where w > cap       (MIS-style rejection; the tokens / whole
+                                                      sequence still count in the normaliser)
+    loss = base.reduce(w * base.per_token(logp, prox, A, mask) [+ kl_coef * KL]); the KL term,
+    if the base has one, is not reweighted. The base must expose `per_token(logp, old,
+    advantages, mask) -> (per_token_loss, metrics)` and `reduce(per_token, mask)` (GRPOLoss and
+    its subclasses, CISPOLoss). Extra metrics: `tis_weight_mean` (mean applied weight over
+    masked tokens), `tis_capped_fraction` (fraction of masked tokens whose raw weight > cap).
+    `aggregation` is the base's (so the learner weights micro-batches as for the base).
+    """
+
+    needs_prox_logp = True
+
+    def __init__(self, base_loss: Loss, level: str = "token", mode: str = "truncate", cap: float = 2.0) -> None:
+        super().__init__()
+        if not (hasattr(base_loss, "per_token") and hasattr(base_loss, "reduce")):
+            raise ValueError(f"{type(base_loss).__name__} does not expose per_token/reduce; TruncatedIS cannot wrap it")
+        if level not in TIS_LEVELS:
+            raise ValueError(f"unknown level {level!r}; valid: {list(TIS_LEVELS)}")
+        if mode not in TIS_MODES:
+            raise ValueError(f"unknown mode {mode!r}; valid: {list(TIS_MODES)}")
+        if not cap > 0:
+            raise ValueError(f"cap must be > 0, got {cap}")
+        self.base = base_loss
+        self.level = level
+        self.mode = mode
+        self.cap = float(cap)
+        self.needs_ref_logp = bool(getattr(base_loss, "needs_ref_logp", False))
+
+    @property
+    def aggregation(self) -> str:
+        return getattr(self.base, "aggregation", "token-mean")
+
+    def extra_repr(self) -> str:
+        return f"level={self.level!r}, mode={self.mode!r}, cap={self.cap}"
+
+    def weights(
+        self, prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Detached `(w, over_cap)` `[B, T]`: the truncated/masked IS weight (0 off-mask)."""
+        m = mask != 0
+        zeros = torch.zeros_like(prox_logp)
+        with torch.no_grad():
+            lw = torch.where(m, prox_logp.detach() - behav_logp.detach().to(prox_logp.dtype), zeros)
+            if self.level == "sequence":
+                lw = lw.sum(dim=-1, keepdim=True).expand_as(lw)
+            raw = torch.exp(lw)
+            over = m & (raw > self.cap)
+            w = torch.clamp(raw, max=self.cap) if self.mode == "truncate" else torch.where(over, zeros, raw)
+            return torch.where(m, w, zeros), over
+
+    def forward(
+        self,
+        logp: torch.Tensor,
+        behav_logp: torch.Tensor,
+        prox_logp: torch.Tensor | None,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        ref_logp: torch.Tensor | None = None,
+    ) -> LossOutput:
+        if prox_logp is None:
+            raise ValueError("TruncatedIS needs prox_logp (the learner recomputes it when needs_prox_logp is True)")
+        check_shapes(
+            logp, behav_logp=behav_logp, prox_logp=prox_logp, advantages=advantages, mask=mask, ref_logp=ref_logp
+        )
+        kl_fn = getattr(self.base, "kl_per_token", None)
+        kl = kl_fn(logp, ref_logp, mask) if kl_fn is not None else None
+        pg, stats = self.base.per_token(logp, prox_logp, advantages, mask)
+        w, over = self.weights(prox_logp.to(logp.dtype), behav_logp, mask)
+        per_token = w * pg
+        if kl is not None:
+            per_token = per_token + self.base.kl_coef * kl
+        loss = self.base.reduce(per_token, mask)
+        m = mask != 0
+        metrics = {"loss": float(loss.detach()), **stats}
+        metrics["tis_weight_mean"] = float(masked_mean(w, m))
+        metrics["tis_capped_fraction"] = float(over.sum() / m.sum().clamp_min(1))
+        if kl is not None:
+            metrics["kl_ref"] = float(masked_mean(kl.detach(), m))
+        return LossOutput(loss=loss, metrics=metrics)
+
+
+class GRPOTISLoss(TruncatedIS):
+    """`TruncatedIS(GRPOLoss(...), level, mode, cap)` built from flat config fields (registered
+    as "grpo_tis"); `tis_level`, `tis_mode`, `tis_cap` are TruncatedIS's level, mode and cap."""
+
+    def __init__(
+        self,
+        *,
+        clip_eps_low: float = 0.2,
+        clip_eps_high: float = 0.2,
+        kl_coef: float = 0.0,
+        kl_estimator: str = "k3",
+        aggregation: str = "token-mean",
+        tis_level: str = "token",
+        tis_mode: str = "truncate",
+        tis_cap: float = 2.0,
+    ) -> None:
+        base = GRPOLoss(
+            clip_eps_low=clip_eps_low,
+            clip_eps_high=clip_eps_high,
+            kl_coef=kl_coef,
+            kl_estimator=kl_estimator,
+            aggregation=aggregation,
+        )
+        super().__init__(base, level=tis_level, mode=tis_mode, cap=tis_cap)

@@ -1,0 +1,154 @@
+"""AReaL's decoupled PPO loss (Fu et al. 2025) and the log-linear proximal-logprob approximation."""
+from __future__ import annotations
+
+import torch
+
+from rayllm_rl.objectives.base import LossOutput
+from rayllm_rl.objectives.grpo import GRPOLoss, check_shapes, masked_mean
+
+BEHAV_WEIGHT_MODES = ("cap", "mask")
+
+
+class DecoupledPPOLoss(GRPOLoss):
+    """Decoupled PPO objective of AReaL (Fu et al. 2025, "AReaL: A Large-Scale Asynchronous
+    Reinforcement Learning System for Language Reasoning", arXiv:2505.24298, Eq. 5).
+
+    Two policies are decoupled: the proximal policy pi_prox (the learner's weights before this
+    update, recomputed by the learner because `needs_prox_logp = True`) anchors the trust region,
+    and the behaviour policy pi_behav (the possibly stale rollout policy) is corrected by
+    importance weighting. Per token:
+        r = exp(logp - prox)                       (gradient flows through logp)
+        pg = -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)
+        w = exp(prox - behav)                      (detached, ALWAYS applied)
+        "cap":  w <- min(w, behav_weight_cap)
+        "mask": w <- 0 where w > behav_weight_cap  (AReaL's `behav_imp_weight_cap` does this)
+        loss_t = w * pg   (+ kl_coef * KL_t when on), aggregated with `aggregation`.
+    In "mask" mode masked tokens still count in the token-mean denominator (as in AReaL, where
+    they are zeroed by the weight, not removed from the loss mask).
+    Extra metrics: `behav_weight_mean` (mean of the applied weight over masked tokens) and
+    `behav_weight_capped_fraction` (fraction of masked tokens with raw w > cap).
+    `prox_logp=None` raises ValueError (use the learner's recompute, or `loglinear_prox_logp`).
+    """
+
+    needs_prox_logp = True
+
+    def __init__(
+        self,
+        *,
+        clip_eps_low: float = 0.2,
+        clip_eps_high: float = 0.2,
+        behav_weight_cap: float = 5.0,
+        behav_weight_mode: str = "cap",
+        kl_coef: float = 0.0,
+        kl_estimator: str = "k3",
+        aggregation: str = "token-mean",
+    ) -> None:
+        super().__init__(
+            clip_eps_low=clip_eps_low,
+            clip_eps_high=clip_eps_high,
+            kl_coef=kl_coef,
+            kl_estimator=kl_estimator,
+            aggregation=aggregation,
+        )
+        if behav_weight_mode not in BEHAV_WEIGHT_MODES:
+            raise ValueError(f"unknown behav_weight_mode {behav_weight_mode!r}; valid: {list(BEHAV_WEIGHT_MODES)}")
+        if not behav_weight_cap > 0:
+            raise ValueError(f"behav_weight_cap must be > 0, got {behav_weight_cap}")
+        self.behav_weight_cap = float(behav_weight_cap)
+        self.behav_weight_mode = behav_weight_mode
+
+    def extra_repr(self) -> str:
+        return (
+            super().extra_repr()
+            + f", behav_weight_cap={self.behav_weight_cap}, behav_weight_mode={self.behav_weight_mode!r}"
+        )
+
+    def behav_weight(
+        self, prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Detached `(w, over_cap)` `[B, T]`: capped/masked exp(prox - behav), 0 off-mask."""
+        m = mask != 0
+        zeros = torch.zeros_like(prox_logp)
+        with torch.no_grad():
+            raw = torch.exp(torch.where(m, prox_logp.detach() - behav_logp.detach(), zeros))
+            over = m & (raw > self.behav_weight_cap)
+            if self.behav_weight_mode == "cap":
+                w = torch.clamp(raw, max=self.behav_weight_cap)
+            else:
+                w = torch.where(over, zeros, raw)
+            return torch.where(m, w, zeros), over
+
+    def forward(
+        self,
+        logp: torch.Tensor,
+        behav_logp: torch.Tensor,
+        prox_logp: torch.Tensor | None,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        ref_logp: torch.Tensor | None = None,
+    ) -> LossOutput:
+        if prox_logp is None:
+            raise ValueError(
+                "DecoupledPPOLoss needs prox_logp (the learner recomputes it when needs_prox_logp is True; "
+                "without a recompute, pass loglinear_prox_logp(...))"
+            )
+        check_shapes(
+            logp, behav_logp=behav_logp, prox_logp=prox_logp, advantages=advantages, mask=mask, ref_logp=ref_logp
+        )
+        kl = self.kl_per_token(logp, ref_logp, mask)
+        pg, stats = self.per_token(logp, prox_logp, advantages, mask)
+        w, over = self.behav_weight(prox_logp.to(logp.dtype), behav_logp.to(logp.dtype), mask)
+        per_token = w * pg
+        if kl is not None:
+            per_token = per_token + self.kl_coef * kl
+        loss = self.reduce(per_token, mask)
+        m = mask != 0
+        metrics = {"loss": float(loss.detach()), **stats}
+        metrics["behav_weight_mean"] = float(masked_mean(w, m))
+        metrics["behav_weight_capped_fraction"] = float(over.sum() / m.sum().clamp_min(1))
+        if kl is not None:
+            metrics["kl_ref"] = float(masked_mean(kl.detach(), m))
+        return LossOutput(loss=loss, metrics=metrics)
+
+
+def loglinear_prox_logp(
+    behav_logp: torch.Tensor,
+    versions: torch.Tensor,
+    current_version: int,
+    logp_current: torch.Tensor,
+) -> torch.Tensor:
+    """Approximate log pi_prox without a recompute forward pass (detached, `[B, T]`).
+
+    Log-linear interpolation between policy versions, after AReaL's recompute-free proximal
+    logprob approximation ("loglinear"): policy log-probabilities are assumed to move linearly in
+    the version number between the behaviour policy that sampled token t (version `v_t =
+    versions[b, t]`, logprob `behav_logp`) and the policy at `current_version` (logprob
+    `logp_current`, e.g. the training forward's logp). The proximal policy is the one right
+    before the update, version `v_prox = current_version - 1`, so
+
+        alpha_t = (v_prox - v_t) / (current_version - v_t)      (in [0, 1) for v_t < current_version)
+        log pi_prox_t ~= behav_logp_t + alpha_t * (logp_current_t - behav_logp_t)
+
+    A token sampled by v_prox itself gets alpha=0 (exactly its behaviour logprob); a very stale
+    token gets alpha -> 1 (close to the current logprob). Tokens with `v_t >= v_prox` get
+    alpha = 0. Negative versions (e.g. an "unknown" marker on prompt tokens) are not special-cased:
+    they read as very stale, so keep such tokens off the loss mask.
+    Limits: exact only if log-probs really move linearly in the version index; it ignores the
+    curvature of the optimisation path, is only as good as the version bookkeeping, and on the
+    first minibatch (`logp_current` = prox) it differs from the true prox only by how stale
+    tokens are interpolated. Use the learner's recompute when affordable.
+    """
+    if behav_logp.shape != logp_current.shape or versions.shape != behav_logp.shape:
+        raise ValueError(
+            f"shape mismatch: behav_logp {tuple(behav_logp.shape)}, versions {tuple(versions.shape)}, "
+            f"logp_current {tuple(logp_current.shape)}"
+        )
+    with torch.no_grad():
+        b = behav_logp.detach().to(torch.float64)
+        c = logp_current.detach().to(torch.float64)
+        v = versions.to(torch.float64)
+        cur = float(current_version)
+        stale = v < cur - 1.0
+        alpha = torch.where(stale, (cur - 1.0 - v) / (cur - v).clamp_min(1.0), torch.zeros_like(v))
+        out = b + alpha * (c - b)
+        return out.to(logp_current.dtype)
