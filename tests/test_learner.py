@@ -6,6 +6,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from datasets import Dataset
 
@@ -105,3 +106,26 @@ def test_local_trainer_end_to_end_outputs(tmp_path):
     assert (run / "reward_curve.png").stat().st_size > 1000
     model = AutoModelForCausalLM.from_pretrained(summary["checkpoint"])
     assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_learner_reports_true_policy_entropy(engine, tokenizer, tiny_model_path):
+    """The learner's `entropy` metric is the mean full-distribution entropy over trained tokens."""
+    from rayllm_rl.learner import learner as learner_mod
+
+    batch = rollout_batch(engine, tokenizer, by_length, n=8)
+    learner = Learner(tiny_model_path, OptimConfig(lr=0.0, micro_batch_size=3, grad_clip=0.0))
+    with torch.no_grad():
+        logits = learner.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.double()
+    p = torch.softmax(logits[:, :-1], -1)
+    ent = -(p * torch.log(p)).sum(-1)  # [B, T-1], entropy of the distribution predicting token t+1
+    mask = batch["loss_mask"][:, 1:]
+    want = float((ent * mask).sum() / mask.sum())
+    assert 0.1 < want < 10.0
+    old_chunk = learner_mod.ENTROPY_CHUNK
+    learner_mod.ENTROPY_CHUNK = 2  # the chunked path must give the same number
+    try:
+        metrics = learner.train_step(batch, GRPOLoss())
+    finally:
+        learner_mod.ENTROPY_CHUNK = old_chunk
+    assert metrics["entropy"] == pytest.approx(want, rel=1e-4)
+    assert abs(metrics["entropy"] - metrics["entropy_proxy"]) > 1e-3  # not the sampled-token proxy

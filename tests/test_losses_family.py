@@ -386,3 +386,42 @@ def test_job_config_selects_each_loss_with_its_own_defaults():
     ppo = build("algo.name=ppo_decoupled", "algo.behav_weight_cap=3", "algo.behav_weight_mode=mask")
     assert isinstance(ppo, DecoupledPPOLoss) and ppo.needs_prox_logp and ppo.behav_weight_cap == 3.0
     assert build("algo.ratio_level=sequence").ratio_level == "sequence"
+
+
+# ---------------------------------------------------------------- KL to the inference policy
+def test_kl_to_inference_policy_value_and_grad_with_prox_and_ref():
+    """GRPO's penalty toward pi_behav: k3 in lr = behav - logp, added to the PG term and KL(ref).
+
+    prox is given, so the PG ratio uses prox (r=R exactly); behav differs from prox by offsets d,
+    so the behaviour KL is non-zero. ref = logp - 0.1 on generated tokens (k1 KL to ref = 0.1).
+    """
+    logp, prox, adv, mask = _batch()
+    d = [[0.3, -0.2, 0.0], [0.5, 0.1, -0.4, 0.2]]
+    behav = prox - _off(d)  # lr_behav = behav - logp = -1 - d - (-1 + ln r) = -d - ln r
+    ref = torch.where(mask, logp.detach() - 0.1, torch.zeros_like(prox))
+    c_ref, c_beh = 0.05, 0.3
+    loss_fn = GRPOLoss(kl_coef=c_ref, kl_estimator="k3", kl_behav_coef=c_beh)
+    out = loss_fn(logp, behav, prox, adv, mask, ref_logp=ref)
+    vals, grads, kl_b = [], [], []
+    for i in range(2):
+        for j, r in enumerate(R[i]):
+            v, g = _ppo(r, A[i], 0.2, 0.2)
+            lr_b = -d[i][j] - lg(r)
+            kb, dkb = math.exp(lr_b) - 1 - lr_b, -math.exp(lr_b) + 1  # d/dlogp of k3: lr' = -1
+            kr, dkr = math.exp(-0.1) - 1 + 0.1, -math.exp(-0.1) + 1
+            vals.append(v + c_beh * kb + c_ref * kr)
+            grads.append(g + c_beh * dkb + c_ref * dkr)
+            kl_b.append(kb)
+    assert out.loss.item() == pytest.approx(sum(vals) / N_TOK, abs=1e-12)
+    assert out.metrics["kl_behav"] == pytest.approx(sum(kl_b) / N_TOK, abs=1e-12)
+    assert out.metrics["kl_ref"] == pytest.approx(math.exp(-0.1) - 0.9, abs=1e-12)
+    want = [[g / N_TOK for g in grads[:3]], [g / N_TOK for g in grads[3:]]]
+    _assert_rows(_grad(out.loss, logp), _pad(want))
+    # Off by default, and the same field reaches the decoupled-PPO and TIS variants.
+    logp2, prox2, adv2, mask2 = _batch()
+    assert "kl_behav" not in GRPOLoss()(logp2, behav, prox2, adv2, mask2).metrics
+    for name in ("ppo_decoupled", "grpo_tis", "dr_grpo"):
+        m = make_loss(name, kl_behav_coef=c_beh)(logp2, behav, prox2, adv2, mask2).metrics
+        assert m["kl_behav"] == pytest.approx(sum(kl_b) / N_TOK, abs=1e-12), name
+    with pytest.raises(ValueError, match="kl_behav_coef"):
+        GRPOLoss(kl_behav_coef=-1.0)

@@ -58,14 +58,28 @@ class OptimConfig:
     """Linear warm-up of the learning rate over this many optimizer steps."""
 
 
+ENTROPY_CHUNK = 512
+"""Positions per chunk when the learner computes the policy entropy metric."""
+
+
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   temperature: float = 1.0) -> torch.Tensor:
-    """Token-aligned log pi(x_t | x_<t) `[B, T]` for right-padded input; column 0 is 0."""
+                   temperature: float = 1.0, *, with_entropy: bool = False):
+    """Token-aligned log pi(x_t | x_<t) `[B, T]` for right-padded input; column 0 is 0.
+
+    With `with_entropy`, also the detached entropy of the full next-token distribution at each
+    position, `[B, T]` aligned the same way (column 0 is 0): `(logp, entropy)`.
+    """
     logits = model(input_ids=input_ids, attention_mask=attention_mask.long()).logits[:, :-1].float()
     if temperature != 1.0:
         logits = logits / temperature
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return torch.nn.functional.pad(logp, (1, 0), value=0.0)
+    log_probs = torch.log_softmax(logits, dim=-1)
+    logp = log_probs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    logp = torch.nn.functional.pad(logp, (1, 0), value=0.0)
+    if not with_entropy:
+        return logp
+    with torch.no_grad():  # chunked over positions: one [B, chunk, V] temporary at a time
+        ent = torch.cat([-(lp.exp() * lp).sum(-1) for lp in log_probs.split(ENTROPY_CHUNK, dim=1)], dim=1)
+    return logp, torch.nn.functional.pad(ent, (1, 0), value=0.0)
 
 
 def _trim(td: TensorDict, width: int) -> TensorDict:
@@ -190,10 +204,13 @@ class Learner:
         metrics: dict[str, float] = {}
         for mb in mbs:
             mask = mb["loss_mask"]
-            logp = token_logprobs(self.model, mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device),
-                                  self.temperature)
+            logp, entropy = token_logprobs(self.model, mb["input_ids"].to(self.device),
+                                           mb["attention_mask"].to(self.device), self.temperature, with_entropy=True)
             if self.device.type != "cpu":
                 mb = mb.to(self.device)
+            # true policy entropy over the trained tokens (the loss only sees sampled-token logprobs)
+            ent = float(torch.where(mb["loss_mask"] != 0, entropy, torch.zeros_like(entropy)).sum()) / total_tokens
+            metrics["entropy"] = metrics.get("entropy", 0.0) + ent
             adv = mb["advantages"]
             out = loss_fn(
                 logp, mb["logprobs"], mb.get("prox_logprobs", None), adv, mb["loss_mask"], mb.get("ref_logprobs", None),

@@ -82,9 +82,11 @@ class DrGRPOLoss(GRPOLoss):
         clip_eps_high: float = 0.2,
         kl_coef: float = 0.0,
         kl_estimator: str = "k3",
+        kl_behav_coef: float = 0.0,
     ) -> None:
         super().__init__(
-            clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, kl_coef=kl_coef, kl_estimator=kl_estimator
+            clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, kl_coef=kl_coef, kl_estimator=kl_estimator,
+            kl_behav_coef=kl_behav_coef,
         )
         if int(max_tokens) <= 0:
             raise ValueError(f"max_tokens must be > 0, got {max_tokens}")

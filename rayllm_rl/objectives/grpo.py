@@ -141,9 +141,10 @@ def ratio_metrics(
 class GRPOLoss(Loss):
     """PPO-clip surrogate with separate low/high clip bounds (DAPO clip-higher) and optional KL.
 
-    Per token: `-min(r*A, clip(r, 1-eps_low, 1+eps_high)*A) + kl_coef * KL_t` with
-    `r = exp(logp - old)`, `old = prox_logp if given else behav_logp`; then `aggregate`d.
-    `old`, `advantages` and `ref_logp` are treated as constants (detached).
+    Per token: `-min(r*A, clip(r, 1-eps_low, 1+eps_high)*A) + kl_coef * KL(pi||ref)_t
+    + kl_behav_coef * KL(pi||behav)_t` with `r = exp(logp - old)`, `old = prox_logp if given
+    else behav_logp`; then `aggregate`d. `old`, `advantages`, `behav_logp` and `ref_logp` are
+    treated as constants (detached).
 
     `ratio_level="sequence"` is GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization",
     arXiv:2507.18071): every token of sequence i uses the length-normalised sequence ratio
@@ -168,6 +169,7 @@ class GRPOLoss(Loss):
         kl_estimator: str = "k3",
         aggregation: str | None = None,
         ratio_level: str = "token",
+        kl_behav_coef: float = 0.0,
     ) -> None:
         super().__init__()
         if not 0.0 <= clip_eps_low < 1.0 or clip_eps_high < 0.0:
@@ -176,6 +178,8 @@ class GRPOLoss(Loss):
             )
         if kl_coef < 0:
             raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+        if kl_behav_coef < 0:
+            raise ValueError(f"kl_behav_coef must be >= 0, got {kl_behav_coef}")
         if kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"unknown kl_estimator {kl_estimator!r}; valid: {list(KL_ESTIMATORS)}")
         if ratio_level not in RATIO_LEVELS:
@@ -187,6 +191,7 @@ class GRPOLoss(Loss):
         self.clip_eps_low = float(clip_eps_low)
         self.clip_eps_high = float(clip_eps_high)
         self.kl_coef = float(kl_coef)
+        self.kl_behav_coef = float(kl_behav_coef)
         self.kl_estimator = kl_estimator
         self.aggregation = aggregation
         self.ratio_level = ratio_level
@@ -195,7 +200,7 @@ class GRPOLoss(Loss):
     def extra_repr(self) -> str:
         return (
             f"clip_eps_low={self.clip_eps_low}, clip_eps_high={self.clip_eps_high}, "
-            f"kl_coef={self.kl_coef}, kl_estimator={self.kl_estimator!r}, aggregation={self.aggregation!r}, "
+            f"kl_coef={self.kl_coef}, kl_behav_coef={self.kl_behav_coef}, kl_estimator={self.kl_estimator!r}, aggregation={self.aggregation!r}, "
             f"ratio_level={self.ratio_level!r}"
         )
 
@@ -218,15 +223,29 @@ class GRPOLoss(Loss):
         )
         return per_token, metrics
 
-    def kl_per_token(self, logp: torch.Tensor, ref_logp: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
-        """`kl_estimate(logp, ref_logp)` `[B, T]` (0 off-mask) when kl_coef > 0, else None."""
-        if self.kl_coef <= 0:
-            return None
-        if ref_logp is None:
-            raise ValueError(f"{type(self).__name__} with kl_coef > 0 needs ref_logp, got None")
+    def penalty(
+        self, logp: torch.Tensor, behav_logp: torch.Tensor, ref_logp: torch.Tensor | None, mask: torch.Tensor
+    ) -> tuple[torch.Tensor | None, dict[str, float]]:
+        """KL penalties per token `[B, T]` (0 off-mask; None when both are off) and their metrics.
+
+        `kl_coef * KL(pi || pi_ref)` from `ref_logp` plus `kl_behav_coef * KL(pi || pi_behav)`
+        from the inference policy's own logprobs (a direct pull toward the sampler, for the
+        engine/trainer mismatch and stale rollouts), both with `kl_estimator`. Metrics
+        `kl_ref` / `kl_behav` are the masked means of the unscaled estimates.
+        """
         m = mask != 0
         zeros = torch.zeros_like(logp)
-        return kl_estimate(torch.where(m, logp, zeros), torch.where(m, ref_logp.detach(), zeros), self.kl_estimator)
+        safe_logp = torch.where(m, logp, zeros)
+        total, metrics = None, {}
+        for name, coef, other in (("kl_ref", self.kl_coef, ref_logp), ("kl_behav", self.kl_behav_coef, behav_logp)):
+            if coef <= 0:
+                continue
+            if other is None:
+                raise ValueError(f"{type(self).__name__} with kl_coef > 0 needs ref_logp (reference logprobs), got None")
+            kl = kl_estimate(safe_logp, torch.where(m, other.detach().to(logp.dtype), zeros), self.kl_estimator)
+            metrics[name] = float(masked_mean(kl.detach(), m))
+            total = coef * kl if total is None else total + coef * kl
+        return total, metrics
 
     def reduce(self, per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Aggregate a per-token loss with this loss's aggregation."""
@@ -245,13 +264,10 @@ class GRPOLoss(Loss):
         check_shapes(
             logp, behav_logp=behav_logp, prox_logp=prox_logp, advantages=advantages, mask=mask, ref_logp=ref_logp
         )
-        kl = self.kl_per_token(logp, ref_logp, mask)
+        kl, kl_stats = self.penalty(logp, behav_logp, ref_logp, mask)
         old = prox_logp if prox_logp is not None else behav_logp
         per_token, ratio_stats = self.per_token(logp, old, advantages, mask)
         if kl is not None:
-            per_token = per_token + self.kl_coef * kl
+            per_token = per_token + kl
         loss = self.reduce(per_token, mask)
-        metrics = {"loss": float(loss.detach()), **ratio_stats}
-        if kl is not None:
-            metrics["kl_ref"] = float(masked_mean(kl.detach(), mask != 0))
-        return LossOutput(loss=loss, metrics=metrics)
+        return LossOutput(loss=loss, metrics={"loss": float(loss.detach()), **ratio_stats, **kl_stats})

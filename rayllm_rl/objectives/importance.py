@@ -25,8 +25,8 @@ class TruncatedIS(Loss):
         mode "truncate":  w <- min(w, cap)          (TIS)
         mode "mask":      w <- 0 where w > cap       (MIS-style rejection; the tokens / whole
                                                       sequence still count in the normaliser)
-    loss = base.reduce(w * base.per_token(logp, prox, A, mask) [+ kl_coef * KL]); the KL term,
-    if the base has one, is not reweighted. The base must expose `per_token(logp, old,
+    loss = base.reduce(w * base.per_token(logp, prox, A, mask) [+ base.penalty(...)]); the KL
+    terms, if the base has them, are not reweighted. The base must expose `per_token(logp, old,
     advantages, mask) -> (per_token_loss, metrics)` and `reduce(per_token, mask)` (GRPOLoss and
     its subclasses, CISPOLoss). Extra metrics: `tis_weight_mean` (mean applied weight over
     masked tokens), `tis_capped_fraction` (fraction of masked tokens whose raw weight > cap).
@@ -87,20 +87,18 @@ class TruncatedIS(Loss):
         check_shapes(
             logp, behav_logp=behav_logp, prox_logp=prox_logp, advantages=advantages, mask=mask, ref_logp=ref_logp
         )
-        kl_fn = getattr(self.base, "kl_per_token", None)
-        kl = kl_fn(logp, ref_logp, mask) if kl_fn is not None else None
+        penalty_fn = getattr(self.base, "penalty", None)
+        kl, kl_stats = penalty_fn(logp, behav_logp, ref_logp, mask) if penalty_fn is not None else (None, {})
         pg, stats = self.base.per_token(logp, prox_logp, advantages, mask)
         w, over = self.weights(prox_logp.to(logp.dtype), behav_logp, mask)
         per_token = w * pg
         if kl is not None:
-            per_token = per_token + self.base.kl_coef * kl
+            per_token = per_token + kl
         loss = self.base.reduce(per_token, mask)
         m = mask != 0
-        metrics = {"loss": float(loss.detach()), **stats}
+        metrics = {"loss": float(loss.detach()), **stats, **kl_stats}
         metrics["tis_weight_mean"] = float(masked_mean(w, m))
         metrics["tis_capped_fraction"] = float(over.sum() / m.sum().clamp_min(1))
-        if kl is not None:
-            metrics["kl_ref"] = float(masked_mean(kl.detach(), m))
         return LossOutput(loss=loss, metrics=metrics)
 
 
@@ -116,6 +114,7 @@ class GRPOTISLoss(TruncatedIS):
         kl_coef: float = 0.0,
         kl_estimator: str = "k3",
         aggregation: str = "token-mean",
+        kl_behav_coef: float = 0.0,
         tis_level: str = "token",
         tis_mode: str = "truncate",
         tis_cap: float = 2.0,
@@ -126,5 +125,6 @@ class GRPOTISLoss(TruncatedIS):
             kl_coef=kl_coef,
             kl_estimator=kl_estimator,
             aggregation=aggregation,
+            kl_behav_coef=kl_behav_coef,
         )
         super().__init__(base, level=tis_level, mode=tis_mode, cap=tis_cap)

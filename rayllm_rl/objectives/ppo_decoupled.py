@@ -22,7 +22,7 @@ class DecoupledPPOLoss(GRPOLoss):
         w = exp(prox - behav)                      (detached, ALWAYS applied)
         "cap":  w <- min(w, behav_weight_cap)
         "mask": w <- 0 where w > behav_weight_cap  (AReaL's `behav_imp_weight_cap` does this)
-        loss_t = w * pg   (+ kl_coef * KL_t when on), aggregated with `aggregation`.
+        loss_t = w * pg   (+ the KL penalties of `GRPOLoss.penalty` when on), aggregated with `aggregation`.
     In "mask" mode masked tokens still count in the token-mean denominator (as in AReaL, where
     they are zeroed by the weight, not removed from the loss mask).
     Extra metrics: `behav_weight_mean` (mean of the applied weight over masked tokens) and
@@ -42,6 +42,7 @@ class DecoupledPPOLoss(GRPOLoss):
         kl_coef: float = 0.0,
         kl_estimator: str = "k3",
         aggregation: str = "token-mean",
+        kl_behav_coef: float = 0.0,
     ) -> None:
         super().__init__(
             clip_eps_low=clip_eps_low,
@@ -49,6 +50,7 @@ class DecoupledPPOLoss(GRPOLoss):
             kl_coef=kl_coef,
             kl_estimator=kl_estimator,
             aggregation=aggregation,
+            kl_behav_coef=kl_behav_coef,
         )
         if behav_weight_mode not in BEHAV_WEIGHT_MODES:
             raise ValueError(f"unknown behav_weight_mode {behav_weight_mode!r}; valid: {list(BEHAV_WEIGHT_MODES)}")
@@ -95,19 +97,17 @@ class DecoupledPPOLoss(GRPOLoss):
         check_shapes(
             logp, behav_logp=behav_logp, prox_logp=prox_logp, advantages=advantages, mask=mask, ref_logp=ref_logp
         )
-        kl = self.kl_per_token(logp, ref_logp, mask)
+        kl, kl_stats = self.penalty(logp, behav_logp, ref_logp, mask)
         pg, stats = self.per_token(logp, prox_logp, advantages, mask)
         w, over = self.behav_weight(prox_logp.to(logp.dtype), behav_logp.to(logp.dtype), mask)
         per_token = w * pg
         if kl is not None:
-            per_token = per_token + self.kl_coef * kl
+            per_token = per_token + kl
         loss = self.reduce(per_token, mask)
         m = mask != 0
-        metrics = {"loss": float(loss.detach()), **stats}
+        metrics = {"loss": float(loss.detach()), **stats, **kl_stats}
         metrics["behav_weight_mean"] = float(masked_mean(w, m))
         metrics["behav_weight_capped_fraction"] = float(over.sum() / m.sum().clamp_min(1))
-        if kl is not None:
-            metrics["kl_ref"] = float(masked_mean(kl.detach(), m))
         return LossOutput(loss=loss, metrics=metrics)
 
 

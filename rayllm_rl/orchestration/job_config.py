@@ -63,6 +63,8 @@ class AlgoConfig:
     """Coefficient of the KL penalty to the reference policy (0 = off)."""
     kl_estimator: str | None = None
     """KL estimator: k1, k2 or k3."""
+    kl_behav_coef: float | None = None
+    """Coefficient of the KL penalty to the inference (behaviour) policy that sampled the tokens (0 = off)."""
     aggregation: str | None = None
     """Loss aggregation: token-mean, seq-mean or seq-sum (Dr.GRPO uses its constant normaliser)."""
     ratio_level: str | None = None
