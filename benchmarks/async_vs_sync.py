@@ -25,7 +25,7 @@ def run(eta: int, args, run_root: str) -> dict:
 
     cfg = load_config(GRPOJobConfig, [
         "sft.steps=0", f"trainer.steps={args.steps}", "trainer.eval_every=0", "trainer.log_every=1000",
-        "task.eval_size=16", f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group}",
+        "data.eval_size=16", f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group}",
         f"rollout.max_new_tokens={args.new_tokens}", f"rollout.max_staleness={eta}",
         f"ray.num_replicas={args.replicas}", f"ray.num_env_workers={args.replicas}",
         f"trainer.run_dir={run_root}/eta{eta}", "trainer.time_budget_s=0",

@@ -91,7 +91,7 @@ def test_local_trainer_end_to_end_outputs(tmp_path):
     from rayllm_rl.orchestration.local_trainer import train_local
 
     cfg = load_config(GRPOJobConfig, [
-        "sft.steps=3", "trainer.steps=2", "trainer.eval_every=1", "task.eval_size=16", "task.max_operand=9",
+        "sft.steps=3", "trainer.steps=2", "trainer.eval_every=1", "data.eval_size=16", "data.max_operand=9",
         "rollout.prompts_per_step=4", "rollout.group_size=4", f"trainer.run_dir={tmp_path}",
     ])
     summary = asyncio.run(train_local(cfg))

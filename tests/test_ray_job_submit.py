@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_job_submit_runs_and_prints_summary(tmp_path):
     out = subprocess.run(
-        [sys.executable, "jobs/submit_local.py", "sft.steps=2", "trainer.steps=3", "task.eval_size=16",
+        [sys.executable, "jobs/submit_local.py", "sft.steps=2", "trainer.steps=3", "data.eval_size=16",
          "trainer.eval_every=0", "rollout.prompts_per_step=4", f"trainer.run_dir={tmp_path}"],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )

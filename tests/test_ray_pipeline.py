@@ -24,7 +24,7 @@ def local_ray():
 
 def small_cfg(tmp_path, *extra: str) -> GRPOJobConfig:
     return load_config(GRPOJobConfig, [
-        "sft.steps=2", "task.eval_size=16", "task.max_operand=9", "rollout.prompts_per_step=4",
+        "sft.steps=2", "data.eval_size=16", "data.max_operand=9", "rollout.prompts_per_step=4",
         "rollout.group_size=4", "rollout.max_new_tokens=6", "trainer.eval_every=0", "trainer.log_every=100",
         f"trainer.run_dir={tmp_path}", "ray.call_timeout_s=120", "ray.sync_timeout_s=60", *extra,
     ])

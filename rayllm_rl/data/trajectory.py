@@ -68,16 +68,28 @@ def validate_trajectory(td: TensorDict) -> None:
 
 
 def concat_padded(tds: Iterable[TensorDict]) -> TensorDict:
-    """Concatenate trajectories along the batch dim, right-padding token keys to the longest."""
+    """Concatenate trajectories along the batch dim, right-padding token keys to the longest.
+
+    Per-sequence extras (reward components) missing from some parts are filled with 0.0.
+    """
     tds = list(tds)
     if not tds:
         raise ValueError("concat_padded: empty list")
     width = max(td["input_ids"].shape[-1] for td in tds)
-    keys = tds[0].keys()
+    keys = list(tds[0].keys())
+    for td in tds[1:]:
+        keys += [k for k in td.keys() if k not in keys]
     out = {}
     for k in keys:
         parts = []
         for td in tds:
+            if k not in td.keys():
+                if k in TOKEN_KEYS + SEQ_KEYS:
+                    raise ValueError(f"concat_padded: a trajectory lacks the required key {k!r}")
+                # a per-sequence extra (reward component) one workflow did not report: 0.0
+                v = torch.zeros(td.batch_size[0], dtype=torch.float32)
+                parts.append(v)
+                continue
             v = td[k]
             if k in PAD_VALUES or (v.dim() == 2 and v.shape[-1] == td["input_ids"].shape[-1]):
                 pad = width - v.shape[-1]

@@ -145,6 +145,8 @@ class DataLoadingPrimer(Transform):
     gets a fresh `group_id` (int64, shape `[]` per element), so the same row in a later
     epoch is a new group. The whole row (a dict) is kept under `"row"` (non-tensor) and
     its index under `"row_index"`; both and `group_id` are carried to every next step.
+    A reset whose elements all carry a `"row"` already (rows chosen by a collector, as in the
+    Ray env workers) is left as is: the caller's data wins over the primer's own stream.
     """
 
     carry_keys = ("row", "row_index", "group_id")
@@ -236,6 +238,8 @@ class DataLoadingPrimer(Transform):
 
     def prime(self, td: TensorDictBase) -> TensorDictBase:
         elems = td.unbind(0)
+        if all("row" in e.keys() for e in elems):
+            return td  # the caller (a collector feeding an env worker) already chose the rows
         for elem, (index, group, row, prompt) in zip(elems, self.sample(len(elems))):
             if isinstance(prompt, str):
                 elem["query"] = prompt
@@ -391,18 +395,36 @@ class RewardTransform(Transform):
     `reward_fn(prompt, completions, prompt_ids, completion_ids, **row)` gets the prompt
     text the policy saw (generation prompt included), the content of the last assistant
     message (no end-of-turn token), their token ids (the policy's own when the action
-    holds them, else a tokenization of the generated text) and the dataset row of a DataLoadingPrimer (keys clashing with the four
-    arguments dropped). The float result is added to `reward` (float32 `[1, 1]` per
-    element, so `(B, 1, 1)` batched: the sparse-reward shape). A raising reward_fn gives
-    0.0, a warning and `num_errors += 1`, never a crash. `set_done` marks done/terminated.
+    holds them, else a tokenization of the generated text) and the dataset row of a
+    DataLoadingPrimer (keys clashing with the four arguments dropped). It may be sync or async
+    and may return a number or a mapping with "reward" plus components (GSM8K's
+    `reward_answer`, ...): the reward is added to `reward` (float32 `[1, 1]` per element, so
+    `(B, 1, 1)` batched: the sparse-reward shape) and each component is written under its own
+    key with the same shape, as in TorchRL's GSM8KRewardParser. A reward_fn that raises or runs
+    past `timeout_s` gives 0.0, a warning and `num_errors += 1` / `num_timeouts += 1`, never
+    a crash (see `RewardCaller`). Done/terminated are set when `set_done` is True, or, when
+    `set_done` is a callable `(completion: str) -> bool` (e.g. IFEvalScorer.done: an answer
+    block is present), when it returns True.
     """
 
-    def __init__(self, reward_fn: Callable[..., float], *, set_done: bool = True, tokenizer=None) -> None:
+    def __init__(self, reward_fn: Callable[..., Any], *, set_done: bool | Callable[[str], bool] = True,
+                 tokenizer=None, timeout_s: float = 30.0) -> None:
         super().__init__()
-        self.reward_fn = reward_fn
+        from rayllm_rl.workflows.rewards import RewardCaller
+
+        # a RewardCaller may be passed (shared by many envs, so its counters cover them all)
+        self.caller = reward_fn if isinstance(reward_fn, RewardCaller) else RewardCaller(reward_fn, timeout_s=timeout_s)
+        self.reward_fn = self.caller.reward_fn
         self.set_done = set_done
         self.tokenizer = tokenizer
-        self.num_errors = 0
+
+    @property
+    def num_errors(self) -> int:
+        return self.caller.num_errors
+
+    @property
+    def num_timeouts(self) -> int:
+        return self.caller.num_timeouts
 
     def set_env(self, env) -> None:
         super().set_env(env)
@@ -413,23 +435,24 @@ class RewardTransform(Transform):
 
     def step(self, td_next: TensorDictBase, td_action: TensorDictBase) -> TensorDictBase:
         for nxt, act in zip(td_next.unbind(0), td_action.unbind(0)):
-            reward = self._score(act)
+            try:
+                args = self._arguments(act)
+            except Exception as err:  # a malformed action must not kill the rollout either
+                self.caller.num_errors += 1
+                logger.warning("RewardTransform: could not build reward arguments (%r); reward set to 0.0", err)
+                args, scores = None, self.caller.failed()
+            else:
+                scores = self.caller.score_sync(**args)
             previous = nxt.get("reward", None)
-            value = torch.tensor([[reward]], dtype=torch.float32)
+            value = torch.tensor([[scores.pop("reward")]], dtype=torch.float32)
             nxt["reward"] = value if previous is None else previous.reshape(1, 1) + value
-            if self.set_done:
+            for key, v in scores.items():
+                nxt[key] = torch.tensor([[v]], dtype=torch.float32)
+            done = self.set_done(args["completions"] if args else "") if callable(self.set_done) else self.set_done
+            if done:
                 nxt["done"] = torch.ones(1, dtype=torch.bool)
                 nxt["terminated"] = torch.ones(1, dtype=torch.bool)
         return td_next
-
-    def _score(self, act: TensorDictBase) -> float:
-        try:
-            args = self._arguments(act)
-            return float(self.reward_fn(**args))
-        except Exception as err:  # a bad reward must never kill the rollout
-            self.num_errors += 1
-            logger.warning("RewardTransform: reward_fn failed (%r); reward set to 0.0", err)
-            return 0.0
 
     def _arguments(self, act: TensorDictBase) -> dict[str, Any]:
         env, tok = self.env, self.tokenizer

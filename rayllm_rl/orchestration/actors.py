@@ -1,6 +1,7 @@
 """Ray actor shells: each a thin `@ray.remote` class over a plain, Ray-free component.
 
-Names on the dashboard: `inference-<i>`, `env-<i>`, `learner-<rank>`, `collector`, `replay-buffer`.
+Names on the dashboard: `inference-<i>`, `env-<i>`, `learner-<rank>`, `collector`, `replay-buffer`,
+`reference` (only with a reference-KL term).
 """
 from __future__ import annotations
 
@@ -100,6 +101,21 @@ class EnvWorker:
     def stats(self) -> dict[str, Any]:
         reward = getattr(self.workflow, "reward", None)
         return {"episodes": self.episodes, **(reward.counters() if reward is not None else {})}
+
+
+@ray.remote(num_cpus=0)
+class ReferenceActor:
+    """`reference` on the dashboard: a frozen ReferenceModel serving reference logprobs for KL."""
+
+    def __init__(self, model_path: str, temperature: float, named_tensors: dict[str, torch.Tensor],
+                 num_threads: int = 1):
+        from rayllm_rl.learner.reference import ReferenceModel
+
+        torch.set_num_threads(num_threads)
+        self.model = ReferenceModel(model_path, temperature=temperature, named_tensors=named_tensors)
+
+    def compute_logprobs(self, batch) -> torch.Tensor:
+        return self.model.compute_logprobs(batch)
 
 
 @ray.remote(num_cpus=0)

@@ -1,6 +1,8 @@
 """Build task, workflow and sampling from a job config (shared by the local trainer and Ray actors)."""
 from __future__ import annotations
 
+import functools
+
 from rayllm_rl.envs.task import Task, make_task
 from rayllm_rl.inference.protocol import SamplingParams
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
@@ -8,8 +10,7 @@ from rayllm_rl.workflows.rlvr import RLVRWorkflow
 
 
 def build_task(cfg: GRPOJobConfig) -> Task:
-    return make_task(cfg.task.name, max_operand=cfg.task.max_operand, eval_size=cfg.task.eval_size,
-                     seed=cfg.trainer.seed)
+    return make_task(cfg.task, cfg.data, seed=cfg.trainer.seed)
 
 
 def build_sampling(cfg: GRPOJobConfig) -> SamplingParams:
@@ -17,8 +18,41 @@ def build_sampling(cfg: GRPOJobConfig) -> SamplingParams:
     return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
 
 
-def build_workflow(cfg: GRPOJobConfig, task: Task, tokenizer) -> RLVRWorkflow:
-    return RLVRWorkflow(task.reward_fn, tokenizer, build_sampling(cfg), group_size=cfg.rollout.group_size)
+WORKFLOWS = ("auto", "rlvr", "multi_turn", "env")
+
+
+def build_workflow(cfg: GRPOJobConfig, task: Task, tokenizer):
+    """The rollout workflow named by `rollout.workflow` ('auto': the task's env if it has one)."""
+    r = cfg.rollout
+    kind = r.workflow
+    if kind not in WORKFLOWS:
+        raise ValueError(f"rollout.workflow must be one of {list(WORKFLOWS)}, got {kind!r}")
+    if kind == "auto":
+        kind = "env" if task.make_env is not None else "rlvr"
+    if kind == "env":
+        if task.make_env is None:
+            raise ValueError(f"task {task.name!r} has no ChatEnv; use rollout.workflow=rlvr or multi_turn")
+        from rayllm_rl.workflows.chat_env_workflow import ChatEnvWorkflow
+
+        make_env = functools.partial(task.make_env, tokenizer, seed=cfg.trainer.seed)
+        return ChatEnvWorkflow(make_env, build_sampling(cfg), group_size=r.group_size, max_turns=r.max_turns)
+    if kind == "multi_turn":
+        from rayllm_rl.workflows.grouped import GroupedWorkflow
+        from rayllm_rl.workflows.multi_turn import MultiTurnWorkflow
+
+        agent = MultiTurnWorkflow(task.reward_fn, tokenizer, build_sampling(cfg), max_turns=max(r.max_turns, 1),
+                                  turn_discount=r.turn_discount)
+        return GroupedWorkflow(agent, r.group_size)
+    return RLVRWorkflow(task.reward_fn, tokenizer, build_sampling(cfg), group_size=r.group_size)
+
+
+SEQ_CORE = frozenset({"rewards", "group_id", "advantages"})
+
+
+def reward_component_means(batch) -> dict[str, float]:
+    """Batch means of the per-sequence extras (reward components, success, truncated, num_turns)."""
+    return {k: float(batch[k].float().mean()) for k in batch.keys()
+            if k not in SEQ_CORE and batch[k].dim() == 1}
 
 
 def sft_chats(task: Task, rows: list[dict]) -> list[list[dict]]:
@@ -34,6 +68,26 @@ def has_reward_variance(episode) -> bool:
 
 def build_episode_filter(cfg: GRPOJobConfig):
     return has_reward_variance if cfg.algo.dynamic_sampling else None
+
+
+def needs_reference(cfg: GRPOJobConfig) -> bool:
+    """A frozen reference model is needed for KL-to-reference in the loss or in the reward."""
+    return cfg.algo.kl_reward_coef > 0 or bool(getattr(cfg.algo.build_loss(cfg.rollout.max_new_tokens),
+                                                       "needs_ref_logp", False))
+
+
+def prepare_batch(batch, cfg: GRPOJobConfig, ref_logprobs_fn=None):
+    """Rollout batch -> training batch: reward shaping, reference KL (logprobs, penalty), advantages."""
+    from rayllm_rl.objectives import compute_advantages
+    from rayllm_rl.objectives.kl_reward import KLRewardTransform, RetrieveKL
+
+    shape_rewards(batch, cfg)
+    if ref_logprobs_fn is not None:
+        RetrieveKL(ref_logprobs_fn)(batch)
+        if cfg.algo.kl_reward_coef > 0:
+            KLRewardTransform(cfg.algo.kl_reward_coef)(batch)
+    batch["advantages"] = compute_advantages(batch["rewards"], batch["group_id"], cfg.algo.advantage)
+    return batch
 
 
 def shape_rewards(batch, cfg: GRPOJobConfig):

@@ -21,8 +21,16 @@ from rayllm_rl.data.loader import PromptLoader
 from rayllm_rl.data.replay_buffer import batch_staleness_stats
 from rayllm_rl.data.sft import make_sft_batch
 from rayllm_rl.models.tiny import ensure_tiny_model
-from rayllm_rl.objectives import SFTLoss, compute_advantages
-from rayllm_rl.orchestration.builders import build_task, build_workflow, sft_chats, shape_rewards
+from rayllm_rl.objectives import SFTLoss
+from rayllm_rl.orchestration.actors import ReferenceActor
+from rayllm_rl.orchestration.builders import (
+    build_task,
+    build_workflow,
+    needs_reference,
+    prepare_batch,
+    reward_component_means,
+    sft_chats,
+)
 from rayllm_rl.orchestration.cluster import Cluster, build_cluster, init_ray
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.metrics import RayMetrics
@@ -65,6 +73,16 @@ def wait_for_batch(cluster: Cluster, n: int, version: int, poll_s: float = 0.005
         cluster.get(cluster.collector.stats.remote())  # surfaces a dead collector loop
         time.sleep(poll_s)
     raise TimeoutError(f"no batch of {n} episodes within {cluster.timeout_s:.0f}s at version {version}")
+
+
+def env_reward_counters(cluster: Cluster) -> dict[str, int]:
+    """Reward calls, errors and timeouts summed over the env workers (a failing reward is counted, not fatal)."""
+    total: dict[str, int] = {}
+    for stats in cluster.get([w.stats.remote() for w in cluster.env_workers]):
+        for k, v in stats.items():
+            if k.startswith("reward_"):
+                total[k] = total.get(k, 0) + v
+    return total
 
 
 def prompts_digest(batch) -> str:
@@ -114,10 +132,16 @@ def train(cfg: GRPOJobConfig) -> dict:
         step, version = 0, 0
     cluster.sync_weights(version)
     cluster.get(cluster.collector.set_version.remote(version))
+    ref_fn = None
+    if needs_reference(cfg):  # frozen copy of the policy RL starts from (after the SFT warm start)
+        ref = ReferenceActor.options(name="reference").remote(
+            model_path, cfg.rollout.temperature, cluster.learner_call("named_tensors")[0], cfg.ray.threads_per_actor)
+        ref_fn = lambda b: cluster.get(ref.compute_logprobs.remote(b))  # noqa: E731
     evaluate = lambda: asyncio.run(evaluate_greedy(  # noqa: E731
         ReplicaRouter(cluster.replicas, cluster.timeout_s), tokenizer, task.eval, task.reward_fn, cfg.rollout.max_new_tokens))
-    before = evaluate()["eval_reward"]
-    reporter.log({"phase": "eval", "step": step, "eval_reward": before}, show=True)
+    eval_before = evaluate()
+    before = eval_before["eval_reward"]
+    reporter.log({"phase": "eval", "step": step, **eval_before}, show=True)
 
     cluster.get(cluster.collector.start.remote())
     t_rl, B = time.perf_counter(), cfg.rollout.prompts_per_step
@@ -128,8 +152,7 @@ def train(cfg: GRPOJobConfig) -> dict:
         t0 = time.perf_counter()
         batch, depth = wait_for_batch(cluster, B, version)
         t_wait = time.perf_counter() - t0
-        shape_rewards(batch, cfg)
-        batch["advantages"] = compute_advantages(batch["rewards"], batch["group_id"], cfg.algo.advantage)
+        prepare_batch(batch, cfg, ref_fn)
         lag = batch_staleness_stats(batch, version)
         versions_trained = sorted(set(batch["versions"][batch["loss_mask"]].tolist()))
         train_metrics = cluster.learner_call("train_step", ray.put(batch))[0]
@@ -146,7 +169,7 @@ def train(cfg: GRPOJobConfig) -> dict:
                   "staleness_mean": lag["mean_lag"], "staleness_max": lag["max_lag"],
                   "sync_seconds": sync["sync_s"], "stall_s": sync["stall_s"], "tokens_per_s": col["tokens_per_s"],
                   "buffer_depth": depth, "token_versions": versions_trained,
-                  "data_sha": prompts_digest(batch), **train_metrics}
+                  "data_sha": prompts_digest(batch), **reward_component_means(batch), **train_metrics}
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
             record["eval_reward"] = evaluate()["eval_reward"]
         reporter.log(record, show=step % cfg.trainer.log_every == 0)
@@ -160,8 +183,9 @@ def train(cfg: GRPOJobConfig) -> dict:
     cluster.get(pending)
     ckpt = save_checkpoint(cluster, Path(reporter.run_dir) / "checkpoints" / f"step_{step}", step, version, model_path)
     cluster.get(cluster.collector.drain.remote(cluster.timeout_s))
-    after = evaluate()["eval_reward"]
-    reporter.log({"phase": "eval", "step": step, "eval_reward": after}, show=True)
+    eval_after = evaluate()
+    after = eval_after["eval_reward"]
+    reporter.log({"phase": "eval", "step": step, **eval_after}, show=True)
     col = cluster.get(cluster.collector.stats.remote())
     lags = [r["staleness_max"] for r in reporter.records if r.get("phase") == "rl"]
     summary = {"eval_reward_before": before, "eval_reward_after": after, "eval_reward_gain": after - before,
@@ -169,7 +193,8 @@ def train(cfg: GRPOJobConfig) -> dict:
                "max_version_lag": max(lags, default=0), "eval_prompts": len(task.eval),
                "wall_seconds": round(time.perf_counter() - t_start, 1), "rl_seconds": round(time.perf_counter() - t_rl, 1),
                "run_dir": str(reporter.run_dir), "checkpoint": ckpt, "failed_episodes": col["failed_episodes"],
-               "buffer": cluster.get(cluster.buffer.stats.remote()),
+               "buffer": cluster.get(cluster.buffer.stats.remote()), "eval_before": eval_before, "eval_after": eval_after,
+               "reward_failures": env_reward_counters(cluster),
                "replica_versions_held": cluster.get([r.version_history.remote() for r in cluster.replicas]),
                "learner_checksums_equal_replicas": len(set(cluster.get(
                    [l.checksum.remote() for l in cluster.learners] + [r.checksum.remote() for r in cluster.replicas]))) == 1}

@@ -17,15 +17,20 @@ class ModelConfig:
 
 
 @dataclasses.dataclass
-class TaskConfig:
-    """The verifiable task and its held-out evaluation split."""
+class DataConfig:
+    """Where the task's prompts come from and which of them are held out for evaluation."""
 
-    name: str = "arithmetic"
-    """Task name; 'arithmetic' is the built-in demo (a+b in <answer> tags)."""
-    max_operand: int = 29
-    """Operands are drawn from 0..max_operand."""
+    path: str = ""
+    """Training rows: a local .jsonl/.json/.parquet/.arrow/.csv file, a save_to_disk folder, or a hub
+    dataset name ("openai/gsm8k:main"). Ignored by the built-in arithmetic task."""
+    split: str = "train"
+    """Split to read from a DatasetDict folder or a hub dataset."""
+    eval_path: str = ""
+    """Held-out rows in the same format; empty = hold out `eval_size` rows of `path`."""
     eval_size: int = 200
     """Held-out prompts (never trained on) for greedy evaluation."""
+    max_operand: int = 29
+    """Arithmetic task only: operands are drawn from 0..max_operand."""
 
 
 @dataclasses.dataclass
@@ -46,6 +51,14 @@ class RolloutConfig:
     """Top-k sampling; 0 disables."""
     max_staleness: int = 1
     """AReaL's eta: rollouts may be up to this many policy versions old (0 = synchronous)."""
+    workflow: str = "auto"
+    """'rlvr' (one turn, reward per completion), 'multi_turn' (AReaL's retry-with-feedback math agent),
+    'env' (the task's ChatEnv, e.g. GSM8KEnv, run token-in/token-out), or 'auto' (env when the task has
+    one, else rlvr)."""
+    max_turns: int = 1
+    """Policy turns per episode for the multi_turn and env workflows."""
+    turn_discount: float = 0.9
+    """multi_turn: a success at turn t earns discount^(t-1)."""
 
 
 @dataclasses.dataclass
@@ -63,6 +76,9 @@ class AlgoConfig:
     """Coefficient of the KL penalty to the reference policy (0 = off)."""
     kl_estimator: str | None = None
     """KL estimator: k1, k2 or k3."""
+    kl_reward_coef: float = 0.0
+    """KL-in-reward (KLRewardTransform): reward -= coef * sum_t (logp_behav - logp_ref) over the
+    completion, with reference logprobs from a frozen reference model (0 = off)."""
     kl_behav_coef: float | None = None
     """Coefficient of the KL penalty to the inference (behaviour) policy that sampled the tokens (0 = off)."""
     aggregation: str | None = None
@@ -176,8 +192,10 @@ class GRPOJobConfig:
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     """Model to train."""
-    task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
-    """Task and evaluation split."""
+    task: str = "arithmetic"
+    """Task: arithmetic (built-in demo, a+b in <answer> tags), gsm8k, math, ifeval (these read data.path)."""
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    """Dataset source and evaluation split."""
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     """Rollout sampling."""
     algo: AlgoConfig = dataclasses.field(default_factory=AlgoConfig)

@@ -17,9 +17,18 @@ from rayllm_rl.data.loader import PromptLoader
 from rayllm_rl.data.sft import make_sft_batch
 from rayllm_rl.inference.transformers_engine import TransformersEngine
 from rayllm_rl.learner.learner import Learner
+from rayllm_rl.learner.reference import ReferenceModel
 from rayllm_rl.models.tiny import ensure_tiny_model
-from rayllm_rl.objectives import SFTLoss, compute_advantages
-from rayllm_rl.orchestration.builders import build_episode_filter, build_task, build_workflow, sft_chats, shape_rewards
+from rayllm_rl.objectives import SFTLoss
+from rayllm_rl.orchestration.builders import (
+    build_episode_filter,
+    build_task,
+    build_workflow,
+    needs_reference,
+    prepare_batch,
+    reward_component_means,
+    sft_chats,
+)
 from rayllm_rl.orchestration.collector import LLMCollector
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.reporting import RunReporter
@@ -62,9 +71,14 @@ async def train_local(cfg: GRPOJobConfig) -> dict:
 
     sft_warm_start(learner, task, tokenizer, cfg, reporter)
     engine.update_weights(learner.named_tensors(), version=0)
+    reference = None
+    if needs_reference(cfg):  # frozen copy of the policy RL starts from (after the SFT warm start)
+        reference = ReferenceModel(model_path, temperature=cfg.rollout.temperature,
+                                   named_tensors=learner.named_tensors())
     evaluate = lambda: evaluate_greedy(engine, tokenizer, task.eval, task.reward_fn, cfg.rollout.max_new_tokens)  # noqa: E731
-    before = (await evaluate())["eval_reward"]
-    reporter.log({"phase": "eval", "step": 0, "eval_reward": before}, show=True)
+    eval_before = await evaluate()
+    before = eval_before["eval_reward"]
+    reporter.log({"phase": "eval", "step": 0, **eval_before}, show=True)
 
     workflow = build_workflow(cfg, task, tokenizer)
     collector = LLMCollector(engine, workflow, PromptLoader(task.train, seed=cfg.trainer.seed),
@@ -76,8 +90,7 @@ async def train_local(cfg: GRPOJobConfig) -> dict:
     progress = reporter.progress(total=cfg.trainer.steps, desc="grpo")
     while step < cfg.trainer.steps:
         batch = await collector.collect()
-        shape_rewards(batch, cfg)
-        batch["advantages"] = compute_advantages(batch["rewards"], batch["group_id"], cfg.algo.advantage)
+        prepare_batch(batch, cfg, reference.compute_logprobs if reference is not None else None)
         t0 = time.perf_counter()
         metrics = await asyncio.to_thread(learner.train_step, batch, loss)
         t_train = time.perf_counter() - t0
@@ -86,7 +99,7 @@ async def train_local(cfg: GRPOJobConfig) -> dict:
         record = {"phase": "rl", "step": step, "version": engine.version,
                   "reward": float(batch["rewards"].mean()), "seqs": batch.batch_size[0],
                   "gen_tokens": int(batch["loss_mask"].sum()), "collect_s": collector.last_collect_seconds,
-                  "train_s": t_train, **metrics}
+                  "train_s": t_train, **reward_component_means(batch), **metrics}
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
             record["eval_reward"] = (await evaluate())["eval_reward"]
         reporter.log(record, show=step % cfg.trainer.log_every == 0)
@@ -94,8 +107,9 @@ async def train_local(cfg: GRPOJobConfig) -> dict:
         if cfg.trainer.time_budget_s and time.perf_counter() - t_rl > cfg.trainer.time_budget_s:
             break
     progress.close()
-    after = (await evaluate())["eval_reward"]
-    reporter.log({"phase": "eval", "step": step, "eval_reward": after}, show=True)
+    eval_after = await evaluate()
+    after = eval_after["eval_reward"]
+    reporter.log({"phase": "eval", "step": step, **eval_after}, show=True)
     ckpt = learner.save_pretrained(Path(reporter.run_dir) / "checkpoints" / f"step_{step}", tokenizer)
     summary = {
         "eval_reward_before": before, "eval_reward_after": after,
@@ -103,6 +117,7 @@ async def train_local(cfg: GRPOJobConfig) -> dict:
         "eval_prompts": len(task.eval), "wall_seconds": round(time.perf_counter() - t_start, 1),
         "rl_seconds": round(time.perf_counter() - t_rl, 1), "run_dir": str(reporter.run_dir),
         "checkpoint": ckpt, "reward_errors": workflow.reward.num_errors,
+        "reward_timeouts": workflow.reward.num_timeouts, "eval_before": eval_before, "eval_after": eval_after,
         "failed_episodes": collector.failed_episodes,
     }
     reporter.finish(summary)

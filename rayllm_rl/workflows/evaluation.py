@@ -12,14 +12,20 @@ from rayllm_rl.workflows.rlvr import row_messages, tokenize_prompt
 async def evaluate_greedy(engine: InferenceEngine, tokenizer, rows: Iterable[Mapping[str, Any]],
                           reward_fn: Callable[..., Any], max_new_tokens: int,
                           prompt_key: str = "messages") -> dict[str, float]:
-    """Returns {"eval_reward": mean reward, "eval_n": number of prompts}."""
+    """Returns {"eval_reward": mean reward, "eval_n": prompts, "eval_<component>": mean of each component}."""
     rows = list(rows)
     reward = RewardCaller(reward_fn)
     sampling = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
     prompts = [tokenize_prompt(tokenizer, row_messages(r, prompt_key)) for r in rows]
     responses = await asyncio.gather(*[engine.agenerate(LLMRequest(input_ids=p, sampling=sampling)) for p in prompts])
-    total = 0.0
+    totals: dict[str, float] = {}
     for row, resp in zip(rows, responses):
         text = tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
-        total += await reward(tokenizer.decode(resp.input_tokens), text, resp.input_tokens, resp.output_tokens, **row)
-    return {"eval_reward": total / max(1, len(rows)), "eval_n": float(len(rows))}
+        scores = await reward.score(tokenizer.decode(resp.input_tokens), text, resp.input_tokens, resp.output_tokens, **row)
+        for k, v in scores.items():
+            totals[k] = totals.get(k, 0.0) + v
+    n = max(1, len(rows))
+    out = {f"eval_{k}": v / n for k, v in totals.items()}
+    out.setdefault("eval_reward", 0.0)
+    out["eval_n"] = float(len(rows))
+    return out

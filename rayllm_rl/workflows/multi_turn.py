@@ -58,7 +58,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         group_id = int(data.get("group_id", random.getrandbits(62)))
         rid = f"mt{group_id}-{random.getrandbits(32)}"
         seq, logprobs, loss_mask, versions = list(prompt_ids), [0.0] * len(prompt_ids), [0] * len(prompt_ids), [-1] * len(prompt_ids)
-        reward, turns = 0.0, 0
+        scores, turns = self.reward.failed(), 0
         self.last_inputs: list[list[int]] = []  # what the engine received each turn (for inspection)
         while turns < self.max_turns:
             if turns > 0:
@@ -77,9 +77,9 @@ class MultiTurnWorkflow(RolloutWorkflow):
             versions += resp.output_versions
             turns += 1
             completion = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
-            reward = await self.reward(self.tokenizer.decode(resp.input_tokens), completion,
-                                       resp.input_tokens, resp.output_tokens, **row)
-            if reward >= self.success_threshold:
+            scores = await self.reward.score(self.tokenizer.decode(resp.input_tokens), completion,
+                                             resp.input_tokens, resp.output_tokens, **row)
+            if scores["reward"] >= self.success_threshold:
                 break
-        final = reward * self.turn_discount ** (turns - 1)
-        return make_trajectory(seq, logprobs, loss_mask, versions, final, group_id, num_turns=float(turns))
+        final = scores.pop("reward") * self.turn_discount ** (turns - 1)
+        return make_trajectory(seq, logprobs, loss_mask, versions, final, group_id, num_turns=float(turns), **scores)

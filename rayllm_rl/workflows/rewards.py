@@ -1,37 +1,79 @@
-"""Calling user reward functions safely: sync or async, with a timeout, never crashing a worker."""
+"""Calling user reward functions safely: sync or async, with a timeout, never crashing a worker.
+
+A reward function has AReaL's signature `reward_fn(prompt, completions, prompt_ids,
+completion_ids, **row)` and returns either a number or a mapping with a "reward" entry plus named
+components (e.g. GSM8K's `reward_answer`, `reward_think`, `reward_right`, `reward_contained`,
+`success`). Components travel with the trajectory as per-sequence keys and are reported as
+metrics; only "reward" is optimised.
+"""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import logging
-from typing import Any, Callable
+import math
+from typing import Any, Callable, Mapping
 
 log = logging.getLogger(__name__)
 
 
-class RewardCaller:
-    """Wraps `reward_fn(prompt, completions, prompt_ids, completion_ids, **row) -> float`.
+def component_keys_of(reward_fn: Callable[..., Any]) -> tuple[str, ...]:
+    """The component names a reward function declares (`component_keys` attribute), else ()."""
+    return tuple(getattr(reward_fn, "component_keys", ()) or ())
 
-    A reward that raises, returns a non-number, or exceeds `timeout_s` yields `0.0`, a logged
-    warning, and a counter increment (`num_errors`, `num_timeouts`); the episode goes on.
+
+class RewardCaller:
+    """Wraps a reward function: `await caller.score(...)` -> {"reward": float, **components}.
+
+    A reward that raises, returns a non-number / a mapping without "reward", or exceeds
+    `timeout_s` yields reward 0.0 (components 0.0), a logged warning and a counter increment
+    (`num_errors`, `num_timeouts`); the episode goes on. The components returned are exactly
+    `component_keys` (from the reward function's `component_keys` attribute, else learned from
+    its first mapping result), so every trajectory of a task has the same keys; missing ones
+    read 0.0 and undeclared extras are dropped. A sync reward runs in a worker thread when
+    `in_thread` (the default) so its timeout bites; a thread cannot be killed, so CPU-bound
+    checkers that may not terminate should isolate themselves in a process (see MathVerifier).
     """
 
-    def __init__(self, reward_fn: Callable[..., Any], timeout_s: float = 30.0, in_thread: bool = False):
+    def __init__(self, reward_fn: Callable[..., Any], timeout_s: float = 30.0, in_thread: bool = True):
         self.reward_fn = reward_fn
         self.timeout_s = timeout_s
         self.in_thread = in_thread
-        """Run a sync reward in a worker thread (needed for the timeout to bite on slow code)."""
         self.is_async = inspect.iscoroutinefunction(reward_fn) or inspect.iscoroutinefunction(
             getattr(reward_fn, "__call__", None)
         )
+        self.component_keys: tuple[str, ...] | None = component_keys_of(reward_fn) or None
         self.num_calls = 0
         self.num_errors = 0
         self.num_timeouts = 0
 
-    async def __call__(self, prompt: str, completions: str, prompt_ids: list[int],
-                       completion_ids: list[int], **row: Any) -> float:
+    @property
+    def name(self) -> str:
+        return getattr(self.reward_fn, "__name__", type(self.reward_fn).__name__)
+
+    def normalize(self, value: Any) -> dict[str, float]:
+        """A reward function's result as {"reward", *component_keys} floats; ValueError if malformed."""
+        if isinstance(value, Mapping):
+            if "reward" not in value:
+                raise ValueError(f"reward function {self.name} returned a mapping without 'reward': {sorted(value)}")
+            if self.component_keys is None:
+                self.component_keys = tuple(k for k in value if k != "reward")
+            out = {"reward": float(value["reward"])}
+            out.update({k: float(value.get(k, 0.0)) for k in self.component_keys})
+        else:
+            out = {"reward": float(value)}
+            out.update({k: 0.0 for k in self.component_keys or ()})
+        if not all(math.isfinite(v) for v in out.values()):
+            raise ValueError(f"reward function {self.name} returned a non-finite value: {out}")
+        return out
+
+    def failed(self) -> dict[str, float]:
+        return {"reward": 0.0, **{k: 0.0 for k in self.component_keys or ()}}
+
+    async def score(self, prompt: str, completions: str, prompt_ids: list[int],
+                    completion_ids: list[int], **row: Any) -> dict[str, float]:
         self.num_calls += 1
-        name = getattr(self.reward_fn, "__name__", type(self.reward_fn).__name__)
         try:
             if self.is_async:
                 coro = self.reward_fn(prompt, completions, prompt_ids, completion_ids, **row)
@@ -41,14 +83,39 @@ class RewardCaller:
                 value = await asyncio.wait_for(call, self.timeout_s)
             else:
                 value = self.reward_fn(prompt, completions, prompt_ids, completion_ids, **row)
-            return float(value)
+            return self.normalize(value)
         except asyncio.TimeoutError:
             self.num_timeouts += 1
-            log.warning("reward function %s timed out after %.1fs; reward set to 0", name, self.timeout_s)
+            log.warning("reward function %s timed out after %.1fs; reward set to 0", self.name, self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - a user reward must never crash the worker
             self.num_errors += 1
-            log.warning("reward function %s raised %s: %s; reward set to 0", name, type(exc).__name__, exc)
-        return 0.0
+            log.warning("reward function %s raised %s: %s; reward set to 0", self.name, type(exc).__name__, exc)
+        return self.failed()
+
+    def score_sync(self, prompt: str, completions: str, prompt_ids: list[int],
+                   completion_ids: list[int], **row: Any) -> dict[str, float]:
+        """`score` for callers without an event loop (ChatEnv transforms); same timeout and counters."""
+        if self.is_async:
+            return asyncio.run(self.score(prompt, completions, prompt_ids, completion_ids, **row))
+        self.num_calls += 1
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        try:
+            fut = pool.submit(self.reward_fn, prompt, completions, prompt_ids, completion_ids, **row)
+            return self.normalize(fut.result(timeout=self.timeout_s))
+        except concurrent.futures.TimeoutError:
+            self.num_timeouts += 1
+            log.warning("reward function %s timed out after %.1fs; reward set to 0", self.name, self.timeout_s)
+        except Exception as exc:  # noqa: BLE001
+            self.num_errors += 1
+            log.warning("reward function %s raised %s: %s; reward set to 0", self.name, type(exc).__name__, exc)
+        finally:
+            pool.shutdown(wait=False)
+        return self.failed()
+
+    async def __call__(self, prompt: str, completions: str, prompt_ids: list[int],
+                       completion_ids: list[int], **row: Any) -> float:
+        """The scalar reward only (see `score` for the components)."""
+        return (await self.score(prompt, completions, prompt_ids, completion_ids, **row))["reward"]
 
     def counters(self) -> dict[str, int]:
         return {"reward_calls": self.num_calls, "reward_errors": self.num_errors, "reward_timeouts": self.num_timeouts}

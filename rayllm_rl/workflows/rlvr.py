@@ -62,15 +62,16 @@ class RLVRWorkflow(RolloutWorkflow):
         trajs = []
         for resp in responses:
             completion = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
-            reward = await self.reward(prompt_text, completion, resp.input_tokens, resp.output_tokens, **row)
+            scores = await self.reward.score(prompt_text, completion, resp.input_tokens, resp.output_tokens, **row)
             n_in, n_out = resp.input_len, resp.output_len
             trajs.append(make_trajectory(
                 input_ids=resp.input_tokens + resp.output_tokens,
                 logprobs=[0.0] * n_in + resp.output_logprobs,
                 loss_mask=[0] * n_in + [1] * n_out,
                 versions=[-1] * n_in + resp.output_versions,
-                reward=reward,
+                reward=scores.pop("reward"),
                 group_id=group_id,
                 truncated=float(resp.stop_reason == "length"),
+                **scores,
             ))
         return concat_padded(trajs)

@@ -1,0 +1,133 @@
+"""Task environments: a ChatEnv fed from a `datasets` source, scored by a task reward.
+
+`DatasetChatEnv` = ChatEnv + DataLoadingPrimer (rows from any `datasets` source, each prompt
+repeated `repeats` times for group sampling) + RewardTransform (+ IncrementalTokenizer in
+history mode), as TorchRL's DatasetChatEnv. `GSM8KEnv`, `MATHEnv` and `IFEvalEnv` fix the prompt
+format and the reward of their dataset. In the Ray pipeline the collector picks the rows and an
+env worker runs one of these envs per episode through `ChatEnvWorkflow`.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from rayllm_rl.data.sources import check_fields, load_rows
+from rayllm_rl.envs.chat_env import ChatEnv
+from rayllm_rl.envs.transforms import DataLoadingPrimer, RewardTransform
+
+THINK_ANSWER_SYSTEM = (
+    "Reason step by step inside <think> </think>, then give only the final answer inside "
+    "<answer> </answer>."
+)
+
+
+def math_prompt(row: Mapping[str, Any]) -> list[dict[str, str]]:
+    """MATH prompt chat: the think/answer instruction, then the problem (answers in LaTeX)."""
+    return [{"role": "system", "content": THINK_ANSWER_SYSTEM + " Write the answer in LaTeX."},
+            {"role": "user", "content": str(row["problem"])}]
+
+
+def ifeval_prompt(row: Mapping[str, Any]) -> list[dict[str, str]]:
+    """IFEval prompt chat: the think/answer instruction, then the instruction-following prompt."""
+    return [{"role": "system", "content": "Think inside <think> </think>, then write your response inside "
+             "<answer> </answer>, following every instruction of the user."},
+            {"role": "user", "content": str(row["prompt"])}]
+
+
+def gsm8k_messages(row: Mapping[str, Any]) -> list[dict[str, str]]:
+    from rayllm_rl.rewards.gsm8k import gsm8k_prompt
+
+    return gsm8k_prompt(str(row["question"]))
+
+
+class DatasetChatEnv(ChatEnv):
+    """A ChatEnv whose prompts come from a dataset and whose steps are scored by `reward_fn`.
+
+    `dataset` is a `datasets.Dataset` or a source for `load_rows` (local file, save_to_disk
+    folder, hub name). `make_messages(row)` builds the prompt chat (default: the row's
+    `prompt_key` field, a str or a chat). `repeats` = GRPO group size. `required_fields` are
+    checked up front so a malformed row fails at load time with its index, not mid-run.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        tokenizer,
+        *,
+        reward_fn: Callable[..., Any] | None = None,
+        make_messages: Callable[[Mapping[str, Any]], list[dict[str, str]]] | None = None,
+        prompt_key: str = "messages",
+        required_fields: tuple[str, ...] = (),
+        repeats: int = 1,
+        batch_size: int = 1,
+        split: str = "train",
+        shuffle: bool = True,
+        seed: int = 0,
+        input_mode: str = "history",
+        system_prompt: str | None = None,
+        set_done: bool | Callable[[str], bool] = True,
+        reward_timeout_s: float = 30.0,
+    ) -> None:
+        source = dataset if isinstance(dataset, str) else type(self).__name__
+        if isinstance(dataset, str):
+            dataset = load_rows(dataset, split)
+        check_fields(dataset, required_fields, source)
+        self.dataset = dataset
+        self.reward_fn = reward_fn
+        self.make_messages = make_messages
+        super().__init__(tokenizer, input_mode=input_mode, system_prompt=system_prompt, batch_size=batch_size,
+                         with_tokenizer=False)
+        key: Any = make_messages if make_messages is not None else prompt_key
+        self.primer = DataLoadingPrimer(dataset, prompt_key=key, batch_size=batch_size, repeats=repeats,
+                                        shuffle=shuffle, seed=seed)
+        self.append_transform(self.primer)
+        self.reward_transform = None
+        if reward_fn is not None:
+            self.reward_transform = RewardTransform(reward_fn, set_done=set_done, timeout_s=reward_timeout_s)
+            self.append_transform(self.reward_transform)
+        if input_mode == "history":
+            from rayllm_rl.envs.transforms import IncrementalTokenizer
+
+            self.append_transform(IncrementalTokenizer(tokenizer))
+
+    def messages_of(self, row: Mapping[str, Any]) -> list[dict[str, str]]:
+        """The prompt chat of a row (what the primer would build), for callers that pick rows."""
+        prompt = self.primer._prompt_of(-1, row)
+        return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+
+
+class GSM8KEnv(DatasetChatEnv):
+    """GSM8K (`question`, `answer` ending in `#### N`) with GSM8KRewardParser's components."""
+
+    def __init__(self, dataset: Any, tokenizer, **kwargs: Any) -> None:
+        from rayllm_rl.rewards.gsm8k import GSM8KRewardParser
+
+        kwargs.setdefault("reward_fn", GSM8KRewardParser())
+        super().__init__(dataset, tokenizer, make_messages=gsm8k_messages, required_fields=("question", "answer"),
+                         **kwargs)
+
+
+class MATHEnv(DatasetChatEnv):
+    """MATH (`problem` + `solution` with a boxed answer, or MATH-500's `answer`), checked by math-verify
+    in a separate process with a timeout (MathRewardFn)."""
+
+    def __init__(self, dataset: Any, tokenizer, **kwargs: Any) -> None:
+        from rayllm_rl.rewards.math_answer import MathRewardFn
+
+        kwargs.setdefault("reward_fn", MathRewardFn())
+        super().__init__(dataset, tokenizer, make_messages=math_prompt, required_fields=("problem",), **kwargs)
+
+
+class IFEvalEnv(DatasetChatEnv):
+    """IFEval (`prompt`, `instruction_id_list`, `kwargs`) scored by IFEvalScorer; an episode is done
+    once the response holds an answer block."""
+
+    def __init__(self, dataset: Any, tokenizer, **kwargs: Any) -> None:
+        from rayllm_rl.rewards.ifeval import IFEvalScorer
+
+        scorer = kwargs.setdefault("reward_fn", IFEvalScorer())
+        kwargs.setdefault("set_done", getattr(getattr(scorer, "reward_fn", scorer), "done", True))
+        super().__init__(dataset, tokenizer, make_messages=ifeval_prompt,
+                         required_fields=("prompt", "instruction_id_list"), **kwargs)
+
+
+ENVS: dict[str, type[DatasetChatEnv]] = {"gsm8k": GSM8KEnv, "math": MATHEnv, "ifeval": IFEvalEnv}

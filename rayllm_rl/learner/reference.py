@@ -1,0 +1,46 @@
+"""A frozen reference policy: token logprobs of fixed weights, for KL penalties."""
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+from rayllm_rl.learner.learner import token_logprobs
+
+
+class ReferenceModel:
+    """Loads a model with `from_pretrained` (or takes a copy of given weights) and never trains it.
+
+    `compute_logprobs(td)` returns `[N, T]` token-aligned log pi_ref (column 0 and padding 0) at
+    the same temperature as the learner, micro-batched to bound memory. In the Ray backend it runs
+    inside a reference actor (orchestration.actors.ReferenceActor).
+    """
+
+    def __init__(self, model_path: str, *, temperature: float = 1.0, micro_batch_size: int = 16,
+                 dtype: torch.dtype = torch.float32, named_tensors: dict[str, torch.Tensor] | None = None):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        if named_tensors is not None:
+            self.load_weights(named_tensors)
+        self.model.eval().requires_grad_(False)
+        self.temperature = temperature
+        self.micro_batch_size = micro_batch_size
+
+    def load_weights(self, named: dict[str, torch.Tensor]) -> None:
+        """Replace the reference weights (e.g. with the policy right after its SFT warm start)."""
+        missing, unexpected = self.model.load_state_dict(named, strict=False)
+        if unexpected:
+            raise ValueError(f"reference weights have unexpected tensors: {unexpected[:5]}")
+        params = {k for k, _ in self.model.named_parameters()}
+        if params - set(named):
+            raise ValueError(f"reference weights lack parameters: {sorted(params - set(named))[:5]}")
+
+    @torch.no_grad()
+    def compute_logprobs(self, td: TensorDict) -> torch.Tensor:
+        out = torch.zeros(td["input_ids"].shape, dtype=torch.float32)
+        for i in range(0, td.batch_size[0], self.micro_batch_size):
+            mb = td[i:i + self.micro_batch_size]
+            width = int(mb["attention_mask"].sum(-1).max())
+            out[i:i + mb.batch_size[0], :width] = token_logprobs(
+                self.model, mb["input_ids"][:, :width], mb["attention_mask"][:, :width], self.temperature)
+        return out

@@ -1,0 +1,106 @@
+"""Run a TorchRL-style ChatEnv (e.g. GSM8KEnv) as an AReaL workflow, token-in/token-out.
+
+This is how task environments run inside the Ray env workers: the collector hands a dataset
+row to `arun_episode`, which plays `group_size` independent single-conversation envs against
+the inference engine and returns the group's trajectories. The engine's prompt at every turn
+is the env's `("tokens", "prompt")` (IncrementalTokenizer: the previous turn's exact ids plus
+the tokens of what the env appended), and the trajectory is exactly those ids, so nothing is
+re-tokenized; tokens the env added (feedback, tool results) are masked out of the loss.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any, Callable, Mapping
+
+import torch
+from tensordict import NonTensorData, TensorDict
+
+from rayllm_rl.data.history import History
+from rayllm_rl.data.trajectory import concat_padded, make_trajectory
+from rayllm_rl.inference.protocol import InferenceEngine, LLMRequest, SamplingParams
+from rayllm_rl.workflows.base import RolloutWorkflow
+
+_NOT_COMPONENTS = frozenset({"done", "terminated", "truncated", "reward", "step_count", "policy_version",
+                             "row_index", "group_id"})
+
+
+class ChatEnvWorkflow(RolloutWorkflow):
+    """`group_size` episodes of `make_env()` (a batch-1 history-mode ChatEnv with an
+    IncrementalTokenizer) per dataset row, each up to `max_turns` policy turns.
+
+    Trajectory reward = the sum of the env's step rewards (the return); per-sequence components
+    (`reward_answer`, `success`, ...) are those of the last step; `num_turns` is recorded.
+    """
+
+    def __init__(self, make_env: Callable[[], Any], sampling: SamplingParams, group_size: int = 8,
+                 max_turns: int = 1):
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        self.make_env = make_env
+        self.sampling = sampling
+        self.group_size = group_size
+        self.max_turns = max_turns
+        self.envs: list[Any] = []  # the envs of the last episode, for their counters
+
+    @property
+    def reward(self):
+        """The RewardCaller of the envs' RewardTransform (its call/error/timeout counters; the
+        task's make_env shares one caller between all the envs it builds)."""
+        if not self.envs:
+            self.envs = [self.make_env()]
+        return self.envs[0].reward_transform.caller
+
+    async def arun_episode(self, engine: InferenceEngine, data: Mapping[str, Any]) -> TensorDict:
+        group_id = int(data.get("group_id", random.getrandbits(62)))
+        row = {k: v for k, v in data.items() if k not in ("prompt_ids", "group_id")}
+        self.envs = [self.make_env() for _ in range(self.group_size)]
+        trajs = await asyncio.gather(*[
+            self._episode(env, engine, row, group_id, f"env{group_id}-{i}") for i, env in enumerate(self.envs)
+        ])
+        return concat_padded(trajs)
+
+    async def _episode(self, env, engine: InferenceEngine, row: dict, group_id: int, rid: str) -> TensorDict:
+        elem = TensorDict(batch_size=[])
+        elem["messages"] = NonTensorData(env.messages_of(row))
+        elem["row"] = NonTensorData(dict(row))
+        elem["group_id"] = torch.tensor(group_id, dtype=torch.long)
+        obs = env.reset(elem.unsqueeze(0))
+        seq: list[int] = []
+        logprobs: list[float] = []
+        mask: list[int] = []
+        versions: list[int] = []
+        total, components, turns, truncated = 0.0, {}, 0, 0.0
+        while turns < self.max_turns:
+            prompt_ids = obs[0]["tokens", "prompt"].tolist()
+            if prompt_ids[: len(seq)] != seq:
+                raise RuntimeError(f"episode {rid}: the env's prompt does not extend the trajectory (re-tokenized past)")
+            added = prompt_ids[len(seq):]
+            seq += added
+            logprobs += [0.0] * len(added)
+            mask += [0] * len(added)
+            versions += [-1] * len(added)
+            resp = await engine.agenerate(LLMRequest(input_ids=prompt_ids, sampling=self.sampling, rid=rid))
+            seq += resp.output_tokens
+            logprobs += resp.output_logprobs
+            mask += [1] * resp.output_len
+            versions += resp.output_versions
+            turns += 1
+            truncated = float(resp.stop_reason == "length")
+            text = env.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
+            act = obs.unbind(0)[0]
+            act["history"].full = act["history"].prompt.append(
+                History(role="assistant", content=text, is_complete=torch.tensor(not truncated)))
+            act["tokens", "full"] = torch.tensor(prompt_ids + resp.output_tokens, dtype=torch.long)
+            act["tokens", "response"] = torch.tensor(resp.output_tokens, dtype=torch.long)
+            stepped = await asyncio.to_thread(env.step, act.unsqueeze(0))  # rewards may block (verifiers)
+            nxt = stepped[0]["next"]
+            total += float(nxt.get("reward", torch.zeros(1, 1)).sum())
+            components = {k: float(nxt[k].reshape(-1)[0]) for k in nxt.keys()
+                          if isinstance(k, str) and k not in _NOT_COMPONENTS and isinstance(nxt.get(k), torch.Tensor)
+                          and nxt.get(k).is_floating_point()}
+            if bool(nxt["done"].any()):
+                break
+            obs = env.step_mdp(stepped)
+        return make_trajectory(seq, logprobs, mask, versions, total, group_id, truncated=truncated,
+                               num_turns=float(turns), **components)
