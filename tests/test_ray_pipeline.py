@@ -116,3 +116,27 @@ def test_two_fsdp_learner_actors_train_and_sync(local_ray, tmp_path):
     assert summary["steps"] == 3 and summary["version"] == 3
     assert summary["learner_checksums_equal_replicas"]  # both FSDP ranks' full weights == every replica's
     assert summary["replica_versions_held"] == [[0, 0, 1, 2, 3]]
+
+
+def test_gsm8k_env_in_ray_env_workers_with_reference_kl(local_ray, tmp_path):
+    """GSM8KEnv runs inside the env workers (ChatEnvWorkflow) through real training steps, with the
+    reference actor serving KL both to the loss (kl_coef) and to the reward (kl_reward_coef)."""
+    from rayllm_rl.orchestration.driver import train
+
+    fixture = Path(__file__).parent / "fixtures" / "gsm8k.jsonl"
+    summary = train(small_cfg(
+        tmp_path, "task=gsm8k", f"data.path={fixture}", "data.eval_size=2", "rollout.prompts_per_step=2",
+        "rollout.max_new_tokens=12", "trainer.steps=2", "algo.kl_coef=0.05", "algo.kl_reward_coef=0.01"))
+    assert summary["steps"] == 2 and summary["failed_episodes"] == 0
+    components = ("reward_answer", "reward_think", "reward_right", "reward_contained", "success")
+    for key in components:
+        assert f"eval_{key}" in summary["eval_before"] and f"eval_{key}" in summary["eval_after"]
+    assert summary["reward_failures"]["reward_calls"] >= 2 * 2 * 4  # steps x prompts x group
+    assert summary["reward_failures"]["reward_errors"] == 0
+    for rec in rl_records(summary):
+        assert set(components) <= set(rec) and "num_turns" in rec
+        assert "kl_ref" in rec and rec["kl_ref"] >= 0.0  # KL to the reference in the loss
+        assert "kl_penalty" in rec  # KL in the reward, from the reference actor
+        assert 0.0 < rec["entropy"] < 10.0
+    first = rl_records(summary)[0]
+    assert abs(first["kl_penalty"]) < 1e-3  # step 1 samples from the reference's own weights

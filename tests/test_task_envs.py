@@ -66,8 +66,10 @@ def test_load_rows_errors_name_the_problem(tmp_path):
     train, held = split_held_out(datasets.Dataset.from_list(ROWS), 2, seed=0)
     assert len(train) == 4 and len(held) == 2
     assert not set(train["question"]) & set(held["question"])
+    train, held = split_held_out(datasets.Dataset.from_list(ROWS), 200)  # small file: a fifth held out
+    assert len(train) == 5 and len(held) == 1
     with pytest.raises(ValueError, match="eval_size=6"):
-        split_held_out(datasets.Dataset.from_list(ROWS), 6)
+        split_held_out(datasets.Dataset.from_list(ROWS[:1]), 6)
 
 
 # ---------------------------------------------------------------- reward calling

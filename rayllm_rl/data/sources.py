@@ -1,6 +1,7 @@
 """Load a `datasets.Dataset` from a local file, a `save_to_disk` folder or a hub name."""
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Callable, Sequence
@@ -49,13 +50,21 @@ def check_fields(dataset, required: Sequence[str], source: str) -> None:
 
 
 def split_held_out(dataset, eval_size: int, seed: int = 0, eval_source=None):
-    """(train, eval): `eval_source` if given, else `eval_size` rows held out by a seeded shuffle."""
+    """(train, eval): `eval_source` if given, else `eval_size` rows held out by a seeded shuffle.
+
+    A small file with fewer rows than `eval_size` keeps a fifth of them for evaluation (logged)."""
     if eval_source is not None:
         return dataset, eval_source
     if eval_size <= 0:
         return dataset, dataset.select([])
     if eval_size >= len(dataset):
-        raise ValueError(f"data.eval_size={eval_size} leaves no training rows out of {len(dataset)}")
+        if len(dataset) < 2:
+            raise ValueError(f"data.eval_size={eval_size} leaves no training rows out of {len(dataset)}")
+        capped = max(1, len(dataset) // 5)
+        logging.getLogger(__name__).warning(
+            "data.eval_size=%d is not below the %d rows of the dataset; holding out %d rows instead",
+            eval_size, len(dataset), capped)
+        eval_size = capped
     parts = dataset.train_test_split(test_size=eval_size, seed=seed, shuffle=True)
     return parts["train"], parts["test"]
 

@@ -1,0 +1,1 @@
+"""Reward functions and scorers for built-in tasks."""
