@@ -237,3 +237,84 @@ def test_reference_model_and_kl_reward(tiny_model_path, engine, tokenizer):
     torch.testing.assert_close(batch["rewards"], rewards0 - 0.1 * k1)
     with pytest.raises(ValueError, match="RetrieveKL first"):
         KLRewardTransform(0.1)(TensorDict({"rewards": torch.zeros(1)}, batch_size=[1]))
+
+
+# ---------------------------------------------------------------- task envs on their fixtures
+FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures"
+
+
+def play(env, td, texts):
+    """Play the policy: one assistant message per element."""
+    for elem, text in zip(td.unbind(0), texts):
+        elem["history"].full = elem["history"].prompt.append({"role": "assistant", "content": text})
+    return env.step(td)["next"]
+
+
+def test_gsm8k_and_math_envs_score_hand_written_answers(tokenizer):
+    from rayllm_rl.envs.dataset_envs import GSM8KEnv, MATHEnv
+    from rayllm_rl.rewards.gsm8k import gsm8k_final_answer
+    from rayllm_rl.rewards.math_answer import math_reference_answer
+
+    env = GSM8KEnv(str(FIXTURES / "gsm8k.jsonl"), tokenizer, batch_size=2, repeats=2, shuffle=False)
+    td = env.reset()
+    assert td[0]["history"].prompt.to_chat()[-1]["content"] == td[0]["row"]["question"]
+    final = gsm8k_final_answer(td[0]["row"]["answer"])
+    nxt = play(env, td, [f"<think>ok</think><answer>{final}</answer>", "<think>hm</think><answer>12345</answer>"])
+    assert nxt[0]["reward"].item() == 1.0 and nxt[0]["success"].item() == 1.0
+    assert nxt[1]["reward"].item() == pytest.approx(0.2) and nxt[1]["reward_right"].item() == 0.0
+
+    menv = MATHEnv(str(FIXTURES / "math.jsonl"), tokenizer, batch_size=2, repeats=2, shuffle=False)
+    try:
+        td = menv.reset()
+        gold = math_reference_answer(dict(td[0]["row"]))
+        nxt = play(menv, td, [f"<answer>{gold}</answer>", "<answer>\\frac{123}{457}</answer>"])
+        assert nxt[0]["reward"].item() == 1.0 and nxt[1]["reward"].item() == 0.0
+        assert nxt[1]["reward_format"].item() == 1.0 and nxt[1]["timeout"].item() == 0.0
+    finally:
+        menv.reward_transform.reward_fn.close()
+
+
+def test_gsm8k_multi_turn_agent_is_a_ready_workflow(engine, tokenizer, tmp_path):
+    """task=gsm8k rollout.workflow=multi_turn: AReaL's retry agent, grouped, with GSM8K components."""
+    from rayllm_rl.config import load_config
+    from rayllm_rl.orchestration.builders import build_task, build_workflow
+    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+    from rayllm_rl.workflows.grouped import GroupedWorkflow
+
+    cfg = load_config(GRPOJobConfig, ["task=gsm8k", f"data.path={FIXTURES / 'gsm8k.jsonl'}", "data.eval_size=1",
+                                      "rollout.workflow=multi_turn", "rollout.max_turns=3", "rollout.group_size=2",
+                                      "rollout.max_new_tokens=5"])
+    task = build_task(cfg)
+    wf = build_workflow(cfg, task, tokenizer)
+    assert isinstance(wf, GroupedWorkflow) and wf.workflow.max_turns == 3
+    out = asyncio.run(wf.arun_episode(engine, {**task.train[0], "group_id": 5}))
+    assert out.batch_size[0] == 2 and out["group_id"].tolist() == [5, 5]
+    # an untrained model never answers right: every episode uses all three turns, feedback masked
+    assert out["num_turns"].tolist() == [3.0, 3.0] and out["success"].tolist() == [0.0, 0.0]
+    for i in range(2):
+        n = int(out["attention_mask"][i].sum())
+        mask = out["loss_mask"][i, :n].tolist()
+        assert sum(1 for j in range(1, n) if mask[j] and not mask[j - 1]) == 3
+    assert "Your answer is not correct" in tokenizer.decode(out["input_ids"][0][~out["loss_mask"][0]])
+    cfg_env = load_config(GRPOJobConfig, ["task=gsm8k", f"data.path={FIXTURES / 'gsm8k.jsonl'}"])
+    assert type(build_workflow(cfg_env, build_task(cfg_env), tokenizer)).__name__ == "ChatEnvWorkflow"
+
+
+def test_ifeval_env_scores_and_is_done_only_with_an_answer_block(tokenizer):
+    from rayllm_rl.envs.dataset_envs import IFEvalEnv
+
+    env = IFEvalEnv(str(FIXTURES / "ifeval.jsonl"), tokenizer, batch_size=2, repeats=2, shuffle=False)
+    td = env.reset()
+    row = dict(td[0]["row"])
+    assert td[0]["history"].prompt.to_chat()[-1]["content"] == row["prompt"]
+    nxt = play(env, td, ["<think>plan</think>", "no tags at all"])
+    # no answer block: not done (the episode may continue), structure/format scored anyway
+    assert not bool(nxt[0]["done"]) and not bool(nxt[1]["done"])
+    assert nxt[0]["structure_score"].item() == pytest.approx(0.5) and nxt[1]["structure_score"].item() == 0.0
+    td = env.reset()
+    nxt = play(env, td, ["<think>plan</think><answer>x</answer>", "<answer>y</answer>"])
+    assert bool(nxt[0]["done"]) and bool(nxt[1]["done"])
+    assert nxt[0]["completion_bonus"].item() == pytest.approx(0.2)
+    parts = ("format_score", "structure_score", "completion_bonus")
+    for i in range(2):
+        assert nxt[i]["reward"].item() == pytest.approx(sum(nxt[i][k].item() for k in parts))

@@ -6,7 +6,6 @@ Names on the dashboard: `inference-<i>`, `env-<i>`, `learner-<rank>`, `collector
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import ray
