@@ -21,11 +21,14 @@ def sft_warm_start(cluster: Cluster, cfg: GRPOJobConfig, task, tokenizer, report
     if cfg.sft.steps <= 0 or task.sft_target is None:
         return
     cluster.learner_call("reset_optimizer", dataclasses.replace(cfg.optim, lr=cfg.sft.lr, warmup_steps=cfg.sft.warmup_steps))
-    loader, loss = PromptLoader(task.train, seed=cfg.trainer.seed + 1), SFTLoss()
+    loader, loss, t0 = PromptLoader(task.train, seed=cfg.trainer.seed + 1), SFTLoss(), time.perf_counter()
     for step in range(1, cfg.sft.steps + 1):
         batch = ray.put(make_sft_batch(tokenizer, sft_chats(task, loader.next_rows(cfg.sft.batch_size))))
         metrics = cluster.learner_call("train_step", batch, loss)[0]
         reporter.log({"phase": "sft", "sft_step": step, **metrics}, show=step % 50 == 0)
+        if cfg.sft.time_budget_s and time.perf_counter() - t0 > cfg.sft.time_budget_s:
+            reporter.log({"phase": "sft", "sft_step": step, "stopped": "sft.time_budget_s"}, show=True)
+            break
     cluster.learner_call("reset_optimizer", cfg.optim)
 
 

@@ -132,6 +132,9 @@ class SFTConfig:
     """SFT learning rate."""
     warmup_steps: int = 20
     """Linear learning-rate warm-up of the SFT phase."""
+    time_budget_s: float = 300.0
+    """Safety net: stop the warm start early after this many seconds (0 = no limit); long
+    demonstrations (GSM8K reasoning) on a CPU would otherwise take most of an hour."""
 
 
 @dataclasses.dataclass

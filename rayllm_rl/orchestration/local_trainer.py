@@ -48,10 +48,14 @@ def sft_warm_start(learner: Learner, task, tokenizer, cfg: GRPOJobConfig, report
     loss = SFTLoss()
     rl_optim = learner.cfg
     learner.reset_optimizer(dataclasses.replace(rl_optim, lr=cfg.sft.lr, warmup_steps=cfg.sft.warmup_steps))
+    t0 = time.perf_counter()
     for step in range(cfg.sft.steps):
         chats = sft_chats(task, loader.next_rows(cfg.sft.batch_size))
         metrics = learner.train_step(make_sft_batch(tokenizer, chats), loss)
         reporter.log({"phase": "sft", "sft_step": step + 1, **metrics}, show=(step + 1) % 50 == 0)
+        if cfg.sft.time_budget_s and time.perf_counter() - t0 > cfg.sft.time_budget_s:
+            reporter.log({"phase": "sft", "sft_step": step + 1, "stopped": "sft.time_budget_s"}, show=True)
+            break
     learner.reset_optimizer(rl_optim)
     learner.version = 0
 
