@@ -74,7 +74,8 @@ class ChatEnv:
     """Conversation state for a batch of `batch_size` chats; the policy writes `full`, the env
     makes it the next `prompt` and lets transforms add messages, rewards and done flags."""
 
-    carry_keys: tuple[str, ...] = ("query",)
+    carry_keys: tuple[str, ...] = ("query", "row", "group_id")
+    """Copied from each step's input to its "next" (the dataset row reward functions read)."""
 
     def __init__(
         self,

@@ -408,7 +408,7 @@ class RewardTransform(Transform):
     """
 
     def __init__(self, reward_fn: Callable[..., Any], *, set_done: bool | Callable[[str], bool] = True,
-                 tokenizer=None, timeout_s: float = 30.0) -> None:
+                 tokenizer=None, timeout_s: float = 30.0, only_when_done: bool = False) -> None:
         super().__init__()
         from rayllm_rl.workflows.rewards import RewardCaller
 
@@ -416,6 +416,8 @@ class RewardTransform(Transform):
         self.caller = reward_fn if isinstance(reward_fn, RewardCaller) else RewardCaller(reward_fn, timeout_s=timeout_s)
         self.reward_fn = self.caller.reward_fn
         self.set_done = set_done
+        self.only_when_done = only_when_done
+        """Score only steps an earlier transform marked done (e.g. a tool agent's final answer)."""
         self.tokenizer = tokenizer
 
     @property
@@ -435,6 +437,11 @@ class RewardTransform(Transform):
 
     def step(self, td_next: TensorDictBase, td_action: TensorDictBase) -> TensorDictBase:
         for nxt, act in zip(td_next.unbind(0), td_action.unbind(0)):
+            if self.only_when_done and not bool(nxt.get("done", torch.zeros(1, dtype=torch.bool)).any()):
+                if self.caller.component_keys:  # same keys on every step, 0 until the final one
+                    for key in self.caller.component_keys:
+                        nxt[key] = torch.zeros(1, 1)
+                continue
             try:
                 args = self._arguments(act)
             except Exception as err:  # a malformed action must not kill the rollout either

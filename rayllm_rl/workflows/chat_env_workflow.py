@@ -20,6 +20,7 @@ from rayllm_rl.data.history import History
 from rayllm_rl.data.trajectory import concat_padded, make_trajectory
 from rayllm_rl.inference.protocol import InferenceEngine, LLMRequest, SamplingParams
 from rayllm_rl.workflows.base import RolloutWorkflow
+from rayllm_rl.workflows.rlvr import row_messages
 
 _NOT_COMPONENTS = frozenset({"done", "terminated", "truncated", "reward", "step_count", "policy_version",
                              "row_index", "group_id"})
@@ -34,13 +35,14 @@ class ChatEnvWorkflow(RolloutWorkflow):
     """
 
     def __init__(self, make_env: Callable[[], Any], sampling: SamplingParams, group_size: int = 8,
-                 max_turns: int = 1):
+                 max_turns: int = 1, prompt_key: str = "messages"):
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         self.make_env = make_env
         self.sampling = sampling
         self.group_size = group_size
         self.max_turns = max_turns
+        self.prompt_key = prompt_key
         self.envs: list[Any] = []  # the envs of the last episode, for their counters
 
     @property
@@ -49,7 +51,8 @@ class ChatEnvWorkflow(RolloutWorkflow):
         task's make_env shares one caller between all the envs it builds)."""
         if not self.envs:
             self.envs = [self.make_env()]
-        return self.envs[0].reward_transform.caller
+        transform = getattr(self.envs[0], "reward_transform", None)
+        return transform.caller if transform is not None else None
 
     async def arun_episode(self, engine: InferenceEngine, data: Mapping[str, Any]) -> TensorDict:
         group_id = int(data.get("group_id", random.getrandbits(62)))
@@ -62,7 +65,8 @@ class ChatEnvWorkflow(RolloutWorkflow):
 
     async def _episode(self, env, engine: InferenceEngine, row: dict, group_id: int, rid: str) -> TensorDict:
         elem = TensorDict(batch_size=[])
-        elem["messages"] = NonTensorData(env.messages_of(row))
+        messages = env.messages_of(row) if hasattr(env, "messages_of") else row_messages(row, self.prompt_key)
+        elem["messages"] = NonTensorData(messages)
         elem["row"] = NonTensorData(dict(row))
         elem["group_id"] = torch.tensor(group_id, dtype=torch.long)
         obs = env.reset(elem.unsqueeze(0))

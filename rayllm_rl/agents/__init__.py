@@ -1,0 +1,1 @@
+"""Agents: an OpenAI-compatible endpoint over the inference engine, and workflows for agent code."""

@@ -1,0 +1,220 @@
+"""An OpenAI-compatible chat-completions endpoint in front of an inference engine, recording tokens.
+
+Agent code written against the `openai` package talks to `ChatCompletionsApp`, an ASGI app, and
+never knows it is being trained. Every completion's exact prompt ids, output ids, logprobs and
+policy versions are recorded, and `trajectories()` turns them into training TensorDicts. Within
+one session, a request that continues an earlier conversation (its messages start with that
+request's messages plus the assistant reply we returned) reuses the earlier token ids and only
+tokenizes the new messages, like the IncrementalTokenizer. Multi-turn agents therefore train on
+exactly the tokens the engine saw; nothing in the past is re-tokenized. The app serves in-process
+through `httpx2.ASGITransport` (see `openai_client`). It is also a plain ASGI app, so uvicorn can
+put it on a port for agents in other processes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import time
+import uuid
+from typing import Any, Sequence
+
+from rayllm_rl.data.trajectory import make_trajectory
+from rayllm_rl.envs.transforms import chat_suffix, decode_tokens, encode_text
+from rayllm_rl.inference.protocol import InferenceEngine, LLMRequest, SamplingParams
+
+TOOL_CALL_RE = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+
+
+@dataclasses.dataclass
+class CompletionRecord:
+    """One chat completion as the engine saw and produced it."""
+
+    messages: list[dict[str, Any]]
+    """The request's messages (normalised to role/content)."""
+    reply: dict[str, Any]
+    """The assistant message we returned."""
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    parent: int | None
+    """Index of the record this request continued (its tokens are a prefix of ours), or None."""
+    finish_reason: str
+
+
+def _norm(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m:
+            raise ValueError(f"each message needs a role, got {m!r:.100}")
+        content = m.get("content") or ""
+        if isinstance(content, list):  # OpenAI content parts: keep the text ones
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        out.append({"role": m["role"], "content": str(content)})
+    return out
+
+
+def parse_tool_calls(text: str) -> list[dict[str, Any]]:
+    """Hermes/Qwen `<tool_call>{"name", "arguments"}</tool_call>` blocks as OpenAI tool_calls."""
+    calls = []
+    for i, raw in enumerate(TOOL_CALL_RE.findall(text)):
+        try:
+            obj = json.loads(raw)
+            name, args = obj["name"], obj.get("arguments", {})
+        except (ValueError, KeyError, TypeError):
+            continue
+        calls.append({"id": f"call_{i}_{uuid.uuid4().hex[:8]}", "type": "function",
+                      "function": {"name": str(name), "arguments": json.dumps(args)}})
+    return calls
+
+
+class ChatCompletionsSession:
+    """Serves chat completions from `engine` for one episode and records every completion."""
+
+    def __init__(self, engine: InferenceEngine, tokenizer, *, default_max_tokens: int = 256,
+                 model_name: str = "rayllm-policy", rid: str | None = None):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.default_max_tokens = default_max_tokens
+        self.model_name = model_name
+        self.rid = rid or uuid.uuid4().hex
+        self.records: list[CompletionRecord] = []
+
+    # ------------------------------------------------------------------ prompt tokens
+    def _prompt_ids(self, messages: list[dict[str, Any]], tools: Any) -> tuple[list[int], int | None]:
+        """Token ids of the prompt; reuse a recorded conversation this one continues (longest first)."""
+        for idx in sorted(range(len(self.records)), key=lambda i: -len(self.records[i].messages)):
+            rec = self.records[idx]
+            past = rec.messages + [{"role": "assistant", "content": rec.reply["content"]}]
+            if len(messages) > len(past) and messages[: len(past)] == past:
+                base = rec.prompt_ids + rec.output_ids
+                suffix = chat_suffix(self.tokenizer, decode_tokens(self.tokenizer, base), past, messages[len(past):])
+                return base + encode_text(self.tokenizer, suffix).tolist(), idx
+        kwargs = {"tools": tools} if tools else {}
+        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                 return_dict=False, **kwargs)
+        return list(ids), None
+
+    # ------------------------------------------------------------------ the endpoint
+    async def create(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Handle one /v1/chat/completions request body; returns the response body."""
+        if body.get("stream"):
+            raise ValueError("stream=True is not supported by this endpoint")
+        messages = _norm(body.get("messages") or [])
+        if not messages:
+            raise ValueError("messages must be a non-empty list")
+        n = int(body.get("n") or 1)
+        max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or self.default_max_tokens)
+        temperature = float(body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0)
+        sampling = SamplingParams(max_new_tokens=max_tokens, temperature=max(temperature, 1e-6),
+                                  top_p=float(body.get("top_p") or 1.0), greedy=temperature == 0.0)
+        stops = body.get("stop") or []
+        stops = [stops] if isinstance(stops, str) else list(stops)
+        prompt_ids, parent = self._prompt_ids(messages, body.get("tools"))
+        choices, usage_out = [], 0
+        for i in range(n):
+            resp = await self.engine.agenerate(LLMRequest(input_ids=list(prompt_ids), sampling=sampling,
+                                                          rid=f"{self.rid}-{len(self.records)}"))
+            out_ids, lps, vers, finish = self._apply_stop(resp, stops)
+            text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
+            reply: dict[str, Any] = {"role": "assistant", "content": text}
+            tool_calls = parse_tool_calls(text) if body.get("tools") else []
+            if tool_calls:
+                reply["tool_calls"] = tool_calls
+                finish = "tool_calls"
+            self.records.append(CompletionRecord(messages, {"role": "assistant", "content": text}, list(prompt_ids),
+                                                 out_ids, lps, vers, parent, finish))
+            choice: dict[str, Any] = {"index": i, "message": reply, "finish_reason": finish}
+            if body.get("logprobs"):
+                choice["logprobs"] = {"content": [
+                    {"token": self.tokenizer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
+                    for t, lp in zip(out_ids, lps)]}
+            choices.append(choice)
+            usage_out += len(out_ids)
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": body.get("model") or self.model_name, "choices": choices,
+                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": usage_out,
+                          "total_tokens": len(prompt_ids) + usage_out}}
+
+    def _apply_stop(self, resp, stops: list[str]):
+        """Cut the output at the first token whose text completes a stop string (OpenAI `stop`)."""
+        ids, lps, vers = list(resp.output_tokens), list(resp.output_logprobs), list(resp.output_versions)
+        finish = "length" if resp.stop_reason == "length" else "stop"
+        if stops:
+            for k in range(1, len(ids) + 1):
+                text = self.tokenizer.decode(ids[:k], skip_special_tokens=True)
+                if any(s and s in text for s in stops):
+                    return ids[:k], lps[:k], vers[:k], "stop"
+        return ids, lps, vers, finish
+
+    # ------------------------------------------------------------------ trajectories
+    def trajectories(self, reward: float, group_id: int = 0, **extra: float):
+        """One trajectory per conversation leaf (a completion no later request continued).
+
+        Tokens are the leaf's prompt + output ids; loss_mask is 1 exactly on tokens the engine
+        generated (in this leaf and every completion it continued), with their logprobs and
+        versions; everything else (prompts, tool results, user turns) is masked out.
+        """
+        continued = {r.parent for r in self.records if r.parent is not None}
+        out = []
+        for idx, leaf in enumerate(self.records):
+            if idx in continued:
+                continue
+            chain, node = [], leaf
+            while node is not None:
+                chain.append(node)
+                node = self.records[node.parent] if node.parent is not None else None
+            ids = leaf.prompt_ids + leaf.output_ids
+            mask, lps, vers = [0] * len(ids), [0.0] * len(ids), [-1] * len(ids)
+            for rec in chain:
+                start = len(rec.prompt_ids)
+                if ids[start:start + len(rec.output_ids)] != rec.output_ids:
+                    raise RuntimeError("recorded completion is not a prefix of its continuation")
+                for j, (lp, v) in enumerate(zip(rec.logprobs, rec.versions)):
+                    mask[start + j], lps[start + j], vers[start + j] = 1, lp, v
+            out.append(make_trajectory(ids, lps, mask, vers, reward, group_id,
+                                       num_completions=float(len(chain)), **extra))
+        return out
+
+
+class ChatCompletionsApp:
+    """ASGI app: POST {/v1}/chat/completions -> `session.create`; GET {/v1}/models; errors as OpenAI JSON."""
+
+    def __init__(self, session: ChatCompletionsSession):
+        self.session = session
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"].rstrip("/"), scope["method"]
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        try:
+            if method == "POST" and path.endswith("/chat/completions"):
+                status, payload = 200, await self.session.create(json.loads(body or b"{}"))
+            elif method == "GET" and path.endswith("/models"):
+                status, payload = 200, {"object": "list", "data": [
+                    {"id": self.session.model_name, "object": "model", "created": 0, "owned_by": "rayllm_rl"}]}
+            else:
+                status, payload = 404, {"error": {"message": f"no route {method} {path}", "type": "not_found"}}
+        except (ValueError, TypeError, KeyError) as exc:
+            status, payload = 400, {"error": {"message": str(exc), "type": "invalid_request_error"}}
+        data = json.dumps(payload).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+        await send({"type": "http.response.body", "body": data})
+
+
+def openai_client(session: ChatCompletionsSession, timeout_s: float = 300.0):
+    """An `openai.AsyncOpenAI` whose requests go in-process to `session` (no socket)."""
+    import httpx2
+    import openai
+
+    http = openai.DefaultAsyncHttpxClient(transport=httpx2.ASGITransport(app=ChatCompletionsApp(session)))
+    return openai.AsyncOpenAI(base_url="http://rayllm.local/v1", api_key="rayllm-local", http_client=http,
+                              timeout=timeout_s, max_retries=0)
