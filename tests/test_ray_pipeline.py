@@ -140,3 +140,16 @@ def test_gsm8k_env_in_ray_env_workers_with_reference_kl(local_ray, tmp_path):
         assert 0.0 < rec["entropy"] < 10.0
     first = rl_records(summary)[0]
     assert abs(first["kl_penalty"]) < 1e-3  # step 1 samples from the reference's own weights
+
+
+def test_openai_sdk_agent_trains_in_ray_env_workers(local_ray, tmp_path):
+    """An agent written with openai.AsyncOpenAI runs in the env workers against the replicas; its two
+    completions per episode become one token-exact trajectory that the learner trains on."""
+    from rayllm_rl.orchestration.driver import train
+
+    summary = train(small_cfg(tmp_path, "trainer.steps=2", "rollout.workflow=openai_agent",
+                              "rollout.agent=rayllm_rl.agents.examples:answer_then_check"))
+    assert summary["steps"] == 2 and summary["failed_episodes"] == 0
+    for rec in rl_records(summary):
+        assert rec["num_completions"] == 2.0 and rec["seqs"] == 4 * 4
+        assert rec["token_versions"] and max(rec["token_versions"]) <= rec["version"] - 1

@@ -18,7 +18,20 @@ def build_sampling(cfg: GRPOJobConfig) -> SamplingParams:
     return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
 
 
-WORKFLOWS = ("auto", "rlvr", "multi_turn", "env")
+WORKFLOWS = ("auto", "rlvr", "multi_turn", "env", "openai_agent")
+
+
+def import_object(path: str):
+    """`"package.module:name"` -> the object (for agent functions named in a config)."""
+    import importlib
+
+    module, _, name = path.partition(":")
+    if not module or not name:
+        raise ValueError(f"expected 'package.module:function', got {path!r}")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot import {path!r}: {exc}") from exc
 
 
 def build_workflow(cfg: GRPOJobConfig, task: Task, tokenizer):
@@ -36,6 +49,13 @@ def build_workflow(cfg: GRPOJobConfig, task: Task, tokenizer):
 
         make_env = functools.partial(task.make_env, tokenizer, seed=cfg.trainer.seed)
         return ChatEnvWorkflow(make_env, build_sampling(cfg), group_size=r.group_size, max_turns=r.max_turns)
+    if kind == "openai_agent":
+        from rayllm_rl.agents.openai_workflow import OpenAIAgentWorkflow
+
+        if not r.agent:
+            raise ValueError("rollout.workflow=openai_agent needs rollout.agent='package.module:async_function'")
+        return OpenAIAgentWorkflow(import_object(r.agent), tokenizer, group_size=r.group_size,
+                                   reward_fn=task.reward_fn, max_tokens=r.max_new_tokens)
     if kind == "multi_turn":
         from rayllm_rl.workflows.grouped import GroupedWorkflow
         from rayllm_rl.workflows.multi_turn import MultiTurnWorkflow

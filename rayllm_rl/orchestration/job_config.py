@@ -53,10 +53,13 @@ class RolloutConfig:
     """AReaL's eta: rollouts may be up to this many policy versions old (0 = synchronous)."""
     workflow: str = "auto"
     """'rlvr' (one turn, reward per completion), 'multi_turn' (AReaL's retry-with-feedback math agent),
-    'env' (the task's ChatEnv, e.g. GSM8KEnv, run token-in/token-out), or 'auto' (env when the task has
-    one, else rlvr)."""
+    'env' (the task's ChatEnv, e.g. GSM8KEnv, run token-in/token-out), 'openai_agent' (agent code
+    written with the OpenAI SDK, see `agent`), or 'auto' (env when the task has one, else rlvr)."""
     max_turns: int = 1
     """Policy turns per episode for the multi_turn and env workflows."""
+    agent: str = ""
+    """openai_agent workflow: 'package.module:async_fn', an agent `async fn(client, row)` written with
+    openai.AsyncOpenAI; its completions become trajectories, the task's reward scores the last one."""
     turn_discount: float = 0.9
     """multi_turn: a success at turn t earns discount^(t-1)."""
 
