@@ -418,7 +418,6 @@ def test_cannot_kill_host_processes(sb, isolation, attack):
     if "PYTEST_PID" in attack:
         assert res.stdout.strip() in ("PermissionError", "ProcessLookupError"), res
     assert res.exit_code is not None and not res.timed_out  # ended on its own (it may have killed itself)
-    assert os.getpid() == os.getpid()  # by construction: we are still running
     _assert_healthy(sb, res)
 
 

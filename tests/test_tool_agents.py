@@ -107,6 +107,27 @@ def test_tool_agent_episode_is_token_exact_and_masks_tool_output(tokenizer):
     assert out["rewards"].tolist() == [1.0] and out["answered"].tolist() == [1.0] and out["num_turns"].tolist() == [2.0]
 
 
+def test_python_tool_job_workflow_runs_the_model_code_in_the_sandbox(tokenizer):
+    """rollout.workflow=python_tool: the job builds a tool agent on the task; its final turn gets the task reward."""
+    from rayllm_rl.config import load_config
+    from rayllm_rl.orchestration.builders import PYTHON_TOOL_PROMPT, build_task, build_workflow
+    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+
+    cfg = load_config(GRPOJobConfig, ["rollout.workflow=python_tool", "rollout.max_turns=3", "rollout.group_size=2"])
+    task = build_task(cfg)
+    wf = build_workflow(cfg, task, tokenizer)
+    assert isinstance(wf, ToolAgentWorkflow)
+    row = task.train[0]
+    a, b = row["a"], row["b"]
+    engine = ScriptedEngine(tokenizer, [f"```python\nprint({a} + {b})\n```", f"<answer>{a + b}</answer>"])
+    out = asyncio.run(wf.arun_episode(engine, {**row, "group_id": 1}))
+    assert out.batch_size[0] == 2 and out["num_turns"].tolist() == [2.0, 2.0]
+    assert out["rewards"].tolist() == [1.0, 1.0]  # the arithmetic reward, scored on the final turn
+    text = tokenizer.decode(out["input_ids"][0][out["attention_mask"][0].bool()])
+    assert PYTHON_TOOL_PROMPT in text and f"executed successfully:\n{a + b}\n" in text
+    assert f"executed successfully" not in tokenizer.decode(out["input_ids"][0][out["loss_mask"][0]])
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     ray = pytest.importorskip("ray")
@@ -125,3 +146,9 @@ def test_python_executor_service_is_shared(local_ray):
     assert local_ray.get(b.stats.remote())["runs"] == 3
     slow = RemoteExecutor(a).run("while True: pass", timeout=1)
     assert slow.timed_out or slow.exit_code != 0
+    # the python_tool job workflow, built inside a Ray worker, uses this same service
+    from rayllm_rl.orchestration.builders import _python_tools
+
+    (interp,) = _python_tools()
+    assert isinstance(interp.executor, RemoteExecutor) and interp.executor.run("print(1)").stdout == "1\n"
+    assert local_ray.get(b.stats.remote())["runs"] == 5

@@ -12,6 +12,7 @@ put it on a port for agents in other processes.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import re
@@ -113,9 +114,10 @@ class ChatCompletionsSession:
         stops = [stops] if isinstance(stops, str) else list(stops)
         prompt_ids, parent = self._prompt_ids(messages, body.get("tools"))
         choices, usage_out = [], 0
-        for i in range(n):
-            resp = await self.engine.agenerate(LLMRequest(input_ids=list(prompt_ids), sampling=sampling,
-                                                          rid=f"{self.rid}-{len(self.records)}"))
+        base = len(self.records)  # the n samples run concurrently, so the engine batches them
+        resps = await asyncio.gather(*(self.engine.agenerate(LLMRequest(
+            input_ids=list(prompt_ids), sampling=sampling, rid=f"{self.rid}-{base + i}")) for i in range(n)))
+        for i, resp in enumerate(resps):
             out_ids, lps, vers, finish = self._apply_stop(resp, stops)
             text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
             reply: dict[str, Any] = {"role": "assistant", "content": text}

@@ -18,7 +18,10 @@ def build_sampling(cfg: GRPOJobConfig) -> SamplingParams:
     return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
 
 
-WORKFLOWS = ("auto", "rlvr", "multi_turn", "env", "openai_agent")
+WORKFLOWS = ("auto", "rlvr", "multi_turn", "env", "openai_agent", "python_tool")
+
+PYTHON_TOOL_PROMPT = ("You may run Python: write a ```python block and its output comes back in <tool_response>. "
+                      "Give the final answer without a code block.")
 
 
 def import_object(path: str):
@@ -56,6 +59,12 @@ def build_workflow(cfg: GRPOJobConfig, task: Task, tokenizer):
             raise ValueError("rollout.workflow=openai_agent needs rollout.agent='package.module:async_function'")
         return OpenAIAgentWorkflow(import_object(r.agent), tokenizer, group_size=r.group_size,
                                    reward_fn=task.reward_fn, max_tokens=r.max_new_tokens)
+    if kind == "python_tool":
+        from rayllm_rl.agents.tool_agent import ToolAgentWorkflow
+
+        return ToolAgentWorkflow(tokenizer, _python_tools, build_sampling(cfg), reward_fn=task.reward_fn,
+                                 system_prompt=PYTHON_TOOL_PROMPT, group_size=r.group_size,
+                                 max_turns=max(r.max_turns, 1))
     if kind == "multi_turn":
         from rayllm_rl.workflows.grouped import GroupedWorkflow
         from rayllm_rl.workflows.multi_turn import MultiTurnWorkflow
@@ -64,6 +73,28 @@ def build_workflow(cfg: GRPOJobConfig, task: Task, tokenizer):
                                   turn_discount=r.turn_discount)
         return GroupedWorkflow(agent, r.group_size)
     return RLVRWorkflow(task.reward_fn, tokenizer, build_sampling(cfg), group_size=r.group_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _shared_executor_service(cluster: str):
+    """The `python-executor` actor handle, looked up once per worker process and cluster (`gcs_address`)."""
+    from rayllm_rl.orchestration.tool_services import python_executor_service
+
+    return python_executor_service()
+
+
+def _python_tools():
+    """Per-episode tools of the python_tool workflow: in Ray, the shared `python-executor` service actor;
+    without Ray, a PythonSandbox in this process."""
+    import ray
+
+    from rayllm_rl.tools.python_interpreter import PythonInterpreter
+
+    if ray.is_initialized():
+        from rayllm_rl.orchestration.tool_services import RemoteExecutor
+
+        return [PythonInterpreter(RemoteExecutor(_shared_executor_service(ray.get_runtime_context().gcs_address)), done_when_no_code=True)]
+    return [PythonInterpreter(done_when_no_code=True)]
 
 
 SEQ_CORE = frozenset({"rewards", "group_id", "advantages"})

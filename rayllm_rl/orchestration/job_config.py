@@ -54,9 +54,11 @@ class RolloutConfig:
     workflow: str = "auto"
     """'rlvr' (one turn, reward per completion), 'multi_turn' (AReaL's retry-with-feedback math agent),
     'env' (the task's ChatEnv, e.g. GSM8KEnv, run token-in/token-out), 'openai_agent' (agent code
-    written with the OpenAI SDK, see `agent`), or 'auto' (env when the task has one, else rlvr)."""
+    written with the OpenAI SDK, see `agent`), 'python_tool' (multi-turn agent whose ```python blocks run in
+    the sandbox, results masked out of the loss; set max_turns >= 2), or 'auto' (env when the task has
+    one, else rlvr)."""
     max_turns: int = 1
-    """Policy turns per episode for the multi_turn and env workflows."""
+    """Policy turns per episode for the multi_turn, env and python_tool workflows."""
     agent: str = ""
     """openai_agent workflow: 'package.module:async_fn', an agent `async fn(client, row)` written with
     openai.AsyncOpenAI; its completions become trajectories, the task's reward scores the last one."""

@@ -69,6 +69,7 @@ class PythonInterpreter(Transform):
             from rayllm_rl.tools.sandbox import PythonSandbox
 
             executor = PythonSandbox()
+        self.executor = executor
         self.run: Callable[..., Any] = executor.run if hasattr(executor, "run") else executor
         self.timeout_s = timeout_s
         self.tool_role = tool_role
