@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 
-import torch
 from datasets import Dataset
 
 from rayllm_rl.data.loader import PromptLoader

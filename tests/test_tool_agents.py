@@ -125,7 +125,7 @@ def test_python_tool_job_workflow_runs_the_model_code_in_the_sandbox(tokenizer):
     assert out["rewards"].tolist() == [1.0, 1.0]  # the arithmetic reward, scored on the final turn
     text = tokenizer.decode(out["input_ids"][0][out["attention_mask"][0].bool()])
     assert PYTHON_TOOL_PROMPT in text and f"executed successfully:\n{a + b}\n" in text
-    assert f"executed successfully" not in tokenizer.decode(out["input_ids"][0][out["loss_mask"][0]])
+    assert "executed successfully" not in tokenizer.decode(out["input_ids"][0][out["loss_mask"][0]])
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 from datasets import Dataset
 
 from rayllm_rl.data.loader import PromptLoader
