@@ -267,7 +267,8 @@ def test_runs_cannot_read_each_other_or_root_files(sb, isolation):
         for p in (host_secret, tmp_secret):
             p.write_text(tag)
             os.chmod(p, 0o600)
-        targets = {"a_file": a_path, "root_file": str(host_secret), "tmp_file": str(tmp_secret)}
+        targets = {"a_file": a_path, "root_file": str(host_secret), "tmp_file": str(tmp_secret),
+                   "shadow": "/etc/shadow"}  # root-only on the host, visible (read-only root) in the sandbox
         b_code = textwrap.dedent(f"""
             import os, json
             res = {{}}
@@ -295,7 +296,12 @@ def test_runs_cannot_read_each_other_or_root_files(sb, isolation):
         assert res_b.ok, res_b
         got = json.loads(res_b.stdout)
         assert got["a_file"] in ("PermissionError", "FileNotFoundError"), got
-        assert got["root_file"] == "PermissionError" and got["tmp_file"] in ("PermissionError", "FileNotFoundError")
+        # a checkout under /tmp is hidden by the private tmpfs (not found); elsewhere the private uid is refused
+        hidden = isolation.get("private_tmp") and str(REPO).startswith(("/tmp/", "/var/tmp/", "/dev/shm/"))
+        assert got["root_file"] == ("FileNotFoundError" if hidden else "PermissionError"), got
+        assert got["tmp_file"] in ("PermissionError", "FileNotFoundError"), got
+        if os.path.exists("/etc/shadow") and not os.stat("/etc/shadow").st_mode & 0o004:
+            assert got["shadow"] == "PermissionError", got
         assert got["a_dir"] in ("PermissionError", "FileNotFoundError"), got
         assert not any(tag in v for v in got["scan"].values()), got["scan"]
     finally:
