@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 ray = pytest.importorskip("ray")
 
@@ -99,14 +100,24 @@ def test_training_respects_staleness_and_versions(local_ray, tmp_path, eta):
 def test_resume_continues_same_step_version_and_data(local_ray, tmp_path):
     from rayllm_rl.orchestration.driver import train
 
-    first = train(small_cfg(tmp_path / "a", "trainer.steps=4", "trainer.checkpoint_every=2", "rollout.max_staleness=0"))
+    from safetensors.torch import load_file
+
+    # with a reference actor, the resumed run must keep the original reference; weight decay moves the
+    # policy away from it even when the tiny model's rewards (hence advantages) are all zero
+    kl = ("algo.kl_coef=0.05", "optim.weight_decay=0.1")
+    first = train(small_cfg(tmp_path / "a", "trainer.steps=4", "trainer.checkpoint_every=2", "rollout.max_staleness=0", *kl))
     ckpt = Path(first["run_dir"]) / "checkpoints" / "step_2"
     assert ckpt.exists()
-    resumed = train(small_cfg(tmp_path / "b", "trainer.steps=4", "rollout.max_staleness=0", f"resume={ckpt}"))
+    resumed = train(small_cfg(tmp_path / "b", "trainer.steps=4", "rollout.max_staleness=0", f"resume={ckpt}", *kl))
     a, b = rl_records(first), rl_records(resumed)
     assert [r["step"] for r in b] == [3, 4] and [r["version"] for r in b] == [3, 4]
     assert [r["data_sha"] for r in b] == [r["data_sha"] for r in a[2:]]
     assert resumed["steps"] == 4 and resumed["version"] == 4
+    ref_a, ref_b = (load_file(str(Path(s["checkpoint"]) / "reference.safetensors")) for s in (first, resumed))
+    assert ref_a.keys() == ref_b.keys() and all(torch.equal(ref_a[k], ref_b[k]) for k in ref_a)
+    policy = load_file(str(ckpt / "model.safetensors"))  # the step-2 policy has moved away from the reference
+    shared = ref_a.keys() & policy.keys()
+    assert shared and not all(torch.equal(ref_a[k], policy[k].to(ref_a[k].dtype)) for k in shared)
 
 
 def test_two_fsdp_learner_actors_train_and_sync(local_ray, tmp_path):

@@ -1,10 +1,28 @@
 """A frozen reference policy: token logprobs of fixed weights, for KL penalties."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 from tensordict import TensorDict
 
 from rayllm_rl.learner.learner import token_logprobs
+
+
+REFERENCE_FILE = "reference.safetensors"
+"""The reference weights inside a training checkpoint, so a resumed run keeps its original reference."""
+
+
+def load_reference_weights(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The reference weights a checkpoint saved with `ReferenceModel.save`."""
+    from safetensors.torch import load_file
+
+    path = Path(checkpoint_dir) / REFERENCE_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: the checkpoint was saved by a run without a reference KL "
+                                "term, so the reference policy of this run cannot be restored")
+    return load_file(str(path))
 
 
 class ReferenceModel:
@@ -34,6 +52,15 @@ class ReferenceModel:
         params = {k for k, _ in self.model.named_parameters()}
         if params - set(named):
             raise ValueError(f"reference weights lack parameters: {sorted(params - set(named))[:5]}")
+
+    def save(self, checkpoint_dir: str | os.PathLike) -> str:
+        """Write the frozen weights to `checkpoint_dir/reference.safetensors` (tied tensors stored apart)."""
+        from safetensors.torch import save_file
+
+        os.makedirs(checkpoint_dir, exist_ok=True)
+        path = str(Path(checkpoint_dir) / REFERENCE_FILE)
+        save_file({k: v.detach().clone().contiguous() for k, v in self.model.state_dict().items()}, path)
+        return path
 
     @torch.no_grad()
     def compute_logprobs(self, td: TensorDict) -> torch.Tensor:

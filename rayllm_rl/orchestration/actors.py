@@ -106,15 +106,20 @@ class EnvWorker:
 class ReferenceActor:
     """`reference` on the dashboard: a frozen ReferenceModel serving reference logprobs for KL."""
 
-    def __init__(self, model_path: str, temperature: float, named_tensors: dict[str, torch.Tensor],
+    def __init__(self, model_path: str, temperature: float, weights: dict[str, torch.Tensor] | str,
                  num_threads: int = 1):
-        from rayllm_rl.learner.reference import ReferenceModel
+        """`weights`: the policy's tensors, or a checkpoint directory holding `reference.safetensors`."""
+        from rayllm_rl.learner.reference import ReferenceModel, load_reference_weights
 
         torch.set_num_threads(num_threads)
-        self.model = ReferenceModel(model_path, temperature=temperature, named_tensors=named_tensors)
+        named = load_reference_weights(weights) if isinstance(weights, str) else weights
+        self.model = ReferenceModel(model_path, temperature=temperature, named_tensors=named)
 
     def compute_logprobs(self, batch) -> torch.Tensor:
         return self.model.compute_logprobs(batch)
+
+    def save(self, checkpoint_dir: str) -> str:
+        return self.model.save(checkpoint_dir)
 
 
 @ray.remote(num_cpus=0)

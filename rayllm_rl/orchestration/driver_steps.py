@@ -69,12 +69,15 @@ def prompts_digest(batch) -> str:
     return h.hexdigest()[:16]
 
 
-def save_checkpoint(cluster: Cluster, path: Path, step: int, version: int, model_path: str) -> str:
-    """Quiesce the collector, then save learner + data + buffer state for an exact resume."""
+def save_checkpoint(cluster: Cluster, path: Path, step: int, version: int, model_path: str, reference=None) -> str:
+    """Quiesce the collector, then save learner + data + buffer state (and the frozen reference policy,
+    if the run has one) for an exact resume."""
     collector_state = cluster.get(cluster.collector.drain.remote(cluster.timeout_s))
     extra = {"step": step, "version": version, "collector": collector_state,
              "buffer": cluster.get(cluster.buffer.state_dict.remote())}
     cluster.learner_call("save_checkpoint", str(path), model_path, extra)
+    if reference is not None:
+        cluster.get(reference.save.remote(str(path)))
     cluster.get(cluster.collector.start.remote())
     return str(path)
 
