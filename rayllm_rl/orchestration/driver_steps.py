@@ -1,35 +1,23 @@
 """Driver steps that are not the training loop: SFT warm start, batch wait, checkpoint and resume."""
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import time
 from pathlib import Path
 
 import ray
 
-from rayllm_rl.data.loader import PromptLoader
-from rayllm_rl.data.sft import make_sft_batch
-from rayllm_rl.objectives import SFTLoss
-from rayllm_rl.orchestration.builders import sft_chats
+from rayllm_rl.orchestration.builders import sft_warm_start as run_sft
 from rayllm_rl.orchestration.cluster import Cluster
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.reporting import RunReporter
 
 
 def sft_warm_start(cluster: Cluster, cfg: GRPOJobConfig, task, tokenizer, reporter: RunReporter) -> None:
-    if cfg.sft.steps <= 0 or task.sft_target is None:
-        return
-    cluster.learner_call("reset_optimizer", dataclasses.replace(cfg.optim, lr=cfg.sft.lr, warmup_steps=cfg.sft.warmup_steps))
-    loader, loss, t0 = PromptLoader(task.train, seed=cfg.trainer.seed + 1), SFTLoss(), time.perf_counter()
-    for step in range(1, cfg.sft.steps + 1):
-        batch = ray.put(make_sft_batch(tokenizer, sft_chats(task, loader.next_rows(cfg.sft.batch_size))))
-        metrics = cluster.learner_call("train_step", batch, loss)[0]
-        reporter.log({"phase": "sft", "sft_step": step, **metrics}, show=step % 50 == 0)
-        if cfg.sft.time_budget_s and time.perf_counter() - t0 > cfg.sft.time_budget_s:
-            reporter.log({"phase": "sft", "sft_step": step, "stopped": "sft.time_budget_s"}, show=True)
-            break
-    cluster.learner_call("reset_optimizer", cfg.optim)
+    """The shared SFT warm start (builders.sft_warm_start) on the learner actors."""
+    run_sft(cfg, task, tokenizer, reporter,
+            train_step=lambda batch, loss: cluster.learner_call("train_step", ray.put(batch), loss)[0],
+            reset_optimizer=lambda optim: cluster.learner_call("reset_optimizer", optim))
 
 
 def wait_for_batch(cluster: Cluster, n: int, version: int, poll_s: float = 0.005):

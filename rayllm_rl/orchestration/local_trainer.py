@@ -14,12 +14,10 @@ from pathlib import Path
 import torch
 
 from rayllm_rl.data.loader import PromptLoader
-from rayllm_rl.data.sft import make_sft_batch
 from rayllm_rl.inference.transformers_engine import TransformersEngine
 from rayllm_rl.learner.learner import Learner
 from rayllm_rl.learner.reference import ReferenceModel
 from rayllm_rl.models.tiny import ensure_tiny_model
-from rayllm_rl.objectives import SFTLoss
 from rayllm_rl.orchestration.builders import (
     build_episode_filter,
     build_task,
@@ -27,8 +25,8 @@ from rayllm_rl.orchestration.builders import (
     needs_reference,
     prepare_batch,
     reward_component_means,
-    sft_chats,
 )
+from rayllm_rl.orchestration.builders import sft_warm_start as run_sft
 from rayllm_rl.orchestration.collector import LLMCollector
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.reporting import RunReporter
@@ -41,22 +39,8 @@ def seed_everything(seed: int) -> None:
 
 
 def sft_warm_start(learner: Learner, task, tokenizer, cfg: GRPOJobConfig, reporter: RunReporter) -> None:
-    """Imitate the task's demonstrations on training prompts for cfg.sft.steps steps."""
-    if cfg.sft.steps <= 0 or task.sft_target is None:
-        return
-    loader = PromptLoader(task.train, seed=cfg.trainer.seed + 1)
-    loss = SFTLoss()
-    rl_optim = learner.cfg
-    learner.reset_optimizer(dataclasses.replace(rl_optim, lr=cfg.sft.lr, warmup_steps=cfg.sft.warmup_steps))
-    t0 = time.perf_counter()
-    for step in range(cfg.sft.steps):
-        chats = sft_chats(task, loader.next_rows(cfg.sft.batch_size))
-        metrics = learner.train_step(make_sft_batch(tokenizer, chats), loss)
-        reporter.log({"phase": "sft", "sft_step": step + 1, **metrics}, show=(step + 1) % 50 == 0)
-        if cfg.sft.time_budget_s and time.perf_counter() - t0 > cfg.sft.time_budget_s:
-            reporter.log({"phase": "sft", "sft_step": step + 1, "stopped": "sft.time_budget_s"}, show=True)
-            break
-    learner.reset_optimizer(rl_optim)
+    """The shared SFT warm start (builders.sft_warm_start) on the in-process learner; RL starts at version 0."""
+    run_sft(cfg, task, tokenizer, reporter, learner.train_step, learner.reset_optimizer)
     learner.version = 0
 
 
