@@ -254,6 +254,31 @@ def test_writes_outside_workdir_do_not_reach_host(sb, isolation):
     _assert_healthy(sb, res)
 
 
+def test_other_host_mounts_are_read_only(sb, isolation):
+    """A world-writable directory on another mount (a volume, a data dir) is read-only too, not only /."""
+    need(isolation, "mount_namespace", "readonly_root")
+    parent = next((p for p in ("/mnt", "/srv", "/opt", "/var/lib") if os.path.isdir(p)), None)
+    if parent is None or os.geteuid() != 0:
+        pytest.skip("needs root and a directory outside /tmp to mount a test volume on")
+    vol = Path(parent) / f"rayllm-sandbox-vol-{uuid.uuid4().hex[:8]}"
+    vol.mkdir()
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=1777", "tmpfs", str(vol)],
+                                 capture_output=True, text=True)
+        if mounted.returncode != 0:
+            pytest.skip(f"cannot mount a test volume here: {mounted.stderr.strip()}")
+        try:
+            res = sb.run(f"try:\n    open({str(vol / 'x')!r}, 'w').write('x'); print('written')\n"
+                         "except OSError as e:\n    print(e.strerror)")
+            assert res.ok and res.stdout == "Read-only file system\n", res
+            assert not (vol / "x").exists()
+        finally:
+            subprocess.run(["umount", str(vol)], check=True)
+    finally:
+        vol.rmdir()
+    _assert_healthy(sb, res)
+
+
 def test_runs_cannot_read_each_other_or_root_files(sb, isolation):
     need(isolation, "private_uid")
     tag = uuid.uuid4().hex
@@ -464,6 +489,30 @@ def test_arun(sb):
 
     ra, rb = asyncio.run(main())
     assert (ra.stdout, rb.stdout) == ("a\n", "b\n")
+
+
+def test_workdir_cleanup_survives_dirs_chmodded_to_000():
+    """Without root the workdir belongs to the caller; code that chmods its dirs to 000 must not make cleanup
+    raise or leave the directory behind (run as `nobody`, so permissions apply)."""
+    python = "/usr/bin/python3"  # `nobody` cannot reach a venv under 0700 /root; sandbox.py needs only the stdlib
+    if os.geteuid() != 0 or not os.path.exists(python):
+        pytest.skip("needs root to act as another user, and /usr/bin/python3")
+    base = Path(tempfile.mkdtemp(prefix="rayllm-rmtree-", dir="/tmp"))  # pytest's tmp_path is under 0700 dirs
+    try:
+        tree = base / "w"
+        (tree / "a" / "b").mkdir(parents=True)
+        (tree / "a" / "b" / "f").write_text("x")
+        for p in (base, tree, tree / "a", tree / "a" / "b", tree / "a" / "b" / "f"):
+            os.chown(p, 65534, 65534)
+        os.chmod(base, 0o755)
+        os.chmod(tree / "a", 0)
+        code = f"from rayllm_rl.tools.sandbox import _rmtree\n_rmtree({str(tree)!r})\nprint('ok')"
+        res = subprocess.run([python, "-c", code], user=65534, group=65534, capture_output=True, text=True,
+                             cwd="/", env={"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO)})
+        assert res.returncode == 0 and res.stdout == "ok\n", res.stderr
+        assert not tree.exists()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_kill_uid_helper():

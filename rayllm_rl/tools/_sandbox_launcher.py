@@ -141,13 +141,31 @@ def _setup_mounts(cfg: dict, wfd: int, iso: dict, notes: list) -> str | None:
             iso["private_proc"] = True
         except OSError as e:
             notes.append(str(e))
-    try:
-        keep_flags = os.statvfs("/").f_flag & (MS_NOSUID | MS_NODEV | MS_NOEXEC)
-        _mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep_flags)
-        iso["readonly_root"] = True
-    except OSError as e:
-        notes.append(str(e))
+    iso["readonly_root"] = _remount_readonly(["/proc", "/dev/pts", *tmp_dirs, *keep], notes)
     return work
+
+
+def _mount_points() -> list[str]:
+    """Mount points of this mount namespace (/proc/self/mountinfo field 5, octal escapes decoded)."""
+    with open("/proc/self/mountinfo", "rb") as f:
+        return [line.split()[4].decode("unicode_escape") for line in f if line.strip()]
+
+
+def _remount_readonly(skip: list[str], notes: list) -> bool:
+    """Remount read-only every mount but those at or under `skip` (the private tmpfs, /proc, ...): "/" and
+    also any other mount (volumes, data dirs) whose world-writable directories would reach host storage.
+    Returns whether "/" itself became read-only; a mount that refuses is noted."""
+    root_ok = False
+    for mp in dict.fromkeys(_mount_points()):
+        if any(_under(mp, s) for s in skip) or not os.path.isdir(mp):
+            continue
+        try:
+            keep_flags = os.statvfs(mp).f_flag & (MS_NOSUID | MS_NODEV | MS_NOEXEC)
+            _mount(None, mp, None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep_flags)
+            root_ok = root_ok or mp == "/"
+        except OSError as e:
+            notes.append(f"read-only {mp}: {e}")
+    return root_ok
 
 
 def _set_limits(limits: dict) -> None:

@@ -13,9 +13,9 @@ Protections (``SandboxResult.isolation`` records which were active for the run):
 * host is root and namespaces are permitted (the usual container case): new network namespace (loopback down),
   PID namespace (everything dies with the run; a private /proc shows only the run), mount namespace with private
   size-capped tmpfs over /tmp, /var/tmp, /dev/shm, the workdir a copy of the staged inputs at /tmp/work inside
-  that tmpfs (writes never reach the host disk) and / read-only, plus a per-run unique unprivileged uid/gid (runs
-  cannot read each other's or root's private files or signal host processes, and RLIMIT_NPROC, which counts per
-  uid, contains fork bombs). Code never runs as root: if the private uid cannot be used (e.g. the interpreter is
+  that tmpfs (writes never reach the host disk) and every other mount read-only (/ and any volume), plus a
+  per-run unique unprivileged uid/gid (runs cannot read each other's or root's private files or signal host
+  processes, and RLIMIT_NPROC, which counts per uid, contains fork bombs). Code never runs as root: if the private uid cannot be used (e.g. the interpreter is
   not reachable for it and no mount namespace can expose it) the run fails with exit code 126 and the reason.
 * fallbacks: without a network namespace and with ``network=False`` a Python audit hook refuses non-AF_UNIX
   sockets and DNS (weaker: ctypes, subprocess or C extensions bypass it); without a PID namespace leftovers are
@@ -192,7 +192,10 @@ def _rmtree(path: str) -> None:
         try:
             os.chmod(os.path.dirname(p), 0o700)
             os.chmod(p, 0o700)
-            func(p)
+            if os.path.isdir(p) and not os.path.islink(p):
+                _rmtree(p)  # rmtree failed to open it (func is os.open, which needs flags): start over inside
+            else:
+                func(p)
         except OSError:
             pass
     shutil.rmtree(path, onerror=retry)
