@@ -301,3 +301,32 @@ def test_http_echo_through_transform(tokenizer):
             proc.kill()
             proc.wait()
     assert torch.is_tensor(out["next", "done"])
+
+
+def test_tool_agent_episodes_close_their_own_mcp_servers(tokenizer):
+    """A ToolAgentWorkflow whose make_tools builds an MCPToolTransform from configs (one pool, one server
+    process per episode) calls a real tool, and every episode's server is gone when the episode ends."""
+    import asyncio
+
+    from rayllm_rl.agents.tool_agent import ToolAgentWorkflow
+    from rayllm_rl.inference.protocol import LLMResponse, SamplingParams
+
+    class Scripted:  # the policy: a tool call, then an answer
+        def __init__(self):
+            self.turns = {}
+
+        async def agenerate(self, req):
+            n = self.turns[req.rid] = self.turns.get(req.rid, 0) + 1
+            text = call("add", a=2, b=3) if n == 1 else "<answer>5</answer>"
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+            return LLMResponse(input_tokens=list(req.input_ids), output_tokens=ids, output_logprobs=[-0.1] * len(ids),
+                               output_versions=[0] * len(ids), stop_reason="stop", rid=req.rid)
+
+    before = children()
+    wf = ToolAgentWorkflow(tokenizer, lambda: [MCPToolTransform(stdio_config(), done_when_no_call=True)],
+                           SamplingParams(max_new_tokens=32), group_size=2, max_turns=3)
+    out = asyncio.run(wf.arun_episode(Scripted(), {"messages": [{"role": "user", "content": "2+3?"}]}))
+    assert out["num_turns"].tolist() == [2.0, 2.0]
+    text = tokenizer.decode(out["input_ids"][0][out["attention_mask"][0].bool()])
+    assert "<tool_response>\n5\n</tool_response>" in text
+    assert not children() - before  # both episodes' server processes were closed with their envs

@@ -47,3 +47,4 @@ class ToolAgentWorkflow(ChatEnvWorkflow):
         caller = RewardCaller(reward_fn) if reward_fn is not None else None
         make_env = functools.partial(_make_env, tokenizer, make_tools, caller, system_prompt)
         super().__init__(make_env, sampling, group_size=group_size, max_turns=max_turns, prompt_key=prompt_key)
+        self.reward = caller  # known here: no probe env (and its tools) needed for the counters

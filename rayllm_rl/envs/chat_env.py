@@ -133,6 +133,12 @@ class ChatEnv:
             self._transforms.append(transform)
         return self
 
+    def close(self) -> None:
+        """Release what the transforms hold (e.g. the MCP servers of an MCPToolTransform that owns its pool)."""
+        for t in self.transforms:
+            if callable(getattr(t, "close", None)):
+                t.close()
+
     def _carry_keys(self) -> list[str]:
         keys = list(self.carry_keys)
         for t in self.transforms:

@@ -10,6 +10,7 @@ re-tokenized; tokens the env added (feedback, tool results) are masked out of th
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 from typing import Any, Callable, Mapping
 
@@ -43,27 +44,34 @@ class ChatEnvWorkflow(RolloutWorkflow):
         self.group_size = group_size
         self.max_turns = max_turns
         self.prompt_key = prompt_key
-        self.envs: list[Any] = []  # the envs of the last episode, for their counters
 
-    @property
+    @functools.cached_property
     def reward(self):
-        """The RewardCaller of the envs' RewardTransform (its call/error/timeout counters; the
-        task's make_env shares one caller between all the envs it builds)."""
-        if not self.envs:
-            self.envs = [self.make_env()]
-        transform = getattr(self.envs[0], "reward_transform", None)
-        return transform.caller if transform is not None else None
+        """The RewardCaller of the envs' RewardTransform, for its call/error/timeout counters (the
+        task's make_env shares one caller between all the envs it builds; read from one probe env)."""
+        env = self.make_env()
+        try:
+            transform = getattr(env, "reward_transform", None)
+            return transform.caller if transform is not None else None
+        finally:
+            env.close()
 
     async def arun_episode(self, engine: InferenceEngine, data: Mapping[str, Any]) -> TensorDict:
         group_id = int(data.get("group_id", random.getrandbits(62)))
         row = {k: v for k, v in data.items() if k not in ("prompt_ids", "group_id")}
-        self.envs = [self.make_env() for _ in range(self.group_size)]
         trajs = await asyncio.gather(*[
-            self._episode(env, engine, row, group_id, f"env{group_id}-{i}") for i, env in enumerate(self.envs)
+            self._episode(engine, row, group_id, f"env{group_id}-{i}") for i in range(self.group_size)
         ])
         return concat_padded(trajs)
 
-    async def _episode(self, env, engine: InferenceEngine, row: dict, group_id: int, rid: str) -> TensorDict:
+    async def _episode(self, engine: InferenceEngine, row: dict, group_id: int, rid: str) -> TensorDict:
+        env = self.make_env()
+        try:
+            return await self._play(env, engine, row, group_id, rid)
+        finally:
+            env.close()  # transforms holding resources (an MCP pool of their own) release them per episode
+
+    async def _play(self, env, engine: InferenceEngine, row: dict, group_id: int, rid: str) -> TensorDict:
         elem = TensorDict(batch_size=[])
         messages = env.messages_of(row) if hasattr(env, "messages_of") else row_messages(row, self.prompt_key)
         elem["messages"] = NonTensorData(messages)
@@ -74,7 +82,7 @@ class ChatEnvWorkflow(RolloutWorkflow):
         logprobs: list[float] = []
         mask: list[int] = []
         versions: list[int] = []
-        total, components, turns, truncated = 0.0, {}, 0, 0.0
+        total, turns, truncated = 0.0, 0, 0.0
         while turns < self.max_turns:
             prompt_ids = obs[0]["tokens", "prompt"].tolist()
             if prompt_ids[: len(seq)] != seq:
@@ -100,11 +108,11 @@ class ChatEnvWorkflow(RolloutWorkflow):
             stepped = await asyncio.to_thread(env.step, act.unsqueeze(0))  # rewards may block (verifiers)
             nxt = stepped[0]["next"]
             total += float(nxt.get("reward", torch.zeros(1, 1)).sum())
-            components = {k: float(nxt[k].reshape(-1)[0]) for k in nxt.keys()
-                          if isinstance(k, str) and k not in _NOT_COMPONENTS and isinstance(nxt.get(k), torch.Tensor)
-                          and nxt.get(k).is_floating_point()}
             if bool(nxt["done"].any()):
                 break
             obs = env.step_mdp(stepped)
+        components = {k: float(nxt[k].reshape(-1)[0]) for k in nxt.keys()  # those of the last step
+                      if isinstance(k, str) and k not in _NOT_COMPONENTS and isinstance(nxt.get(k), torch.Tensor)
+                      and nxt.get(k).is_floating_point()}
         return make_trajectory(seq, logprobs, mask, versions, total, group_id, truncated=truncated,
                                num_turns=float(turns), **components)
