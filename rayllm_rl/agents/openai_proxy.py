@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import re
 import time
 import uuid
 from typing import Any, Sequence
@@ -23,8 +22,8 @@ from typing import Any, Sequence
 from rayllm_rl.data.trajectory import make_trajectory
 from rayllm_rl.envs.transforms import chat_suffix, decode_tokens, encode_text
 from rayllm_rl.inference.protocol import InferenceEngine, LLMRequest, SamplingParams
+from rayllm_rl.tools.mcp_tools import parse_tool_calls as parse_hermes_tool_calls
 
-TOOL_CALL_RE = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
 
 @dataclasses.dataclass
@@ -57,17 +56,11 @@ def _norm(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def parse_tool_calls(text: str) -> list[dict[str, Any]]:
-    """Hermes/Qwen `<tool_call>{"name", "arguments"}</tool_call>` blocks as OpenAI tool_calls."""
-    calls = []
-    for i, raw in enumerate(TOOL_CALL_RE.findall(text)):
-        try:
-            obj = json.loads(raw)
-            name, args = obj["name"], obj.get("arguments", {})
-        except (ValueError, KeyError, TypeError):
-            continue
-        calls.append({"id": f"call_{i}_{uuid.uuid4().hex[:8]}", "type": "function",
-                      "function": {"name": str(name), "arguments": json.dumps(args)}})
-    return calls
+    """Hermes/Qwen `<tool_call>{"name", "arguments"}</tool_call>` blocks as OpenAI tool_calls (the
+    MCP transform's parser; malformed calls are left out, their text stays in the content)."""
+    return [{"id": f"call_{i}_{uuid.uuid4().hex[:8]}", "type": "function",
+             "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+            for i, c in enumerate(c for c in parse_hermes_tool_calls(text) if c.error is None)]
 
 
 class ChatCompletionsSession:
@@ -140,10 +133,12 @@ class ChatCompletionsSession:
                           "total_tokens": len(prompt_ids) + usage_out}}
 
     def _apply_stop(self, resp, stops: list[str]):
-        """Cut the output at the first token whose text completes a stop string (OpenAI `stop`)."""
+        """Cut the output at the first token whose text completes a stop string (OpenAI `stop`).
+        One decode of the whole output first; the per-prefix search runs only when a stop string is there."""
         ids, lps, vers = list(resp.output_tokens), list(resp.output_logprobs), list(resp.output_versions)
         finish = "length" if resp.stop_reason == "length" else "stop"
-        if stops:
+        full = self.tokenizer.decode(ids, skip_special_tokens=True) if stops else ""
+        if any(s and s in full for s in stops):
             for k in range(1, len(ids) + 1):
                 text = self.tokenizer.decode(ids[:k], skip_special_tokens=True)
                 if any(s and s in text for s in stops):
