@@ -21,6 +21,7 @@ from rayllm_rl.data.trajectory import concat_padded
 from rayllm_rl.inference.protocol import InferenceEngine
 from rayllm_rl.workflows.base import RolloutWorkflow
 from rayllm_rl.workflows.rewards import RewardCaller
+from rayllm_rl.workflows.rlvr import row_fields
 
 
 class OpenAIAgentWorkflow(RolloutWorkflow):
@@ -55,7 +56,7 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         extra: dict[str, float] = {}
         if self.reward is not None:
             last = session.records[-1]
-            row = {k: v for k, v in data.items() if k not in ("prompt_ids", "group_id")}
+            row = row_fields(data)
             scores = await self.reward.score(self.tokenizer.decode(last.prompt_ids), last.reply["content"],
                                              last.prompt_ids, last.output_ids, **row)
             reward = scores.pop("reward")

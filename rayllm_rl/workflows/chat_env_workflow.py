@@ -21,7 +21,7 @@ from rayllm_rl.data.history import History
 from rayllm_rl.data.trajectory import concat_padded, make_trajectory
 from rayllm_rl.inference.protocol import InferenceEngine, LLMRequest, SamplingParams
 from rayllm_rl.workflows.base import RolloutWorkflow
-from rayllm_rl.workflows.rlvr import row_messages
+from rayllm_rl.workflows.rlvr import row_fields, row_messages
 
 _NOT_COMPONENTS = frozenset({"done", "terminated", "truncated", "reward", "step_count", "policy_version",
                              "row_index", "group_id"})
@@ -58,7 +58,7 @@ class ChatEnvWorkflow(RolloutWorkflow):
 
     async def arun_episode(self, engine: InferenceEngine, data: Mapping[str, Any]) -> TensorDict:
         group_id = int(data.get("group_id", random.getrandbits(62)))
-        row = {k: v for k, v in data.items() if k not in ("prompt_ids", "group_id")}
+        row = row_fields(data)
         trajs = await asyncio.gather(*[
             self._episode(engine, row, group_id, f"env{group_id}-{i}") for i in range(self.group_size)
         ])

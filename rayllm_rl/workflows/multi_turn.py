@@ -16,7 +16,7 @@ from rayllm_rl.data.trajectory import make_trajectory
 from rayllm_rl.inference.protocol import InferenceEngine, LLMRequest, SamplingParams
 from rayllm_rl.workflows.base import RolloutWorkflow
 from rayllm_rl.workflows.rewards import RewardCaller
-from rayllm_rl.workflows.rlvr import row_messages, tokenize_prompt
+from rayllm_rl.workflows.rlvr import row_fields, row_messages, tokenize_prompt
 
 
 def feedback_suffix_ids(tokenizer, last_tokens: list[int], content: str, role: str = "user") -> list[int]:
@@ -53,7 +53,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         self.prompt_key = prompt_key
 
     async def arun_episode(self, engine: InferenceEngine, data: Mapping[str, Any]) -> TensorDict:
-        row = {k: v for k, v in data.items() if k not in ("prompt_ids", "group_id")}
+        row = row_fields(data)
         prompt_ids = list(data.get("prompt_ids") or tokenize_prompt(self.tokenizer, row_messages(data, self.prompt_key)))
         group_id = int(data.get("group_id", random.getrandbits(62)))
         rid = f"mt{group_id}-{random.getrandbits(32)}"

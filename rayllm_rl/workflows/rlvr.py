@@ -13,6 +13,12 @@ from rayllm_rl.workflows.base import RolloutWorkflow
 from rayllm_rl.workflows.rewards import RewardCaller
 
 
+def row_fields(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The dataset row's own fields (what reward functions get as `**row`): without the collector's
+    `prompt_ids` and `group_id`."""
+    return {k: v for k, v in data.items() if k not in ("prompt_ids", "group_id")}
+
+
 def row_messages(row: Mapping[str, Any], prompt_key: str = "messages") -> list[dict[str, str]]:
     """The chat messages of a dataset row: `row[prompt_key]` as messages or as a user string."""
     if prompt_key not in row:
@@ -58,7 +64,7 @@ class RLVRWorkflow(RolloutWorkflow):
             for i in range(self.group_size)
         ])
         prompt_text = self.tokenizer.decode(prompt_ids)
-        row = {k: v for k, v in data.items() if k not in ("prompt_ids", "group_id")}
+        row = row_fields(data)
         trajs = []
         for resp in responses:
             completion = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
