@@ -142,11 +142,14 @@ def _acquire_uid() -> int | None:
         for _ in range(20 if spans else 0):
             a, b = spans[secrets.randbelow(len(spans))]
             uid = a + secrets.randbelow(b - a)
-            with _lock:
-                if uid in _uids_in_use or _pids_of_uid(uid):
+            with _lock:  # reserve first, then scan /proc outside the lock (concurrent runs do not queue on it)
+                if uid in _uids_in_use:
                     continue
                 _uids_in_use.add(uid)
+            if not _pids_of_uid(uid):
                 return uid
+            with _lock:
+                _uids_in_use.discard(uid)
     return None
 
 
