@@ -68,10 +68,11 @@ def train(cfg: GRPOJobConfig) -> dict:
         step, version = 0, 0
     cluster.sync_weights(version)
     cluster.get(cluster.collector.set_version.remote(version))
-    ref_fn = None
-    if needs_reference(cfg):  # frozen copy of the policy RL starts from (after the SFT warm start)
-        ref = ReferenceActor.options(name="reference").remote(
-            model_path, cfg.rollout.temperature, cluster.learner_call("named_tensors")[0], cfg.ray.threads_per_actor)
+    ref = ref_fn = None
+    if needs_reference(cfg):  # frozen: the policy after the SFT warm start, or the one the checkpoint saved
+        weights = cfg.resume or cluster.learner_call("named_tensors")[0]
+        ref = ReferenceActor.options(name="reference").remote(model_path, cfg.rollout.temperature, weights,
+                                                              cfg.ray.threads_per_actor)
         ref_fn = lambda b: cluster.get(ref.compute_logprobs.remote(b))  # noqa: E731
     evaluate = lambda: asyncio.run(evaluate_greedy(  # noqa: E731
         ReplicaRouter(cluster.replicas, cluster.timeout_s), tokenizer, task.eval, task.reward_fn, cfg.rollout.max_new_tokens))
@@ -112,12 +113,12 @@ def train(cfg: GRPOJobConfig) -> dict:
         metrics.update(record)
         progress.update(1, reward=record["reward"])
         if cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0 and step < cfg.trainer.steps:
-            save_checkpoint(cluster, Path(reporter.run_dir) / "checkpoints" / f"step_{step}", step, version, model_path)
+            save_checkpoint(cluster, Path(reporter.run_dir) / "checkpoints" / f"step_{step}", step, version, model_path, ref)
         if cfg.trainer.time_budget_s and time.perf_counter() - t_rl > cfg.trainer.time_budget_s:
             break
     progress.close()
     cluster.get(pending)
-    ckpt = save_checkpoint(cluster, Path(reporter.run_dir) / "checkpoints" / f"step_{step}", step, version, model_path)
+    ckpt = save_checkpoint(cluster, Path(reporter.run_dir) / "checkpoints" / f"step_{step}", step, version, model_path, ref)
     cluster.get(cluster.collector.drain.remote(cluster.timeout_s))
     eval_after = evaluate()
     after = eval_after["eval_reward"]
