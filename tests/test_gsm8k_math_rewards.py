@@ -324,6 +324,32 @@ def test_math_reward_fn_timeout_logged(caplog):
         fn.close()
 
 
+def test_math_reward_queued_behind_slow_checks_is_still_scored():
+    """The verifier runs checks in turn; a correct answer waiting behind two checks that run into the
+    verifier's own timeout is scored 1, not cut off by an outer timeout that counts the queue."""
+    from rayllm_rl.workflows.rewards import RewardCaller
+
+    fn = MathRewardFn(MathVerifier(check_fn=SLEEPER), timeout_s=1.0)
+    caller = RewardCaller(fn, timeout_s=1.5)  # shorter than the queue: ignored, fn bounds its own time
+    try:
+        fn.verifier.start()
+
+        async def right_after_slow():
+            await asyncio.sleep(0.3)  # the two slow checks hold the verifier first
+            return await caller.score("p", "<answer>1</answer>", [], [], problem="p", answer="1")
+
+        async def three():
+            slow = [caller.score("p", "<answer>1</answer>", [], [], problem="p", answer="__sleep__") for _ in range(2)]
+            return await asyncio.gather(*slow, right_after_slow())
+
+        *slow, right = asyncio.run(three())
+        assert right["reward"] == 1.0 and right["timeout"] == 0.0
+        assert all(s["reward"] == 0.0 and s["timeout"] == 1.0 for s in slow)
+        assert caller.num_timeouts == 0 and fn.verifier.num_timeouts == 2
+    finally:
+        fn.close()
+
+
 def test_math_reward_fn_pickles_without_its_process():
     fn = MathRewardFn(timeout_s=7.0)
     clone = pickle.loads(pickle.dumps(fn))

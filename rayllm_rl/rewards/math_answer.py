@@ -206,9 +206,10 @@ class MathVerifier:
     """
 
     def __init__(self, check_fn: str = DEFAULT_CHECK_FN, default_timeout_s: float = 10.0,
-                 start_method: str = "spawn", startup_timeout_s: float = 120.0) -> None:
+                 start_method: str = "spawn", startup_timeout_s: float = 120.0, queue_timeout_s: float = 600.0) -> None:
         self.check_fn = check_fn
         self.default_timeout_s = float(default_timeout_s)
+        self.queue_timeout_s = float(queue_timeout_s)  # bound on waiting for the one worker (checks run in turn)
         self.start_method = start_method
         self.startup_timeout_s = float(startup_timeout_s)
         self.num_checks = 0
@@ -225,7 +226,8 @@ class MathVerifier:
         self._finalizer = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("check_fn", "default_timeout_s", "start_method", "startup_timeout_s")}
+        return {k: getattr(self, k) for k in ("check_fn", "default_timeout_s", "start_method", "startup_timeout_s",
+                                              "queue_timeout_s")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -283,9 +285,15 @@ class MathVerifier:
         return self
 
     def check(self, gold: str, pred: str, timeout_s: float | None = None) -> bool | None:
-        """True if `pred` is mathematically equal to `gold`; None on timeout; False on error."""
+        """True if `pred` is mathematically equal to `gold`; None on timeout; False on error.
+
+        `timeout_s` bounds the check itself, not the wait for earlier checks to finish (that wait is
+        bounded by `queue_timeout_s`), so a correct answer queued behind slow ones is still scored."""
         timeout_s = self.default_timeout_s if timeout_s is None else float(timeout_s)
-        with self._lock:
+        if not self._lock.acquire(timeout=self.queue_timeout_s):
+            self.num_timeouts += 1
+            return None
+        try:
             if self._closed:
                 raise RuntimeError("MathVerifier is closed")
             self.num_checks += 1
@@ -307,6 +315,8 @@ class MathVerifier:
             self.num_errors += 1
             log.debug("MathVerifier check raised %s (gold=%.80r pred=%.80r)", value, gold, pred)
             return False
+        finally:
+            self._lock.release()
 
     async def acheck(self, gold: str, pred: str, timeout_s: float | None = None) -> bool | None:
         """`check` without blocking the event loop (the wait runs in a thread)."""
@@ -337,6 +347,10 @@ class MathVerifier:
 class MathRewardFn:
     """MATH reward (async, AReaL signature): 1.0 if the completion's answer equals the reference.
 
+    It bounds its own time (`bounds_own_time`): the verifier kills a check after `timeout_s` and
+    scores it 0 with `timeout` = 1, so a RewardCaller does not add an outer timeout, which would
+    also count the time a check waits behind others for the verifier's worker.
+
     The prediction is the last non-empty `<answer>` block, else the last `\\boxed{}` of the
     completion; the reference comes from `math_reference_answer(row)`. Returns
     {"reward", "reward_right", "reward_format", "success", "timeout"}: reward_format is 1.0 when
@@ -345,6 +359,7 @@ class MathRewardFn:
     """
 
     component_keys = ("reward_right", "reward_format", "success", "timeout")
+    bounds_own_time = True
 
     def __init__(self, verifier: MathVerifier | None = None, timeout_s: float = 10.0) -> None:
         self.verifier = verifier if verifier is not None else MathVerifier(default_timeout_s=timeout_s)

@@ -38,7 +38,8 @@ class RewardCaller:
 
     def __init__(self, reward_fn: Callable[..., Any], timeout_s: float = 30.0, in_thread: bool = True):
         self.reward_fn = reward_fn
-        self.timeout_s = timeout_s
+        # a reward function that bounds its own time (e.g. MathRewardFn kills its verifier) gets no outer timeout
+        self.timeout_s = None if getattr(reward_fn, "bounds_own_time", False) else timeout_s
         self.in_thread = in_thread
         self.is_async = inspect.iscoroutinefunction(reward_fn) or inspect.iscoroutinefunction(
             getattr(reward_fn, "__call__", None)
