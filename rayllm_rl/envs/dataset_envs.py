@@ -66,11 +66,13 @@ class DatasetChatEnv(ChatEnv):
         system_prompt: str | None = None,
         set_done: bool | Callable[[str], bool] = True,
         reward_timeout_s: float = 30.0,
+        check_rows: bool = True,
     ) -> None:
         source = dataset if isinstance(dataset, str) else type(self).__name__
         if isinstance(dataset, str):
             dataset = load_rows(dataset, split)
-        check_fields(dataset, required_fields, source)
+        if check_rows:  # a task that checked its rows once builds one env per episode with check_rows=False
+            check_fields(dataset, required_fields, source)
         self.dataset = dataset
         self.reward_fn = reward_fn
         self.make_messages = make_messages

@@ -13,6 +13,7 @@ import dataclasses
 import json
 from typing import Any, Mapping, Sequence
 
+from rayllm_rl.rewards.gsm8k import extract_tag_blocks
 from rayllm_rl.rewards.ifeval_checkers import CHECKERS
 
 DEFAULT_WEIGHTS = (0.4, 0.3, 0.2, 0.1)
@@ -31,20 +32,6 @@ class IFEvalScoreData:
     """Per instruction, in `instruction_id_list` order: followed under the strict protocol."""
     loose_results: list[bool] = dataclasses.field(default_factory=list)
     """Per instruction: followed under the loose protocol."""
-
-
-def find_blocks(text: str, tag: str) -> list[str]:
-    """Contents of the closed `<tag>...</tag>` blocks of `text`, in order; the same as
-    `re.findall(r"<tag>(.*?)</tag>", text, re.DOTALL)` but linear-time on unclosed tags."""
-    open_, close = f"<{tag}>", f"</{tag}>"
-    blocks, pos = [], 0
-    while (start := text.find(open_, pos)) >= 0:
-        end = text.find(close, start + len(open_))
-        if end < 0:
-            break
-        blocks.append(text[start + len(open_):end])
-        pos = end + len(close)
-    return blocks
 
 
 def loose_variants(response: str) -> list[str]:
@@ -164,13 +151,12 @@ class IFEvalScorer:
     @staticmethod
     def parse(completion: str) -> tuple[list[str], list[str]]:
         """(think block contents, answer block contents) of a completion, in order."""
-        return find_blocks(completion, "think"), find_blocks(completion, "answer")
+        return extract_tag_blocks(completion, "think"), extract_tag_blocks(completion, "answer")
 
     @staticmethod
     def done(completion: str) -> bool:
         """True once a closed `<answer>...</answer>` block is present (TorchRL's set_done_if_answer)."""
-        start = completion.find("<answer>")
-        return start >= 0 and completion.find("</answer>", start + len("<answer>")) >= 0
+        return bool(extract_tag_blocks(completion, "answer"))
 
     def score(self, completion: str, instruction_id_list: Any, kwargs: Any = None,
               prompt: str | None = None, complete: bool | None = None) -> dict[str, float]:
