@@ -82,6 +82,19 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     return logp, torch.nn.functional.pad(ent, (1, 0), value=0.0)
 
 
+@torch.no_grad()
+def batched_token_logprobs(model: torch.nn.Module, td: TensorDict, micro_batch_size: int, temperature: float = 1.0,
+                           device: torch.device | str = "cpu") -> torch.Tensor:
+    """`token_logprobs` over `td` in micro-batches trimmed to their longest row: `[N, T]` float32 on CPU."""
+    out = torch.zeros(td["input_ids"].shape, dtype=torch.float32)
+    for i in range(0, td.batch_size[0], micro_batch_size):
+        mb = td[i:i + micro_batch_size]
+        width = int(mb["attention_mask"].sum(-1).max())
+        out[i:i + mb.batch_size[0], :width] = token_logprobs(
+            model, mb["input_ids"][:, :width].to(device), mb["attention_mask"][:, :width].to(device), temperature).cpu()
+    return out
+
+
 def _trim(td: TensorDict, width: int) -> TensorDict:
     """Cut the token keys (`[B, T, ...]`) of a batch to their first `width` columns."""
     full = td["input_ids"].shape[-1]
@@ -142,14 +155,7 @@ class Learner:
         With FSDP every rank runs the forward on ALL rows (a forward-only pass, cheap next to the
         update) and returns the full `[N, T]`; the call is collective (parameter all-gathers).
         """
-        out = torch.zeros(td["input_ids"].shape, dtype=torch.float32)
-        for i in range(0, td.batch_size[0], self.cfg.micro_batch_size):
-            mb = td[i:i + self.cfg.micro_batch_size]
-            width = int(mb["attention_mask"].sum(-1).max())
-            out[i:i + mb.batch_size[0], :width] = token_logprobs(
-                self.model, mb["input_ids"][:, :width].to(self.device),
-                mb["attention_mask"][:, :width].to(self.device), self.temperature).cpu()
-        return out
+        return batched_token_logprobs(self.model, td, self.cfg.micro_batch_size, self.temperature, self.device)
 
     # ------------------------------------------------------------------ update
     def _lr_scale(self) -> float:

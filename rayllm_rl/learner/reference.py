@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from rayllm_rl.learner.learner import token_logprobs
+from rayllm_rl.learner.learner import batched_token_logprobs
 
 
 REFERENCE_FILE = "reference.safetensors"
@@ -62,12 +62,5 @@ class ReferenceModel:
         save_file({k: v.detach().clone().contiguous() for k, v in self.model.state_dict().items()}, path)
         return path
 
-    @torch.no_grad()
     def compute_logprobs(self, td: TensorDict) -> torch.Tensor:
-        out = torch.zeros(td["input_ids"].shape, dtype=torch.float32)
-        for i in range(0, td.batch_size[0], self.micro_batch_size):
-            mb = td[i:i + self.micro_batch_size]
-            width = int(mb["attention_mask"].sum(-1).max())
-            out[i:i + mb.batch_size[0], :width] = token_logprobs(
-                self.model, mb["input_ids"][:, :width], mb["attention_mask"][:, :width], self.temperature)
-        return out
+        return batched_token_logprobs(self.model, td, self.micro_batch_size, self.temperature)
