@@ -126,7 +126,7 @@ def test_weight_swap_lands_between_decode_steps(engine, tokenizer):
 
 def test_swap_weights_exchanges_buffers_and_bumps_version(engine, tokenizer):
     old = {k: v.clone() for k, v in engine.named_parameters().items()}
-    back = engine.make_back_buffer()
+    back = {k: torch.empty_like(v) for k, v in engine.named_parameters().items()}
     for k, v in back.items():
         v.copy_(old[k] + 1.0)
     stall = engine.swap_weights(back, version=5)

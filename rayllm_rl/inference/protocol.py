@@ -69,9 +69,51 @@ class LLMResponse:
         return len(self.input_tokens)
 
 
+class PromptTooLongError(ValueError):
+    """The prompt plus max_new_tokens does not fit the model's context window."""
+
+
+def check_request(req: LLMRequest, max_positions: int) -> None:
+    """Reject a malformed or over-long request with an error that names the problem."""
+    if not req.input_ids:
+        raise ValueError(f"request {req.rid}: empty input_ids")
+    if not all(isinstance(t, int) for t in req.input_ids):
+        bad = next(t for t in req.input_ids if not isinstance(t, int))
+        raise TypeError(f"request {req.rid}: input_ids must be a list of int token ids, found {type(bad).__name__} {bad!r}")
+    if req.sampling.max_new_tokens < 1:
+        raise ValueError(f"request {req.rid}: max_new_tokens must be >= 1, got {req.sampling.max_new_tokens}")
+    need = len(req.input_ids) + req.sampling.max_new_tokens
+    if need > max_positions:
+        raise PromptTooLongError(
+            f"request {req.rid}: prompt of {len(req.input_ids)} tokens + max_new_tokens="
+            f"{req.sampling.max_new_tokens} exceeds the model context of {max_positions}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateGroupSpec:
+    """How a replica joins the weight-update group of learner rank 0 (picklable; crosses processes).
+
+    `metas` are the sender's tensors as `(name, shape, dtype name)` in send order: HF
+    parameter names of the unsharded model, whatever layout the engine keeps internally.
+    """
+
+    transport: str
+    """'gloo' (TCP buckets), 'shm' (shared-memory double buffer, same node) or 'nccl' (GPU)."""
+    host: str
+    port: int
+    rank: int
+    world_size: int
+    metas: tuple[tuple[str, tuple[int, ...], str], ...]
+    bucket_bytes: int = 16 << 20
+    timeout_s: float = 120.0
+    segment_names: tuple[str, ...] = ()
+    """shm only: the learner's two segment names."""
+
+
 @runtime_checkable
 class InferenceEngine(Protocol):
-    """What an inference replica offers to rollouts and to weight sync."""
+    """The generation side an inference replica offers to rollouts."""
 
     @property
     def version(self) -> int:
@@ -82,6 +124,50 @@ class InferenceEngine(Protocol):
         """Generate a completion for one request (many may run concurrently)."""
         ...
 
-    def update_weights(self, named_tensors: Mapping[str, Any], version: int | None = None) -> int:
-        """Load new weights between decode steps; returns the new version."""
+
+@runtime_checkable
+class WeightSink(Protocol):
+    """The weight side each engine owns (TorchRL's RLvLLMEngine shape).
+
+    Transports only move bytes; the sink decides where they land and how they become weights
+    (a zero-copy swap for Transformers, `model.load_weights` inside vLLM's worker). Every update
+    lands between two decode steps, and a token stamped v was sampled from exactly policy v.
+    """
+
+    def weight_metadata(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """`(HF name, full shape, dtype name)` of every weight an update may carry."""
         ...
+
+    async def init_update_group(self, spec: UpdateGroupSpec) -> None:
+        """Join learner rank 0's update group (checks `spec.metas` against `weight_metadata`)."""
+        ...
+
+    async def receive_update(self) -> dict[str, float]:
+        """Receive the next update from the group while generating, then apply it between decode
+        steps; returns `{"version", "receive_s", "stall_s"}` (stall: time generation was held)."""
+        ...
+
+    async def load_weights(self, named_tensors: Mapping[str, Any], version: int) -> int:
+        """Apply weights handed over directly (initial load, fallback); returns the new version."""
+        ...
+
+    async def pause(self) -> None:
+        """Hold generation (running requests are kept and continue on resume)."""
+        ...
+
+    async def resume(self) -> None:
+        """Let generation continue after `pause`."""
+        ...
+
+    async def weights_checksum(self) -> float:
+        """Order-independent checksum of the engine's weights under their HF names."""
+        ...
+
+    async def close_update_group(self) -> None:
+        """Leave the update group (idempotent)."""
+        ...
+
+
+def weights_checksum(named: Mapping[str, Any]) -> float:
+    """Order-independent float64 checksum of a set of weights."""
+    return float(sum(t.double().sum().item() + 1e-3 * t.double().abs().sum().item() for t in named.values()))

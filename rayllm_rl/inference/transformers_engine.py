@@ -18,15 +18,14 @@ from typing import Any, Mapping
 
 import torch
 
-from rayllm_rl.inference.protocol import LLMRequest, LLMResponse
+from rayllm_rl.inference.protocol import (
+    LLMRequest, LLMResponse, PromptTooLongError, UpdateGroupSpec, check_request, weights_checksum,
+)
 from rayllm_rl.inference.sampling import RowSampler
 
 log = logging.getLogger(__name__)
 
-
-class PromptTooLongError(ValueError):
-    """The prompt plus max_new_tokens does not fit the model's context window."""
-
+__all__ = ["TransformersEngine", "PromptTooLongError", "EngineStats"]
 
 @dataclasses.dataclass
 class EngineStats:
@@ -74,6 +73,8 @@ class TransformersEngine:
         self._weights_lock = threading.Lock()
         self._params = dict(self.model.named_parameters())  # what weight sync carries
         self._buffers = dict(self.model.named_buffers())
+        self._receiver = self._group = None  # the weight-update group, once joined
+        self._paused = False
         self._pending: list[tuple[LLMRequest, asyncio.Future]] = []
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
@@ -99,10 +100,6 @@ class TransformersEngine:
                 dst.copy_(tensor)
             self._version = self._version + 1 if version is None else int(version)
         return self._version
-
-    def make_back_buffer(self) -> dict[str, torch.Tensor]:
-        """Empty tensors shaped like every weight: the back buffer a transport receives into."""
-        return {k: torch.empty_like(v) for k, v in self._params.items()}
 
     def swap_weights(self, back: dict[str, torch.Tensor], version: int) -> float:
         """Double-buffer swap: exchange storage with `back` between two decode steps.
@@ -137,6 +134,63 @@ class TransformersEngine:
     def named_parameters(self) -> dict[str, torch.Tensor]:
         return dict(self._params)
 
+    # ---------------------------------------------------------------- weight sink
+    def weight_metadata(self) -> list[tuple[str, tuple[int, ...], str]]:
+        return [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in self._params.items()]
+
+    async def init_update_group(self, spec: UpdateGroupSpec) -> None:
+        """Join the group; shm: zero-copy views of the learner's segments, gloo/nccl: a back buffer."""
+        from rayllm_rl.weight_sync import DoubleBufferReceiver, ShmWeightReceiver, WeightReceiver, make_group
+        from rayllm_rl.weight_sync.buckets import metas_from_spec
+
+        metas = metas_from_spec(spec.metas)
+        mine = {m[0]: m for m in self.weight_metadata()}
+        for m in metas:
+            if m.name not in mine or tuple(mine[m.name][1]) != m.shape:
+                raise KeyError(f"init_update_group: the learner sends {m.name} {m.shape}, this engine has "
+                               f"{mine.get(m.name, 'no such weight')}")
+        await self.close_update_group()
+        group = await asyncio.to_thread(make_group, spec.transport, spec.host, spec.port, spec.rank,
+                                        spec.world_size, spec.timeout_s)
+        if spec.transport == "shm":
+            await asyncio.to_thread(group.barrier, phase="segments created")
+            self._receiver = ShmWeightReceiver(self, group, metas, spec.segment_names, spec.timeout_s)
+        else:
+            self._receiver = DoubleBufferReceiver(self, WeightReceiver(group, metas, spec.bucket_bytes))
+        self._group = group
+
+    async def receive_update(self) -> dict[str, float]:
+        """Receive into the back buffer in a thread while decoding goes on, then swap in O(1)."""
+        if self._receiver is None:
+            raise RuntimeError("receive_update: init_update_group was not called on this engine")
+        out = await asyncio.to_thread(self._receiver.receive_and_swap)
+        return {"version": out["version"], "receive_s": out["receive_s"], "stall_s": out["stall_s"]}
+
+    async def load_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> int:
+        return await asyncio.to_thread(self.update_weights, named_tensors, version)
+
+    async def pause(self) -> None:
+        """Hold decoding: the next decode step waits until `resume` (requests are kept)."""
+        if not self._paused:
+            await asyncio.to_thread(self._weights_lock.acquire)
+            self._paused = True
+
+    async def resume(self) -> None:
+        if self._paused:
+            self._paused = False
+            self._weights_lock.release()
+
+    async def weights_checksum(self) -> float:
+        return weights_checksum(self._params)
+
+    async def close_update_group(self) -> None:
+        receiver, group = self._receiver, self._group
+        self._receiver = self._group = None
+        if receiver is not None and hasattr(receiver, "close"):
+            receiver.close()
+        if group is not None:
+            group.close()
+
     # ---------------------------------------------------------------- serving
     async def agenerate(self, request: LLMRequest) -> LLMResponse:
         """Queue a request; it joins the next batch decoded by the background worker."""
@@ -152,19 +206,7 @@ class TransformersEngine:
         return await fut
 
     def _check_request(self, req: LLMRequest) -> None:
-        if not req.input_ids:
-            raise ValueError(f"request {req.rid}: empty input_ids")
-        if not all(isinstance(t, int) for t in req.input_ids):
-            bad = next(t for t in req.input_ids if not isinstance(t, int))
-            raise TypeError(f"request {req.rid}: input_ids must be a list of int token ids, found {type(bad).__name__} {bad!r}")
-        if req.sampling.max_new_tokens < 1:
-            raise ValueError(f"request {req.rid}: max_new_tokens must be >= 1, got {req.sampling.max_new_tokens}")
-        need = len(req.input_ids) + req.sampling.max_new_tokens
-        if need > self.max_positions:
-            raise PromptTooLongError(
-                f"request {req.rid}: prompt of {len(req.input_ids)} tokens + max_new_tokens="
-                f"{req.sampling.max_new_tokens} exceeds the model context of {self.max_positions}"
-            )
+        check_request(req, self.max_positions)
 
     async def _serve(self) -> None:
         while True:

@@ -192,6 +192,12 @@ class RayConfig:
     """Timeout of every weight-sync phase."""
     call_timeout_s: float = 600.0
     """Timeout of every other blocking actor call (train step, batch wait, episode)."""
+    gpus_per_replica: float = 0.0
+    """GPUs each inference replica actor requests (0 = CPU)."""
+    tensor_parallel_size: int = 1
+    """Tensor-parallel degree of each vLLM replica (needs gpus_per_replica >= it when gpus_per_replica > 0)."""
+    gpus_per_learner: float = 0.0
+    """GPUs each FSDP learner rank requests (0 = CPU)."""
 
 
 @dataclasses.dataclass

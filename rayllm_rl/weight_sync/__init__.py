@@ -13,9 +13,12 @@
 from __future__ import annotations
 
 from rayllm_rl.weight_sync.buckets import (
-    TensorMeta, bucket_numel, metadata_of, pack, plan_buckets, plan_fingerprint, unpack_into,
+    TensorMeta, bucket_numel, metadata_of, metas_from_spec, metas_to_spec, pack, plan_buckets, plan_fingerprint,
+    unpack_into,
 )
-from rayllm_rl.weight_sync.gloo_group import StatelessGlooGroup, WeightSyncError, WeightSyncTimeout, find_free_port
+from rayllm_rl.weight_sync.gloo_group import (
+    TRANSPORTS, StatelessGlooGroup, StatelessNcclGroup, WeightSyncError, WeightSyncTimeout, find_free_port, make_group,
+)
 from rayllm_rl.weight_sync.transport import (
     DEFAULT_BUCKET_BYTES, DoubleBufferReceiver, SyncStats, WeightReceiver, WeightSender,
 )
@@ -24,6 +27,7 @@ _LAZY = {"RayCollectiveGroup", "register_stateless_gloo_backend", "STATELESS_GLO
 
 __all__ = [
     "TensorMeta", "metadata_of", "plan_buckets", "plan_fingerprint", "bucket_numel", "pack", "unpack_into",
+    "metas_to_spec", "metas_from_spec", "TRANSPORTS", "StatelessNcclGroup", "make_group",
     "StatelessGlooGroup", "WeightSyncError", "WeightSyncTimeout", "find_free_port",
     "SyncStats", "WeightSender", "WeightReceiver", "DoubleBufferReceiver", "DEFAULT_BUCKET_BYTES",
     *sorted(_LAZY),

@@ -13,7 +13,7 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-__all__ = ["TensorMeta", "metadata_of", "plan_buckets", "plan_fingerprint", "bucket_numel", "pack", "unpack_into"]
+__all__ = ["TensorMeta", "metadata_of", "metas_to_spec", "metas_from_spec", "plan_buckets", "plan_fingerprint", "bucket_numel", "pack", "unpack_into"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +52,22 @@ def metadata_of(named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Te
         seen.add(name)
         metas.append(TensorMeta(name, tuple(t.shape), t.dtype))
     return metas
+
+
+def metas_to_spec(metas: Sequence[TensorMeta]) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+    """Plain `(name, shape, dtype name)` tuples: what crosses a process boundary (e.g. into vLLM's worker)."""
+    return tuple((m.name, tuple(m.shape), str(m.dtype).removeprefix("torch.")) for m in metas)
+
+
+def metas_from_spec(spec: Iterable[Sequence]) -> list[TensorMeta]:
+    """Inverse of :func:`metas_to_spec`; an unknown dtype name raises naming the tensor."""
+    out = []
+    for name, shape, dtype in spec:
+        dt = getattr(torch, str(dtype), None)
+        if not isinstance(dt, torch.dtype):
+            raise TypeError(f"tensor {name!r}: unknown dtype {dtype!r}")
+        out.append(TensorMeta(name, tuple(shape), dt))
+    return out
 
 
 def plan_buckets(metas: Sequence[TensorMeta], bucket_bytes: int) -> list[list[TensorMeta]]:

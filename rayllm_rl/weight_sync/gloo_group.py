@@ -117,13 +117,7 @@ class StatelessGlooGroup:
             self._store = dist.TCPStore(host, self.port, self.world_size, is_master=(self.rank == 0),
                                         timeout=timedelta(seconds=self.timeout_s), wait_for_workers=True)
             left = max(deadline - time.monotonic(), 0.5)
-            if device_host is not None:
-                opts = dist.ProcessGroupGloo._Options()
-                opts._timeout = timedelta(seconds=left)
-                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=device_host)]
-                self._pg = dist.ProcessGroupGloo(self._store, self.rank, self.world_size, opts)
-            else:
-                self._pg = dist.ProcessGroupGloo(self._store, self.rank, self.world_size, timedelta(seconds=left))
+            self._pg = self._make_process_group(timedelta(seconds=left), device_host)
             # gloo's own per-operation timeout: the group default (calls may lower it per op).
             self._pg._set_default_timeout(timedelta(seconds=self.timeout_s))
         except Exception as exc:  # DistStoreError / DistNetworkError / RuntimeError from gloo
@@ -131,6 +125,14 @@ class StatelessGlooGroup:
             raise sync_error(exc, phase="connect", rank=self.rank, world_size=self.world_size,
                              timeout_s=self.timeout_s, where=where,
                              detail="not every peer joined the group" if is_timeout_error(exc) else "") from exc
+
+    def _make_process_group(self, timeout: timedelta, device_host: str | None):
+        if device_host is not None:
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=device_host)]
+            return dist.ProcessGroupGloo(self._store, self.rank, self.world_size, opts)
+        return dist.ProcessGroupGloo(self._store, self.rank, self.world_size, timeout)
 
     # ------------------------------------------------------------------ helpers
     def _check_usable(self, phase: str) -> None:
@@ -180,8 +182,8 @@ class StatelessGlooGroup:
         self._check_usable(phase)
         if not 0 <= src < self.world_size:
             raise ValueError(f"broadcast: src {src} is outside [0, {self.world_size})")
-        if tensor.device.type != "cpu" or not tensor.is_contiguous():
-            raise ValueError(f"broadcast ({phase}): gloo needs a contiguous CPU tensor, got "
+        if tensor.device.type != self.device.type or not tensor.is_contiguous():
+            raise ValueError(f"broadcast ({phase}): this group needs a contiguous {self.device.type} tensor, got "
                              f"device={tensor.device} contiguous={tensor.is_contiguous()}")
         opts = dist.BroadcastOptions()
         opts.rootRank = int(src)
@@ -232,3 +234,32 @@ class StatelessGlooGroup:
         state = "closed" if self._closed else ("broken" if self._broken else "ok")
         return (f"StatelessGlooGroup(rank={self.rank}, world_size={self.world_size}, "
                 f"store={self.host}:{self.port}, timeout_s={self.timeout_s:g}, {state})")
+
+
+class StatelessNcclGroup(StatelessGlooGroup):
+    """The same private group over NCCL (GPU tensors), built from its own TCPStore.
+
+    Usable where Ray's collective API is not: inside vLLM's worker process (a plain child
+    process, not a Ray actor) and beside FSDP's NCCL group in a learner, because it never
+    touches the global torch.distributed state. Each member uses its current CUDA device.
+    Never run on a GPU in this repository's CI (no GPU there): see docs/ray-orchestration.md.
+    """
+
+    def _make_process_group(self, timeout: timedelta, device_host: str | None):
+        if not torch.cuda.is_available():
+            raise RuntimeError("StatelessNcclGroup needs a CUDA device; use the gloo or shm transport on CPU")
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(self._store, self.rank, self.world_size, opts)
+
+
+TRANSPORTS = ("gloo", "shm", "nccl")
+
+
+def make_group(transport: str, host: str, port: int, rank: int, world_size: int, timeout_s: float):
+    """The control/data group a transport runs over: NCCL for 'nccl', gloo for 'gloo' and 'shm'."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown weight-sync transport {transport!r}; choose one of {TRANSPORTS}")
+    cls = StatelessNcclGroup if transport == "nccl" else StatelessGlooGroup
+    return cls(host, port, rank, world_size, timeout_s)

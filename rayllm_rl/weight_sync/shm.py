@@ -464,11 +464,12 @@ def _attach_readonly(name: str, min_size: int) -> tuple[mmap.mmap, int]:
 
 
 class ShmWeightReceiver(_Base):
-    """Replica side: adopts each sync's segment as the engine's parameters (zero copy).
+    """Replica side: hands each sync's segment, as zero-copy views, to the engine's weight sink.
 
     Args:
-        engine: anything with ``named_parameters()`` and ``swap_weights(dict, version) ->
-            stall_s`` (e.g. :class:`~rayllm_rl.inference.transformers_engine.TransformersEngine`).
+        engine: the sink: anything with ``named_parameters()`` (names, shapes, dtypes it takes)
+            and ``swap_weights(dict, version) -> stall_s`` (TransformersEngine adopts the views
+            as its parameters; vLLM's worker copies them in with ``model.load_weights``).
         group: the control group (this process is one of ranks 1..K).
         metas: the sender's metas (same names, shapes, dtypes, order).
         segment_names: the sender's :attr:`ShmWeightSender.segment_names`.

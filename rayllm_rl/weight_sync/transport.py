@@ -386,25 +386,31 @@ class WeightReceiver:
 
 
 class DoubleBufferReceiver:
-    """Receive into a back buffer while the engine keeps generating, then swap in O(1).
+    """Receive into a back buffer while the engine keeps generating, then hand it over in one swap.
 
-    Only the tensors named in the receiver's metas are received and swapped (e.g. parameters
-    without the rotary buffers). The engine's weights lock is taken only by
-    ``engine.swap_weights`` (between two decode steps); receiving writes the back buffer only.
-    After a swap the back buffer holds the previous weights and is reused by the next receive.
-    If a receive fails, the engine's weights are untouched (only the back buffer is dirty).
+    `target` is whatever owns the weights (an engine's weight sink): it offers
+    ``named_parameters()`` (the tensors an update may carry) and ``swap_weights(back, version)
+    -> stall_s``, applied between two decode steps. This class only moves bytes into `back`.
+    Only the tensors named in the receiver's metas are received. `back` defaults to empty
+    tensors shaped like the target's; pass one to receive into memory of your choice (e.g. a
+    target that copies on swap and has no tensors of its own to mirror). If a receive fails,
+    the target's weights are untouched (only the back buffer is dirty).
     """
 
-    def __init__(self, engine: Any, receiver: WeightReceiver):
-        self.engine = engine
+    def __init__(self, target: Any, receiver: WeightReceiver, back: dict[str, torch.Tensor] | None = None):
+        self.target = target
         self.receiver = receiver
-        full = engine.make_back_buffer()
-        unknown = [m.name for m in receiver.metas if m.name not in full]
-        if unknown:
-            raise KeyError(f"DoubleBufferReceiver: the engine has no tensors named {unknown[:5]} "
-                           f"(it has e.g. {list(full)[:3]})")
-        self.back: dict[str, torch.Tensor] = {m.name: full[m.name] for m in receiver.metas}
-        del full
+        if back is None:
+            params = target.named_parameters()
+            unknown = [m.name for m in receiver.metas if m.name not in params]
+            if unknown:
+                raise KeyError(f"DoubleBufferReceiver: the target has no tensors named {unknown[:5]} "
+                               f"(it has e.g. {list(params)[:3]})")
+            back = {m.name: torch.empty_like(params[m.name]) for m in receiver.metas}
+        missing = [m.name for m in receiver.metas if m.name not in back]
+        if missing:
+            raise KeyError(f"DoubleBufferReceiver: the back buffer lacks {missing[:5]}")
+        self.back: dict[str, torch.Tensor] = back
         self._received: int | None = None
 
     def receive(self, *, header_timeout_s: float | None = None) -> int:
@@ -420,7 +426,7 @@ class DoubleBufferReceiver:
             if self._received is None:
                 raise RuntimeError("DoubleBufferReceiver.swap: nothing received since the last swap")
             version = self._received
-        stall = self.engine.swap_weights(self.back, int(version))
+        stall = self.target.swap_weights(self.back, int(version))
         self._received = None
         return stall
 

@@ -1,0 +1,289 @@
+"""`VLLMEngine`: vLLM's `AsyncLLM` behind our engine contract and weight sink.
+
+Token ids in (`TokensPrompt`), token ids out with the sampled token's logprob and the policy
+version of the weights that produced each token (vLLM's per-token `weight_versions` spans).
+Logprobs are vLLM's `processed_logprobs`: log-softmax of `logits / temperature` (of the raw
+logits for greedy), i.e. what the learner recomputes. With top-k/top-p vLLM renormalises over
+the kept tokens, which the learner does not: docs/design-choices.md.
+
+Weights live in vLLM's worker process; the sink drives the backend in
+:mod:`rayllm_rl.inference.vllm_worker` through vLLM's weight-transfer API and
+`collective_rpc`. The receive overlaps generation; the stall is pause → `load_weights` →
+resume, with running requests kept and re-prefilled under the new weights.
+
+Only this module and `vllm_worker` import vllm, and only when a vLLM engine is built.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import time
+import uuid
+from typing import Any, Mapping
+
+import torch
+
+from rayllm_rl.inference.protocol import LLMRequest, LLMResponse, UpdateGroupSpec, check_request, weights_checksum
+
+WORKER_EXTENSION = "rayllm_rl.inference.vllm_worker.RayllmWorkerExtension"
+
+
+@dataclasses.dataclass
+class VLLMOptions:
+    """Engine arguments of one replica (see `inference.*` in the job config)."""
+
+    dtype: str = "float32"
+    """Weights and activations: float32 (CPU tests, exact logprobs) or bfloat16 (GPU)."""
+    kv_cache_mb: int = 256
+    """KV-cache memory; on CPU it is host RAM reserved up front."""
+    max_model_len: int = 0
+    """Context length (0 = the model's max_position_embeddings)."""
+    tensor_parallel_size: int = 1
+    """Tensor-parallel degree (GPUs of the replica)."""
+    enable_prefix_caching: bool = True
+    """Reuse KV of shared prompt prefixes (GRPO groups share their prompt); cleared at every update."""
+    enforce_eager: bool = True
+    """No graph capture / compilation (start-up in seconds on CPU)."""
+    max_num_seqs: int = 256
+    """Sequences decoded together."""
+    gpu_memory_utilization: float = 0.5
+    """GPU only: fraction of GPU memory vLLM may take (the learner may share the node)."""
+
+
+def _torch_dtype_name(dtype: str) -> str:
+    return {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+            "float16": "float16", "fp16": "float16"}[dtype]
+
+
+class VLLMEngine:
+    """vLLM `AsyncLLM` (engine core in its own process) as an `InferenceEngine` + `WeightSink`.
+
+    Construction is cheap; :meth:`start` (awaited from the event loop that will serve requests)
+    starts vLLM. `agenerate` starts it on first use too.
+    """
+
+    def __init__(self, model_path: str, *, seed: int = 0, version: int = 0, options: VLLMOptions | None = None):
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.model_path = model_path
+        self.options = options or VLLMOptions()
+        self.seed = seed
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        config = AutoConfig.from_pretrained(model_path)
+        self.max_positions = self.options.max_model_len or int(config.max_position_embeddings)
+        self._version = int(version)
+        self._llm = None
+        self._start_lock: asyncio.Lock | None = None
+        self._updating = False
+        self.stats = {"requests": 0, "generated_tokens": 0, "updates": 0, "last_stall_s": 0.0, "last_receive_s": 0.0}
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self) -> "VLLMEngine":
+        """Start vLLM (spawns the engine core; tens of seconds on CPU) and label its weights."""
+        if self._llm is not None:
+            return self
+        if self._start_lock is None:
+            self._start_lock = asyncio.Lock()
+        async with self._start_lock:
+            if self._llm is None:
+                self._llm = await asyncio.to_thread(self._build)
+                await self._llm.update_weight_version(str(self._version))
+        return self
+
+    def _build(self):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        o = self.options
+        on_cpu = not torch.cuda.is_available()
+        args = AsyncEngineArgs(
+            model=self.model_path, tokenizer=self.model_path, dtype=_torch_dtype_name(o.dtype), seed=self.seed,
+            max_model_len=self.max_positions, enable_prefix_caching=o.enable_prefix_caching,
+            enforce_eager=o.enforce_eager, max_num_seqs=o.max_num_seqs, logprobs_mode="processed_logprobs",
+            tensor_parallel_size=o.tensor_parallel_size, worker_extension_cls=WORKER_EXTENSION,
+            weight_transfer_config={"backend": "rayllm"}, disable_log_stats=True,
+            # One worker inside the engine-core process on CPU; vLLM's own choice on GPUs.
+            distributed_executor_backend="uni" if o.tensor_parallel_size == 1 else None,
+            **({"kv_cache_memory_bytes": int(o.kv_cache_mb) << 20} if on_cpu
+               else {"gpu_memory_utilization": o.gpu_memory_utilization}),
+        )
+        return AsyncLLM.from_engine_args(args)
+
+    def shutdown(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.shutdown()
+
+    # ---------------------------------------------------------------- generation
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def _sampling(self, req: LLMRequest):
+        from vllm import SamplingParams as VSamplingParams
+
+        s = req.sampling
+        return VSamplingParams(
+            max_tokens=s.max_new_tokens, temperature=0.0 if s.greedy else s.temperature,
+            top_p=1.0 if s.greedy else s.top_p, top_k=0 if s.greedy else s.top_k,
+            stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=0, detokenize=False,
+            skip_special_tokens=False,
+        )
+
+    async def agenerate(self, request: LLMRequest) -> LLMResponse:
+        from vllm.inputs import TokensPrompt
+
+        check_request(request, self.max_positions)
+        await self.start()
+        t0 = time.perf_counter()
+        final = None
+        async for out in self._llm.generate(TokensPrompt(prompt_token_ids=list(request.input_ids)),
+                                            self._sampling(request), request_id=f"{request.rid}-{uuid.uuid4().hex[:8]}"):
+            final = out
+        comp = final.outputs[0]
+        tokens = list(comp.token_ids)
+        logprobs = [float(lp[t].logprob) for lp, t in zip(comp.logprobs or [], tokens)]
+        if len(logprobs) != len(tokens):
+            raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(tokens)} tokens (request {request.rid})")
+        versions = _expand_versions(comp.weight_versions, len(tokens))
+        reason = comp.finish_reason if comp.finish_reason in ("stop", "length") else "abort"
+        self.stats["requests"] += 1
+        self.stats["generated_tokens"] += len(tokens)
+        return LLMResponse(input_tokens=list(request.input_ids), output_tokens=tokens, output_logprobs=logprobs,
+                           output_versions=versions, stop_reason=reason, rid=request.rid,
+                           latency_s=time.perf_counter() - t0)
+
+    # ---------------------------------------------------------------- weight sink
+    def weight_metadata(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """HF names and shapes from the checkpoint's safetensors headers, in the engine's dtype."""
+        from safetensors import safe_open
+
+        files = sorted(f for f in os.listdir(self.model_path) if f.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no .safetensors weights in {self.model_path}")
+        dtype = _torch_dtype_name(self.options.dtype)
+        out = []
+        for f in files:
+            with safe_open(os.path.join(self.model_path, f), framework="pt") as st:
+                for name in st.keys():
+                    out.append((name, tuple(st.get_slice(name).get_shape()), dtype))
+        return out
+
+    async def init_update_group(self, spec: UpdateGroupSpec) -> None:
+        mine = {m[0]: tuple(m[1]) for m in self.weight_metadata()}
+        bad = [(n, tuple(s), mine.get(n)) for n, s, _ in spec.metas if mine.get(n) != tuple(s)]
+        if bad:
+            raise KeyError(f"init_update_group: the learner sends weights this model does not have or with other "
+                           f"shapes (name, sent, checkpoint): {bad[:5]}")
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self.start()
+        info = {"transport": spec.transport, "host": spec.host, "port": spec.port, "rank": spec.rank,
+                "world_size": spec.world_size, "metas": [list(m) for m in spec.metas],
+                "bucket_bytes": spec.bucket_bytes, "timeout_s": spec.timeout_s,
+                "segment_names": list(spec.segment_names)}
+        self._sync_timeout_s = spec.timeout_s
+        await asyncio.wait_for(self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info)),
+                               spec.timeout_s + 30)
+
+    async def receive_update(self, header_timeout_s: float | None = None) -> dict[str, float]:
+        """Bytes arrive on vLLM's worker thread while decoding goes on; then a short paused load."""
+        timeout = getattr(self, "_sync_timeout_s", None)
+        if timeout is None:
+            raise RuntimeError("receive_update: init_update_group was not called on this engine")
+        t0 = time.perf_counter()
+        await self._rpc("rayllm_begin_receive", header_timeout_s or timeout)
+        deadline = time.monotonic() + (header_timeout_s or timeout) + timeout
+        while True:  # a short RPC between engine steps, not a wait inside one
+            state = await self._rpc("rayllm_receive_state")
+            if state["done"]:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vLLM replica: the weight receive did not finish within {timeout:g}s")
+            await asyncio.sleep(0.005)
+        if state["error"]:
+            raise RuntimeError(f"vLLM replica: receiving weights failed: {state['error']}")
+        version = int(state["version"])
+        receive_s = time.perf_counter() - t0
+        stall = await self._apply(version, lambda: self._update_request(version))
+        return {"version": version, "receive_s": receive_s, "stall_s": stall}
+
+    async def _update_request(self, version: int) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self._llm.update_weights(WeightTransferUpdateRequest(update_info={"version": version}))
+
+    async def _apply(self, version: int, load) -> float:
+        """pause(keep, clear KV) → load → finish(version) → resume; returns the stall in seconds."""
+        t0 = time.perf_counter()
+        await self._llm.pause_generation(mode="keep", clear_cache=True)
+        try:
+            await self._llm.start_weight_update()
+            await load()
+            await self._llm.finish_weight_update(weight_version=str(version))
+            self._version = int(version)
+        finally:
+            await self._llm.resume_generation()
+        stall = time.perf_counter() - t0
+        self.stats["updates"] += 1
+        self.stats["last_stall_s"] = stall
+        return stall
+
+    async def load_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> int:
+        """Direct load (no group): tensors cross into vLLM's worker by collective_rpc pickling."""
+        await self.start()
+        items = [(k, v.detach().cpu()) for k, v in named_tensors.items()]
+
+        async def load():
+            await self._rpc("rayllm_load_named", items)
+
+        await self._apply(int(version), load)
+        return self._version
+
+    async def pause(self) -> None:
+        await self.start()
+        await self._llm.pause_generation(mode="keep", clear_cache=False)
+
+    async def resume(self) -> None:
+        await self._llm.resume_generation()
+
+    async def weights_checksum(self) -> float:
+        """Checksum of the weights vLLM last loaded (the checkpoint's until the first update)."""
+        await self.start()
+        loaded = await self._rpc("rayllm_loaded_checksum")
+        if loaded is not None:
+            return float(loaded)
+        from safetensors.torch import load_file
+
+        dtype = getattr(torch, _torch_dtype_name(self.options.dtype))
+        named = {}
+        for f in sorted(f for f in os.listdir(self.model_path) if f.endswith(".safetensors")):
+            named.update({k: v.to(dtype) for k, v in load_file(os.path.join(self.model_path, f)).items()})
+        return weights_checksum(named)
+
+    async def close_update_group(self) -> None:
+        if self._llm is not None:
+            await self._llm.shutdown_weight_transfer_engine()
+
+    async def _rpc(self, method: str, *args):
+        results = await self._llm.collective_rpc(method, timeout=getattr(self, "_sync_timeout_s", 120.0), args=args)
+        return results[0]
+
+    def info(self) -> dict[str, Any]:
+        return {"model_path": self.model_path, "version": self._version, "engine": "vllm", **self.stats}
+
+
+def _expand_versions(spans, n: int) -> list[int]:
+    """vLLM's `[WeightVersionSpan(version, start, end)]` → one int version per output token."""
+    out: list[int | None] = [None] * n
+    for span in spans or []:
+        try:
+            v = int(span.version)
+        except (TypeError, ValueError):
+            raise ValueError(f"vLLM weight version {span.version!r} is not an integer policy version") from None
+        for i in range(max(span.start, 0), min(span.end, n)):
+            out[i] = v
+    if any(v is None for v in out):
+        raise RuntimeError(f"vLLM returned weight-version spans {spans} that do not cover all {n} tokens")
+    return out

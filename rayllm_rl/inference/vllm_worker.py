@@ -1,0 +1,242 @@
+"""The vLLM side of weight sync: code that runs inside vLLM's worker process, not in the actor.
+
+vLLM keeps its weights in a worker process it spawns itself, fused and possibly sharded
+(`qkv_proj`, `gate_up_proj`). Our transports cannot reach them from the replica actor, so the
+receiving end of a weight update lives here:
+
+* :class:`RayllmWeightTransfer` is a vLLM weight-transfer backend (registered as ``"rayllm"``
+  when vLLM imports this module as the worker extension). It joins learner rank 0's update
+  group with our own transports (gloo buckets, the shared-memory double buffer, or NCCL) and
+  loads what arrives through ``model.load_weights``, which takes HF names and fuses them.
+* :class:`RayllmWorkerExtension` (vLLM's ``worker_extension_cls``) adds the calls the actor
+  makes through ``collective_rpc``: start receiving in a background thread while the engine
+  keeps generating, ask whether the bytes are in, and a weight checksum.
+
+One update, driven by :class:`~rayllm_rl.inference.vllm_engine.VLLMEngine`:
+``rayllm_begin_receive`` (bytes move while decoding goes on) → poll ``rayllm_receive_state``
+→ ``pause_generation(mode="keep", clear_cache=True)`` → ``start_weight_update`` →
+``update_weights({"version": v})`` (here: ``model.load_weights`` from the received buffers)
+→ ``finish_weight_update(str(v))`` → ``resume_generation``. Kept requests are re-prefilled
+with the new weights, so every token stamped v was sampled from policy v.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+from rayllm_rl.inference.protocol import weights_checksum
+from rayllm_rl.weight_sync import DoubleBufferReceiver, ShmWeightReceiver, WeightReceiver, make_group, metas_from_spec
+
+BACKEND = "rayllm"
+
+
+@dataclasses.dataclass
+class RayllmInitInfo(WeightTransferInitInfo):
+    """:class:`~rayllm_rl.inference.protocol.UpdateGroupSpec` as plain fields (crosses into the worker)."""
+
+    transport: str
+    host: str
+    port: int
+    rank: int
+    world_size: int
+    metas: list
+    bucket_bytes: int
+    timeout_s: float
+    segment_names: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class RayllmUpdateInfo(WeightTransferUpdateInfo):
+    """Apply the update received by ``rayllm_begin_receive``, stamped `version`."""
+
+    version: int
+
+
+class _LoadTarget:
+    """What our receivers hand tensors to: `model.load_weights` (a copy into vLLM's fused params)."""
+
+    def __init__(self, model: torch.nn.Module, metas):
+        self.model = model
+        self.metas = metas
+        self.last_load_s = 0.0
+
+    def named_parameters(self) -> dict[str, torch.Tensor]:
+        """Names, shapes and dtypes an update may carry (meta tensors: no memory of their own)."""
+        return {m.name: torch.empty(m.shape, dtype=m.dtype, device="meta") for m in self.metas}
+
+    def swap_weights(self, named: dict[str, torch.Tensor], version: int) -> float:
+        """Copy the received tensors into vLLM's parameters (names were checked against the
+        checkpoint when the group was joined); returns the seconds it took."""
+        t0 = time.perf_counter()
+        _load(self.model, list(named.items()))
+        self.last_load_s = time.perf_counter() - t0
+        return self.last_load_s
+
+
+def _retie_lm_head(model: torch.nn.Module) -> None:
+    """Point a tied lm_head at the freshly loaded embedding again and re-process it.
+
+    With tied embeddings the checkpoint has no `lm_head.weight`, so vLLM's layerwise reload
+    finds nothing to load for the head and puts its old kernel tensors back: the head would
+    keep scoring with the previous policy's embedding (seen on CPU, where the head holds a
+    repacked copy). Re-tying and re-running the head's post-load processing fixes both.
+    """
+    config = getattr(model, "config", None)
+    head, inner = getattr(model, "lm_head", None), getattr(model, "model", None)
+    embed = getattr(inner, "embed_tokens", None)
+    if not getattr(config, "tie_word_embeddings", False) or head is None or embed is None:
+        return
+    head.weight = embed.weight
+    method = getattr(head, "quant_method", None)
+    if method is not None and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(head)
+
+
+_LOADED_CHECKSUM: list[float] = []  # checksum of the last weights loaded in this worker process
+
+
+def _load(model: torch.nn.Module, items: list[tuple[str, torch.Tensor]]) -> None:
+    """`model.load_weights` (HF names in, vLLM fuses and repacks them) and remember their checksum.
+
+    vLLM's CPU kernels repack linear weights into storage that `named_parameters()` no longer
+    shows, so the checksum is taken of the tensors handed to vLLM, not read back from it."""
+    with torch.no_grad():
+        model.load_weights(items)
+    _LOADED_CHECKSUM[:] = [weights_checksum(dict(items))]
+
+
+class RayllmWeightTransfer(WeightTransferEngine[RayllmInitInfo, RayllmUpdateInfo]):
+    """vLLM weight-transfer backend over rayllm_rl's transports; every wait is bounded."""
+
+    init_info_cls = RayllmInitInfo
+    update_info_cls = RayllmUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group = None
+        self.receiver: Any = None
+        self.timeout_s = 120.0
+        self._thread: threading.Thread | None = None
+        self._received: int | None = None
+        self._error: BaseException | None = None
+        self.receive_s = 0.0
+
+    def init_transfer_engine(self, init_info: RayllmInitInfo) -> None:
+        self.shutdown()
+        metas = metas_from_spec(init_info.metas)
+        self.timeout_s = float(init_info.timeout_s)
+        group = make_group(init_info.transport, init_info.host, init_info.port, init_info.rank,
+                           init_info.world_size, self.timeout_s)
+        target = _LoadTarget(self.model, metas)
+        if init_info.transport == "shm":
+            group.barrier(phase="segments created")
+            self.receiver = ShmWeightReceiver(target, group, metas, list(init_info.segment_names), self.timeout_s)
+        else:
+            back = {m.name: torch.empty(m.shape, dtype=m.dtype, device=group.device) for m in metas}
+            self.receiver = DoubleBufferReceiver(target, WeightReceiver(group, metas, init_info.bucket_bytes), back)
+        self.group = group
+
+    # ------------------------------------------------------------------ receive while generating
+    def begin_receive(self, header_timeout_s: float) -> None:
+        """Start receiving the next update on a background thread (the engine keeps stepping)."""
+        if self.receiver is None:
+            raise RuntimeError("rayllm weight transfer: init_weight_transfer_engine was not called")
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("rayllm weight transfer: a receive is already running")
+        self._received, self._error = None, None
+
+        def run():
+            t0 = time.perf_counter()
+            try:
+                self._received = self.receiver.receive(header_timeout_s=header_timeout_s)
+            except BaseException as exc:  # reported to the actor by receive_state / receive_weights
+                self._error = exc
+            self.receive_s = time.perf_counter() - t0
+
+        self._thread = threading.Thread(target=run, name="rayllm-weight-receive", daemon=True)
+        self._thread.start()
+
+    def receive_state(self) -> dict[str, Any]:
+        """`{"done": bool, "version": int | None, "error": str | None, "receive_s": float}`."""
+        done = self._thread is None or not self._thread.is_alive()
+        err = None if self._error is None else f"{type(self._error).__name__}: {self._error}"
+        return {"done": done, "version": self._received, "error": err, "receive_s": self.receive_s}
+
+    # ------------------------------------------------------------------ vLLM's update lifecycle
+    def start_weight_update(self) -> None:
+        """Layerwise reload: vLLM restores each layer's loadable parameters (a platform may have
+        repacked them after the first load), so checkpoint-format tensors load as at start-up."""
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        """Re-process the loaded layers (fusing, repacking) exactly as after the first load."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        _retie_lm_head(self.model)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def receive_weights(self, update_info: RayllmUpdateInfo) -> None:
+        """Load the received update (called while generation is paused)."""
+        if self._thread is None:
+            raise RuntimeError("rayllm weight transfer: update_weights without a prior rayllm_begin_receive")
+        self._thread.join(self.timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"rayllm weight transfer: the receive did not finish within {self.timeout_s:g}s")
+        self._thread = None
+        if self._error is not None:
+            raise RuntimeError(f"rayllm weight transfer: receiving failed: {self._error}") from self._error
+        self.receiver.swap(int(update_info.version))
+
+    def shutdown(self) -> None:
+        receiver, group = self.receiver, self.group
+        self.receiver = self.group = None
+        if receiver is not None and hasattr(receiver, "close"):
+            receiver.close()
+        if group is not None:
+            group.close()
+
+
+class RayllmWorkerExtension:
+    """Methods added to vLLM's worker (``worker_extension_cls``), called through ``collective_rpc``."""
+
+    def _rayllm(self) -> RayllmWeightTransfer:
+        engine = getattr(self, "weight_transfer_engine", None)
+        if not isinstance(engine, RayllmWeightTransfer):
+            raise RuntimeError(f"vLLM was not started with weight_transfer_config backend '{BACKEND}'")
+        return engine
+
+    def rayllm_begin_receive(self, header_timeout_s: float) -> None:
+        self._rayllm().begin_receive(header_timeout_s)
+
+    def rayllm_receive_state(self) -> dict[str, Any]:
+        return self._rayllm().receive_state()
+
+    def rayllm_load_named(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        """Direct load of tensors sent inside the RPC (initial weights, tests), during a paused update."""
+        _load(self.model_runner.get_model(), items)
+
+    def rayllm_loaded_checksum(self) -> float | None:
+        """Checksum of the last weights loaded into this worker (None: still the checkpoint's)."""
+        return _LOADED_CHECKSUM[0] if _LOADED_CHECKSUM else None
+
+
+if BACKEND not in WeightTransferEngineFactory._registry:
+    WeightTransferEngineFactory.register_engine(BACKEND, RayllmWeightTransfer)

@@ -1,0 +1,171 @@
+"""Where the job's GPU actors go: one placement group for inference replicas and FSDP learner ranks.
+
+`plan_placement` turns the `ray.*` GPU settings into the kwargs of `ActorClass.options(**opts)`
+for every replica and learner rank, so the caller creates actors exactly as before and only
+merges these options in.
+
+* All GPU counts 0 (the default, and every CPU test): no placement group; each actor gets
+  `{"num_cpus": 0}`, which is what the actors already declare today.
+* Any GPU requested: one placement group, strategy PACK, bundle i = replica i and bundle
+  num_replicas + r = learner rank r. It is reserved up front (atomically, all bundles or none),
+  so a job that cannot get all its GPUs fails within `timeout_s` with the request and the
+  cluster's resources in the message, instead of hanging on a half-started set of actors.
+  Each actor is pinned to its bundle and asks for `num_gpus=` its share and `num_cpus=0`.
+  Ray rejects a bundle whose every resource is 0, so a role with 0 GPUs (e.g. CPU learners
+  next to GPU replicas) gets a bundle of `CPU_ONLY_BUNDLE_CPUS` CPU: it stays in the group
+  (PACK keeps it near the GPU actors, which matters for same-node weight transports) while
+  its actors still request no resources themselves.
+
+Distinct GPUs: GPU counts must be whole numbers, and a whole-GPU bundle takes whole GPU
+instances, so no two actors ever share a device. Fractions are rejected on purpose: Ray packs
+fractional bundles onto the same GPU, two FSDP/NCCL ranks cannot share one device, and a vLLM
+replica takes most of its GPU's memory by default.
+
+Tensor parallelism: a replica with `tensor_parallel_size` > 1 requests all `gpus_per_replica`
+GPUs for its one actor; Ray sets CUDA_VISIBLE_DEVICES to those devices and vLLM is expected to
+run its TP workers inside the actor's visible devices (the actor captures child tasks into its
+bundle, so Ray-spawned helpers stay there too). This has only been exercised with Ray's logical
+GPU resources on CPU; it has never been run on a real GPU.
+
+Note (Ray 2.60, ray-project/ray#54868): an actor with 0 GPUs does not get CUDA_VISIBLE_DEVICES
+cleared, so on a GPU node a "CPU" actor still sees every GPU; code in such an actor must not pick
+`cuda` by itself.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+CPU_ONLY_BUNDLE_CPUS = 0.01
+"""CPU of the bundle of a 0-GPU role inside a GPU placement group (Ray rejects all-zero bundles)."""
+
+
+class PlacementError(RuntimeError):
+    """The placement group could not be reserved within the timeout."""
+
+
+@dataclasses.dataclass
+class Placement:
+    """Actor options for every replica and learner rank, and the placement group holding them."""
+
+    replica_options: list[dict[str, Any]]
+    """`InferenceReplica.options(**replica_options[i])` for replica i."""
+    learner_options: list[dict[str, Any]]
+    """`LearnerWorker.options(**learner_options[r])` for learner rank r."""
+    placement_group: PlacementGroup | None = None
+    """The reserved group, or None when no GPU is requested."""
+
+    def remove(self) -> None:
+        """Release the placement group (kills actors still in it); safe to call twice."""
+        if self.placement_group is not None:
+            remove_placement_group(self.placement_group)
+            self.placement_group = None
+
+
+def _check_gpus(key: str, value: float) -> float:
+    """Return `value` as a float after checking it is a valid GPU count for config key `key`."""
+    gpus = float(value)
+    if not math.isfinite(gpus) or gpus < 0:
+        raise ValueError(f"ray.{key} must be >= 0 (got {value!r})")
+    if not gpus.is_integer():
+        raise ValueError(f"ray.{key} must be a whole number of GPUs: actors do not share a GPU "
+                         f"(got {value!r})")
+    return gpus
+
+
+def validate(num_replicas: int, num_learners: int, gpus_per_replica: float, gpus_per_learner: float,
+             tensor_parallel_size: int, timeout_s: float) -> tuple[float, float]:
+    """Check the placement settings; raise ValueError naming the `ray.*` key. Returns the GPU counts."""
+    for key, count in (("num_replicas", num_replicas), ("num_learners", num_learners)):
+        if int(count) != count or count < 1:
+            raise ValueError(f"ray.{key} must be an integer >= 1 (got {count!r})")
+    if int(tensor_parallel_size) != tensor_parallel_size or tensor_parallel_size < 1:
+        raise ValueError(f"ray.tensor_parallel_size must be an integer >= 1 (got {tensor_parallel_size!r})")
+    replica_gpus = _check_gpus("gpus_per_replica", gpus_per_replica)
+    learner_gpus = _check_gpus("gpus_per_learner", gpus_per_learner)
+    if replica_gpus > 0 and replica_gpus < tensor_parallel_size:
+        raise ValueError(f"ray.gpus_per_replica must be >= ray.tensor_parallel_size "
+                         f"({gpus_per_replica!r} < {tensor_parallel_size!r}): each replica actor "
+                         f"holds all the GPUs of its tensor-parallel group")
+    if not timeout_s > 0:
+        raise ValueError(f"placement timeout_s must be > 0 (got {timeout_s!r})")
+    return replica_gpus, learner_gpus
+
+
+def _bundle(gpus: float) -> dict[str, float]:
+    """The bundle of one actor asking for `gpus` GPUs."""
+    return {"GPU": gpus} if gpus > 0 else {"CPU": CPU_ONLY_BUNDLE_CPUS}
+
+
+def _actor_options(pg: PlacementGroup, index: int, gpus: float) -> dict[str, Any]:
+    """Options pinning an actor (and the tasks/actors it spawns) to bundle `index` of `pg`."""
+    strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index,
+                                                placement_group_capture_child_tasks=True)
+    return {"num_cpus": 0, "num_gpus": gpus, "scheduling_strategy": strategy}
+
+
+def plan_placement(num_replicas: int, num_learners: int, gpus_per_replica: float, gpus_per_learner: float,
+                   tensor_parallel_size: int, timeout_s: float) -> Placement:
+    """Validate the settings, reserve the GPUs (waiting at most `timeout_s`) and return the actor options.
+
+    Raises ValueError on bad settings and PlacementError (leaving no placement group behind)
+    when the cluster cannot provide the requested GPUs in time.
+    """
+    replica_gpus, learner_gpus = validate(num_replicas, num_learners, gpus_per_replica, gpus_per_learner,
+                                          tensor_parallel_size, timeout_s)
+    if replica_gpus == 0 and learner_gpus == 0:
+        return Placement([{"num_cpus": 0} for _ in range(num_replicas)],
+                         [{"num_cpus": 0} for _ in range(num_learners)])
+    bundles = [_bundle(replica_gpus) for _ in range(num_replicas)] + [_bundle(learner_gpus) for _ in range(num_learners)]
+    pg = placement_group(bundles, strategy="PACK")
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError as exc:
+        remove_placement_group(pg)
+        requested = num_replicas * replica_gpus + num_learners * learner_gpus
+        raise PlacementError(
+            f"could not reserve {requested:g} GPUs within {timeout_s:g}s "
+            f"({num_replicas} replicas x ray.gpus_per_replica={replica_gpus:g} + "
+            f"{num_learners} learners x ray.gpus_per_learner={learner_gpus:g}); "
+            f"cluster has GPU={ray.cluster_resources().get('GPU', 0):g} in total, "
+            f"GPU={ray.available_resources().get('GPU', 0):g} free") from exc
+    except BaseException:
+        remove_placement_group(pg)
+        raise
+    return Placement([_actor_options(pg, i, replica_gpus) for i in range(num_replicas)],
+                     [_actor_options(pg, num_replicas + r, learner_gpus) for r in range(num_learners)],
+                     pg)
+
+
+def _bundle_index(pg_id: str) -> int | None:
+    """Bundle index of the calling actor in placement group `pg_id`, from its assigned resources.
+
+    Every actor placed in bundle i holds a share of Ray's implicit `bundle_group_<i>_<pg id>`
+    resource. Ray has no public API for the index, so this reads the core worker's resource ids
+    (what `get_assigned_resources()` uses before it strips the group names); None if that changes.
+    """
+    try:
+        resource_ids = ray._private.worker.global_worker.core_worker.resource_ids()
+    except AttributeError:
+        return None
+    pattern = re.compile(rf"^bundle_group_(\d+)_{re.escape(pg_id)}$")
+    indices = {int(m.group(1)) for name in resource_ids if (m := pattern.match(name))}
+    return indices.pop() if len(indices) == 1 else None
+
+
+def visible_devices() -> dict[str, Any]:
+    """Call INSIDE an actor: the GPUs Ray gave it, CUDA_VISIBLE_DEVICES, its placement group and bundle."""
+    pg_id = ray.get_runtime_context().get_placement_group_id()
+    return {
+        "gpu_ids": ray.get_gpu_ids(),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "placement_group_id": pg_id,
+        "bundle_index": _bundle_index(pg_id) if pg_id is not None else None,
+    }

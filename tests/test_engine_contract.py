@@ -1,0 +1,226 @@
+"""The engine contract, run for every engine: TransformersEngine and vLLM (its CPU build here).
+
+Each engine is built once per module (vLLM's start-up costs tens of seconds on CPU) and driven
+from one event loop thread, as its replica actor drives it. Weight updates go through the
+engine's own sink over a real update group, with the test process as learner rank 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from rayllm_rl.inference.protocol import LLMRequest, PromptTooLongError, SamplingParams, UpdateGroupSpec
+from rayllm_rl.weight_sync import (
+    ShmWeightSender, StatelessGlooGroup, WeightSender, find_free_port, metadata_of, metas_to_spec,
+)
+
+ENGINES = ["transformers", pytest.param("vllm", marks=pytest.mark.vllm)]
+TIMEOUT_S = 300
+
+
+class LoopThread:
+    """One event loop on its own thread: every call of an engine runs on it, as in its actor."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout_s: float = TIMEOUT_S):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def build_engine(kind: str, path: str):
+    if kind == "transformers":
+        from rayllm_rl.inference.transformers_engine import TransformersEngine
+
+        return TransformersEngine(path, seed=0)
+    from rayllm_rl.inference.vllm_engine import VLLMEngine, VLLMOptions
+
+    return VLLMEngine(path, seed=0, options=VLLMOptions(kv_cache_mb=128))
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def served(request, tiny_model_path):
+    """(engine kind, engine, loop); the engine starts at version 0 with the checkpoint's weights."""
+    loop = LoopThread()
+    engine = build_engine(request.param, tiny_model_path)
+    if hasattr(engine, "start"):
+        loop.run(engine.start())
+    yield request.param, engine, loop
+    if hasattr(engine, "shutdown"):
+        engine.shutdown()
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+
+
+def chat_ids(tok, text):
+    return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False))
+
+
+def forward_logprobs(model, prompt, output, temperature=1.0):
+    """log-softmax of one full forward pass at the given output tokens, `[len(output)]`."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0].float() / temperature
+    lp = torch.log_softmax(logits, -1)[len(prompt) - 1:-1]
+    return lp.gather(-1, torch.tensor(output).unsqueeze(-1)).squeeze(-1)
+
+
+def greedy_reference(model, prompt, n):
+    """Greedy continuation by repeated full forwards (no KV cache at all)."""
+    seq = list(prompt)
+    for _ in range(n):
+        with torch.no_grad():
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+def generate(loop, engine, prompts, sampling):
+    async def go():
+        return await asyncio.gather(*[engine.agenerate(LLMRequest(input_ids=p, sampling=sampling)) for p in prompts])
+
+    return loop.run(go())
+
+
+def prompts_for(tokenizer, n=8):
+    return [chat_ids(tokenizer, f"What is {i}+{7 * i}?" + " please" * (i % 3)) for i in range(n)]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_equal_full_forward(served, hf_model, tokenizer, temperature):
+    kind, engine, loop = served
+    sampling = SamplingParams(max_new_tokens=16, temperature=temperature)
+    responses = generate(loop, engine, prompts_for(tokenizer), sampling)
+    assert sum(r.output_len for r in responses) > 8
+    for r in responses:
+        ref = forward_logprobs(hf_model_for(engine, hf_model), r.input_tokens, r.output_tokens, temperature)
+        assert (ref - torch.tensor(r.output_logprobs)).abs().max().item() <= 1e-4, kind
+
+
+def hf_model_for(engine, hf_model):
+    """The HF model holding the engine's current weights (tests below may have updated them)."""
+    return getattr(engine, "_test_reference", hf_model)
+
+
+def test_stop_and_length_reasons(served, tokenizer):
+    kind, engine, loop = served
+    p = chat_ids(tokenizer, "What is 2+2?")
+    (r,) = generate(loop, engine, [p], SamplingParams(max_new_tokens=5, greedy=True, ignore_eos=True))
+    assert r.stop_reason == "length" and r.output_len == 5
+    stop_at = r.output_tokens[2]
+    first = r.output_tokens.index(stop_at)
+    (s,) = generate(loop, engine, [p], SamplingParams(max_new_tokens=5, greedy=True, ignore_eos=True,
+                                                      stop_token_ids=(stop_at,)))
+    assert s.stop_reason == "stop"
+    assert s.output_tokens == r.output_tokens[:first + 1], "the stop token ends the output and is kept"
+
+
+def test_greedy_is_deterministic_and_argmax(served, hf_model, tokenizer):
+    kind, engine, loop = served
+    p = chat_ids(tokenizer, "What is 12+30?")
+    sp = SamplingParams(max_new_tokens=8, greedy=True, ignore_eos=True)
+    a, b = generate(loop, engine, [p, p], sp)
+    (c,) = generate(loop, engine, [p], sp)
+    assert a.output_tokens == b.output_tokens == c.output_tokens
+    assert a.output_tokens == greedy_reference(hf_model_for(engine, hf_model), p, 8)
+
+
+def test_prompt_too_long_is_a_clear_error(served):
+    kind, engine, loop = served
+    req = LLMRequest(input_ids=[5] * 500, sampling=SamplingParams(max_new_tokens=64))
+    with pytest.raises(PromptTooLongError, match="exceeds the model context of 512"):
+        loop.run(engine.agenerate(req))
+
+
+def perturbed(hf_model, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    return {k: v.detach() + scale * torch.randn(v.shape, generator=g) for k, v in hf_model.named_parameters()}
+
+
+def update_over_group(loop, engine, named, version, transport):
+    """Learner rank 0 in this process: send `named` stamped `version` through the engine's own sink."""
+    metas = metadata_of(named)
+    port = find_free_port()
+    prefix = f"rayllm_test_{port}"
+    segments = (f"{prefix}_0", f"{prefix}_1") if transport == "shm" else ()
+    group_box: dict = {}
+
+    def serve_group():
+        group_box["group"] = StatelessGlooGroup("127.0.0.1", port, 0, 2, 60.0)
+        if transport == "shm":
+            group_box["sender"] = ShmWeightSender(group_box["group"], metas, name_prefix=prefix, timeout_s=60.0)
+            group_box["group"].barrier(phase="segments created")
+        else:
+            group_box["sender"] = WeightSender(group_box["group"], metas, 1 << 16)
+
+    t = threading.Thread(target=serve_group)
+    t.start()
+    spec = UpdateGroupSpec(transport, "127.0.0.1", port, 1, 2, metas_to_spec(metas), bucket_bytes=1 << 16,
+                           timeout_s=60.0, segment_names=segments)
+    loop.run(engine.init_update_group(spec))
+    t.join(60)
+    sender = group_box["sender"]
+    out: dict = {}
+    send = threading.Thread(target=lambda: out.setdefault("stats", sender.send(named, version)))
+    send.start()
+    result = loop.run(engine.receive_update())
+    send.join(60)
+    assert out["stats"].version == version
+    return result, sender, group_box["group"]
+
+
+@pytest.mark.parametrize("transport", ["gloo", "shm"])
+def test_update_bumps_version_and_leaves_no_stale_kv(served, hf_model, tokenizer, tiny_model_path, transport):
+    """Versions are constant before a sync and v+1 after; tokens after it equal a fresh model with
+    the new weights (prefix cache and KV of the old weights are not reused)."""
+    from transformers import AutoModelForCausalLM
+
+    kind, engine, loop = served
+    p = chat_ids(tokenizer, "What is 3+4?")
+    sp = SamplingParams(max_new_tokens=8, greedy=True, ignore_eos=True)
+    v = engine.version
+    before = generate(loop, engine, [p] * 3, sp)
+    assert all(r.output_versions == [v] * 8 for r in before)
+
+    new = perturbed(hf_model, 0.05, seed=v + 1)
+    fresh = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    fresh.load_state_dict(new, strict=False)
+    result, sender, group = update_over_group(loop, engine, new, v + 1, transport)
+    try:
+        assert result["version"] == v + 1 and engine.version == v + 1
+        assert result["stall_s"] >= 0 and result["receive_s"] >= 0
+        sums_equal = abs(loop.run(engine.weights_checksum()) - _checksum(new))
+        assert sums_equal <= 1e-6 * abs(_checksum(new))
+        (after,) = generate(loop, engine, [p], sp)
+        assert after.output_versions == [v + 1] * 8
+        assert after.output_tokens == greedy_reference(fresh, p, 8)
+        ref = forward_logprobs(fresh, p, after.output_tokens)
+        assert (ref - torch.tensor(after.output_logprobs)).abs().max().item() <= 1e-4
+        assert after.output_tokens != before[0].output_tokens or \
+            (forward_logprobs(hf_model, p, after.output_tokens) - ref).abs().max().item() > 1e-3
+        engine._test_reference = fresh  # later tests compare against the weights the engine now holds
+    finally:
+        loop.run(engine.close_update_group())
+        if hasattr(sender, "close"):
+            sender.close()
+        group.close()
+
+
+def _checksum(named):
+    from rayllm_rl.inference.protocol import weights_checksum
+
+    return weights_checksum(named)
