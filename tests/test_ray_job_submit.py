@@ -6,7 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 def test_job_submit_runs_and_prints_summary(tmp_path):

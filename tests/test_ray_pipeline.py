@@ -9,6 +9,7 @@ import pytest
 import torch
 
 ray = pytest.importorskip("ray")
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 from rayllm_rl.config import load_config  # noqa: E402
 from rayllm_rl.orchestration.job_config import GRPOJobConfig  # noqa: E402

@@ -107,6 +107,8 @@ def test_tool_agent_episode_is_token_exact_and_masks_tool_output(tokenizer):
     assert out["rewards"].tolist() == [1.0] and out["answered"].tolist() == [1.0] and out["num_turns"].tolist() == [2.0]
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_python_tool_job_workflow_runs_the_model_code_in_the_sandbox(tokenizer):
     """rollout.workflow=python_tool: the job builds a tool agent on the task; its final turn gets the task reward."""
     from rayllm_rl.config import load_config

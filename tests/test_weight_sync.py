@@ -543,6 +543,8 @@ def _run_ray_scenario():
             p.kill()
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_ray_collective_group_cpu_backends_between_two_actors(background):
     """RayCollectiveGroup + WeightSender/Receiver between two Ray actors with the CPU backends:
     'stateless_gloo' (our registered backend: global torch.distributed untouched) and Ray's

@@ -66,6 +66,8 @@ class VLLMEngine:
     def __init__(self, model_path: str, *, seed: int = 0, version: int = 0, options: VLLMOptions | None = None):
         from transformers import AutoConfig, AutoTokenizer
 
+        # vLLM logs every request and cache reset at INFO; keep warnings unless the user asked for more.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         self.model_path = model_path
         self.options = options or VLLMOptions()
         self.seed = seed

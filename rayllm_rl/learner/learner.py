@@ -130,6 +130,8 @@ class Learner:
             if len(set(all_gather_objects(seed))) != 1:
                 raise ValueError("every FSDP rank must use the same seed (minibatch permutations must agree)")
             shard_model(self.model, self.mesh)  # moves the shards to the mesh device (cuda for nccl)
+        elif self.dist.backend == "nccl":  # one GPU learner: no process group, the model on this rank's GPU
+            self.model.to(torch.device("cuda", torch.cuda.current_device()))
         self.device = next(self.model.parameters()).device
         self.temperature = temperature
         self.seed = seed
@@ -258,6 +260,12 @@ class Learner:
         iterator in lockstep (each item is a `full_tensor()` all-gather); non-zero ranks may discard.
         """
         return iter_full_tensors(self.model)
+
+    def weight_metas(self):
+        """TensorMeta of every tensor `iter_named_tensors` yields, from global shapes (no gather)."""
+        from rayllm_rl.weight_sync.buckets import TensorMeta
+
+        return [TensorMeta(name, tuple(p.shape), p.dtype) for name, p in self.model.named_parameters()]
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """Full, detached weights by name (what weight sync sends to inference); on every rank.

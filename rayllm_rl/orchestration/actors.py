@@ -13,25 +13,31 @@ import torch
 
 from rayllm_rl.data.replay_buffer import ReplayBuffer
 from rayllm_rl.data.trajectory import validate_trajectory
-from rayllm_rl.inference.protocol import LLMRequest, LLMResponse
-from rayllm_rl.inference.transformers_engine import TransformersEngine
+from rayllm_rl.inference.protocol import LLMRequest, LLMResponse, UpdateGroupSpec, weights_checksum
 from rayllm_rl.orchestration.router import ReplicaRouter
-
-
-def weights_checksum(named: dict[str, torch.Tensor]) -> float:
-    """Order-independent float64 checksum of a set of weights."""
-    return float(sum(t.double().sum().item() + 1e-3 * t.double().abs().sum().item() for t in named.values()))
 
 
 @ray.remote(num_cpus=0)
 class InferenceReplica:
-    """TransformersEngine + a double-buffered weight receiver."""
+    """`inference-<i>`: an engine (Transformers or vLLM) and the weight sink it owns.
 
-    def __init__(self, model_path: str, seed: int = 0, num_threads: int = 1):
+    The replica never touches engine tensors: weights arrive through the engine's sink
+    (`init_update_group`, `receive_update`, `load_weights`), whatever the engine keeps inside.
+    """
+
+    def __init__(self, engine_kind: str, model_path: str, seed: int = 0, num_threads: int = 1,
+                 dtype: str = "float32", vllm_options: dict | None = None):
+        from rayllm_rl.inference.factory import build_engine
+
         torch.set_num_threads(num_threads)
-        self.engine = TransformersEngine(model_path, seed=seed)
-        self.receiver = None
+        self.engine = build_engine(engine_kind, model_path, seed=seed, dtype=dtype, vllm_options=vllm_options)
         self.versions_held = [self.engine.version]  # every version this replica ever generated with
+
+    async def ready(self) -> int:
+        """Start the engine (vLLM spawns its engine core here) on the actor's event loop."""
+        if hasattr(self.engine, "start"):
+            await self.engine.start()
+        return self.engine.version
 
     async def agenerate(self, request: LLMRequest) -> LLMResponse:
         return await self.engine.agenerate(request)
@@ -42,40 +48,35 @@ class InferenceReplica:
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
 
-    async def init_weight_receiver(self, transport: str, host: str, port: int, rank: int, world_size: int,
-                                   bucket_bytes: int, timeout_s: float, segment_names: list[str] | None = None) -> bool:
-        """Join the sync group; `shm`: zero-copy views into the learner's shared segments, `gloo`: buckets."""
-        from rayllm_rl.weight_sync import (DoubleBufferReceiver, ShmWeightReceiver, StatelessGlooGroup,
-                                           WeightReceiver, metadata_of)
+    def weight_metadata(self) -> list:
+        return self.engine.weight_metadata()
 
-        group = await asyncio.to_thread(StatelessGlooGroup, host, port, rank, world_size, timeout_s)
-        metas = metadata_of(self.engine.named_parameters())
-        if transport == "shm":
-            await asyncio.to_thread(group.barrier, phase="segments created")
-            self.receiver = ShmWeightReceiver(self.engine, group, metas, segment_names, timeout_s)
-        else:
-            self.receiver = DoubleBufferReceiver(self.engine, WeightReceiver(group, metas, bucket_bytes))
+    async def init_update_group(self, spec: UpdateGroupSpec) -> bool:
+        await self.engine.init_update_group(spec)
         return True
 
     async def receive_weights(self) -> dict[str, float]:
-        """Receive while generating (in a thread), then swap between two decode steps."""
-        if self.receiver is None:
-            raise RuntimeError("init_weight_receiver was not called on this replica")
-        out = await asyncio.to_thread(self.receiver.receive_and_swap)
-        self.versions_held.append(out["version"])
-        return {"version": out["version"], "receive_s": out["receive_s"], "stall_s": out["stall_s"]}
+        """Receive while generating, then apply between two decode steps (the engine's sink)."""
+        out = await self.engine.receive_update()
+        self.versions_held.append(int(out["version"]))
+        return out
 
-    def load_weights(self, named: dict[str, torch.Tensor], version: int) -> int:
+    async def load_weights(self, named: dict[str, torch.Tensor], version: int) -> int:
         """Weights through the object store (no collective): initial load or fallback."""
-        v = self.engine.update_weights(named, version)
+        v = await self.engine.load_weights(named, version)
         self.versions_held.append(v)
         return v
 
     def version_history(self) -> list[int]:
         return list(self.versions_held)
 
-    def checksum(self) -> float:
-        return weights_checksum(self.engine.named_parameters())
+    async def checksum(self) -> float:
+        return await self.engine.weights_checksum()
+
+    async def close(self) -> None:
+        await self.engine.close_update_group()
+        if hasattr(self.engine, "shutdown"):
+            self.engine.shutdown()
 
     def stats(self) -> dict[str, Any]:
         return self.engine.info()
@@ -172,15 +173,21 @@ class LearnerWorker:
         return ip, find_free_port(ip)
 
     def setup(self, model_path: str, optim, algo, temperature: float, seed: int, master_addr: str, master_port: int,
-              max_new_tokens: int | None = None) -> bool:
+              max_new_tokens: int | None = None, dtype: str = "float32", use_gpu: bool = False) -> bool:
         from rayllm_rl.learner.distributed import DistConfig
         from rayllm_rl.learner.learner import Learner
 
-        dist = DistConfig(rank=self.rank, world_size=self.world_size, master_addr=master_addr, master_port=master_port) \
-            if self.world_size > 1 else None
-        self.learner = Learner(model_path, optim, temperature=temperature, seed=seed, dist=dist)
+        backend = "nccl" if use_gpu else "gloo"
+        dist = DistConfig(rank=self.rank, world_size=self.world_size, master_addr=master_addr,
+                          master_port=master_port, backend=backend) if self.world_size > 1 or use_gpu else None
+        self.learner = Learner(model_path, optim, temperature=temperature, seed=seed, dist=dist,
+                               dtype=getattr(torch, dtype))
         self.loss = algo.build_loss(max_new_tokens)
         return True
+
+    def compute_logprobs(self, batch) -> torch.Tensor:
+        """The learner's logprobs of the current weights on a trajectory batch, `[N, T]`."""
+        return self.learner.compute_logprobs(batch)
 
     def train_step(self, batch, loss=None) -> dict[str, float]:
         return self.learner.train_step(batch, loss if loss is not None else self.loss)
@@ -192,18 +199,24 @@ class LearnerWorker:
     def init_weight_sender(self, transport: str, host: str, port: int, world_size: int, bucket_bytes: int,
                            timeout_s: float, segment_prefix: str | None = None) -> list[str] | None:
         """Every rank computes the same metadata; rank 0 hosts the sync group (and the shm segments)."""
-        from rayllm_rl.weight_sync import ShmWeightSender, StatelessGlooGroup, WeightSender, metadata_of
+        from rayllm_rl.weight_sync import ShmWeightSender, WeightSender, make_group
 
-        metas = metadata_of(dict(self.learner.iter_named_tensors()))
+        metas = self.learner.weight_metas()
         if self.rank != 0:
             return None
-        group = StatelessGlooGroup(host, port, 0, world_size, timeout_s)
+        group = make_group(transport, host, port, 0, world_size, timeout_s)
         if transport == "shm":
             self.sender = ShmWeightSender(group, metas, name_prefix=segment_prefix, timeout_s=timeout_s)
             group.barrier(phase="segments created")  # receivers attach only after this
         else:
             self.sender = WeightSender(group, metas, bucket_bytes)
         return None
+
+    def weight_metadata(self) -> tuple:
+        """`(name, shape, dtype)` of every tensor a sync sends, in send order (no gather needed)."""
+        from rayllm_rl.weight_sync import metas_to_spec
+
+        return metas_to_spec(self.learner.weight_metas())
 
     def close(self) -> None:
         """Release the sync group and unlink shared segments (before the actor is killed)."""

@@ -15,8 +15,10 @@ from rayllm_rl.orchestration.actors import (
     RayLLMCollector,
     ReplayBufferActor,
 )
+from rayllm_rl.inference.protocol import UpdateGroupSpec
 from rayllm_rl.orchestration.builders import build_episode_filter
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.orchestration.placement import Placement, plan_placement
 
 
 def init_ray(cfg: GRPOJobConfig) -> None:
@@ -44,6 +46,7 @@ class Cluster:
     timeout_s: float
     sync_timeout_s: float
     transport: str = "gloo"
+    placement: Placement | None = None
 
     def get(self, refs, timeout_s: float | None = None):
         """ray.get with the job's timeout: a hang becomes a GetTimeoutError naming the wait."""
@@ -62,49 +65,67 @@ class Cluster:
                 "receive_s": max(r["receive_s"] for r in replicas)}
 
     def shutdown(self) -> None:
-        try:  # unlink shared segments and close sync groups before the processes go
-            self.get([l.close.remote() for l in self.learners], timeout_s=30)
+        try:  # unlink shared segments, close sync groups and vLLM engine cores before the processes go
+            self.get([a.close.remote() for a in self.learners + self.replicas], timeout_s=60)
         except Exception:  # noqa: BLE001 - shutting down anyway
             pass
         for a in self.replicas + self.env_workers + self.learners + [self.buffer, self.collector]:
             ray.kill(a, no_restart=True)
+        if self.placement is not None:
+            self.placement.remove()
+
+
+def _pick_transport(cfg: GRPOJobConfig, learner_ip: str, replica_ips: set[str]) -> str:
+    """`ray.sync_transport`; 'auto': NCCL between GPUs, else shm on one node, else gloo."""
+    rc = cfg.ray
+    if rc.sync_transport != "auto":
+        return rc.sync_transport
+    if rc.gpus_per_learner > 0 and rc.gpus_per_replica > 0:
+        return "nccl"
+    return "shm" if replica_ips == {learner_ip} else "gloo"
 
 
 def build_cluster(cfg: GRPOJobConfig, model_path: str, task, workflow_factory) -> Cluster:
+    cfg.validate()
     rc, threads = cfg.ray, cfg.ray.threads_per_actor
     seed = cfg.trainer.seed
-    replicas = [InferenceReplica.options(name=f"inference-{i}").remote(model_path, seed + i, threads)
-                for i in range(rc.num_replicas)]
+    placement = plan_placement(rc.num_replicas, rc.num_learners, rc.gpus_per_replica, rc.gpus_per_learner,
+                               rc.tensor_parallel_size, rc.sync_timeout_s)
+    inf = cfg.inference
+    vllm_options = {"kv_cache_mb": inf.kv_cache_mb, "gpu_memory_utilization": inf.gpu_memory_utilization,
+                    "enable_prefix_caching": inf.enable_prefix_caching, "max_num_seqs": inf.max_num_seqs,
+                    "tensor_parallel_size": rc.tensor_parallel_size}
+    replicas = [InferenceReplica.options(name=f"inference-{i}", **placement.replica_options[i]).remote(
+        inf.engine, model_path, seed + i, threads, cfg.model.dtype, vllm_options) for i in range(rc.num_replicas)]
     env_workers = [EnvWorker.options(name=f"env-{i}", max_concurrency=1000).remote(
         workflow_factory, replicas, rc.call_timeout_s, 1) for i in range(rc.num_env_workers)]
-    learners = [LearnerWorker.options(name=f"learner-{r}").remote(r, rc.num_learners, threads)
-                for r in range(rc.num_learners)]
+    learners = [LearnerWorker.options(name=f"learner-{r}", **placement.learner_options[r]).remote(
+        r, rc.num_learners, threads) for r in range(rc.num_learners)]
     batch = cfg.rollout.prompts_per_step
     capacity = rc.buffer_episodes or 2 * (cfg.rollout.max_staleness + 1) * batch
     buffer = ReplayBufferActor.options(name="replay-buffer").remote(capacity, cfg.rollout.max_staleness)
     collector = RayLLMCollector.options(name="collector", max_concurrency=1000).remote(
         task.train, env_workers, buffer, batch, cfg.rollout.max_staleness, seed, rc.call_timeout_s,
         build_episode_filter(cfg))
-    cluster = Cluster(replicas, env_workers, learners, buffer, collector, rc.call_timeout_s, rc.sync_timeout_s)
+    cluster = Cluster(replicas, env_workers, learners, buffer, collector, rc.call_timeout_s, rc.sync_timeout_s,
+                      placement=placement)
 
     host, port = cluster.get(learners[0].address.remote())
     cluster.learner_call("setup", model_path, cfg.optim, cfg.algo, cfg.rollout.temperature, seed, host, port,
-                         cfg.rollout.max_new_tokens)
+                         cfg.rollout.max_new_tokens, cfg.model.dtype, rc.gpus_per_learner > 0)
+    cluster.get([r.ready.remote() for r in replicas])  # vLLM: engine cores up before the group forms
     # Weight-sync group: learner rank 0 (rank 0 of the group) + every replica, beside FSDP's group.
     sync_host, sync_port = cluster.get(learners[0].address.remote())
-    transport = rc.sync_transport
-    if transport == "auto":  # shared memory when every replica lives on learner rank 0's node
-        ips = set(cluster.get([r.node_ip.remote() for r in replicas]))
-        transport = "shm" if ips == {sync_host} else "gloo"
-    if transport not in ("shm", "gloo"):
-        raise ValueError(f"ray.sync_transport must be auto, shm or gloo, got {rc.sync_transport!r}")
+    transport = _pick_transport(cfg, sync_host, set(cluster.get([r.node_ip.remote() for r in replicas])))
     cluster.transport = transport
     prefix = f"rayllm_{uuid.uuid4().hex[:12]}"
-    segments = [f"{prefix}_0", f"{prefix}_1"]
+    segments = (f"{prefix}_0", f"{prefix}_1")
     world, bucket = 1 + len(replicas), int(rc.sync_bucket_mb * (1 << 20))
+    metas = cluster.get(learners[0].weight_metadata.remote())
     refs = [l.init_weight_sender.remote(transport, sync_host, sync_port, world, bucket, rc.sync_timeout_s, prefix)
             for l in learners]
-    refs += [r.init_weight_receiver.remote(transport, sync_host, sync_port, i + 1, world, bucket,
-                                           rc.sync_timeout_s, segments) for i, r in enumerate(replicas)]
+    refs += [r.init_update_group.remote(UpdateGroupSpec(transport, sync_host, sync_port, i + 1, world, metas, bucket,
+                                                        rc.sync_timeout_s, segments if transport == "shm" else ()))
+             for i, r in enumerate(replicas)]
     cluster.get(refs, timeout_s=rc.sync_timeout_s + 30)
     return cluster

