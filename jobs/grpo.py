@@ -24,7 +24,7 @@ def main(argv: list[str]) -> dict:
         print(__doc__)
         print(describe(GRPOJobConfig()))
         sys.exit(0)
-    cfg = load_config(GRPOJobConfig, argv)
+    cfg = load_config(GRPOJobConfig, argv).validate()  # cross-field mistakes fail before any actor starts
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     from transformers.utils import logging as hf_logging
 

@@ -387,3 +387,37 @@ def test_every_grpo_job_config_field_has_a_docstring():
     assert missing == []
     # the same check does catch an undocumented field
     assert [k for k, cls, name in _walk(Partial) if not field_docs(cls).get(name, "").strip()] == ["undocumented"]
+
+
+# ---------------------------------------------------------------- job config: engine and placement checks
+def _job(*argv):
+    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+
+    return load_config(GRPOJobConfig, list(argv))
+
+
+def test_engine_literal_names_the_allowed_values():
+    with pytest.raises(ConfigError, match=r"inference.engine.*'transformers'.*'vllm'"):
+        _job("inference.engine=sglang")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["inference.engine=vllm", "rollout.top_p=0.9"], "rollout.top_p=0.9"),
+    (["inference.engine=vllm", "rollout.top_k=20"], "rollout.top_k=20"),
+    (["inference.engine=vllm", "trainer.backend=local"], "trainer.backend=ray"),
+    (["ray.gpus_per_replica=1"], "needs inference.engine=vllm"),
+    (["ray.sync_transport=nccl"], "ray.gpus_per_learner > 0"),
+    (["model.dtype=bfloat16"], "model.dtype=bfloat16"),
+    (["inference.engine=vllm", "ray.gpus_per_replica=1", "ray.tensor_parallel_size=2"], "ray.tensor_parallel_size"),
+    (["ray.gpus_per_learner=-1"], "ray.gpus_per_learner"),
+])
+def test_engine_and_placement_mistakes_fail_before_any_actor(argv, message):
+    cfg = _job(*argv)
+    with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        cfg.validate()
+
+
+def test_valid_gpu_config_passes_validation():
+    cfg = _job("inference.engine=vllm", "model.dtype=bfloat16", "ray.gpus_per_replica=2", "ray.tensor_parallel_size=2",
+               "ray.gpus_per_learner=1", "ray.sync_transport=nccl")
+    assert cfg.validate() is cfg
