@@ -55,8 +55,8 @@ def served(request, tiny_model_path):
     if hasattr(engine, "start"):
         loop.run(engine.start())
     yield request.param, engine, loop
-    if hasattr(engine, "shutdown"):
-        engine.shutdown()
+    if hasattr(engine, "aclose"):
+        loop.run(engine.aclose())
     loop.close()
 
 

@@ -68,6 +68,7 @@ class VLLMEngine:
 
         # vLLM logs every request and cache reset at INFO; keep warnings unless the user asked for more.
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout ends with the job's JSON
         self.model_path = model_path
         self.options = options or VLLMOptions()
         self.seed = seed
@@ -77,7 +78,7 @@ class VLLMEngine:
         self._version = int(version)
         self._llm = None
         self._start_lock: asyncio.Lock | None = None
-        self._updating = False
+        self._sync_timeout_s: float | None = None  # set when the update group is joined
         self.stats = {"requests": 0, "generated_tokens": 0, "updates": 0, "last_stall_s": 0.0, "last_receive_s": 0.0}
 
     # ---------------------------------------------------------------- lifecycle
@@ -112,7 +113,20 @@ class VLLMEngine:
         )
         return AsyncLLM.from_engine_args(args)
 
+    async def aclose(self) -> None:
+        """Stop vLLM from the loop that serves it: the output handler first, then the engine core
+        (the other order makes the handler see a dead engine and log an error)."""
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        handler = getattr(llm, "output_handler", None)
+        if handler is not None and not handler.done():
+            handler.cancel()
+            await asyncio.gather(handler, return_exceptions=True)
+        llm.shutdown()
+
     def shutdown(self) -> None:
+        """Stop vLLM from outside its loop (prefer `aclose`)."""
         llm, self._llm = self._llm, None
         if llm is not None:
             llm.shutdown()
@@ -191,7 +205,7 @@ class VLLMEngine:
 
     async def receive_update(self, header_timeout_s: float | None = None) -> dict[str, float]:
         """Bytes arrive on vLLM's worker thread while decoding goes on; then a short paused load."""
-        timeout = getattr(self, "_sync_timeout_s", None)
+        timeout = self._sync_timeout_s
         if timeout is None:
             raise RuntimeError("receive_update: init_update_group was not called on this engine")
         t0 = time.perf_counter()
@@ -207,7 +221,7 @@ class VLLMEngine:
         if state["error"]:
             raise RuntimeError(f"vLLM replica: receiving weights failed: {state['error']}")
         version = int(state["version"])
-        receive_s = time.perf_counter() - t0
+        receive_s = self.stats["last_receive_s"] = time.perf_counter() - t0
         stall = await self._apply(version, lambda: self._update_request(version))
         return {"version": version, "receive_s": receive_s, "stall_s": stall}
 
@@ -269,7 +283,7 @@ class VLLMEngine:
             await self._llm.shutdown_weight_transfer_engine()
 
     async def _rpc(self, method: str, *args):
-        results = await self._llm.collective_rpc(method, timeout=getattr(self, "_sync_timeout_s", 120.0), args=args)
+        results = await self._llm.collective_rpc(method, timeout=self._sync_timeout_s or 120.0, args=args)
         return results[0]
 
     def info(self) -> dict[str, Any]:

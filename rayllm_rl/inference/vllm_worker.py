@@ -22,6 +22,7 @@ with the new weights, so every token stamped v was sampled from policy v.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from typing import Any
@@ -83,6 +84,20 @@ class _LoadTarget:
         return self.last_load_s
 
 
+class _ExpectedReloadWarnings(logging.Filter):
+    """Drops vLLM's "<Layer>: Failed to load weights" for layers with nothing to load by design:
+    rotary embeddings (no checkpoint tensors) and a tied lm_head (re-tied by `_retie_lm_head`).
+    Any other layer that fails to load still warns."""
+
+    def __init__(self, tied: bool):
+        super().__init__()
+        self.quiet = {"RotaryEmbedding"} | ({"ParallelLMHead"} if tied else set())
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not ("Failed to load weights" in str(record.msg) and args and args[0] in self.quiet)
+
+
 def _retie_lm_head(model: torch.nn.Module) -> None:
     """Point a tied lm_head at the freshly loaded embedding again and re-process it.
 
@@ -131,6 +146,8 @@ class RayllmWeightTransfer(WeightTransferEngine[RayllmInitInfo, RayllmUpdateInfo
         self._received: int | None = None
         self._error: BaseException | None = None
         self.receive_s = 0.0
+        tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_ExpectedReloadWarnings(tied))
 
     def init_transfer_engine(self, init_info: RayllmInitInfo) -> None:
         self.shutdown()

@@ -75,8 +75,8 @@ class InferenceReplica:
 
     async def close(self) -> None:
         await self.engine.close_update_group()
-        if hasattr(self.engine, "shutdown"):
-            self.engine.shutdown()
+        if hasattr(self.engine, "aclose"):
+            await self.engine.aclose()
 
     def stats(self) -> dict[str, Any]:
         return self.engine.info()
