@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -27,28 +28,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ray_env() -> dict[str, str]:
-    env = dict(os.environ, RAY_AUTH_MODE="token")
+def ray_env(token_path: str) -> dict[str, str]:
+    """Token auth on, with this run's own token file (nothing read from or written to HOME)."""
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=token_path)
+    env.pop("RAY_AUTH_TOKEN", None)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # `python` = this venv
     env.pop("RAY_ADDRESS", None)
     return env
 
 
-def start_head(temp_dir: str, timeout_s: float = 120.0) -> tuple[subprocess.Popen, str]:
+def write_token(temp_dir: str) -> str:
+    """A fresh auth token for this head, readable only by this user."""
+    path = os.path.join(temp_dir, "auth_token")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return path
+
+
+def start_head(temp_dir: str, token_path: str, timeout_s: float = 120.0) -> tuple[subprocess.Popen, str]:
     gcs, dash = free_port(), free_port()
     ray_bin = str(Path(sys.executable).parent / "ray")
     head = subprocess.Popen(
         [ray_bin, "start", "--head", "--block", f"--port={gcs}", "--dashboard-host=127.0.0.1",
          f"--dashboard-port={dash}", f"--temp-dir={temp_dir}", "--num-cpus=2", "--include-dashboard=true",
          "--disable-usage-stats"],
-        env=ray_env(), start_new_session=True, stdout=sys.stderr, stderr=sys.stderr,
+        env=ray_env(token_path), start_new_session=True, stdout=sys.stderr, stderr=sys.stderr,
     )
     address = f"http://127.0.0.1:{dash}"
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         if head.poll() is not None:
             raise RuntimeError(f"ray head exited with code {head.returncode}")
-        probe = subprocess.run([ray_bin, "job", "list", f"--address={address}"], env=ray_env(),
+        probe = subprocess.run([ray_bin, "job", "list", f"--address={address}"], env=ray_env(token_path),
                                capture_output=True, text=True, timeout=60)
         if probe.returncode == 0:
             return head, address
@@ -70,10 +82,10 @@ def stop_head(head: subprocess.Popen) -> None:
         pass
 
 
-def submit(address: str, overrides: list[str], timeout_s: float) -> tuple[int, str]:
+def submit(address: str, token_path: str, overrides: list[str], timeout_s: float) -> tuple[int, str]:
     cmd = [str(Path(sys.executable).parent / "ray"), "job", "submit", f"--address={address}",
            f"--working-dir={ROOT}", "--", "python", "jobs/grpo.py", *overrides]
-    proc = subprocess.Popen(cmd, env=ray_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, env=ray_env(token_path), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     deadline = time.time() + timeout_s
     for line in proc.stdout:
@@ -90,9 +102,10 @@ def main(argv: list[str]) -> dict:
         # The job runs in an uploaded copy of the working dir: write outputs into this checkout.
         argv = [*argv, f"trainer.run_dir={ROOT / 'runs' / 'grpo'}"]
     temp_dir = tempfile.mkdtemp(prefix="rayhead-", dir="/tmp")
-    head, address = start_head(temp_dir)
+    token_path = write_token(temp_dir)
+    head, address = start_head(temp_dir, token_path)
     try:
-        code, log = submit(address, argv, timeout_s=float(os.environ.get("RAYLLM_JOB_TIMEOUT_S", 1800)))
+        code, log = submit(address, token_path, argv, timeout_s=float(os.environ.get("RAYLLM_JOB_TIMEOUT_S", 1800)))
     finally:
         stop_head(head)
     summaries = [json.loads(x) for x in log.splitlines() if x.startswith("{") and "eval_reward_after" in x]
