@@ -12,7 +12,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,12 +19,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without install
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from rayllm_rl.weight_sync.gloo_group import find_free_port  # noqa: E402
 
 
 def ray_env(token_path: str) -> dict[str, str]:
@@ -47,7 +43,7 @@ def write_token(temp_dir: str) -> str:
 
 
 def start_head(temp_dir: str, token_path: str, timeout_s: float = 120.0) -> tuple[subprocess.Popen, str]:
-    gcs, dash = free_port(), free_port()
+    gcs, dash = find_free_port(), find_free_port()
     ray_bin = str(Path(sys.executable).parent / "ray")
     head = subprocess.Popen(
         [ray_bin, "start", "--head", "--block", f"--port={gcs}", "--dashboard-host=127.0.0.1",

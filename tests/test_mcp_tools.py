@@ -28,6 +28,7 @@ from rayllm_rl.tools.mcp_tools import (  # noqa: E402
     parse_tool_calls,
     system_prompt_for_tools,
 )
+from rayllm_rl.weight_sync.gloo_group import find_free_port  # noqa: E402
 
 SERVER = str(Path(__file__).with_name("mcp_test_server.py"))
 TOOLS = {"add", "echo", "sleep", "fail"}
@@ -260,14 +261,8 @@ def test_connect_failure_raises_and_cleans_up():
 
 
 # ---------------------------------------------------------------------------- streamable HTTP
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_http_echo_through_transform(tokenizer):
-    port = free_port()
+    port = find_free_port()
     proc = subprocess.Popen([sys.executable, SERVER, "http", "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     t = None

@@ -1,4 +1,4 @@
-"""LLMPolicy + ChatEnv: the seed-002 contract (prompt/response/full) with a real engine."""
+"""LLMPolicy + ChatEnv: TorchRL's ChatHistory contract (prompt/response/full) with a real engine."""
 from __future__ import annotations
 
 import asyncio

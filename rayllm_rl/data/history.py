@@ -1,4 +1,4 @@
-"""Chat data model: `History` (chat messages as a TensorClass) and `ChatHistory` (seed 002).
+"""Chat data model: `History` (chat messages as a TensorClass) and `ChatHistory` (as in TorchRL's LLM API).
 
 Representation (the same as TorchRL's):
 
@@ -247,7 +247,7 @@ class History(TensorClass["nocast"]):
 
 
 class ChatHistory(TensorClass["nocast"]):
-    """The policy/env contract (seed 002): the policy sets `full`; the env makes it the next `prompt`.
+    """The policy/env contract (as in TorchRL's LLM API): the policy sets `full`; the env makes it the next `prompt`.
 
     The Histories carry one more batch dim (messages) than the ChatHistory itself.
     """

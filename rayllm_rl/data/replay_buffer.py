@@ -12,6 +12,7 @@ padding tokens carry version -1). An episode without generated tokens has stalen
 """
 from __future__ import annotations
 
+import asyncio
 import operator
 import threading
 from collections import deque
@@ -203,3 +204,61 @@ class ReplayBuffer:
     def __repr__(self) -> str:
         return (f"ReplayBuffer(size={len(self)}/{self.capacity_episodes}, max_staleness={self.max_staleness}, "
                 f"dropped_stale={self._counters['dropped_stale']})")
+
+
+class AwaitableEpisodeBuffer:
+    """A :class:`ReplayBuffer` with awaitable `put` and `get_batch`: no polling on either side.
+
+    Writers (env workers) wait for room instead of retrying; the learner's `get_batch(n, v)`
+    wakes when enough episodes within the staleness bound are stored. Episodes dropped as
+    over-stale are reported to `on_dropped(n)` (the collector gives their slots back).
+    Single event loop: call it from one asyncio loop (e.g. inside an async Ray actor).
+    """
+
+    def __init__(self, buffer: ReplayBuffer, on_dropped=None):
+        self.buffer = buffer
+        self.on_dropped = on_dropped
+        self._changed = asyncio.Condition()
+        self._failure: str | None = None
+
+    def fail(self, reason: str) -> None:
+        """The producer side died: waiting and later `get_batch` calls raise with `reason`."""
+        self._failure = reason
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _wait(self, deadline: float, what: str) -> None:
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            raise TimeoutError(f"replay buffer: {what}")
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
+            except asyncio.TimeoutError:  # re-check the failure flag at least every second
+                pass
+
+    async def put(self, episode: TensorDictBase, timeout_s: float) -> None:
+        """Store `episode`, waiting (at most `timeout_s`) while the buffer is full; never drops it."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not self.buffer.put(episode):
+            await self._wait(deadline, f"still full ({self.buffer.capacity_episodes} episodes) after {timeout_s:g}s")
+        await self._notify()
+
+    async def get_batch(self, n_episodes: int, current_version: int, timeout_s: float) -> tuple[TensorDict, int]:
+        """The oldest `n_episodes` within the staleness bound at `current_version`, concatenated,
+        and the number of episodes left; waits for them at most `timeout_s`."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            if self._failure is not None:
+                raise RuntimeError(f"replay buffer: no more episodes will come: {self._failure}")
+            dropped = self.buffer.drop_stale(current_version)
+            if dropped and self.on_dropped is not None:
+                self.on_dropped(dropped)
+            batch = self.buffer.sample(n_episodes, current_version)
+            if batch is not None:
+                await self._notify()  # room for waiting writers
+                return batch, len(self.buffer)
+            await self._wait(deadline, f"fewer than {n_episodes} episodes within the staleness bound at version "
+                                       f"{current_version} after {timeout_s:g}s (have {len(self.buffer)})")

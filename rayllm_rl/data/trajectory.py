@@ -1,4 +1,4 @@
-"""The trajectory TensorDict of design.md: token-in/token-out, right-padded, batch dim first.
+"""The trajectory TensorDict: token-in/token-out, right-padded, batch dim first.
 
 Per-token keys `[N, T]`: input_ids, attention_mask, loss_mask (1 on policy-generated tokens),
 logprobs (behaviour logprobs, 0 elsewhere), versions (policy version per generated token, -1

@@ -24,7 +24,7 @@ Keys written by `reset()` (root of the returned TensorDict):
   History used as is. Input "next"/"reward" entries are dropped; other input keys stay.
 
 Keys `step(td)` reads (td = the reset/previous-next TensorDict plus the policy's outputs):
-  "history"    ("history", "full")   History[n']: prompt + response (seed 002 contract).
+  "history"    ("history", "full")   History[n']: prompt + response (TorchRL's ChatHistory contract).
   "text"       ("text", "full")      str: prompt text + generated text.
   "tokens"     ("tokens", "full")    int64 [L]: prompt ids + generated ids, unpadded.
   Optional, used when present: ("tokens", "full") in history mode and ("tokens",
@@ -289,7 +289,7 @@ class ChatEnv:
             if full is None:
                 raise KeyError(
                     f"step: batch element {i} has no ('history', 'full'); the policy must set "
-                    "ChatHistory.full = prompt.extend(response) (seed 002)"
+                    "ChatHistory.full = prompt.extend(response) (TorchRL's ChatHistory contract)"
                 )
             nxt["history"] = ChatHistory(prompt=full, batch_size=[])
             return

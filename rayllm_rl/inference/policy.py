@@ -1,4 +1,4 @@
-"""LLMPolicy: the TorchRL-style wrapper (seed 002 contract) over any `InferenceEngine`.
+"""LLMPolicy: the TorchRL-style wrapper (TorchRL's LLM API contract) over any `InferenceEngine`.
 
 Reads the env's prompt in its `input_mode` and writes `prompt`, `response` AND `full`, so
 `ChatEnv.step` can make `full` the next prompt. With `prefer_tokens=True` a pre-tokenized

@@ -8,11 +8,12 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-import socket
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+
+from rayllm_rl.weight_sync.gloo_group import find_free_port as free_port
 
 
 @dataclasses.dataclass
@@ -41,13 +42,6 @@ class DistConfig:
     @property
     def device_type(self) -> str:
         return "cuda" if self.backend == "nccl" else "cpu"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A currently free TCP port (bind to port 0); for tests and single-node launches."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def init_distributed(cfg: DistConfig):

@@ -1,8 +1,8 @@
 """Reference-KL on rollout batches: fetch reference logprobs, turn the KL into a reward penalty.
 
-TorchRL's RetrieveKL / KLRewardTransform, on the trajectory TensorDict of design.md: rewards are
-per sequence, so the per-token KL penalty is summed over the completion's tokens (the return of
-TorchRL's dense per-token reward).
+TorchRL's RetrieveKL / KLRewardTransform, on the trajectory TensorDict of
+`rayllm_rl/data/trajectory.py`: rewards are per sequence, so the per-token KL penalty is summed
+over the completion's tokens (the return of TorchRL's dense per-token reward).
 """
 from __future__ import annotations
 

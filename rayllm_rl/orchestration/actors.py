@@ -84,19 +84,32 @@ class InferenceReplica:
 
 @ray.remote(num_cpus=0)
 class EnvWorker:
-    """Runs many workflow episodes concurrently against the replicas."""
+    """Runs many workflow episodes concurrently against the replicas and puts each finished episode
+    straight into the replay buffer (the collector only admits work; it never carries episodes)."""
 
-    def __init__(self, workflow_factory, replicas: list, timeout_s: float = 300.0, num_threads: int = 1):
+    def __init__(self, workflow_factory, replicas: list, buffer=None, episode_filter=None,
+                 timeout_s: float = 300.0, num_threads: int = 1):
         torch.set_num_threads(num_threads)
         self.workflow = workflow_factory()
         self.router = ReplicaRouter(replicas, timeout_s=timeout_s)
+        self.buffer = buffer
+        self.episode_filter = episode_filter
+        self.timeout_s = timeout_s
         self.episodes = 0
 
     async def run_episode(self, row: dict) -> Any:
+        """The episode's trajectory TensorDict, or (with a buffer) an `EpisodeOutcome` once it is stored."""
+        from rayllm_rl.orchestration.async_collector import EpisodeOutcome
+
         td = await self.workflow.arun_episode(self.router, row)
         validate_trajectory(td)
         self.episodes += 1
-        return td
+        if self.buffer is None:
+            return td
+        if self.episode_filter is not None and not self.episode_filter(td):
+            return EpisodeOutcome(accepted=False)
+        await asyncio.wait_for(self.buffer.put.remote(td, self.timeout_s), self.timeout_s + 30)
+        return EpisodeOutcome(accepted=True, generated_tokens=int(td["loss_mask"].sum()))
 
     def stats(self) -> dict[str, Any]:
         reward = getattr(self.workflow, "reward", None)
@@ -125,22 +138,32 @@ class ReferenceActor:
 
 @ray.remote(num_cpus=0)
 class ReplayBufferActor:
-    """Bounded, version-aware episode buffer."""
+    """`replay-buffer`: bounded, version-aware episode buffer; env workers put, the driver awaits batches."""
 
     def __init__(self, capacity_episodes: int, max_staleness: int):
+        from rayllm_rl.data.replay_buffer import AwaitableEpisodeBuffer
+
         self.buffer = ReplayBuffer(capacity_episodes, max_staleness)
+        self.waiting = AwaitableEpisodeBuffer(self.buffer, on_dropped=self._tell_collector)
+        self.collector = None
 
-    def put(self, episode) -> bool:
-        return self.buffer.put(episode)
+    def set_collector(self, collector) -> None:
+        """Over-stale episodes dropped at sampling give their slots back to this collector."""
+        self.collector = collector
 
-    def sample(self, n_episodes: int, current_version: int):
-        return self.buffer.sample(n_episodes, current_version)
+    def _tell_collector(self, n: int) -> None:
+        if self.collector is not None:
+            self.collector.on_dropped.remote(n)  # fire and forget: the collector only frees slots
 
-    def sample_and_drops(self, n_episodes: int, current_version: int):
-        """(batch or None, episodes dropped as over-stale by this call, episodes left)."""
-        before = self.buffer.stats()["dropped_stale"]
-        batch = self.buffer.sample(n_episodes, current_version)
-        return batch, self.buffer.stats()["dropped_stale"] - before, len(self.buffer)
+    async def put(self, episode, timeout_s: float) -> None:
+        await self.waiting.put(episode, timeout_s)
+
+    async def get_batch(self, n_episodes: int, current_version: int, timeout_s: float):
+        """(batch of the oldest n episodes within the bound, episodes left); waits, no polling."""
+        return await self.waiting.get_batch(n_episodes, current_version, timeout_s)
+
+    def fail(self, reason: str) -> None:
+        self.waiting.fail(reason)
 
     def size(self) -> int:
         return len(self.buffer)
@@ -257,10 +280,11 @@ class LearnerWorker:
 
 @ray.remote(num_cpus=0)
 class RayLLMCollector:
-    """Shell over AsyncRolloutCollector: episodes run on env workers, land in the buffer actor."""
+    """`collector`: admits episodes under the staleness bound and spreads them over the env workers,
+    which put them straight into the buffer; a collector loop that dies fails the buffer's waiters."""
 
     def __init__(self, dataset, env_workers: list, buffer, batch_size: int, max_staleness: int,
-                 seed: int = 0, episode_timeout_s: float = 600.0, episode_filter=None):
+                 seed: int = 0, episode_timeout_s: float = 600.0):
         from rayllm_rl.data.loader import PromptLoader
         from rayllm_rl.orchestration.async_collector import AsyncRolloutCollector
         from rayllm_rl.orchestration.staleness import StalenessController
@@ -269,9 +293,8 @@ class RayLLMCollector:
         self.in_flight = [0] * len(env_workers)
         self.buffer = buffer
         self.timeout_s = episode_timeout_s
-        self.collector = AsyncRolloutCollector(PromptLoader(dataset, seed=seed), self._run_episode, self._put,
-                                               StalenessController(batch_size, max_staleness),
-                                               episode_filter=episode_filter)
+        self.collector = AsyncRolloutCollector(PromptLoader(dataset, seed=seed), self._run_episode, None,
+                                               StalenessController(batch_size, max_staleness))
         self._task: asyncio.Task | None = None
 
     async def _run_episode(self, row: dict):
@@ -282,12 +305,14 @@ class RayLLMCollector:
         finally:
             self.in_flight[i] -= 1
 
-    async def _put(self, episode) -> bool:
-        return await asyncio.wait_for(self.buffer.put.remote(episode), self.timeout_s)
+    def _on_loop_end(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self.buffer.fail.remote(f"collector loop died: {task.exception()}")
 
     async def start(self) -> bool:
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self.collector.run())
+            self._task.add_done_callback(self._on_loop_end)
         self.collector.resume()
         return True
 

@@ -1,11 +1,17 @@
 """AsyncRolloutCollector: keeps episodes running under the staleness bound and feeds the buffer.
 
-Plain asyncio (no Ray): `run_episode(row) -> TensorDict` and `put_episode(td) -> bool` are
-injected, so the Ray actor wraps env-worker and buffer handles while tests pass coroutines.
+Plain asyncio (no Ray). Two ways to deliver an episode, both injected:
+
+* `run_episode(row) -> TensorDict` plus `put_episode(td) -> bool`: the collector filters the
+  episode and puts it into the buffer itself (tests, single-process use);
+* `run_episode(row) -> EpisodeOutcome` with `put_episode=None`: whoever ran the episode already
+  filtered it and put it into the buffer (the Ray env workers do: the episode's tensors then never
+  pass through the collector, which only admits work and counts).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Any, Awaitable, Callable
@@ -15,11 +21,20 @@ from rayllm_rl.orchestration.staleness import StalenessController
 log = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass
+class EpisodeOutcome:
+    """What became of one episode that its runner delivered straight to the buffer."""
+
+    accepted: bool
+    """Stored in the buffer (False: rejected by the episode filter, e.g. DAPO's uniform groups)."""
+    generated_tokens: int = 0
+
+
 class AsyncRolloutCollector:
     """Admit while `accepted + running < (eta + v + 1) * B`; deliver whole groups; never drop silently."""
 
     def __init__(self, loader, run_episode: Callable[[dict], Awaitable[Any]],
-                 put_episode: Callable[[Any], Awaitable[bool]], controller: StalenessController, *,
+                 put_episode: Callable[[Any], Awaitable[bool]] | None, controller: StalenessController, *,
                  put_retry_s: float = 0.02, max_consecutive_failures: int = 64,
                  episode_filter: Callable[[Any], bool] | None = None):
         self.loader = loader
@@ -91,19 +106,28 @@ class AsyncRolloutCollector:
             self._wake.clear()
             await self._wake.wait()
 
+    async def _deliver(self, row: dict) -> EpisodeOutcome:
+        """Run one episode and get it into the buffer (or rejected by the filter)."""
+        result = await self.run_episode(row)
+        if self.put_episode is None:
+            return result
+        if self.episode_filter is not None and not self.episode_filter(result):
+            return EpisodeOutcome(accepted=False)
+        while not await self.put_episode(result):  # back-pressure: wait for room, never drop
+            await asyncio.sleep(self.put_retry_s)
+        return EpisodeOutcome(accepted=True, generated_tokens=int(result["loss_mask"].sum()))
+
     async def _episode(self, row: dict) -> None:
         accepted = False
         try:
-            td = await self.run_episode(row)
+            outcome = await self._deliver(row)
             self.consecutive_failures = 0
-            if self.episode_filter is not None and not self.episode_filter(td):
+            if not outcome.accepted:
                 self.filtered += 1  # rejected: its slot goes back, a new prompt refills the batch
                 return
-            while not await self.put_episode(td):  # back-pressure: wait for room, never drop
-                await asyncio.sleep(self.put_retry_s)
             accepted = True
             self.finished += 1
-            self.generated_tokens += int(td["loss_mask"].sum())
+            self.generated_tokens += outcome.generated_tokens
         except Exception as exc:  # noqa: BLE001 - a bad episode is counted, not fatal
             self.failed += 1
             self.consecutive_failures += 1

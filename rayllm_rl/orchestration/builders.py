@@ -6,6 +6,9 @@ import functools
 import time
 from typing import Any, Callable
 
+import torch
+
+from rayllm_rl.data.selectors import uniform_group_mask
 from rayllm_rl.envs.task import Task, make_task
 from rayllm_rl.inference.protocol import SamplingParams
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
@@ -137,9 +140,13 @@ def sft_warm_start(cfg: GRPOJobConfig, task: Task, tokenizer, reporter,
 
 
 def has_reward_variance(episode) -> bool:
-    """DAPO dynamic sampling: keep a group only if its rewards are not all equal."""
+    """DAPO dynamic sampling: keep a group only if its rewards are not all equal.
+
+    The episode is one group (all its rows); "uniform" is `uniform_group_mask`'s test, the one
+    `drop_uniform_groups` uses (exact comparison, a singleton group is uniform).
+    """
     r = episode["rewards"]
-    return bool((r != r[0]).any())
+    return not bool(uniform_group_mask(r, torch.zeros_like(r, dtype=torch.long)).all())
 
 
 def build_episode_filter(cfg: GRPOJobConfig):

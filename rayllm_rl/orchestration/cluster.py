@@ -97,16 +97,18 @@ def build_cluster(cfg: GRPOJobConfig, model_path: str, task, workflow_factory) -
                     "tensor_parallel_size": rc.tensor_parallel_size}
     replicas = [InferenceReplica.options(name=f"inference-{i}", **placement.replica_options[i]).remote(
         inf.engine, model_path, seed + i, threads, cfg.model.dtype, vllm_options) for i in range(rc.num_replicas)]
-    env_workers = [EnvWorker.options(name=f"env-{i}", max_concurrency=1000).remote(
-        workflow_factory, replicas, rc.call_timeout_s, 1) for i in range(rc.num_env_workers)]
-    learners = [LearnerWorker.options(name=f"learner-{r}", **placement.learner_options[r]).remote(
-        r, rc.num_learners, threads) for r in range(rc.num_learners)]
     batch = cfg.rollout.prompts_per_step
     capacity = rc.buffer_episodes or 2 * (cfg.rollout.max_staleness + 1) * batch
-    buffer = ReplayBufferActor.options(name="replay-buffer").remote(capacity, cfg.rollout.max_staleness)
+    buffer = ReplayBufferActor.options(name="replay-buffer", max_concurrency=1000).remote(
+        capacity, cfg.rollout.max_staleness)
+    env_workers = [EnvWorker.options(name=f"env-{i}", max_concurrency=1000).remote(
+        workflow_factory, replicas, buffer, build_episode_filter(cfg), rc.call_timeout_s, 1)
+        for i in range(rc.num_env_workers)]
+    learners = [LearnerWorker.options(name=f"learner-{r}", **placement.learner_options[r]).remote(
+        r, rc.num_learners, threads) for r in range(rc.num_learners)]
     collector = RayLLMCollector.options(name="collector", max_concurrency=1000).remote(
-        task.train, env_workers, buffer, batch, cfg.rollout.max_staleness, seed, rc.call_timeout_s,
-        build_episode_filter(cfg))
+        task.train, env_workers, buffer, batch, cfg.rollout.max_staleness, seed, rc.call_timeout_s)
+    buffer.set_collector.remote(collector)
     cluster = Cluster(replicas, env_workers, learners, buffer, collector, rc.call_timeout_s, rc.sync_timeout_s,
                       placement=placement)
 

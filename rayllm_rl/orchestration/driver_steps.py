@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import hashlib
-import time
 from pathlib import Path
 
 import ray
@@ -20,21 +19,13 @@ def sft_warm_start(cluster: Cluster, cfg: GRPOJobConfig, task, tokenizer, report
             reset_optimizer=lambda optim: cluster.learner_call("reset_optimizer", optim))
 
 
-def wait_for_batch(cluster: Cluster, n: int, version: int, poll_s: float = 0.005):
-    """Poll the buffer until n episodes within the staleness bound are there (with a timeout).
+def wait_for_batch(cluster: Cluster, n: int, version: int):
+    """The buffer's next n episodes within the staleness bound: one awaited call, no polling.
 
-    Episodes the buffer drops as over-stale give their slots back to the collector.
+    The buffer returns the slots of over-stale episodes to the collector itself, and fails this
+    wait at once (naming the cause) if the collector's loop dies.
     """
-    deadline = time.perf_counter() + cluster.timeout_s
-    while time.perf_counter() < deadline:
-        batch, dropped, depth = cluster.get(cluster.buffer.sample_and_drops.remote(n, version))
-        if dropped:
-            cluster.get(cluster.collector.on_dropped.remote(dropped))
-        if batch is not None:
-            return batch, depth
-        cluster.get(cluster.collector.stats.remote())  # surfaces a dead collector loop
-        time.sleep(poll_s)
-    raise TimeoutError(f"no batch of {n} episodes within {cluster.timeout_s:.0f}s at version {version}")
+    return cluster.get(cluster.buffer.get_batch.remote(n, version, cluster.timeout_s), timeout_s=cluster.timeout_s + 30)
 
 
 def env_reward_counters(cluster: Cluster) -> dict[str, int]:

@@ -1,0 +1,116 @@
+"""RL throughput of the whole loop: Ray eta=0, Ray eta=1 and the single-process backend, one run.
+
+Same workload for the three: the untrained tiny model (no SFT), `--prompts` prompts x `--group`
+samples x `--new-tokens` tokens per step, `--steps` steps, one torch thread per actor (Ray) and
+the same total threads for the single process. Reports trained sequences per second of RL over
+the steps after `--warmup-steps`, and a per-step time breakdown:
+
+* Ray: `generation_wait` (the driver waiting for a batch: generation the learner could not
+  overlap), `training`, `sync` (weights to the replicas) and `control` (the rest of the step:
+  driver round trips, advantage computation, metrics).
+* single process: `generation` (collecting the batch), `training`, and `sync+control` (the
+  in-process weight copy and the rest of the step).
+
+Goal: Ray eta=1 >= 1.3x the single-process backend.
+
+    .venv/bin/python benchmarks/end_to_end.py [--steps 40] [--out benchmarks/results/end_to_end.json]
+
+The last stdout line is the JSON result; it is also written, indented, to `--out`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+GOAL = 1.3
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--warmup-steps", type=int, default=3, help="first steps left out (start-up)")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=10)
+    p.add_argument("--modes", default="local,ray_eta0,ray_eta1")
+    p.add_argument("--out", default="benchmarks/results/end_to_end.json")
+    return p.parse_args(argv)
+
+
+def config(mode: str, args, run_root: str):
+    from rayllm_rl.config import load_config
+    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+
+    backend = ["trainer.backend=local", "trainer.num_threads=2"] if mode == "local" else \
+        ["trainer.backend=ray", f"rollout.max_staleness={mode.removeprefix('ray_eta')}"]
+    return load_config(GRPOJobConfig, [
+        "sft.steps=0", f"trainer.steps={args.steps}", "trainer.eval_every=0", "trainer.log_every=1000",
+        "trainer.time_budget_s=0", "data.eval_size=16", f"rollout.prompts_per_step={args.prompts}",
+        f"rollout.group_size={args.group}", f"rollout.max_new_tokens={args.new_tokens}",
+        f"trainer.run_dir={run_root}/{mode}", *backend,
+    ])
+
+
+def measure(mode: str, args, run_root: str) -> dict:
+    from rayllm_rl.orchestration.driver import train
+    from rayllm_rl.orchestration.local_trainer import train_local
+
+    cfg = config(mode, args, run_root)
+    if mode == "local":
+        import asyncio
+
+        summary = asyncio.run(train_local(cfg))
+    else:
+        summary = train(cfg)
+        import ray
+
+        ray.shutdown()
+    records = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in records if r["phase"] == "rl"]
+    kept = rl[args.warmup_steps:]
+    # Step i's wall time: from the previous step's record to this one's.
+    walls = [b["time_s"] - a["time_s"] for a, b in zip(rl[args.warmup_steps - 1:], kept)]
+    span = sum(walls)
+    seqs = sum(r["seqs"] for r in kept)
+    mean = lambda key: statistics.fmean(r[key] for r in kept)  # noqa: E731
+    step = statistics.fmean(walls)
+    if mode == "local":
+        breakdown = {"generation": mean("collect_s"), "training": mean("train_s")}
+        breakdown["sync+control"] = step - sum(breakdown.values())
+    else:
+        breakdown = {"generation_wait": mean("wait_s"), "training": mean("train_s"), "sync": mean("sync_seconds")}
+        breakdown["control"] = step - sum(breakdown.values())
+    return {"mode": mode, "steps_measured": len(kept), "seconds": round(span, 2), "seqs_per_s": seqs / span,
+            "step_s": step, "breakdown_s": {k: round(v, 4) for k, v in breakdown.items()},
+            "max_version_lag": summary.get("max_version_lag", 0), "failed_episodes": summary["failed_episodes"]}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    run_root = tempfile.mkdtemp(prefix="rayllm-e2e-")
+    results = {m: measure(m, args, run_root) for m in args.modes.split(",")}
+    out = {"workload": {"prompts": args.prompts, "group": args.group, "new_tokens": args.new_tokens,
+                        "steps": args.steps, "warmup_steps": args.warmup_steps, "model": "untrained tiny Qwen2"},
+           "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()}, "results": results, "goal": GOAL}
+    if "local" in results:
+        for m in results:
+            if m != "local":
+                out[f"{m}_vs_local"] = results[m]["seqs_per_s"] / results["local"]["seqs_per_s"]
+        if "ray_eta1" in results:
+            out["meets_goal"] = out["ray_eta1_vs_local"] >= GOAL
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(json.dumps(out), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()
