@@ -29,23 +29,9 @@ def main(argv: list[str]) -> dict:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    if cfg.trainer.backend == "local":
-        import asyncio
+    from rayllm_rl.orchestration.entry import train
 
-        from rayllm_rl.orchestration.local_trainer import train_local
-
-        summary = asyncio.run(train_local(cfg))
-    elif cfg.trainer.backend == "ray":
-        import ray
-
-        from rayllm_rl.orchestration.driver import train
-
-        try:
-            summary = train(cfg)
-        finally:
-            ray.shutdown()  # flush actor logs before the final JSON line
-    else:
-        raise SystemExit(f"trainer.backend must be 'ray' or 'local', got {cfg.trainer.backend!r}")
+    summary = train(cfg)
     sys.stdout.write(json.dumps(summary, default=str) + "\n")
     sys.stdout.flush()
     return summary

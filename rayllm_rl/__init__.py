@@ -1,0 +1,26 @@
+"""rayllm_rl: Ray-native RL post-training for LLMs.
+
+    from rayllm_rl import GRPOJobConfig, train
+    summary = train(GRPOJobConfig(), ["trainer.steps=50", "rollout.max_staleness=1"])
+
+Names are resolved lazily, so `import rayllm_rl.data` (or any other core module) does not
+import Ray.
+"""
+from __future__ import annotations
+
+_LAZY = {
+    "train": ("rayllm_rl.orchestration.entry", "train"),
+    "GRPOJobConfig": ("rayllm_rl.orchestration.job_config", "GRPOJobConfig"),
+    "load_config": ("rayllm_rl.config", "load_config"),
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'rayllm_rl' has no attribute {name!r}")

@@ -421,3 +421,17 @@ def test_valid_gpu_config_passes_validation():
     cfg = _job("inference.engine=vllm", "model.dtype=bfloat16", "ray.gpus_per_replica=2", "ray.tensor_parallel_size=2",
                "ray.gpus_per_learner=1", "ray.sync_transport=nccl")
     assert cfg.validate() is cfg
+
+
+def test_python_api_is_lazy_and_validates_before_starting():
+    import subprocess
+    import sys
+
+    code = ("import sys, rayllm_rl; from rayllm_rl import GRPOJobConfig, train; "
+            "assert 'ray' not in sys.modules, 'importing the API must not import ray'; "
+            "import rayllm_rl.data.replay_buffer; assert 'ray' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    from rayllm_rl import GRPOJobConfig, train
+
+    with pytest.raises(ValueError, match="rollout.top_k=5"):
+        train(GRPOJobConfig(), ["inference.engine=vllm", "rollout.top_k=5"])

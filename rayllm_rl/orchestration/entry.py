@@ -1,0 +1,38 @@
+"""`train(config)`: one entry point for a job, from `jobs/grpo.py` or from Python.
+
+Runs the backend `trainer.backend` names and returns the same JSON-able summary the job prints.
+"""
+from __future__ import annotations
+
+from rayllm_rl.orchestration.job_config import GRPOJobConfig
+
+
+def train(config: GRPOJobConfig | None = None, overrides: list[str] | None = None) -> dict:
+    """Validate the config (before any actor starts), run it, return the summary.
+
+    `overrides` are `key.sub=value` strings applied on top of `config` (or of the defaults).
+    With the Ray backend a local Ray started here is shut down at the end; a Ray the caller had
+    already initialised (or `ray.address`) is left running.
+    """
+    from rayllm_rl.config import apply_dict, parse_overrides
+
+    cfg = config if config is not None else GRPOJobConfig()
+    if overrides:
+        cfg = apply_dict(cfg, parse_overrides(list(overrides)))
+    cfg.validate()
+    if cfg.trainer.backend == "local":
+        import asyncio
+
+        from rayllm_rl.orchestration.local_trainer import train_local
+
+        return asyncio.run(train_local(cfg))
+    import ray
+
+    from rayllm_rl.orchestration.driver import train as train_ray
+
+    started_here = not ray.is_initialized()
+    try:
+        return train_ray(cfg)
+    finally:
+        if started_here:
+            ray.shutdown()  # flushes actor logs before the caller prints the summary
