@@ -255,6 +255,29 @@ def test_decoupled_ppo_behaviour_weight_matters_and_prox_required():
         DecoupledPPOLoss(behav_weight_mode="clip")
 
 
+@pytest.mark.parametrize(
+    "mode, tis_mode, weights",
+    [
+        ("cap", "truncate", [[0.0, 1.0, 2.0, 5.0, 0.0], [0.0, 0.5, 1.0, 1.0, 5.0]]),
+        ("mask", "mask", [[0.0, 1.0, 2.0, 0.0, 0.0], [0.0, 0.5, 1.0, 1.0, 0.0]]),
+    ],
+)
+def test_decoupled_ppo_behaviour_weight_is_token_truncated_is(mode, tis_mode, weights):
+    # Raw weights W_RAW (cap 5: the 8 and the 6 are over it); off-mask prox - behav = +50 / -50 / NaN,
+    # which must neither leak into w nor count as over the cap.
+    _, prox, _, mask = _batch()
+    behav = prox - _off([[lg(w) for w in W_RAW[0]], [lg(w) for w in W_RAW[1]]])
+    behav[0, 0], behav[0, 4], behav[1, 0] = -50.0, 50.0, NAN
+    prox.requires_grad_(True)
+    behav.requires_grad_(True)
+    w, over = DecoupledPPOLoss(behav_weight_mode=mode).behav_weight(prox, behav, mask)
+    tis_w, tis_over = TruncatedIS(GRPOLoss(), level="token", mode=tis_mode, cap=5.0).weights(prox, behav, mask)
+    assert torch.equal(w, tis_w) and torch.equal(over, tis_over)
+    _assert_rows(w.tolist(), weights)
+    assert over.tolist() == [[False, False, False, True, False], [False, False, False, False, True]]
+    assert w.dtype == F64 and not w.requires_grad and w.grad_fn is None  # detached: no gradient
+
+
 def test_loglinear_prox_logp_hand_case():
     # current_version 5 -> v_prox = 4; alpha = (4 - v) / (5 - v) for v < 4, else 0.
     behav = torch.tensor([[-2.0, -2.0, -1.0, -3.0]], dtype=F64)

@@ -165,3 +165,23 @@ def test_openai_sdk_agent_trains_in_ray_env_workers(local_ray, tmp_path):
     for rec in rl_records(summary):
         assert rec["num_completions"] == 2.0 and rec["seqs"] == 4 * 4
         assert rec["token_versions"] and max(rec["token_versions"]) <= rec["version"] - 1
+
+
+def test_ray_pipeline_learns_with_nonzero_advantages(local_ray, tmp_path):
+    """A short warm start leaves the model right on some prompts, so groups disagree, advantages
+    are non-zero and GRPO raises the training reward (measured: ~0.24 -> ~0.54 over 80 steps)."""
+    import statistics
+
+    from rayllm_rl.orchestration.driver import train
+
+    cfg = load_config(GRPOJobConfig, [
+        "sft.steps=60", "sft.batch_size=32", "data.max_operand=4", "data.eval_size=5", "rollout.prompts_per_step=8",
+        "rollout.group_size=8", "rollout.max_new_tokens=8", "trainer.steps=80", "trainer.eval_every=0",
+        "trainer.log_every=1000", "optim.lr=3e-4", f"trainer.run_dir={tmp_path}", "ray.call_timeout_s=120",
+    ])
+    summary = train(cfg)
+    rl = rl_records(summary)
+    assert len(rl) == 80 and summary["failed_episodes"] == 0
+    assert statistics.fmean(r["advantage_abs_mean"] for r in rl) > 0.2, "groups must disagree for GRPO to learn"
+    first, last = (statistics.fmean(r["reward"] for r in part) for part in (rl[:15], rl[-15:]))
+    assert last > first + 0.1, (first, last)

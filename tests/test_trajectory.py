@@ -5,6 +5,7 @@ from tensordict import TensorDict
 
 from rayllm_rl.data.trajectory import (
     TOKEN_KEYS,
+    TrajectoryBuilder,
     concat_padded,
     make_trajectory,
     pack_sequences,
@@ -54,6 +55,41 @@ def test_make_trajectory_length_mismatch_names_the_key(bad):
     kwargs[bad] = kwargs[bad][:2]
     with pytest.raises(ValueError, match=rf"make_trajectory: {bad} has 2 entries, input_ids has 3"):
         make_trajectory([1, 2, 3], reward=0.0, **kwargs)
+
+
+# ---------------------------------------------------------------- TrajectoryBuilder
+
+
+class _Resp:
+    def __init__(self, tokens, logprobs, versions):
+        self.output_tokens, self.output_logprobs, self.output_versions = tokens, logprobs, versions
+
+
+def test_builder_masks_context_and_keeps_generated_logprobs_versions():
+    b = TrajectoryBuilder()
+    b.add_prompt([1, 2])
+    b.add_generated(_Resp([3, 4], [-0.5, -0.25], [7, 7]))
+    b.add_context([5])  # feedback between turns
+    b.add_prompt([1, 2, 3, 4, 5, 6])  # the next turn's prompt: only its new tail (6) is appended
+    b.add_generated(_Resp([8], [-1.0], [9]))
+    td = b.build(0.5, group_id=3, num_turns=2.0)
+    expected = make_trajectory([1, 2, 3, 4, 5, 6, 8], [0, 0, -0.5, -0.25, 0, 0, -1.0], [0, 0, 1, 1, 0, 0, 1],
+                               [-1, -1, 7, 7, -1, -1, 9], 0.5, group_id=3, num_turns=2.0)
+    assert sorted(td.keys()) == sorted(expected.keys())
+    for k in expected.keys():
+        assert torch.equal(td[k], expected[k]), k
+    validate_trajectory(td)
+
+
+def test_builder_refuses_a_prompt_that_rewrites_the_past():
+    b = TrajectoryBuilder()
+    b.add_prompt([1, 2])
+    b.add_generated(_Resp([3], [-0.1], [0]))
+    with pytest.raises(ValueError, match="does not extend the trajectory"):
+        b.add_prompt([1, 2, 4, 5])
+    with pytest.raises(ValueError, match="lengths differ"):
+        b.add_generated(_Resp([3, 4], [-0.1], [0, 0]))
+    assert b.input_ids == [1, 2, 3] and len(b) == 3  # nothing appended by the refused calls
 
 
 # ---------------------------------------------------------------- concat_padded

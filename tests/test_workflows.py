@@ -9,6 +9,7 @@ from datasets import Dataset
 from rayllm_rl.data.loader import PromptLoader
 from rayllm_rl.inference.protocol import SamplingParams
 from rayllm_rl.orchestration.collector import LLMCollector
+from rayllm_rl.workflows.grouped import GroupedWorkflow
 from rayllm_rl.workflows.multi_turn import MultiTurnWorkflow, feedback_suffix_ids
 from rayllm_rl.workflows.rlvr import RLVRWorkflow
 
@@ -64,6 +65,25 @@ def test_multi_turn_tokens_are_exactly_what_the_engine_saw(engine, tokenizer):
     assert all(v == -1 for v, m in zip(versions, loss_mask) if not m)
     assert td["rewards"].item() == 0.0 and td["num_turns"].item() == 3.0
     assert ROW["messages"] == [{"role": "user", "content": "What is 2+3?"}]  # row not mutated
+
+
+def test_concurrent_multi_turn_episodes_each_keep_their_own_tokens(engine, tokenizer):
+    """GroupedWorkflow runs episodes concurrently on one workflow object: each trajectory must be
+    its own conversation (by rid), the last request's input plus that request's output."""
+    rec = RecordingEngine(engine)
+    wf = GroupedWorkflow(MultiTurnWorkflow(lambda *a, **k: 0.0, tokenizer, SamplingParams(max_new_tokens=5),
+                                           max_turns=2), group_size=3)
+    td = asyncio.run(wf.arun_episode(rec, dict(ROW)))
+    assert td.batch_size[0] == 3 and len(rec.calls) == 6
+    by_rid: dict[str, list] = {}
+    for inp, resp in rec.calls:
+        by_rid.setdefault(resp.rid, []).append((inp, resp))
+    assert len(by_rid) == 3 and all(len(turns) == 2 for turns in by_rid.values())
+    expected = sorted(turns[-1][0] + turns[-1][1].output_tokens for turns in by_rid.values())
+    got = sorted(ids[m].tolist() for ids, m in zip(td["input_ids"], td["attention_mask"]))
+    assert got == expected
+    for (first_inp, first), (second_inp, _) in by_rid.values():
+        assert second_inp[:len(first_inp) + first.output_len] == first_inp + first.output_tokens
 
 
 def test_multi_turn_discount_counts_extra_turns(engine, tokenizer):

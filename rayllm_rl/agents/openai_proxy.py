@@ -19,7 +19,7 @@ import time
 import uuid
 from typing import Any, Sequence
 
-from rayllm_rl.data.trajectory import make_trajectory
+from rayllm_rl.data.trajectory import TrajectoryBuilder
 from rayllm_rl.envs.transforms import chat_suffix, decode_tokens, encode_text
 from rayllm_rl.inference.protocol import InferenceEngine, LLMRequest, SamplingParams
 from rayllm_rl.tools.mcp_tools import parse_tool_calls as parse_hermes_tool_calls
@@ -41,6 +41,11 @@ class CompletionRecord:
     parent: int | None
     """Index of the record this request continued (its tokens are a prefix of ours), or None."""
     finish_reason: str
+
+    # LLMResponse's names, so `TrajectoryBuilder.add_generated` takes a record
+    output_tokens = property(lambda self: self.output_ids)
+    output_logprobs = property(lambda self: self.logprobs)
+    output_versions = property(lambda self: self.versions)
 
 
 def _norm(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -162,16 +167,14 @@ class ChatCompletionsSession:
             while node is not None:
                 chain.append(node)
                 node = self.records[node.parent] if node.parent is not None else None
-            ids = leaf.prompt_ids + leaf.output_ids
-            mask, lps, vers = [0] * len(ids), [0.0] * len(ids), [-1] * len(ids)
-            for rec in chain:
-                start = len(rec.prompt_ids)
-                if ids[start:start + len(rec.output_ids)] != rec.output_ids:
-                    raise RuntimeError("recorded completion is not a prefix of its continuation")
-                for j, (lp, v) in enumerate(zip(rec.logprobs, rec.versions)):
-                    mask[start + j], lps[start + j], vers[start + j] = 1, lp, v
-            out.append(make_trajectory(ids, lps, mask, vers, reward, group_id,
-                                       num_completions=float(len(chain)), **extra))
+            traj = TrajectoryBuilder()
+            for rec in reversed(chain):  # root first: each prompt extends the completion it continued
+                try:
+                    traj.add_prompt(rec.prompt_ids)
+                except ValueError:
+                    raise RuntimeError("recorded completion is not a prefix of its continuation") from None
+                traj.add_generated(rec)
+            out.append(traj.build(reward, group_id, num_completions=float(len(chain)), **extra))
         return out
 
 

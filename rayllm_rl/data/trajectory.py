@@ -3,7 +3,8 @@
 Per-token keys `[N, T]`: input_ids, attention_mask, loss_mask (1 on policy-generated tokens),
 logprobs (behaviour logprobs, 0 elsewhere), versions (policy version per generated token, -1
 elsewhere). Per-sequence keys `[N]`: rewards, group_id. A packed view (`cu_seqlens`) is
-available for varlen kernels and buffers.
+available for varlen kernels and buffers. `TrajectoryBuilder` assembles one sequence from engine
+responses turn by turn (append-only, so multi-turn episodes never re-tokenize the past).
 """
 from __future__ import annotations
 
@@ -47,6 +48,58 @@ def make_trajectory(
     for k, v in extra.items():
         data[k] = torch.tensor([float(v)], dtype=torch.float32)
     return TensorDict(data, batch_size=[1])
+
+
+class TrajectoryBuilder:
+    """One sequence built turn by turn from engine responses, for `make_trajectory`.
+
+    Tokens are only ever appended, so a multi-turn episode trains on exactly the ids the engine
+    saw and produced: `add_prompt` accepts a turn's full prompt only if it extends what is already
+    there (the past was not re-tokenized). Context tokens (prompts, feedback, tool results) get
+    loss_mask 0, logprob 0.0, version -1; generated ones loss_mask 1 and the engine's logprobs
+    and versions. `build` gives a batch-of-1 TensorDict: token keys `[1, T]`, `rewards` and
+    `group_id` (and each extra) `[1]`.
+    """
+
+    def __init__(self) -> None:
+        self.input_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.loss_mask: list[int] = []
+        self.versions: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def add_context(self, ids: Sequence[int]) -> None:
+        """Append `[k]` tokens the policy did not generate (feedback, tool results): masked out."""
+        n = len(ids)
+        self.input_ids += list(ids)
+        self.logprobs += [0.0] * n
+        self.loss_mask += [0] * n
+        self.versions += [-1] * n
+
+    def add_prompt(self, prompt_ids: Sequence[int]) -> None:
+        """Take the full prompt `[P]` of the next engine call: it must start with the tokens so far
+        (else ValueError, the past was re-tokenized); its new tail is appended as context."""
+        n = len(self.input_ids)
+        if list(prompt_ids[:n]) != self.input_ids:
+            raise ValueError("prompt does not extend the trajectory (re-tokenized past)")
+        self.add_context(prompt_ids[n:])
+
+    def add_generated(self, response) -> None:
+        """Append what the engine generated: `response.output_tokens/output_logprobs/output_versions`
+        (an `LLMResponse` or alike), each `[k]`, trained on (loss_mask 1)."""
+        ids, lps, vers = response.output_tokens, response.output_logprobs, response.output_versions
+        if not len(ids) == len(lps) == len(vers):
+            raise ValueError(f"generated tokens/logprobs/versions lengths differ: {len(ids)}/{len(lps)}/{len(vers)}")
+        self.input_ids += list(ids)
+        self.logprobs += list(lps)
+        self.loss_mask += [1] * len(ids)
+        self.versions += list(vers)
+
+    def build(self, reward: float, group_id: int = 0, **extra: float) -> TensorDict:
+        """The sequence so far as a batch-of-1 trajectory (see `make_trajectory`)."""
+        return make_trajectory(self.input_ids, self.logprobs, self.loss_mask, self.versions, reward, group_id, **extra)
 
 
 def validate_trajectory(td: TensorDict) -> None:

@@ -62,15 +62,36 @@ class TruncatedIS(Loss):
         self, prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Detached `(w, over_cap)` `[B, T]`: the truncated/masked IS weight (0 off-mask)."""
+        return self.importance_weights(prox_logp, behav_logp, mask, level=self.level, mode=self.mode, cap=self.cap)
+
+    @staticmethod
+    def importance_weights(
+        prox_logp: torch.Tensor,
+        behav_logp: torch.Tensor,
+        mask: torch.Tensor,
+        *,
+        level: str = "token",
+        mode: str = "truncate",
+        cap: float = 2.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Detached `(w, over_cap)` `[B, T]` in `prox_logp`'s dtype, 0 off-mask: the raw weight
+        exp(prox - behav) (token level, or its masked per-sequence product at sequence level),
+        `min(w, cap)` in mode "truncate" or 0 where w > cap in mode "mask"; `over_cap` marks the
+        masked tokens whose raw weight exceeds `cap`. The one implementation of a capped/masked
+        importance weight (`DecoupledPPOLoss` uses it for its behaviour weight)."""
+        if level not in TIS_LEVELS:
+            raise ValueError(f"unknown level {level!r}; valid: {list(TIS_LEVELS)}")
+        if mode not in TIS_MODES:
+            raise ValueError(f"unknown mode {mode!r}; valid: {list(TIS_MODES)}")
         m = mask != 0
         zeros = torch.zeros_like(prox_logp)
         with torch.no_grad():
             lw = torch.where(m, prox_logp.detach() - behav_logp.detach().to(prox_logp.dtype), zeros)
-            if self.level == "sequence":
+            if level == "sequence":
                 lw = lw.sum(dim=-1, keepdim=True).expand_as(lw)
             raw = torch.exp(lw)
-            over = m & (raw > self.cap)
-            w = torch.clamp(raw, max=self.cap) if self.mode == "truncate" else torch.where(over, zeros, raw)
+            over = m & (raw > cap)
+            w = torch.clamp(raw, max=cap) if mode == "truncate" else torch.where(over, zeros, raw)
             return torch.where(m, w, zeros), over
 
     def forward(

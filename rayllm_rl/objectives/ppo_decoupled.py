@@ -5,8 +5,10 @@ import torch
 
 from rayllm_rl.objectives.base import LossOutput
 from rayllm_rl.objectives.grpo import GRPOLoss, check_shapes, masked_mean
+from rayllm_rl.objectives.importance import TruncatedIS
 
-BEHAV_WEIGHT_MODES = ("cap", "mask")
+TIS_MODE_OF = {"cap": "truncate", "mask": "mask"}  # behav_weight_mode -> TruncatedIS mode
+BEHAV_WEIGHT_MODES = tuple(TIS_MODE_OF)
 
 
 class DecoupledPPOLoss(GRPOLoss):
@@ -23,6 +25,8 @@ class DecoupledPPOLoss(GRPOLoss):
         "cap":  w <- min(w, behav_weight_cap)
         "mask": w <- 0 where w > behav_weight_cap  (AReaL's `behav_imp_weight_cap` does this)
         loss_t = w * pg   (+ the KL penalties of `GRPOLoss.penalty` when on), aggregated with `aggregation`.
+    w is `TruncatedIS`'s token-level weight with cap = behav_weight_cap and "cap" read as its
+    "truncate" mode (`behav_weight` calls `TruncatedIS.importance_weights`).
     In "mask" mode masked tokens still count in the token-mean denominator (as in AReaL, where
     they are zeroed by the weight, not removed from the loss mask).
     Extra metrics: `behav_weight_mean` (mean of the applied weight over masked tokens) and
@@ -68,17 +72,16 @@ class DecoupledPPOLoss(GRPOLoss):
     def behav_weight(
         self, prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Detached `(w, over_cap)` `[B, T]`: capped/masked exp(prox - behav), 0 off-mask."""
-        m = mask != 0
-        zeros = torch.zeros_like(prox_logp)
-        with torch.no_grad():
-            raw = torch.exp(torch.where(m, prox_logp.detach() - behav_logp.detach(), zeros))
-            over = m & (raw > self.behav_weight_cap)
-            if self.behav_weight_mode == "cap":
-                w = torch.clamp(raw, max=self.behav_weight_cap)
-            else:
-                w = torch.where(over, zeros, raw)
-            return torch.where(m, w, zeros), over
+        """Detached `(w, over_cap)` `[B, T]`: capped/masked exp(prox - behav), 0 off-mask; token-level
+        `TruncatedIS` weights with mode "cap" -> "truncate", "mask" -> "mask"."""
+        return TruncatedIS.importance_weights(
+            prox_logp,
+            behav_logp,
+            mask,
+            level="token",
+            mode=TIS_MODE_OF[self.behav_weight_mode],
+            cap=self.behav_weight_cap,
+        )
 
     def forward(
         self,

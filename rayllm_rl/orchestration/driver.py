@@ -103,6 +103,7 @@ def train(cfg: GRPOJobConfig) -> dict:
             col = cluster.get(cluster.collector.stats.remote())
         record = {"phase": "rl", "step": step, "version": version, "reward": float(batch["rewards"].mean()),
                   "seqs": batch.batch_size[0], "wait_s": t_wait, "train_s": t_train,
+                  "advantage_abs_mean": float(batch["advantages"].abs().mean()),
                   "staleness_mean": lag["mean_lag"], "staleness_max": lag["max_lag"],
                   "sync_seconds": sync["sync_s"], "stall_s": sync["stall_s"], "tokens_per_s": col["tokens_per_s"],
                   "buffer_depth": depth, "token_versions": versions_trained,

@@ -18,7 +18,7 @@ import torch
 from tensordict import NonTensorData, TensorDict
 
 from rayllm_rl.data.history import History
-from rayllm_rl.data.trajectory import concat_padded, make_trajectory
+from rayllm_rl.data.trajectory import TrajectoryBuilder, concat_padded
 from rayllm_rl.inference.protocol import InferenceEngine, LLMRequest, SamplingParams
 from rayllm_rl.workflows.base import RolloutWorkflow
 from rayllm_rl.workflows.rlvr import row_fields, row_messages
@@ -78,25 +78,16 @@ class ChatEnvWorkflow(RolloutWorkflow):
         elem["row"] = NonTensorData(dict(row))
         elem["group_id"] = torch.tensor(group_id, dtype=torch.long)
         obs = env.reset(elem.unsqueeze(0))
-        seq: list[int] = []
-        logprobs: list[float] = []
-        mask: list[int] = []
-        versions: list[int] = []
+        traj = TrajectoryBuilder()
         total, turns, truncated = 0.0, 0, 0.0
         while turns < self.max_turns:
             prompt_ids = obs[0]["tokens", "prompt"].tolist()
-            if prompt_ids[: len(seq)] != seq:
-                raise RuntimeError(f"episode {rid}: the env's prompt does not extend the trajectory (re-tokenized past)")
-            added = prompt_ids[len(seq):]
-            seq += added
-            logprobs += [0.0] * len(added)
-            mask += [0] * len(added)
-            versions += [-1] * len(added)
+            try:
+                traj.add_prompt(prompt_ids)  # only the tokens the env appended are new (masked out)
+            except ValueError as exc:
+                raise RuntimeError(f"episode {rid}: the env's {exc}") from None
             resp = await engine.agenerate(LLMRequest(input_ids=prompt_ids, sampling=self.sampling, rid=rid))
-            seq += resp.output_tokens
-            logprobs += resp.output_logprobs
-            mask += [1] * resp.output_len
-            versions += resp.output_versions
+            traj.add_generated(resp)
             turns += 1
             truncated = float(resp.stop_reason == "length")
             text = env.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
@@ -114,5 +105,4 @@ class ChatEnvWorkflow(RolloutWorkflow):
         components = {k: float(nxt[k].reshape(-1)[0]) for k in nxt.keys()  # those of the last step
                       if isinstance(k, str) and k not in _NOT_COMPONENTS and isinstance(nxt.get(k), torch.Tensor)
                       and nxt.get(k).is_floating_point()}
-        return make_trajectory(seq, logprobs, mask, versions, total, group_id, truncated=truncated,
-                               num_turns=float(turns), **components)
+        return traj.build(total, group_id, truncated=truncated, num_turns=float(turns), **components)

@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping
 
 from tensordict import TensorDict
 
-from rayllm_rl.data.trajectory import make_trajectory
+from rayllm_rl.data.trajectory import TrajectoryBuilder
 from rayllm_rl.inference.protocol import InferenceEngine, LLMRequest, SamplingParams
 from rayllm_rl.workflows.base import RolloutWorkflow
 from rayllm_rl.workflows.rewards import RewardCaller
@@ -57,24 +57,16 @@ class MultiTurnWorkflow(RolloutWorkflow):
         prompt_ids = list(data.get("prompt_ids") or tokenize_prompt(self.tokenizer, row_messages(data, self.prompt_key)))
         group_id = int(data.get("group_id", random.getrandbits(62)))
         rid = f"mt{group_id}-{random.getrandbits(32)}"
-        seq, logprobs, loss_mask, versions = list(prompt_ids), [0.0] * len(prompt_ids), [0] * len(prompt_ids), [-1] * len(prompt_ids)
+        traj = TrajectoryBuilder()
+        traj.add_prompt(prompt_ids)
         scores, turns = self.reward.failed(), 0
-        self.last_inputs: list[list[int]] = []  # what the engine received each turn (for inspection)
         while turns < self.max_turns:
             if turns > 0:
-                suffix = feedback_suffix_ids(self.tokenizer, seq, self.feedback)
-                seq += suffix
-                logprobs += [0.0] * len(suffix)
-                loss_mask += [0] * len(suffix)
-                versions += [-1] * len(suffix)
-            resp = await engine.agenerate(LLMRequest(input_ids=list(seq), sampling=self.sampling, rid=rid))
-            self.last_inputs.append(list(resp.input_tokens))
-            if resp.input_tokens != seq:  # the engine must have seen exactly our tokens
+                traj.add_context(feedback_suffix_ids(self.tokenizer, traj.input_ids, self.feedback))
+            resp = await engine.agenerate(LLMRequest(input_ids=list(traj.input_ids), sampling=self.sampling, rid=rid))
+            if resp.input_tokens != traj.input_ids:  # the engine must have seen exactly our tokens
                 raise RuntimeError(f"episode {rid}: engine input differs from the trajectory prefix")
-            seq += resp.output_tokens
-            logprobs += resp.output_logprobs
-            loss_mask += [1] * resp.output_len
-            versions += resp.output_versions
+            traj.add_generated(resp)
             turns += 1
             completion = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
             scores = await self.reward.score(self.tokenizer.decode(resp.input_tokens), completion,
@@ -82,4 +74,4 @@ class MultiTurnWorkflow(RolloutWorkflow):
             if scores["reward"] >= self.success_threshold:
                 break
         final = scores.pop("reward") * self.turn_discount ** (turns - 1)
-        return make_trajectory(seq, logprobs, loss_mask, versions, final, group_id, num_turns=float(turns), **scores)
+        return traj.build(final, group_id, num_turns=float(turns), **scores)

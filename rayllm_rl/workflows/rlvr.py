@@ -7,7 +7,7 @@ from typing import Any, Callable, Mapping
 
 from tensordict import TensorDict
 
-from rayllm_rl.data.trajectory import concat_padded, make_trajectory
+from rayllm_rl.data.trajectory import TrajectoryBuilder, concat_padded
 from rayllm_rl.inference.protocol import InferenceEngine, LLMRequest, SamplingParams
 from rayllm_rl.workflows.base import RolloutWorkflow
 from rayllm_rl.workflows.rewards import RewardCaller
@@ -69,15 +69,9 @@ class RLVRWorkflow(RolloutWorkflow):
         for resp in responses:
             completion = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
             scores = await self.reward.score(prompt_text, completion, resp.input_tokens, resp.output_tokens, **row)
-            n_in, n_out = resp.input_len, resp.output_len
-            trajs.append(make_trajectory(
-                input_ids=resp.input_tokens + resp.output_tokens,
-                logprobs=[0.0] * n_in + resp.output_logprobs,
-                loss_mask=[0] * n_in + [1] * n_out,
-                versions=[-1] * n_in + resp.output_versions,
-                reward=scores.pop("reward"),
-                group_id=group_id,
-                truncated=float(resp.stop_reason == "length"),
-                **scores,
-            ))
+            traj = TrajectoryBuilder()
+            traj.add_prompt(resp.input_tokens)
+            traj.add_generated(resp)
+            trajs.append(traj.build(scores.pop("reward"), group_id, truncated=float(resp.stop_reason == "length"),
+                                    **scores))
         return concat_padded(trajs)
