@@ -224,3 +224,21 @@ def _checksum(named):
     from rayllm_rl.inference.protocol import weights_checksum
 
     return weights_checksum(named)
+
+
+def test_direct_load_weights_sets_weights_and_version(served, hf_model, tokenizer, tiny_model_path):
+    """The sink's direct path (initial load, fallback without a group): weights handed over in the call."""
+    from transformers import AutoModelForCausalLM
+
+    kind, engine, loop = served
+    v = engine.version
+    new = perturbed(hf_model, 0.05, seed=100 + v)
+    fresh = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    fresh.load_state_dict(new, strict=False)
+    assert loop.run(engine.load_weights(new, v + 1)) == v + 1 and engine.version == v + 1
+    assert abs(loop.run(engine.weights_checksum()) - _checksum(new)) <= 1e-6 * abs(_checksum(new))
+    p = chat_ids(tokenizer, "What is 5+6?")
+    (r,) = generate(loop, engine, [p], SamplingParams(max_new_tokens=8, greedy=True, ignore_eos=True))
+    assert r.output_versions == [v + 1] * 8
+    assert r.output_tokens == greedy_reference(fresh, p, 8)
+    engine._test_reference = fresh

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-ray = pytest.importorskip("ray")
+import ray  # noqa: E402  (a core dependency: missing ray is a failure, not a skip)
 
 from rayllm_rl.orchestration.placement import (  # noqa: E402
     Placement,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ray = pytest.importorskip("ray")
+import ray  # noqa: E402  (a core dependency: missing ray is a failure, not a skip)
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 from rayllm_rl.config import load_config  # noqa: E402

@@ -12,7 +12,7 @@ from rayllm_rl.config import load_config
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.slow]
-ray = pytest.importorskip("ray")
+import ray  # noqa: E402  (a core dependency: missing ray is a failure, not a skip)
 
 
 @pytest.fixture(scope="module")

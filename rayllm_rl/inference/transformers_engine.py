@@ -74,6 +74,7 @@ class TransformersEngine:
         self._params = dict(self.model.named_parameters())  # what weight sync carries
         self._buffers = dict(self.model.named_buffers())
         self._receiver = self._group = None  # the weight-update group, once joined
+        self._borrowed: set[str] = set()  # parameters whose storage came from a transport
         self._paused = False
         self._pending: list[tuple[LLMRequest, asyncio.Future]] = []
         self._wakeup: asyncio.Event | None = None
@@ -87,7 +88,10 @@ class TransformersEngine:
         return self._version
 
     def update_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int | None = None) -> int:
-        """Copy new weights in between two decode steps; returns the new version."""
+        """Copy new weights in between two decode steps; returns the new version.
+
+        A parameter whose storage a transport handed over (`swap_weights`, e.g. a read-only view
+        of a shared-memory segment) is given fresh storage instead of being written in place."""
         targets = {**self._params, **self._buffers}
         unknown = [k for k in named_tensors if k not in targets]
         if unknown:
@@ -97,7 +101,11 @@ class TransformersEngine:
                 dst = targets[name]
                 if dst.shape != tensor.shape:
                     raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-                dst.copy_(tensor)
+                if name in self._borrowed:
+                    dst.data = tensor.detach().to(device=dst.device, dtype=dst.dtype).clone()
+                    self._borrowed.discard(name)
+                else:
+                    dst.copy_(tensor)
             self._version = self._version + 1 if version is None else int(version)
         return self._version
 
@@ -119,6 +127,7 @@ class TransformersEngine:
             for name, t in back.items():
                 p = self._params[name]
                 p.data, t.data = t.data, p.data
+            self._borrowed.update(back)  # storage the transport owns (maybe read-only): never write it
             self._version = int(version)
             return time.perf_counter() - t0
 

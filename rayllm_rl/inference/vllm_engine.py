@@ -248,11 +248,13 @@ class VLLMEngine:
 
     async def load_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> int:
         """Direct load (no group): tensors cross into vLLM's worker by collective_rpc pickling."""
+        from safetensors.torch import save
+
         await self.start()
-        items = [(k, v.detach().cpu()) for k, v in named_tensors.items()]
+        blob = save({k: v.detach().cpu().contiguous() for k, v in named_tensors.items()})
 
         async def load():
-            await self._rpc("rayllm_load_named", items)
+            await self._rpc("rayllm_load_named", blob)
 
         await self._apply(int(version), load)
         return self._version

@@ -246,9 +246,12 @@ class RayllmWorkerExtension:
     def rayllm_receive_state(self) -> dict[str, Any]:
         return self._rayllm().receive_state()
 
-    def rayllm_load_named(self, items: list[tuple[str, torch.Tensor]]) -> None:
-        """Direct load of tensors sent inside the RPC (initial weights, tests), during a paused update."""
-        _load(self.model_runner.get_model(), items)
+    def rayllm_load_named(self, blob: bytes) -> None:
+        """Direct load of tensors sent inside the RPC as safetensors bytes (vLLM's RPC encoding
+        does not keep tensors nested in lists), during a paused update."""
+        from safetensors.torch import load
+
+        _load(self.model_runner.get_model(), list(load(blob).items()))
 
     def rayllm_loaded_checksum(self) -> float | None:
         """Checksum of the last weights loaded into this worker (None: still the checkpoint's)."""
