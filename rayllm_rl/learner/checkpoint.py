@@ -4,10 +4,10 @@ Layout of `path/`:
   config.json, model.safetensors, ...   full weights, `AutoModelForCausalLM.from_pretrained(path)`
   tokenizer files                        when a tokenizer is given
   learner_state.pt                       {"format", "optimizer" (full, keyed by parameter name),
-                                          "optim_steps", "version", "generator" (minibatch
+                                          "optim_steps", "generator" (minibatch
                                           permutation RNG), "rng" (torch RNG state per rank),
                                           "world_size", "extra" (the driver's: data loader state,
-                                          policy version, ...)}
+                                          the policy version it owns, ...)}
 
 Under FSDP both functions are collectives: every rank calls them; full weights and optimizer
 state are gathered to rank 0 (CPU) and only rank 0 writes; on load only rank 0 reads the files
@@ -72,7 +72,7 @@ def save_checkpoint(learner, path: str | os.PathLike, tokenizer=None, extra: dic
             tokenizer.save_pretrained(path)
         state = {
             "format": FORMAT, "optimizer": optim_sd, "optim_steps": learner.optim_steps,
-            "version": learner.version, "generator": learner.generator.get_state(), "rng": rng,
+            "generator": learner.generator.get_state(), "rng": rng,
             "world_size": learner.world_size, "extra": dict(extra or {}),
         }
         tmp = path / (STATE_FILE + ".tmp")
@@ -114,7 +114,6 @@ def load_checkpoint(learner, path: str | os.PathLike) -> dict:
         g["betas"] = (learner.cfg.beta1, learner.cfg.beta2)
         g["weight_decay"] = learner.cfg.weight_decay
     learner.optim_steps = int(state["optim_steps"])
-    learner.version = int(state["version"])
     learner.generator.set_state(state["generator"])
     rng = state["rng"]
     _set_rng_state(rng[learner.rank] if len(rng) == learner.world_size else rng[0])

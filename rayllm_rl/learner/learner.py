@@ -138,7 +138,6 @@ class Learner:
         # Minibatch permutations come from this generator only: identical on every rank, checkpointable.
         self.generator = torch.Generator().manual_seed(seed)
         self.reset_optimizer(optim)
-        self.version = 0
 
     def reset_optimizer(self, optim: OptimConfig) -> None:
         """Fresh AdamW state and step count (e.g. between the SFT warm start and RL)."""
@@ -186,7 +185,6 @@ class Learner:
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
-        self.version += 1
         return {k: v / count for k, v in sums.items()}
 
     def _check_same_batch(self, td: TensorDict) -> None:
@@ -285,7 +283,7 @@ class Learner:
         return save_checkpoint(self, path, tokenizer=tokenizer)
 
     def state(self) -> dict[str, Any]:
-        return {"optim_steps": self.optim_steps, "version": self.version}
+        return {"optim_steps": self.optim_steps}
 
     def close(self) -> None:
         """Leave the FSDP process group (no-op for a single-process learner)."""

@@ -217,7 +217,6 @@ class LearnerWorker:
 
     def reset_optimizer(self, optim) -> None:
         self.learner.reset_optimizer(optim)
-        self.learner.version = 0
 
     def init_weight_sender(self, transport: str, host: str, port: int, world_size: int, bucket_bytes: int,
                            timeout_s: float, segment_prefix: str | None = None) -> list[str] | None:

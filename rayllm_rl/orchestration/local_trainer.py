@@ -39,9 +39,8 @@ def seed_everything(seed: int) -> None:
 
 
 def sft_warm_start(learner: Learner, task, tokenizer, cfg: GRPOJobConfig, reporter: RunReporter) -> None:
-    """The shared SFT warm start (builders.sft_warm_start) on the in-process learner; RL starts at version 0."""
+    """The shared SFT warm start (builders.sft_warm_start) on the in-process learner."""
     run_sft(cfg, task, tokenizer, reporter, learner.train_step, learner.reset_optimizer)
-    learner.version = 0
 
 
 async def train_local(cfg: GRPOJobConfig) -> dict:
@@ -74,7 +73,7 @@ async def train_local(cfg: GRPOJobConfig) -> dict:
                              episode_filter=build_episode_filter(cfg))
     loss = cfg.algo.build_loss(cfg.rollout.max_new_tokens)
     t_rl = time.perf_counter()
-    step = 0
+    step = version = 0  # this loop owns the policy version: RL starts at 0, +1 per update
     progress = reporter.progress(total=cfg.trainer.steps, desc="grpo")
     while step < cfg.trainer.steps:
         batch = await collector.collect()
@@ -82,7 +81,8 @@ async def train_local(cfg: GRPOJobConfig) -> dict:
         t0 = time.perf_counter()
         metrics = await asyncio.to_thread(learner.train_step, batch, loss)
         t_train = time.perf_counter() - t0
-        engine.update_weights(learner.named_tensors(), version=learner.version)
+        version += 1
+        engine.update_weights(learner.named_tensors(), version=version)
         step += 1
         record = {"phase": "rl", "step": step, "version": engine.version,
                   "reward": float(batch["rewards"].mean()), "seqs": batch.batch_size[0],
