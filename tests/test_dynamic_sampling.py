@@ -9,7 +9,7 @@ from rayllm_rl.data.loader import PromptLoader
 from rayllm_rl.data.replay_buffer import ReplayBuffer
 from rayllm_rl.inference.protocol import SamplingParams
 from rayllm_rl.orchestration.async_collector import AsyncRolloutCollector
-from rayllm_rl.orchestration.builders import has_reward_variance
+from rayllm_rl.orchestration.factories import has_reward_variance
 from rayllm_rl.orchestration.collector import LLMCollector
 from rayllm_rl.orchestration.staleness import StalenessController
 from rayllm_rl.workflows.rlvr import RLVRWorkflow

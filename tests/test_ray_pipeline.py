@@ -40,7 +40,7 @@ def rl_records(summary) -> list[dict]:
 @pytest.mark.parametrize("transport", ["shm", "gloo"])
 def test_sync_makes_replica_weights_equal(local_ray, tmp_path, transport):
     from rayllm_rl.models.tiny import ensure_tiny_model
-    from rayllm_rl.orchestration.builders import build_task
+    from rayllm_rl.orchestration.factories import build_task
     from rayllm_rl.orchestration.cluster import build_cluster
     from rayllm_rl.orchestration.driver import make_workflow
 

@@ -41,7 +41,7 @@ def test_vllm_replica_logprobs_equal_learner_after_sync(local_ray, tmp_path, tra
     from rayllm_rl.inference.protocol import LLMRequest, SamplingParams
     from rayllm_rl.models.tiny import ensure_tiny_model
     from rayllm_rl.objectives import SFTLoss
-    from rayllm_rl.orchestration.builders import build_task
+    from rayllm_rl.orchestration.factories import build_task
     from rayllm_rl.orchestration.cluster import build_cluster
     from rayllm_rl.orchestration.driver import make_workflow
 

@@ -112,7 +112,7 @@ def test_tool_agent_episode_is_token_exact_and_masks_tool_output(tokenizer):
 def test_python_tool_job_workflow_runs_the_model_code_in_the_sandbox(tokenizer):
     """rollout.workflow=python_tool: the job builds a tool agent on the task; its final turn gets the task reward."""
     from rayllm_rl.config import load_config
-    from rayllm_rl.orchestration.builders import PYTHON_TOOL_PROMPT, build_task, build_workflow
+    from rayllm_rl.orchestration.factories import PYTHON_TOOL_PROMPT, build_task, build_workflow
     from rayllm_rl.orchestration.job_config import GRPOJobConfig
 
     cfg = load_config(GRPOJobConfig, ["rollout.workflow=python_tool", "rollout.max_turns=3", "rollout.group_size=2"])
@@ -149,7 +149,7 @@ def test_python_executor_service_is_shared(local_ray):
     slow = RemoteExecutor(a).run("while True: pass", timeout=1)
     assert slow.timed_out or slow.exit_code != 0
     # the python_tool job workflow, built inside a Ray worker, uses this same service
-    from rayllm_rl.orchestration.builders import _python_tools
+    from rayllm_rl.orchestration.factories import _python_tools
 
     (interp,) = _python_tools()
     assert isinstance(interp.executor, RemoteExecutor) and interp.executor.run("print(1)").stdout == "1\n"

@@ -16,7 +16,7 @@ from rayllm_rl.orchestration.actors import (
     ReplayBufferActor,
 )
 from rayllm_rl.inference.protocol import UpdateGroupSpec
-from rayllm_rl.orchestration.builders import build_episode_filter
+from rayllm_rl.orchestration.factories import build_episode_filter
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.placement import Placement, plan_placement
 

@@ -20,22 +20,17 @@ import ray
 from rayllm_rl.data.replay_buffer import batch_staleness_stats
 from rayllm_rl.models.tiny import ensure_tiny_model
 from rayllm_rl.orchestration.actors import ReferenceActor
-from rayllm_rl.orchestration.builders import (
-    build_task,
-    build_workflow,
-    needs_reference,
-    prepare_batch,
-    reward_component_means,
-)
+from rayllm_rl.orchestration.batch_prep import reward_component_means, rewards_to_advantages
 from rayllm_rl.orchestration.cluster import build_cluster, init_ray
 from rayllm_rl.orchestration.driver_steps import (
     env_reward_counters,
     prompts_digest,
     restore,
     save_checkpoint,
-    sft_warm_start,
+    sft_on_learner_actors,
     wait_for_batch,
 )
+from rayllm_rl.orchestration.factories import build_task, build_workflow, needs_reference
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.metrics import RayMetrics
 from rayllm_rl.orchestration.reporting import RunReporter
@@ -64,7 +59,7 @@ def train(cfg: GRPOJobConfig) -> dict:
     if cfg.resume:
         step, version = restore(cluster, cfg.resume)
     else:
-        sft_warm_start(cluster, cfg, task, tokenizer, reporter)
+        sft_on_learner_actors(cluster, cfg, task, tokenizer, reporter)
         step, version = 0, 0
     cluster.sync_weights(version)
     cluster.get(cluster.collector.set_version.remote(version))
@@ -89,7 +84,7 @@ def train(cfg: GRPOJobConfig) -> dict:
         t0 = time.perf_counter()
         batch, depth = wait_for_batch(cluster, B, version)
         t_wait = time.perf_counter() - t0
-        prepare_batch(batch, cfg, ref_fn)
+        rewards_to_advantages(batch, cfg, ref_fn)
         lag = batch_staleness_stats(batch, version)
         versions_trained = sorted(set(batch["versions"][batch["loss_mask"]].tolist()))
         train_metrics = cluster.learner_call("train_step", ray.put(batch))[0]

@@ -1,4 +1,4 @@
-"""Driver steps that are not the training loop: SFT warm start, batch wait, checkpoint and resume."""
+"""Driver steps that are not the training loop: SFT on the learner actors, batch wait, checkpoint, resume."""
 from __future__ import annotations
 
 import hashlib
@@ -6,14 +6,14 @@ from pathlib import Path
 
 import ray
 
-from rayllm_rl.orchestration.builders import sft_warm_start as run_sft
 from rayllm_rl.orchestration.cluster import Cluster
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.reporting import RunReporter
+from rayllm_rl.orchestration.sft_warmup import sft_warm_start as run_sft
 
 
-def sft_warm_start(cluster: Cluster, cfg: GRPOJobConfig, task, tokenizer, reporter: RunReporter) -> None:
-    """The shared SFT warm start (builders.sft_warm_start) on the learner actors."""
+def sft_on_learner_actors(cluster: Cluster, cfg: GRPOJobConfig, task, tokenizer, reporter: RunReporter) -> None:
+    """The shared SFT warm start (sft_warmup.sft_warm_start) on the learner actors."""
     run_sft(cfg, task, tokenizer, reporter,
             train_step=lambda batch, loss: cluster.learner_call("train_step", ray.put(batch), loss)[0],
             reset_optimizer=lambda optim: cluster.learner_call("reset_optimizer", optim))

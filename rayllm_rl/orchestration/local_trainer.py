@@ -18,15 +18,9 @@ from rayllm_rl.inference.transformers_engine import TransformersEngine
 from rayllm_rl.learner.learner import Learner
 from rayllm_rl.learner.reference import ReferenceModel
 from rayllm_rl.models.tiny import ensure_tiny_model
-from rayllm_rl.orchestration.builders import (
-    build_episode_filter,
-    build_task,
-    build_workflow,
-    needs_reference,
-    prepare_batch,
-    reward_component_means,
-)
-from rayllm_rl.orchestration.builders import sft_warm_start as run_sft
+from rayllm_rl.orchestration.batch_prep import reward_component_means, rewards_to_advantages
+from rayllm_rl.orchestration.factories import build_episode_filter, build_task, build_workflow, needs_reference
+from rayllm_rl.orchestration.sft_warmup import sft_warm_start as run_sft
 from rayllm_rl.orchestration.collector import LLMCollector
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.reporting import RunReporter
@@ -39,7 +33,7 @@ def seed_everything(seed: int) -> None:
 
 
 def sft_warm_start(learner: Learner, task, tokenizer, cfg: GRPOJobConfig, reporter: RunReporter) -> None:
-    """The shared SFT warm start (builders.sft_warm_start) on the in-process learner."""
+    """The shared SFT warm start (sft_warmup.sft_warm_start) on the in-process learner."""
     run_sft(cfg, task, tokenizer, reporter, learner.train_step, learner.reset_optimizer)
 
 
@@ -77,7 +71,7 @@ async def train_local(cfg: GRPOJobConfig) -> dict:
     progress = reporter.progress(total=cfg.trainer.steps, desc="grpo")
     while step < cfg.trainer.steps:
         batch = await collector.collect()
-        prepare_batch(batch, cfg, reference.compute_logprobs if reference is not None else None)
+        rewards_to_advantages(batch, cfg, reference.compute_logprobs if reference is not None else None)
         t0 = time.perf_counter()
         metrics = await asyncio.to_thread(learner.train_step, batch, loss)
         t_train = time.perf_counter() - t0

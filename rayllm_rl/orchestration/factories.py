@@ -1,10 +1,8 @@
-"""Build task, workflow and sampling from a job config (shared by the local trainer and Ray actors)."""
+"""Build the job's parts from its config, once, the same way for every backend: task, sampling,
+rollout workflow (by `rollout.workflow`), episode filter and whether a reference model is needed."""
 from __future__ import annotations
 
-import dataclasses
 import functools
-import time
-from typing import Any, Callable
 
 import torch
 
@@ -103,42 +101,6 @@ def _python_tools():
     return [PythonInterpreter(done_when_no_code=True)]
 
 
-SEQ_CORE = frozenset({"rewards", "group_id", "advantages"})
-
-
-def reward_component_means(batch) -> dict[str, float]:
-    """Batch means of the per-sequence extras (reward components, success, truncated, num_turns)."""
-    return {k: float(batch[k].float().mean()) for k in batch.keys()
-            if k not in SEQ_CORE and batch[k].dim() == 1}
-
-
-def sft_chats(task: Task, rows: list[dict]) -> list[list[dict]]:
-    """Demonstration chats for the SFT warm start."""
-    return [r["messages"] + [{"role": "assistant", "content": task.sft_target(r)}] for r in rows]
-
-
-def sft_warm_start(cfg: GRPOJobConfig, task: Task, tokenizer, reporter,
-                   train_step: Callable[[Any, Any], dict], reset_optimizer: Callable[[Any], Any]) -> None:
-    """Imitate the task's demonstrations for `sft.steps` steps (or until `sft.time_budget_s`), with the
-    SFT learning rate, then give the learner(s) back the RL optimizer. Both backends: `train_step(batch,
-    loss) -> metrics` and `reset_optimizer(optim_cfg)` reach the local learner or the learner actors."""
-    from rayllm_rl.data.loader import PromptLoader
-    from rayllm_rl.data.sft import make_sft_batch
-    from rayllm_rl.objectives import SFTLoss
-
-    if cfg.sft.steps <= 0 or task.sft_target is None:
-        return
-    reset_optimizer(dataclasses.replace(cfg.optim, lr=cfg.sft.lr, warmup_steps=cfg.sft.warmup_steps))
-    loader, loss, t0 = PromptLoader(task.train, seed=cfg.trainer.seed + 1), SFTLoss(), time.perf_counter()
-    for step in range(1, cfg.sft.steps + 1):
-        metrics = train_step(make_sft_batch(tokenizer, sft_chats(task, loader.next_rows(cfg.sft.batch_size))), loss)
-        reporter.log({"phase": "sft", "sft_step": step, **metrics}, show=step % 50 == 0)
-        if cfg.sft.time_budget_s and time.perf_counter() - t0 > cfg.sft.time_budget_s:
-            reporter.log({"phase": "sft", "sft_step": step, "stopped": "sft.time_budget_s"}, show=True)
-            break
-    reset_optimizer(cfg.optim)
-
-
 def has_reward_variance(episode) -> bool:
     """DAPO dynamic sampling: keep a group only if its rewards are not all equal.
 
@@ -157,28 +119,3 @@ def needs_reference(cfg: GRPOJobConfig) -> bool:
     """A frozen reference model is needed for KL-to-reference in the loss or in the reward."""
     return cfg.algo.kl_reward_coef > 0 or bool(getattr(cfg.algo.build_loss(cfg.rollout.max_new_tokens),
                                                        "needs_ref_logp", False))
-
-
-def prepare_batch(batch, cfg: GRPOJobConfig, ref_logprobs_fn=None):
-    """Rollout batch -> training batch: reward shaping, reference KL (logprobs, penalty), advantages."""
-    from rayllm_rl.objectives import compute_advantages
-    from rayllm_rl.objectives.kl_reward import KLRewardTransform, RetrieveKL
-
-    shape_rewards(batch, cfg)
-    if ref_logprobs_fn is not None:
-        RetrieveKL(ref_logprobs_fn)(batch)
-        if cfg.algo.kl_reward_coef > 0:
-            KLRewardTransform(cfg.algo.kl_reward_coef)(batch)
-    batch["advantages"] = compute_advantages(batch["rewards"], batch["group_id"], cfg.algo.advantage)
-    return batch
-
-
-def shape_rewards(batch, cfg: GRPOJobConfig):
-    """Apply reward shaping that depends on the rollout (DAPO overlong penalty) in place."""
-    if cfg.algo.overlong_buffer_len > 0:
-        from rayllm_rl.objectives.dapo import overlong_reward_shaping
-
-        lengths = batch["loss_mask"].sum(-1)
-        batch["rewards"] = batch["rewards"] + overlong_reward_shaping(
-            lengths, cfg.rollout.max_new_tokens, cfg.algo.overlong_buffer_len, cfg.algo.overlong_penalty)
-    return batch
