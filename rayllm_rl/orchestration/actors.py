@@ -165,9 +165,6 @@ class ReplayBufferActor:
     def fail(self, reason: str) -> None:
         self.waiting.fail(reason)
 
-    def size(self) -> int:
-        return len(self.buffer)
-
     def stats(self) -> dict[str, Any]:
         return self.buffer.stats()
 
