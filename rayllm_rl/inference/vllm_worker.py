@@ -69,7 +69,6 @@ class _LoadTarget:
     def __init__(self, model: torch.nn.Module, metas):
         self.model = model
         self.metas = metas
-        self.last_load_s = 0.0
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """Names, shapes and dtypes an update may carry (meta tensors: no memory of their own)."""
@@ -79,9 +78,8 @@ class _LoadTarget:
         """Copy the received tensors into vLLM's parameters (names were checked against the
         checkpoint when the group was joined); returns the seconds it took."""
         t0 = time.perf_counter()
-        _load(self.model, list(named.items()))
-        self.last_load_s = time.perf_counter() - t0
-        return self.last_load_s
+        _load(self.model, named)
+        return time.perf_counter() - t0
 
 
 class _ExpectedReloadWarnings(logging.Filter):
@@ -117,17 +115,22 @@ def _retie_lm_head(model: torch.nn.Module) -> None:
         method.process_weights_after_loading(head)
 
 
-_LOADED_CHECKSUM: list[float] = []  # checksum of the last weights loaded in this worker process
+# What this worker process last loaded: the tensors (a transport's buffer, which keeps these values
+# until the next update starts) or, for a one-off direct load, just their checksum.
+_LAST_LOADED: dict[str, Any] = {}
 
 
-def _load(model: torch.nn.Module, items: list[tuple[str, torch.Tensor]]) -> None:
-    """`model.load_weights` (HF names in, vLLM fuses and repacks them) and remember their checksum.
+def _load(model: torch.nn.Module, named: dict[str, torch.Tensor], *, keep: bool = True) -> None:
+    """`model.load_weights` (HF names in, vLLM fuses and repacks them) and remember what was loaded.
 
     vLLM's CPU kernels repack linear weights into storage that `named_parameters()` no longer
-    shows, so the checksum is taken of the tensors handed to vLLM, not read back from it."""
+    shows, so a checksum is taken of the tensors handed to vLLM, not read back from it; it is
+    computed when asked for, not inside the paused update. `keep=False` (tensors that would
+    otherwise be freed) stores the checksum right away instead of the tensors."""
     with torch.no_grad():
-        model.load_weights(items)
-    _LOADED_CHECKSUM[:] = [weights_checksum(dict(items))]
+        model.load_weights(list(named.items()))
+    _LAST_LOADED.clear()
+    _LAST_LOADED.update({"named": named} if keep else {"checksum": weights_checksum(named)})
 
 
 class RayllmWeightTransfer(WeightTransferEngine[RayllmInitInfo, RayllmUpdateInfo]):
@@ -251,11 +254,14 @@ class RayllmWorkerExtension:
         does not keep tensors nested in lists), during a paused update."""
         from safetensors.torch import load
 
-        _load(self.model_runner.get_model(), list(load(blob).items()))
+        _load(self.model_runner.get_model(), load(blob), keep=False)
 
     def rayllm_loaded_checksum(self) -> float | None:
-        """Checksum of the last weights loaded into this worker (None: still the checkpoint's)."""
-        return _LOADED_CHECKSUM[0] if _LOADED_CHECKSUM else None
+        """Checksum of the last weights loaded into this worker (None: still the checkpoint's).
+        Ask between updates: a transport's buffer is rewritten once the next receive begins."""
+        if "named" in _LAST_LOADED:
+            _LAST_LOADED["checksum"] = weights_checksum(_LAST_LOADED.pop("named"))
+        return _LAST_LOADED.get("checksum")
 
 
 if BACKEND not in WeightTransferEngineFactory._registry:

@@ -87,7 +87,7 @@ class EnvWorker:
     """Runs many workflow episodes concurrently against the replicas and puts each finished episode
     straight into the replay buffer (the collector only admits work; it never carries episodes)."""
 
-    def __init__(self, workflow_factory, replicas: list, buffer=None, episode_filter=None,
+    def __init__(self, workflow_factory, replicas: list, buffer, episode_filter=None,
                  timeout_s: float = 300.0, num_threads: int = 1):
         torch.set_num_threads(num_threads)
         self.workflow = workflow_factory()
@@ -98,14 +98,12 @@ class EnvWorker:
         self.episodes = 0
 
     async def run_episode(self, row: dict) -> Any:
-        """The episode's trajectory TensorDict, or (with a buffer) an `EpisodeOutcome` once it is stored."""
+        """Run one episode and store it in the buffer (unless filtered); returns its `EpisodeOutcome`."""
         from rayllm_rl.orchestration.async_collector import EpisodeOutcome
 
         td = await self.workflow.arun_episode(self.router, row)
         validate_trajectory(td)
         self.episodes += 1
-        if self.buffer is None:
-            return td
         if self.episode_filter is not None and not self.episode_filter(td):
             return EpisodeOutcome(accepted=False)
         await asyncio.wait_for(self.buffer.put.remote(td, self.timeout_s), self.timeout_s + 30)
