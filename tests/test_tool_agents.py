@@ -132,7 +132,7 @@ def test_python_tool_job_workflow_runs_the_model_code_in_the_sandbox(tokenizer):
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray = pytest.importorskip("ray")
+    import ray  # a core dependency: missing ray is a failure, not a skip
     ray.init(address="local", _temp_dir=f"/tmp/rayllm-test-{os.getpid()}", include_dashboard=False, num_cpus=2)
     yield ray
     ray.shutdown()
