@@ -10,7 +10,7 @@ from datasets import Dataset
 
 from rayllm_rl.data.loader import PromptLoader
 from rayllm_rl.data.replay_buffer import AwaitableEpisodeBuffer, ReplayBuffer
-from rayllm_rl.orchestration.async_collector import AsyncRolloutCollector, EpisodeOutcome
+from rayllm_rl.orchestration.collector import EpisodeOutcome, LLMCollector
 from rayllm_rl.orchestration.staleness import StalenessController
 from test_staleness import _episode
 
@@ -92,7 +92,7 @@ def test_waits_are_bounded():
 
 
 def test_collector_counts_episodes_its_runners_delivered():
-    """put_episode=None: the runner stores (or filters) the episode; the collector only counts and frees slots."""
+    """The runner stores (or filters) the episode; the collector only counts and frees slots."""
     stored = []
 
     async def run_episode(row):
@@ -104,8 +104,7 @@ def test_collector_counts_episodes_its_runners_delivered():
 
     async def go():
         ctl = StalenessController(4, 0)
-        col = AsyncRolloutCollector(PromptLoader(Dataset.from_list([{"q": i} for i in range(50)]), seed=0),
-                                    run_episode, None, ctl)
+        col = LLMCollector(PromptLoader(Dataset.from_list([{"q": i} for i in range(50)]), seed=0), run_episode, ctl)
         task = asyncio.ensure_future(col.run())
         for _ in range(100):
             await asyncio.sleep(0.01)

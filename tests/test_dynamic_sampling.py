@@ -8,9 +8,8 @@ from datasets import Dataset
 from rayllm_rl.data.loader import PromptLoader
 from rayllm_rl.data.replay_buffer import ReplayBuffer
 from rayllm_rl.inference.protocol import SamplingParams
-from rayllm_rl.orchestration.async_collector import AsyncRolloutCollector
 from rayllm_rl.orchestration.factories import has_reward_variance
-from rayllm_rl.orchestration.collector import LLMCollector
+from rayllm_rl.orchestration.collector import LLMCollector, collect_batch, run_and_store
 from rayllm_rl.orchestration.staleness import StalenessController
 from rayllm_rl.workflows.rlvr import RLVRWorkflow
 
@@ -34,14 +33,13 @@ def prompt_text(tokenizer, batch, gid):
 
 def test_local_collector_drops_uniform_groups_and_refills(engine, tokenizer):
     wf = RLVRWorkflow(reward, tokenizer, SamplingParams(max_new_tokens=6, temperature=1.5), group_size=4)
-    col = LLMCollector(engine, wf, PromptLoader(Dataset.from_list(ROWS), seed=3), dialog_turns_per_batch=16,
-                       episode_filter=has_reward_variance)
-    batch = asyncio.run(col.collect())
+    batch, stats = asyncio.run(collect_batch(engine, wf, PromptLoader(Dataset.from_list(ROWS), seed=3), 4,
+                                             episode_filter=has_reward_variance))
     assert batch.batch_size[0] == 16  # still full
     for gid, r in groups_of(batch).items():
         assert len(r) == 4 and bool((r != r[0]).any())
         assert "same" not in prompt_text(tokenizer, batch, gid)
-    assert col.filtered_episodes >= 1
+    assert stats["filtered_episodes"] >= 1
 
 
 def test_async_collector_filtered_groups_free_their_slot(engine, tokenizer):
@@ -49,10 +47,10 @@ def test_async_collector_filtered_groups_free_their_slot(engine, tokenizer):
     buffer, ctl = ReplayBuffer(capacity_episodes=8, max_staleness=0), StalenessController(batch_size=4, max_staleness=0)
 
     async def put(td):
-        return buffer.put(td)
+        assert buffer.put(td), "capacity 8 > the 4 episodes admitted at eta=0"
 
-    col = AsyncRolloutCollector(PromptLoader(Dataset.from_list(ROWS), seed=5),
-                                lambda row: wf.arun_episode(engine, row), put, ctl, episode_filter=has_reward_variance)
+    col = LLMCollector(PromptLoader(Dataset.from_list(ROWS), seed=5),
+                       lambda row: run_and_store(wf, engine, row, put, has_reward_variance), ctl)
 
     async def run():
         loop = asyncio.ensure_future(col.run())

@@ -42,7 +42,7 @@ def test_sync_makes_replica_weights_equal(local_ray, tmp_path, transport):
     from rayllm_rl.models.tiny import ensure_tiny_model
     from rayllm_rl.orchestration.factories import build_task
     from rayllm_rl.orchestration.cluster import build_cluster
-    from rayllm_rl.orchestration.driver import make_workflow
+    from rayllm_rl.orchestration.ray_backend import make_workflow
 
     import functools
 
@@ -78,9 +78,10 @@ def test_sync_makes_replica_weights_equal(local_ray, tmp_path, transport):
 
 @pytest.mark.parametrize("eta", [0, 1])
 def test_training_respects_staleness_and_versions(local_ray, tmp_path, eta):
-    from rayllm_rl.orchestration.driver import train
+    from rayllm_rl.orchestration.driver import SUMMARY_KEYS, train
 
     summary = train(small_cfg(tmp_path, "trainer.steps=4", f"rollout.max_staleness={eta}"))
+    assert set(summary) == SUMMARY_KEYS and summary["backend"] == "ray"  # the local backend's schema too
     records = rl_records(summary)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert [r["version"] for r in records] == [1, 2, 3, 4]

@@ -212,13 +212,12 @@ def test_add_thinking_prompt_limits_and_template_transform(tokenizer):
 # ---------------------------------------------------------------- reference KL
 def test_reference_model_and_kl_reward(tiny_model_path, engine, tokenizer):
     from rayllm_rl.data.loader import PromptLoader
-    from rayllm_rl.orchestration.collector import LLMCollector
+    from rayllm_rl.orchestration.collector import collect_batch
     from rayllm_rl.workflows.rlvr import RLVRWorkflow
 
     rows = [{"messages": [{"role": "user", "content": r["question"]}], "answer": r["answer"]} for r in ROWS]
     wf = RLVRWorkflow(components_reward, tokenizer, SamplingParams(max_new_tokens=6), group_size=2)
-    batch = asyncio.run(LLMCollector(engine, wf, PromptLoader(datasets.Dataset.from_list(rows)),
-                                     dialog_turns_per_batch=4).collect())
+    batch, _ = asyncio.run(collect_batch(engine, wf, PromptLoader(datasets.Dataset.from_list(rows)), 2))
     assert "reward_right" in batch.keys() and "length" in batch.keys()
     learner = Learner(tiny_model_path, OptimConfig(lr=1e-2))
     ref = ReferenceModel(tiny_model_path, named_tensors=learner.named_tensors())

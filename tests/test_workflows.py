@@ -8,7 +8,7 @@ from datasets import Dataset
 
 from rayllm_rl.data.loader import PromptLoader
 from rayllm_rl.inference.protocol import SamplingParams
-from rayllm_rl.orchestration.collector import LLMCollector
+from rayllm_rl.orchestration.collector import collect_batch
 from rayllm_rl.workflows.grouped import GroupedWorkflow
 from rayllm_rl.workflows.multi_turn import MultiTurnWorkflow, feedback_suffix_ids
 from rayllm_rl.workflows.rlvr import RLVRWorkflow
@@ -133,9 +133,8 @@ def test_raising_and_slow_rewards_give_zero_and_count(engine, tokenizer):
 def test_collector_fills_batch_and_drops_malformed_rows(engine, tokenizer):
     rows = [dict(ROW), {"answer": "1"}, dict(ROW), dict(ROW)]  # row 1 has no messages (None)
     wf = RLVRWorkflow(lambda *a, **k: 1.0, tokenizer, SamplingParams(max_new_tokens=4), group_size=2)
-    col = LLMCollector(engine, wf, PromptLoader(Dataset.from_list(rows), shuffle=False), dialog_turns_per_batch=6)
-    batch = asyncio.run(col.collect())
+    batch, stats = asyncio.run(collect_batch(engine, wf, PromptLoader(Dataset.from_list(rows), shuffle=False), 3))
     assert batch.batch_size[0] == 6
-    assert col.failed_episodes == 1 and "must be a string or a list" in col.last_error
+    assert stats["failed_episodes"] == 1 and "must be a string or a list" in stats["last_error"]
     assert len(set(batch["group_id"].tolist())) == 3
     assert bool((batch["loss_mask"].sum(-1) > 0).all())

@@ -12,7 +12,6 @@ import ray
 import torch
 
 from rayllm_rl.data.replay_buffer import ReplayBuffer
-from rayllm_rl.data.trajectory import validate_trajectory
 from rayllm_rl.inference.protocol import LLMRequest, LLMResponse, UpdateGroupSpec, weights_checksum
 from rayllm_rl.orchestration.router import ReplicaRouter
 
@@ -99,15 +98,13 @@ class EnvWorker:
 
     async def run_episode(self, row: dict) -> Any:
         """Run one episode and store it in the buffer (unless filtered); returns its `EpisodeOutcome`."""
-        from rayllm_rl.orchestration.async_collector import EpisodeOutcome
+        from rayllm_rl.orchestration.collector import run_and_store
 
-        td = await self.workflow.arun_episode(self.router, row)
-        validate_trajectory(td)
         self.episodes += 1
-        if self.episode_filter is not None and not self.episode_filter(td):
-            return EpisodeOutcome(accepted=False)
+        return await run_and_store(self.workflow, self.router, row, self._put, self.episode_filter)
+
+    async def _put(self, td) -> None:
         await asyncio.wait_for(self.buffer.put.remote(td, self.timeout_s), self.timeout_s + 30)
-        return EpisodeOutcome(accepted=True, generated_tokens=int(td["loss_mask"].sum()))
 
     def stats(self) -> dict[str, Any]:
         reward = getattr(self.workflow, "reward", None)
@@ -274,21 +271,21 @@ class LearnerWorker:
 
 @ray.remote(num_cpus=0)
 class RayLLMCollector:
-    """`collector`: admits episodes under the staleness bound and spreads them over the env workers,
+    """`collector`, the actor shell of `LLMCollector`: admits episodes under the staleness bound and spreads them over the env workers,
     which put them straight into the buffer; a collector loop that dies fails the buffer's waiters."""
 
     def __init__(self, dataset, env_workers: list, buffer, batch_size: int, max_staleness: int,
                  seed: int = 0, episode_timeout_s: float = 600.0):
         from rayllm_rl.data.loader import PromptLoader
-        from rayllm_rl.orchestration.async_collector import AsyncRolloutCollector
+        from rayllm_rl.orchestration.collector import LLMCollector
         from rayllm_rl.orchestration.staleness import StalenessController
 
         self.env_workers = list(env_workers)
         self.in_flight = [0] * len(env_workers)
         self.buffer = buffer
         self.timeout_s = episode_timeout_s
-        self.collector = AsyncRolloutCollector(PromptLoader(dataset, seed=seed), self._run_episode, None,
-                                               StalenessController(batch_size, max_staleness))
+        self.collector = LLMCollector(PromptLoader(dataset, seed=seed), self._run_episode,
+                                      StalenessController(batch_size, max_staleness))
         self._task: asyncio.Task | None = None
 
     async def _run_episode(self, row: dict):

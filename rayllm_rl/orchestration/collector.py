@@ -1,85 +1,183 @@
-"""LLMCollector (plain asyncio): run many workflow episodes concurrently into one batch.
+"""LLMCollector: keeps episodes running under the staleness bound; its runners fill the buffer.
 
-The Ray collector wraps the same logic; this class has no Ray dependency so tests and the
-single-process trainer drive it directly.
+Plain asyncio, no Ray. The single-process backend drives it directly; `RayLLMCollector`
+(orchestration/actors.py) is its actor shell. An *episode* is what one
+`workflow.arun_episode(engine, row)` returns -- the trajectories of one prompt (a GRPO group)
+-- and it is the replay buffer's unit. The collector only admits episodes and counts them:
+the runner it is given (`run_and_store`, or an env worker running it) stores each episode in
+the buffer itself, so the episode's tensors never pass through the collector.
 """
 from __future__ import annotations
 
 import asyncio
-import itertools
+import dataclasses
 import logging
 import time
-from typing import Any, Mapping
+from typing import Any, Awaitable, Callable
 
 from tensordict import TensorDict
 
-from rayllm_rl.data.trajectory import concat_padded, validate_trajectory
-from rayllm_rl.inference.protocol import InferenceEngine
-from rayllm_rl.workflows.base import RolloutWorkflow
+from rayllm_rl.data.trajectory import validate_trajectory
+from rayllm_rl.orchestration.staleness import StalenessController
 
 log = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass
+class EpisodeOutcome:
+    """What became of one episode that its runner delivered straight to the buffer."""
+
+    accepted: bool
+    """Stored in the buffer (False: rejected by the episode filter, e.g. DAPO's uniform groups)."""
+    generated_tokens: int = 0
+
+
+async def run_and_store(workflow, engine, row: dict, put: Callable[[TensorDict], Awaitable[Any]],
+                        episode_filter: Callable[[TensorDict], bool] | None = None) -> EpisodeOutcome:
+    """Run one episode, check it is a valid trajectory batch, and `put` it unless the filter rejects it."""
+    td = await workflow.arun_episode(engine, row)
+    validate_trajectory(td)
+    if episode_filter is not None and not episode_filter(td):
+        return EpisodeOutcome(accepted=False)
+    await put(td)
+    return EpisodeOutcome(accepted=True, generated_tokens=int(td["loss_mask"].sum()))
+
+
 class LLMCollector:
-    """Collects `dialog_turns_per_batch` trajectories per call from concurrent episodes."""
+    """Admit while `accepted + running < (eta + v + 1) * B`; deliver whole groups; never drop silently."""
 
-    def __init__(self, engine: InferenceEngine, workflow: RolloutWorkflow, loader, *,
-                 dialog_turns_per_batch: int, max_concurrency: int = 256, max_failures: int = 16,
-                 episode_filter=None, max_filtered: int = 10_000):
-        self.engine = engine
-        self.workflow = workflow
+    def __init__(self, loader, run_episode: Callable[[dict], Awaitable[EpisodeOutcome]],
+                 controller: StalenessController, *, max_consecutive_failures: int = 64):
+        """`run_episode(row)` runs one episode and stores it (see `run_and_store`); rows come from `loader`."""
         self.loader = loader
-        self.dialog_turns_per_batch = dialog_turns_per_batch
-        self.max_concurrency = max_concurrency
-        self.max_failures = max_failures
-        self._group_ids = itertools.count()
-        self.failed_episodes = 0
-        self.episode_filter = episode_filter
-        """Keep an episode only if this returns True (DAPO dynamic sampling); others are replaced."""
-        self.max_filtered = max_filtered
-        self.filtered_episodes = 0
+        self.run_episode = run_episode
+        self.controller = controller
+        self.max_consecutive_failures = max_consecutive_failures
+        self.filtered = 0
+        self.next_group_id = 0
+        self.failed = 0
+        self.consecutive_failures = 0
         self.last_error: str | None = None
+        self.generated_tokens = 0
+        self.finished = 0
+        self._paused = False
+        self._stopped = False
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._t0 = time.perf_counter()
+        self.fatal: str | None = None
 
-    async def _episode(self, row: Mapping[str, Any]) -> TensorDict | None:
+    # ------------------------------------------------------------------ control
+    def set_version(self, version: int) -> None:
+        self.controller.set_version(version)
+        self._wake.set()
+
+    def on_dropped(self, n: int) -> None:
+        """The buffer dropped n over-stale episodes: free their slots under the bound."""
+        if n > 0:
+            self.controller.on_dropped(n)
+            self._wake.set()
+
+    def pause(self) -> None:
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Pause admissions and wait for every running episode to land in the buffer."""
+        self.pause()
+        if self._tasks:
+            done, pending = await asyncio.wait(set(self._tasks), timeout=timeout_s)
+            if pending:
+                raise TimeoutError(f"{len(pending)} episodes still running after {timeout_s:.0f}s of drain")
+
+    # ------------------------------------------------------------------ loop
+    async def run(self) -> None:
+        """Admit episodes whenever the bound allows; returns when stopped."""
+        while not self._stopped:
+            if self.fatal:
+                raise RuntimeError(self.fatal)
+            if not self._paused and self.controller.try_admit(1):
+                row = self.loader.next_row()
+                gid = self.next_group_id
+                self.next_group_id += 1
+                task = asyncio.ensure_future(self._episode({**row, "group_id": gid}))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                continue
+            self._wake.clear()
+            await self._wake.wait()
+
+    async def _episode(self, row: dict) -> None:
+        accepted = False
         try:
-            td = await self.workflow.arun_episode(self.engine, {**row, "group_id": next(self._group_ids)})
-            validate_trajectory(td)
-            return td
-        except Exception as exc:  # noqa: BLE001 - one bad episode must not kill the batch
-            self.failed_episodes += 1
+            outcome = await self.run_episode(row)
+            self.consecutive_failures = 0
+            if not outcome.accepted:
+                self.filtered += 1  # rejected: its slot goes back, a new prompt refills the batch
+                return
+            accepted = True
+            self.finished += 1
+            self.generated_tokens += outcome.generated_tokens
+        except Exception as exc:  # noqa: BLE001 - a bad episode is counted, not fatal
+            self.failed += 1
+            self.consecutive_failures += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
-            log.warning("episode failed (%s); row dropped: %s", self.last_error, {k: row[k] for k in list(row)[:4]})
-            return None
+            log.warning("episode of group %s failed: %s", row.get("group_id"), self.last_error)
+            if self.consecutive_failures >= self.max_consecutive_failures:
+                self.fatal = f"{self.consecutive_failures} consecutive episodes failed; last: {self.last_error}"
+        finally:
+            self.controller.finish(1, accepted=accepted)
+            self._wake.set()
 
-    async def collect(self) -> TensorDict:
-        """Run episodes until the batch holds `dialog_turns_per_batch` trajectories."""
-        t0 = time.perf_counter()
-        parts: list[TensorDict] = []
-        have, failures_before = 0, self.failed_episodes
-        pending: set[asyncio.Task] = set()
-        per_episode = getattr(self.workflow, "group_size", 1)
-        while have < self.dialog_turns_per_batch:
-            need = self.dialog_turns_per_batch - have - sum(per_episode for _ in pending)
-            while need > 0 and len(pending) < self.max_concurrency:
-                pending.add(asyncio.ensure_future(self._episode(self.loader.next_row())))
-                need -= per_episode
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                td = task.result()
-                if td is not None and self.episode_filter is not None and not self.episode_filter(td):
-                    self.filtered_episodes += 1
-                    if self.filtered_episodes > self.max_filtered:
-                        raise RuntimeError(f"more than {self.max_filtered} episodes filtered out; is every group uniform?")
-                    continue
-                if td is not None:
-                    parts.append(td)
-                    have += td.batch_size[0]
-            if self.failed_episodes - failures_before > self.max_failures:
-                for t in pending:
-                    t.cancel()
-                raise RuntimeError(f"more than {self.max_failures} episodes failed in one batch; last: {self.last_error}")
-        for t in pending:  # over-provisioned episodes are kept for nothing: cancel them
+    # ------------------------------------------------------------------ state
+    def stats(self) -> dict[str, Any]:
+        elapsed = time.perf_counter() - self._t0
+        return {**self.controller.stats(), "failed_episodes": self.failed, "finished_episodes": self.finished,
+                "filtered_episodes": self.filtered,
+                "generated_tokens": self.generated_tokens, "tokens_per_s": self.generated_tokens / max(elapsed, 1e-9),
+                "last_error": self.last_error, "fatal": self.fatal}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Loader position and group counter; call after drain() so nothing is in flight."""
+        if self._tasks:
+            raise RuntimeError("state_dict() needs a drained collector (episodes still running)")
+        return {"loader": self.loader.state_dict(), "next_group_id": self.next_group_id,
+                "controller": self.controller.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state["loader"])
+        self.next_group_id = state["next_group_id"]
+        self.controller.load_state_dict(state["controller"])
+
+
+async def collect_batch(engine, workflow, loader, n_episodes: int, *, episode_filter=None,
+                        timeout_s: float = 300.0) -> tuple[TensorDict, dict[str, Any]]:
+    """One batch of `n_episodes` episodes from `engine` in this process (scripts, tests, evaluation
+    sweeps): the collector and buffer of a run at version 0 with no staleness. Returns the batch
+    (rows of every episode, padded) and the collector's stats (failed, filtered episodes...)."""
+    from rayllm_rl.data.replay_buffer import AwaitableEpisodeBuffer, ReplayBuffer
+
+    buffer = AwaitableEpisodeBuffer(ReplayBuffer(n_episodes, 0))
+    collector = LLMCollector(loader, lambda row: run_and_store(
+        workflow, engine, row, lambda td: buffer.put(td, timeout_s), episode_filter), StalenessController(n_episodes, 0))
+    loop_task = asyncio.ensure_future(collector.run())
+    batch_task = asyncio.ensure_future(buffer.get_batch(n_episodes, 0, timeout_s))
+    try:
+        await asyncio.wait({loop_task, batch_task}, return_when=asyncio.FIRST_COMPLETED)
+        if not batch_task.done():  # the loop ended first: too many failures
+            raise loop_task.exception() or RuntimeError("collector stopped before the batch was full")
+        batch, _ = batch_task.result()
+    finally:
+        collector.stop()
+        tasks = [loop_task, batch_task, *collector._tasks]
+        for t in tasks:
             t.cancel()
-        batch = concat_padded(parts)
-        self.last_collect_seconds = time.perf_counter() - t0
-        return batch
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return batch, collector.stats()

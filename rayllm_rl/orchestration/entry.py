@@ -20,19 +20,15 @@ def train(config: GRPOJobConfig | None = None, overrides: list[str] | None = Non
     if overrides:
         cfg = apply_dict(cfg, parse_overrides(list(overrides)))
     cfg.validate()
+    from rayllm_rl.orchestration.driver import train as run_driver
+
     if cfg.trainer.backend == "local":
-        import asyncio
-
-        from rayllm_rl.orchestration.local_trainer import train_local
-
-        return asyncio.run(train_local(cfg))
+        return run_driver(cfg)
     import ray
-
-    from rayllm_rl.orchestration.driver import train as train_ray
 
     started_here = not ray.is_initialized()
     try:
-        return train_ray(cfg)
+        return run_driver(cfg)
     finally:
         if started_here:
             ray.shutdown()  # flushes actor logs before the caller prints the summary

@@ -1,6 +1,7 @@
 """Run outputs: a timestamped run dir, metrics JSONL, progress on stderr, a reward-curve PNG."""
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import time
@@ -80,3 +81,13 @@ class RunReporter:
         self.plot_rewards()
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self._metrics.close()
+
+
+def prompts_digest(batch) -> str:
+    """Hash of the prompts a batch trains on, in group order (to check resume keeps data order)."""
+    h = hashlib.sha1()
+    for gid in sorted(set(batch["group_id"].tolist())):
+        row = batch["input_ids"][batch["group_id"] == gid][0]
+        first_gen = int(batch["loss_mask"][batch["group_id"] == gid][0].float().argmax())
+        h.update(str(row[:first_gen].tolist()).encode())
+    return h.hexdigest()[:16]

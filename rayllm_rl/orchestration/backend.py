@@ -1,0 +1,69 @@
+"""What the driver needs of a job's roles, whichever backend runs them.
+
+`RayBackend` (ray_backend.py) reaches actors; `LocalBackend` (local_backend.py) reaches the
+same plain classes in this process. The driver (driver.py) is one loop over either: same
+SFT warm start, resume, periodic checkpoints, weight syncs and summary. The driver owns the
+policy version and passes it in; no backend keeps a version counter of its own.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+import torch
+from tensordict import TensorDict
+
+
+class Backend(Protocol):
+    """Blocking calls, each bounded by the job's timeouts."""
+
+    def train_step(self, batch: TensorDict, loss: Any = None) -> dict[str, float]:
+        """One optimizer update on every learner rank (`loss` None: the job's RL loss); rank 0's metrics."""
+
+    def reset_optimizer(self, optim_cfg: Any) -> None:
+        """A fresh optimizer and schedule on every learner rank (after the SFT warm start)."""
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """The learner's weights become `version` on every inference engine: `sync_s`, `stall_s`."""
+
+    def set_version(self, version: int) -> None:
+        """Tell the collector the policy version (it admits episodes up to `max_staleness` older)."""
+
+    def start_collector(self) -> None:
+        """Start (or resume) admitting episodes."""
+
+    def next_batch(self, n_episodes: int, version: int) -> tuple[TensorDict, int]:
+        """The buffer's oldest `n_episodes` within the staleness bound at `version` (waits, no polling),
+        and how many episodes were left in the buffer."""
+
+    def start_reference(self, checkpoint: str | None) -> Callable[[TensorDict], torch.Tensor]:
+        """A frozen reference policy (the current learner weights, or the one `checkpoint` saved);
+        returns `batch -> ref_logprobs [N, T]`."""
+
+    def evaluate(self) -> dict[str, Any]:
+        """Greedy evaluation on the task's held-out prompts with the engines' current weights."""
+
+    def collector_stats(self) -> dict[str, Any]:
+        """The collector's counters (`tokens_per_s`, `failed_episodes`, ...)."""
+
+    def save_checkpoint(self, path: str, step: int, version: int) -> str:
+        """Quiesce the collector, save learner + data order + buffer (+ reference), resume collecting."""
+
+    def restore(self, path: str) -> tuple[int, int]:
+        """Load a `save_checkpoint` directory into every role; returns (step, version)."""
+
+    def drain(self) -> None:
+        """Stop admitting and wait for the running episodes to land in the buffer."""
+
+    def summary_stats(self) -> dict[str, Any]:
+        """The summary's backend part: buffer, failures, versions held, learner/engine checksums."""
+
+    def publish(self, record: dict[str, Any]) -> None:
+        """Export a step's record to the backend's monitoring (the Ray dashboard's metrics)."""
+
+    def shutdown(self) -> None:
+        """Release every role (processes, shared memory, sync groups)."""
+
+
+def buffer_capacity(cfg) -> int:
+    """Replay buffer capacity in episodes: `ray.buffer_episodes`, else two batches per version in flight."""
+    return cfg.ray.buffer_episodes or 2 * (cfg.rollout.max_staleness + 1) * cfg.rollout.prompts_per_step

@@ -1,0 +1,191 @@
+"""LocalBackend: every role of a job in this process, driven by the same driver as the Ray backend.
+
+The plain classes the Ray actors wrap run here directly: a TransformersEngine, the
+`LLMCollector`, the awaitable replay buffer and the `Learner`. Generation, the collector and
+the buffer live on one asyncio loop in a background thread; learner steps run in the
+driver's thread, so with `max_staleness >= 1` the next batch is generated while the learner
+trains (the engine takes new weights between two decode steps, under its lock).
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from typing import Any, Awaitable, Callable, TypeVar
+
+import torch
+
+from rayllm_rl.data.loader import PromptLoader
+from rayllm_rl.data.replay_buffer import AwaitableEpisodeBuffer, ReplayBuffer
+from rayllm_rl.inference.protocol import weights_checksum
+from rayllm_rl.inference.transformers_engine import TransformersEngine
+from rayllm_rl.learner.learner import Learner
+from rayllm_rl.orchestration.backend import buffer_capacity
+from rayllm_rl.orchestration.collector import LLMCollector, run_and_store
+from rayllm_rl.orchestration.factories import build_episode_filter, build_workflow
+from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.orchestration.staleness import StalenessController
+from rayllm_rl.workflows.evaluation import evaluate_greedy
+
+T = TypeVar("T")
+
+
+class EventLoopThread:
+    """An asyncio loop in a daemon thread; `call` runs a coroutine there and waits, bounded."""
+
+    def __init__(self, name: str = "rayllm-local-loop"):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def call(self, coro: Awaitable[T], timeout_s: float, what: str) -> T:
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result(timeout_s)
+        except TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"local backend: {what} did not finish within {timeout_s:g}s") from None
+
+    def run(self, fn: Callable[..., T], *args, timeout_s: float = 60.0) -> T:
+        """Call a plain function on the loop's thread (for objects that own asyncio primitives)."""
+        async def on_loop():
+            return fn(*args)
+        return self.call(on_loop(), timeout_s, getattr(fn, "__name__", "call"))
+
+    def close(self) -> None:
+        async def cancel_all():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            self.call(cancel_all(), 30, "cancelling the loop's tasks")
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(30)
+
+
+class LocalBackend:
+    """The driver's calls (backend.Backend) on in-process objects."""
+
+    def __init__(self, cfg: GRPOJobConfig, model_path: str, task, tokenizer):
+        random.seed(cfg.trainer.seed)
+        torch.manual_seed(cfg.trainer.seed)
+        if cfg.trainer.num_threads > 0:
+            torch.set_num_threads(cfg.trainer.num_threads)
+        self.cfg, self.model_path, self.task, self.tokenizer = cfg, model_path, task, tokenizer
+        self.timeout_s = cfg.ray.call_timeout_s
+        self.engine = TransformersEngine(model_path, seed=cfg.trainer.seed)
+        self.learner = Learner(model_path, cfg.optim, temperature=cfg.rollout.temperature, seed=cfg.trainer.seed)
+        self.loss = cfg.algo.build_loss(cfg.rollout.max_new_tokens)
+        self.workflow = build_workflow(cfg, task, tokenizer)
+        self.episode_filter = build_episode_filter(cfg)
+        self.reference = None
+        self.versions_held = [self.engine.version]
+        self.loop = EventLoopThread()
+        self.loop.run(self._build_on_loop)
+        self._collector_task: asyncio.Task | None = None
+
+    def _build_on_loop(self) -> None:
+        cfg = self.cfg
+        self.buffer = AwaitableEpisodeBuffer(ReplayBuffer(buffer_capacity(cfg), cfg.rollout.max_staleness),
+                                             on_dropped=lambda n: self.collector.on_dropped(n))
+        self.collector = LLMCollector(PromptLoader(self.task.train, seed=cfg.trainer.seed), self._run_episode,
+                                      StalenessController(cfg.rollout.prompts_per_step, cfg.rollout.max_staleness))
+
+    async def _run_episode(self, row: dict):
+        put = lambda td: self.buffer.put(td, self.timeout_s)  # noqa: E731
+        return await run_and_store(self.workflow, self.engine, row, put, self.episode_filter)
+
+    # ---------------------------------------------------------------- learner
+    def train_step(self, batch, loss=None) -> dict[str, float]:
+        return self.learner.train_step(batch, loss if loss is not None else self.loss)
+
+    def reset_optimizer(self, optim_cfg) -> None:
+        self.learner.reset_optimizer(optim_cfg)
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """Copy the learner's weights into the engine between two decode steps (the engine's lock)."""
+        t0 = time.perf_counter()
+        self.engine.update_weights(self.learner.named_tensors(), version=version)
+        self.versions_held.append(int(version))
+        dt = time.perf_counter() - t0
+        return {"sync_s": dt, "stall_s": dt}
+
+    # ---------------------------------------------------------------- collector and buffer
+    def set_version(self, version: int) -> None:
+        self.loop.run(self.collector.set_version, version)
+
+    def _on_loop_end(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self.buffer.fail(f"collector loop died: {task.exception()}")
+
+    def _start_on_loop(self) -> None:
+        if self._collector_task is None or self._collector_task.done():
+            self._collector_task = asyncio.ensure_future(self.collector.run())
+            self._collector_task.add_done_callback(self._on_loop_end)
+        self.collector.resume()
+
+    def start_collector(self) -> None:
+        self.loop.run(self._start_on_loop)
+
+    def next_batch(self, n_episodes: int, version: int):
+        return self.loop.call(self.buffer.get_batch(n_episodes, version, self.timeout_s), self.timeout_s + 30,
+                              f"a batch of {n_episodes} episodes at version {version}")
+
+    def drain(self) -> None:
+        self.loop.call(self.collector.drain(self.timeout_s), self.timeout_s + 30, "draining the collector")
+
+    def collector_stats(self) -> dict[str, Any]:
+        return self.loop.run(self.collector.stats)
+
+    # ---------------------------------------------------------------- reference, eval, checkpoints
+    def start_reference(self, checkpoint: str | None):
+        from rayllm_rl.learner.reference import ReferenceModel, load_reference_weights
+
+        weights = load_reference_weights(checkpoint) if checkpoint else self.learner.named_tensors()
+        self.reference = ReferenceModel(self.model_path, temperature=self.cfg.rollout.temperature,
+                                        named_tensors=weights)
+        return self.reference.compute_logprobs
+
+    def evaluate(self) -> dict[str, Any]:
+        coro = evaluate_greedy(self.engine, self.tokenizer, self.task.eval, self.task.reward_fn,
+                               self.cfg.rollout.max_new_tokens)
+        return self.loop.call(coro, self.timeout_s, "greedy evaluation")
+
+    def save_checkpoint(self, path: str, step: int, version: int) -> str:
+        from rayllm_rl.learner.checkpoint import save_checkpoint
+
+        self.drain()
+        extra = {"step": step, "version": version, "collector": self.loop.run(self.collector.state_dict),
+                 "buffer": self.loop.run(self.buffer.buffer.state_dict)}
+        save_checkpoint(self.learner, path, tokenizer=self.tokenizer, extra=extra)
+        if self.reference is not None:
+            self.reference.save(path)
+        self.start_collector()
+        return str(path)
+
+    def restore(self, path: str) -> tuple[int, int]:
+        from rayllm_rl.learner.checkpoint import load_checkpoint
+
+        extra = load_checkpoint(self.learner, path)
+        self.loop.run(self.collector.load_state_dict, extra["collector"])
+        self.loop.run(self.buffer.buffer.load_state_dict, extra["buffer"])
+        return extra["step"], extra["version"]
+
+    def summary_stats(self) -> dict[str, Any]:
+        reward = getattr(self.workflow, "reward", None)
+        engine_sum = self.loop.call(self.engine.weights_checksum(), 60, "engine checksum")
+        return {"failed_episodes": self.collector_stats()["failed_episodes"],
+                "buffer": self.loop.run(self.buffer.buffer.stats),
+                "reward_failures": reward.counters() if reward is not None else {},
+                "replica_versions_held": [list(self.versions_held)],
+                "learner_checksums_equal_replicas": weights_checksum(self.learner.named_tensors()) == engine_sum}
+
+    def publish(self, record: dict[str, Any]) -> None:
+        """Nothing to export to: the run's metrics.jsonl is the record."""
+
+    def shutdown(self) -> None:
+        self.loop.run(self.collector.stop)
+        self.loop.close()

@@ -1,0 +1,125 @@
+"""RayBackend: the driver's calls (backend.Backend) on a job's actors; every wait has a timeout."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import ray
+
+from rayllm_rl.orchestration.actors import ReferenceActor
+from rayllm_rl.orchestration.cluster import Cluster, build_cluster, init_ray
+from rayllm_rl.orchestration.factories import build_task, build_workflow
+from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.orchestration.router import ReplicaRouter
+from rayllm_rl.workflows.evaluation import evaluate_greedy
+
+
+def make_workflow(cfg: GRPOJobConfig, model_path: str):
+    """Top-level (picklable) factory run inside each EnvWorker."""
+    from transformers import AutoTokenizer
+
+    return build_workflow(cfg, build_task(cfg), AutoTokenizer.from_pretrained(model_path))
+
+
+class RayBackend:
+    """Replicas, env workers, learners, buffer and collector as named Ray actors (see cluster.py)."""
+
+    def __init__(self, cfg: GRPOJobConfig, model_path: str, task, tokenizer):
+        import functools
+
+        from rayllm_rl.orchestration.metrics import RayMetrics
+
+        init_ray(cfg)
+        self.cfg, self.model_path, self.task, self.tokenizer = cfg, model_path, task, tokenizer
+        self.cluster: Cluster = build_cluster(cfg, model_path, task, functools.partial(make_workflow, cfg, model_path))
+        self.reference = None
+        self._pending_version = None  # the last set_version call, awaited at the next one
+        self._metrics = RayMetrics()
+
+    def _get(self, refs, timeout_s: float | None = None):
+        return self.cluster.get(refs, timeout_s)
+
+    def train_step(self, batch, loss=None) -> dict[str, float]:
+        return self.cluster.learner_call("train_step", ray.put(batch), loss)[0]
+
+    def reset_optimizer(self, optim_cfg) -> None:
+        self.cluster.learner_call("reset_optimizer", optim_cfg)
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        return self.cluster.sync_weights(version)
+
+    def set_version(self, version: int) -> None:
+        """Pipelined: the previous call is awaited (bounded) and this one is left in flight."""
+        if self._pending_version is not None:
+            self._get(self._pending_version)
+        self._pending_version = self.cluster.collector.set_version.remote(version)
+
+    def start_collector(self) -> None:
+        self._get(self.cluster.collector.start.remote())
+
+    def next_batch(self, n_episodes: int, version: int):
+        """One awaited call: the buffer returns over-stale episodes' slots to the collector itself, and
+        fails this wait at once (naming the cause) if the collector's loop dies."""
+        c = self.cluster
+        return self._get(c.buffer.get_batch.remote(n_episodes, version, c.timeout_s), timeout_s=c.timeout_s + 30)
+
+    def start_reference(self, checkpoint: str | None):
+        weights = checkpoint or self.cluster.learner_call("named_tensors")[0]
+        self.reference = ReferenceActor.options(name="reference").remote(
+            self.model_path, self.cfg.rollout.temperature, weights, self.cfg.ray.threads_per_actor)
+        return lambda batch: self._get(self.reference.compute_logprobs.remote(batch))
+
+    def evaluate(self) -> dict[str, Any]:
+        router = ReplicaRouter(self.cluster.replicas, self.cluster.timeout_s)
+        return asyncio.run(evaluate_greedy(router, self.tokenizer, self.task.eval, self.task.reward_fn,
+                                           self.cfg.rollout.max_new_tokens))
+
+    def collector_stats(self) -> dict[str, Any]:
+        return self._get(self.cluster.collector.stats.remote())
+
+    def save_checkpoint(self, path: str, step: int, version: int) -> str:
+        c = self.cluster
+        collector_state = self._get(c.collector.drain.remote(c.timeout_s))
+        extra = {"step": step, "version": version, "collector": collector_state,
+                 "buffer": self._get(c.buffer.state_dict.remote())}
+        c.learner_call("save_checkpoint", str(path), self.model_path, extra)
+        if self.reference is not None:
+            self._get(self.reference.save.remote(str(path)))
+        self._get(c.collector.start.remote())
+        return str(path)
+
+    def restore(self, path: str) -> tuple[int, int]:
+        extra = self.cluster.learner_call("load_checkpoint", path)[0]
+        self._get(self.cluster.collector.load_state_dict.remote(extra["collector"]))
+        self._get(self.cluster.buffer.load_state_dict.remote(extra["buffer"]))
+        return extra["step"], extra["version"]
+
+    def drain(self) -> None:
+        if self._pending_version is not None:
+            self._get(self._pending_version)
+        self._get(self.cluster.collector.drain.remote(self.cluster.timeout_s))
+
+    def _reward_counters(self) -> dict[str, int]:
+        """Reward calls, errors and timeouts summed over the env workers."""
+        total: dict[str, int] = {}
+        for stats in self._get([w.stats.remote() for w in self.cluster.env_workers]):
+            for k, v in stats.items():
+                if k.startswith("reward_"):
+                    total[k] = total.get(k, 0) + v
+        return total
+
+    def summary_stats(self) -> dict[str, Any]:
+        c = self.cluster
+        sums = self._get([l.checksum.remote() for l in c.learners] + [r.checksum.remote() for r in c.replicas])
+        return {"failed_episodes": self.collector_stats()["failed_episodes"],
+                "buffer": self._get(c.buffer.stats.remote()), "reward_failures": self._reward_counters(),
+                "replica_versions_held": self._get([r.version_history.remote() for r in c.replicas]),
+                "learner_checksums_equal_replicas": len(set(sums)) == 1}
+
+    def publish(self, record: dict[str, Any]) -> None:
+        self._metrics.update(record)
+
+    def shutdown(self) -> None:
+        if self.reference is not None:
+            ray.kill(self.reference, no_restart=True)
+        self.cluster.shutdown()
