@@ -5,16 +5,25 @@
 runs `ray job submit --working-dir . -- python jobs/grpo.py [overrides]` against that head,
 streams the job's logs, prints the job's final JSON summary as the last stdout line, and stops
 only the Ray processes it started (its own process group and temp dir).
+
+Every wait is bounded (seconds, from the environment):
+  RAYLLM_HEAD_TIMEOUT_S   (120)  until the head's dashboard answers the job API
+  RAYLLM_AGENT_TIMEOUT_S  (120)  until the head's job agent accepts the submission
+  RAYLLM_JOB_TIMEOUT_S   (1800)  until the job ends, once submitted
+The auth token lives in the head's own temp dir (RAY_AUTH_TOKEN_PATH); nothing in HOME is used.
 """
 from __future__ import annotations
 
 import json
 import os
+import queue
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -22,6 +31,27 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without install
 
 from rayllm_rl.weight_sync.gloo_group import find_free_port  # noqa: E402
+
+RAY_BIN = str(Path(sys.executable).parent / "ray")
+AGENT_NOT_READY = "No available agent to submit job"
+"""What the dashboard answers a submission while its job agent has not registered yet."""
+SUBMITTED = "submitted successfully"
+"""What `ray job submit` prints once the job exists (a later failure is the job's, never retried)."""
+PROBE_TIMEOUT_S = 30.0
+"""Bound on one `ray job list` probe."""
+RETRY_PAUSE_S = 2.0
+
+
+def env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds from the environment; ValueError naming the variable otherwise."""
+    raw = os.environ.get(name, "")
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r}: expected a positive number of seconds")
+    return value
 
 
 def ray_env(token_path: str) -> dict[str, str]:
@@ -42,27 +72,52 @@ def write_token(temp_dir: str) -> str:
     return path
 
 
-def start_head(temp_dir: str, token_path: str, timeout_s: float = 120.0) -> tuple[subprocess.Popen, str]:
-    gcs, dash = find_free_port(), find_free_port()
-    ray_bin = str(Path(sys.executable).parent / "ray")
+def start_head(temp_dir: str, token_path: str, timeout_s: float) -> tuple[subprocess.Popen, str]:
+    """Start the head in its own process group; (process, dashboard address) once its job API answers.
+
+    Every port with a fixed default is picked free here: another Ray on this machine (a test's
+    `ray.init`, another head) holds the defaults, and a job agent that cannot bind its port
+    never registers, so no job could be submitted."""
+    gcs, dash, agent, client = (find_free_port() for _ in range(4))
     head = subprocess.Popen(
-        [ray_bin, "start", "--head", "--block", f"--port={gcs}", "--dashboard-host=127.0.0.1",
-         f"--dashboard-port={dash}", f"--temp-dir={temp_dir}", "--num-cpus=2", "--include-dashboard=true",
-         "--disable-usage-stats"],
+        [RAY_BIN, "start", "--head", "--block", f"--port={gcs}", "--dashboard-host=127.0.0.1",
+         f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={agent}", f"--ray-client-server-port={client}",
+         f"--temp-dir={temp_dir}", "--num-cpus=2", "--include-dashboard=true", "--disable-usage-stats"],
         env=ray_env(token_path), start_new_session=True, stdout=sys.stderr, stderr=sys.stderr,
     )
     address = f"http://127.0.0.1:{dash}"
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
+    try:
+        wait_for_dashboard(head, address, token_path, timeout_s)
+    except BaseException:
+        stop_head(head)
+        raise
+    return head, address
+
+
+def wait_for_dashboard(head: subprocess.Popen, address: str, token_path: str, timeout_s: float) -> None:
+    """Poll `ray job list` (the dashboard's job API, through token auth) until it answers.
+
+    This says the dashboard is up; its job agent may register later, which `submit` handles.
+    RuntimeError if the head exits, TimeoutError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while True:
         if head.poll() is not None:
-            raise RuntimeError(f"ray head exited with code {head.returncode}")
-        probe = subprocess.run([ray_bin, "job", "list", f"--address={address}"], env=ray_env(token_path),
-                               capture_output=True, text=True, timeout=60)
+            raise RuntimeError(f"ray head exited with code {head.returncode} before its dashboard answered")
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"ray head's job API at {address} did not answer within {timeout_s:.0f}s; "
+                               f"last answer: {last or '(none)'}")
+        try:
+            probe = subprocess.run([RAY_BIN, "job", "list", f"--address={address}"], env=ray_env(token_path),
+                                   capture_output=True, text=True, timeout=min(PROBE_TIMEOUT_S, remaining))
+        except subprocess.TimeoutExpired:
+            last = "`ray job list` did not return"
+            continue
         if probe.returncode == 0:
-            return head, address
-        time.sleep(2)
-    stop_head(head)
-    raise TimeoutError(f"ray head's job server at {address} not ready within {timeout_s:.0f}s")
+            return
+        last = last_line(probe.stderr or probe.stdout)
+        time.sleep(min(RETRY_PAUSE_S, max(0.0, deadline - time.monotonic())))
 
 
 def stop_head(head: subprocess.Popen) -> None:
@@ -76,37 +131,106 @@ def stop_head(head: subprocess.Popen) -> None:
         os.killpg(head.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    try:
+        head.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
 
 
-def submit(address: str, token_path: str, overrides: list[str], timeout_s: float) -> tuple[int, str]:
-    cmd = [str(Path(sys.executable).parent / "ray"), "job", "submit", f"--address={address}",
-           f"--working-dir={ROOT}", "--", "python", "jobs/grpo.py", *overrides]
-    proc = subprocess.Popen(cmd, env=ray_env(token_path), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    deadline = time.time() + timeout_s
-    for line in proc.stdout:
-        lines.append(line)
+def last_line(text: str) -> str:
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def agent_not_ready(log: str) -> bool:
+    """The submission was refused because the job agent has not registered: no job was created."""
+    return AGENT_NOT_READY in log and SUBMITTED not in log
+
+
+def submit(address: str, token_path: str, overrides: list[str], agent_timeout_s: float,
+           job_timeout_s: float, logs_dir: str = "") -> tuple[int, str]:
+    """`ray job submit` (streaming the job's logs to stderr); (exit code, output).
+
+    A submission refused with "No available agent to submit job" is retried every few seconds
+    until `agent_timeout_s`, then TimeoutError (pointing at the agent's log under `logs_dir`); the
+    job itself must end within `job_timeout_s`."""
+    agent_deadline = time.monotonic() + agent_timeout_s
+    attempt = 0
+    while True:
+        attempt += 1
+        code, log = submit_once(address, token_path, overrides, job_timeout_s)
+        if code == 0 or not agent_not_ready(log):
+            return code, log
+        if time.monotonic() + RETRY_PAUSE_S >= agent_deadline:
+            raise TimeoutError(f"the job agent of the ray head at {address} did not accept the job within "
+                               f"{agent_timeout_s:.0f}s ({attempt} submissions refused: {AGENT_NOT_READY!r}); "
+                               f"see {os.path.join(logs_dir, 'dashboard_agent.log') if logs_dir else 'the agent log'} "
+                               "for why it did not start, or raise RAYLLM_AGENT_TIMEOUT_S on a slow machine")
+        sys.stderr.write(f"submit_local: job agent not registered yet (try {attempt}); retrying in "
+                         f"{RETRY_PAUSE_S:.0f}s\n")
+        time.sleep(RETRY_PAUSE_S)
+
+
+def submit_once(address: str, token_path: str, overrides: list[str], timeout_s: float) -> tuple[int, str]:
+    """One `ray job submit` run; its output is echoed to stderr as it comes. TimeoutError after `timeout_s`."""
+    cmd = [RAY_BIN, "job", "submit", f"--address={address}", f"--working-dir={ROOT}", "--",
+           "python", "jobs/grpo.py", *overrides]
+    proc = subprocess.Popen(cmd, env=ray_env(token_path), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        log = stream_output(proc, time.monotonic() + timeout_s)
+    except TimeoutError:
+        proc.kill()
+        proc.wait(timeout=30)
+        raise TimeoutError(f"ray job submit did not finish within {timeout_s:.0f}s "
+                           "(RAYLLM_JOB_TIMEOUT_S)") from None
+    return proc.wait(timeout=60), log
+
+
+def stream_output(proc: subprocess.Popen, deadline: float) -> str:
+    """Echo `proc`'s stdout lines to stderr until it closes; TimeoutError at `deadline`, even when silent."""
+    lines: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    out: list[str] = []
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError
+        try:
+            line = lines.get(timeout=min(remaining, 5.0))
+        except queue.Empty:
+            continue
+        if line is None:
+            return "".join(out)
+        out.append(line)
         sys.stderr.write(line)
-        if time.time() > deadline:
-            proc.kill()
-            raise TimeoutError(f"ray job submit did not finish within {timeout_s:.0f}s")
-    return proc.wait(timeout=60), "".join(lines)
 
 
 def main(argv: list[str]) -> dict:
     if not any(a.startswith("trainer.run_dir=") for a in argv):
         # The job runs in an uploaded copy of the working dir: write outputs into this checkout.
         argv = [*argv, f"trainer.run_dir={ROOT / 'runs' / 'grpo'}"]
+    head_timeout_s = env_seconds("RAYLLM_HEAD_TIMEOUT_S", 120.0)
+    agent_timeout_s = env_seconds("RAYLLM_AGENT_TIMEOUT_S", 120.0)
+    job_timeout_s = env_seconds("RAYLLM_JOB_TIMEOUT_S", 1800.0)
     temp_dir = tempfile.mkdtemp(prefix="rayhead-", dir="/tmp")
     token_path = write_token(temp_dir)
-    head, address = start_head(temp_dir, token_path)
+    head, address = start_head(temp_dir, token_path, head_timeout_s)
     try:
-        code, log = submit(address, token_path, argv, timeout_s=float(os.environ.get("RAYLLM_JOB_TIMEOUT_S", 1800)))
+        code, log = submit(address, token_path, argv, agent_timeout_s, job_timeout_s,
+                           logs_dir=os.path.join(temp_dir, "session_latest", "logs"))
     finally:
         stop_head(head)
     summaries = [json.loads(x) for x in log.splitlines() if x.startswith("{") and "eval_reward_after" in x]
     if code != 0 or "succeeded" not in log or not summaries:
-        raise SystemExit(f"ray job failed (exit {code}); see the log above")
+        raise SystemExit(f"ray job failed (exit {code}); see the log above and the head's logs in {temp_dir}")
+    shutil.rmtree(temp_dir, ignore_errors=True)
     print(json.dumps(summaries[-1]), flush=True)
     return summaries[-1]
 

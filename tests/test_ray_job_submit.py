@@ -1,23 +1,102 @@
 """`ray job submit --working-dir . -- python jobs/grpo.py` against a local head with token auth."""
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+TEST_TIMEOUT_S = 600
+"""pytest-timeout's limit for this test; every bound below fits inside it."""
+SCRIPT_BOUNDS_S = {"RAYLLM_HEAD_TIMEOUT_S": 90, "RAYLLM_AGENT_TIMEOUT_S": 90, "RAYLLM_JOB_TIMEOUT_S": 330}
+"""submit_local.py's own waits: it gives up, and stops its head, before the subprocess bound below."""
+SUBPROCESS_TIMEOUT_S = 560
+"""Above the script's waits plus stopping the head (~40 s), below TEST_TIMEOUT_S."""
 
 
+
+def load_script():
+    """jobs/submit_local.py as a module (it is a script, not part of the package)."""
+    spec = importlib.util.spec_from_file_location("submit_local", ROOT / "jobs" / "submit_local.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_bounds_nest():
+    assert sum(SCRIPT_BOUNDS_S.values()) + 40 <= SUBPROCESS_TIMEOUT_S < TEST_TIMEOUT_S
+
+
+def test_submit_retries_while_the_job_agent_is_not_registered(monkeypatch):
+    script = load_script()
+    refused = (1, "RuntimeError: Request failed with status code 500: No available agent to submit job, "
+                  "please try again later.\n")
+    answers = [refused, refused, (0, "Job 'raysubmit_1' submitted successfully\nJob 'raysubmit_1' succeeded\n")]
+    calls = []
+    monkeypatch.setattr(script, "RETRY_PAUSE_S", 0.01)
+    monkeypatch.setattr(script, "submit_once", lambda *a: calls.append(a) or answers.pop(0))
+    code, log = script.submit("http://127.0.0.1:1", "/tmp/token", ["x=1"], agent_timeout_s=30, job_timeout_s=60)
+    assert code == 0 and "succeeded" in log and len(calls) == 3
+
+
+def test_submit_gives_up_on_the_agent_at_its_deadline_and_never_retries_a_submitted_job(monkeypatch):
+    script = load_script()
+    monkeypatch.setattr(script, "RETRY_PAUSE_S", 0.05)
+    monkeypatch.setattr(script, "submit_once", lambda *a: (1, "No available agent to submit job, please try again"))
+    with pytest.raises(TimeoutError, match=r"did not accept the job within 0s .*RAYLLM_AGENT_TIMEOUT_S"):
+        script.submit("http://127.0.0.1:1", "/tmp/token", [], agent_timeout_s=0.2, job_timeout_s=60)
+    calls = []
+    failed = (1, "Job 'raysubmit_2' submitted successfully\nNo available agent to submit job\nJob failed\n")
+    monkeypatch.setattr(script, "submit_once", lambda *a: calls.append(a) or failed)
+    assert script.submit("http://127.0.0.1:1", "/tmp/token", [], agent_timeout_s=30, job_timeout_s=60) == failed
+    assert len(calls) == 1
+    other = (1, "ConnectionError: something else\n")
+    monkeypatch.setattr(script, "submit_once", lambda *a: other)
+    assert script.submit("http://127.0.0.1:1", "/tmp/token", [], agent_timeout_s=30, job_timeout_s=60) == other
+
+
+def test_a_silent_process_still_times_out():
+    script = load_script()
+    proc = subprocess.Popen([sys.executable, "-c", "import time; print('hi', flush=True); time.sleep(60)"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            script.stream_output(proc, time.monotonic() + 1.0)
+        assert time.monotonic() - t0 < 10
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_env_seconds_names_a_bad_value(monkeypatch):
+    script = load_script()
+    monkeypatch.setenv("RAYLLM_JOB_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="RAYLLM_JOB_TIMEOUT_S='soon': expected a number of seconds"):
+        script.env_seconds("RAYLLM_JOB_TIMEOUT_S", 1800)
+    monkeypatch.setenv("RAYLLM_JOB_TIMEOUT_S", "0")
+    with pytest.raises(ValueError, match="expected a positive number"):
+        script.env_seconds("RAYLLM_JOB_TIMEOUT_S", 1800)
+    monkeypatch.delenv("RAYLLM_JOB_TIMEOUT_S")
+    assert script.env_seconds("RAYLLM_JOB_TIMEOUT_S", 1800) == 1800
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_job_submit_runs_and_prints_summary(tmp_path):
+    env = dict(os.environ, **{k: str(v) for k, v in SCRIPT_BOUNDS_S.items()})
     out = subprocess.run(
         [sys.executable, "jobs/submit_local.py", "sft.steps=2", "trainer.steps=3", "data.eval_size=16",
          "trainer.eval_every=0", "rollout.prompts_per_step=4", f"trainer.run_dir={tmp_path}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "succeeded" in out.stderr

@@ -59,7 +59,7 @@ def test_load_rows_errors_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match="unknown file type"):
         load_rows(str(bad))
     ds = datasets.Dataset.from_list([{"question": "q", "answer": "1"}, {"question": "", "answer": "2"}])
-    with pytest.raises(ValueError, match="row 1 has an empty 'question'"):
+    with pytest.raises(ValueError, match="rows.jsonl, row 2: required field 'question' is empty"):
         check_fields(ds, ("question", "answer"), "rows.jsonl")
     with pytest.raises(ValueError, match=r"no field\(s\) \['solution'\]"):
         check_fields(ds, ("solution",), "rows.jsonl")
@@ -107,7 +107,8 @@ def test_reward_caller_components_errors_and_timeouts(caplog):
         assert c.score_sync("p", "c", [], []) == {"reward": 0.0}
         assert time.perf_counter() - t0 < 2.0 and c.num_timeouts == 2
     nan = RewardCaller(lambda *a, **k: float("nan"))
-    assert asyncio.run(nan.score("p", "c", [], []))["reward"] == 0.0 and nan.num_errors == 1
+    assert asyncio.run(nan.score("p", "c", [], []))["reward"] == 0.0
+    assert (nan.num_nonfinite, nan.num_errors) == (1, 0)
     nokey = RewardCaller(lambda *a, **k: {"score": 1.0})
     assert asyncio.run(nokey.score("p", "c", [], []))["reward"] == 0.0 and nokey.num_errors == 1
 

@@ -1,52 +1,227 @@
 """Load a `datasets.Dataset` from a local file, a `save_to_disk` folder or a hub name."""
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 
+RowCheck = Callable[[Mapping[str, Any]], None]
+"""A task's own check of one row: raises ValueError saying what is wrong (the caller adds where)."""
 
-def load_rows(source: str, split: str = "train"):
-    """The rows of `source` as a `datasets.Dataset`.
+_JSON_WS = re.compile(r"[ \t\n\r]*")
+
+
+def load_rows(source: str, split: str = "train", *, required: Sequence[str] = (),
+              check_row: RowCheck | None = None):
+    """The rows of `source` as a `datasets.Dataset`, every row checked before it is returned.
 
     `source` is a local file (.jsonl/.json/.parquet/.arrow/.csv), a folder written by
     `Dataset.save_to_disk` (or a DatasetDict folder, then `split` picks), a folder of such files,
     or a hub dataset name ("openai/gsm8k", "openai/gsm8k:main" for a config) when a hub is
     reachable. A missing local path raises FileNotFoundError naming it.
+
+    A .jsonl/.json file is read line by line first (`check_json_file`), so a line that is not
+    JSON, not an object, lacks a `required` field or fails `check_row` raises ValueError naming
+    the file and its 1-based line. Other sources are checked row by row once loaded
+    (`check_fields`). A source without rows raises ValueError.
     """
     import datasets
 
     if not source:
         raise ValueError("data.path is empty: give a local .jsonl/.parquet/.arrow/.csv file or a dataset name")
     path = Path(os.path.expanduser(source))
+    checked = False
     if path.is_file():
         builder = FILE_BUILDERS.get(path.suffix.lower())
         if builder is None:
             raise ValueError(f"{source}: unknown file type {path.suffix!r}; use one of {sorted(FILE_BUILDERS)}")
-        return datasets.load_dataset(builder, data_files=str(path), split="train")
-    if path.is_dir():
+        if builder == "json":
+            check_json_file(path, required, check_row)
+            checked = True
+        dataset = _load_file(builder, path)
+    elif path.is_dir():
         if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
             ds = datasets.load_from_disk(str(path))
-            return ds[split] if isinstance(ds, datasets.DatasetDict) else ds
-        return datasets.load_dataset(str(path), split=split)
-    if source.startswith((".", "/", "~")) or path.suffix.lower() in FILE_BUILDERS:
+            dataset = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
+        else:
+            for part in sorted(path.rglob("*.jsonl")):  # syntax only: the split's fields are checked below
+                check_json_file(part)
+            dataset = datasets.load_dataset(str(path), split=split)
+    elif source.startswith((".", "/", "~")) or path.suffix.lower() in FILE_BUILDERS:
         raise FileNotFoundError(f"data file {source!r} does not exist")
-    name, _, config = source.partition(":")
-    return datasets.load_dataset(name, config or None, split=split)
+    else:
+        name, _, config = source.partition(":")
+        dataset = datasets.load_dataset(name, config or None, split=split)
+    if len(dataset) == 0:
+        raise ValueError(f"{source}: no rows (split {split!r}); a task needs at least one prompt row")
+    if not checked:
+        check_fields(dataset, required, source, check_row)
+    return dataset
 
 
-def check_fields(dataset, required: Sequence[str], source: str) -> None:
-    """Raise ValueError naming the first row that lacks (or has an empty) required field."""
+def _load_file(builder: str, path: Path):
+    """`datasets.load_dataset(builder)` on one file; a reader failure becomes a ValueError naming the file."""
+    import datasets
+
+    if _has_no_rows(builder, path):
+        raise ValueError(f"{path}: the file is empty (no rows); a task needs at least one prompt row")
+    try:
+        return datasets.load_dataset(builder, data_files=str(path), split="train")
+    except Exception as err:  # noqa: BLE001 - the readers raise many types; the cause stays chained
+        cause = f"; caused by {type(err.__cause__).__name__}: {err.__cause__}" if err.__cause__ else ""
+        hint = _first_type_clash(path) if builder == "json" else ""
+        raise ValueError(f"{path}: could not be read as a {builder} file ({type(err).__name__}: {err}{cause})"
+                         + (f"; {hint}" if hint else "")) from err
+
+
+def _first_type_clash(path: Path) -> str:
+    """'field F is a <kind> on line A but a <kind> on line B' for the first field of a JSON file whose
+    values change type (nulls aside), a frequent reason the `datasets` JSON reader fails; else ""."""
+    seen: dict[str, tuple[str, int]] = {}
+    for lineno, row in _json_rows(path):
+        for field, value in row.items():
+            if value is None:
+                continue
+            kind, first = seen.setdefault(field, (_json_kind(value), lineno))
+            if kind != _json_kind(value):
+                return (f"field {field!r} is {kind} on line {first} but {_json_kind(value)} on line {lineno}; "
+                        "give each field one type")
+    return ""
+
+
+def _has_no_rows(builder: str, path: Path) -> bool:
+    """A parquet file with 0 rows, or a csv file with at most a header (`datasets` fails obscurely on both)."""
+    if builder == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.ParquetFile(path).metadata.num_rows == 0
+        except Exception:  # noqa: BLE001 - not parquet at all: `_load_file` reports the reader's error
+            return False
+    if builder == "csv":
+        with open(path, "rb") as f:
+            rows = (line for line in f if line.strip())
+            return next(rows, None) is None or next(rows, None) is None
+    return False
+
+
+def check_json_file(path: str | os.PathLike, required: Sequence[str] = (), check_row: RowCheck | None = None) -> int:
+    """Check a .jsonl/.json file row by row before `datasets` reads it; the number of rows.
+
+    The file is JSON Lines (one JSON object per line, blank lines skipped) or, for a .json file
+    whose text starts with "[", one JSON array of objects. ValueError names the file and the
+    1-based line of the first line that is not valid UTF-8 or JSON, is not an object, lacks a
+    `required` field (or has it null or blank) or fails `check_row`, and of an empty file.
+    """
+    path = Path(path)
+    count = 0
+    for lineno, row in _json_rows(path):
+        check_row_fields(row, required, check_row, f"{path}, line {lineno}")
+        count += 1
+    if count == 0:
+        raise ValueError(f"{path}: the file is empty (no rows); expected JSON objects, one per line")
+    return count
+
+
+def _json_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    """(1-based line, value) per row: a .json file holding one array item by item, else JSON Lines."""
+    if path.suffix.lower() == ".json" and _starts_with_array(path):
+        return _json_array_rows(path)
+    return _json_lines_rows(path)
+
+
+def _starts_with_array(path: Path) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    return head.startswith(b"[")
+
+
+def _json_lines_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    """(1-based line, parsed value) for each non-blank line; ValueError for bad UTF-8 or JSON."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{path}, line {lineno}: not valid UTF-8 ({err.reason} at byte {err.start})") from err
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}, line {lineno}: not valid JSON ({err.msg} at column {err.colno}); "
+                                 "each line must be one JSON object") from err
+
+
+def _json_array_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    """(1-based line where the item starts, item) for each item of a file holding one JSON array."""
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not valid UTF-8 ({err.reason} at byte {err.start})") from err
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}, line {err.lineno}: not valid JSON ({err.msg} at column {err.colno})") from err
+    decoder, pos, line = json.JSONDecoder(), _JSON_WS.match(text, text.index("[") + 1).end(), 1
+    line += text.count("\n", 0, pos)
+    for item in items:  # the text is valid JSON here, so this walk over its items cannot fail
+        yield line, item
+        _, end = decoder.raw_decode(text, pos)
+        after = _JSON_WS.match(text, end).end() + 1  # past the "," (or the closing "]")
+        nxt = _JSON_WS.match(text, after).end()
+        line += text.count("\n", pos, nxt)
+        pos = nxt
+
+
+def check_row_fields(row: Any, required: Sequence[str], check_row: RowCheck | None, where: str) -> None:
+    """Raise ValueError prefixed by `where` if `row` is not a mapping, lacks a required field (or
+    has it null or blank) or fails `check_row`."""
+    if not isinstance(row, Mapping):
+        raise ValueError(f"{where}: expected an object with fields {list(required)}, got {_json_kind(row)} "
+                         f"{_short(row)}")
+    for field in required:
+        if field not in row:
+            raise ValueError(f"{where}: missing required field {field!r} (required: {list(required)}; "
+                             f"present: {sorted(row)})")
+        value = row[field]
+        if value is None or (isinstance(value, str) and not value.strip()):
+            raise ValueError(f"{where}: required field {field!r} is empty ({_short(value)})")
+    if check_row is not None:
+        try:
+            check_row(row)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from err
+
+
+def _json_kind(value: Any) -> str:
+    """'a JSON object', 'a JSON number', ... for a parsed JSON value."""
+    names = {dict: "a JSON object", list: "a JSON array", str: "a JSON string", bool: "a JSON boolean",
+             type(None): "JSON null"}
+    return names.get(type(value), "a JSON number" if isinstance(value, (int, float)) else type(value).__name__)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_fields(dataset, required: Sequence[str], source: str, check_row: RowCheck | None = None) -> None:
+    """Raise ValueError naming `source` and the first (1-based) row that lacks a required field,
+    has it empty, or fails `check_row`."""
     missing = [f for f in required if f not in dataset.column_names]
     if missing:
         raise ValueError(f"{source}: rows have no field(s) {missing}; fields present: {dataset.column_names}")
-    for i, row in enumerate(dataset.select_columns(list(required))):
-        for f in required:
-            if row[f] is None or (isinstance(row[f], str) and not row[f].strip()):
-                raise ValueError(f"{source}: row {i} has an empty {f!r} field")
+    if check_row is None and not required:
+        return
+    rows = dataset if check_row is not None else dataset.select_columns(list(required))
+    for i, row in enumerate(rows):
+        check_row_fields(row, required, check_row, f"{source}, row {i + 1}")
 
 
 def split_held_out(dataset, eval_size: int, seed: int = 0, eval_source=None):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from rayllm_rl.data.sources import check_fields, load_rows
+from rayllm_rl.data.sources import RowCheck, check_fields, load_rows
 from rayllm_rl.envs.chat_env import ChatEnv
 from rayllm_rl.envs.transforms import DataLoadingPrimer, RewardTransform
 
@@ -39,14 +39,44 @@ def gsm8k_messages(row: Mapping[str, Any]) -> list[dict[str, str]]:
     return gsm8k_prompt(str(row["question"]))
 
 
+def check_gsm8k_row(row: Mapping[str, Any]) -> None:
+    """ValueError unless `answer` holds the final number: '<reasoning> #### N' or a bare number."""
+    from rayllm_rl.rewards.gsm8k import gsm8k_final_answer, normalize_number
+
+    answer = str(row["answer"])
+    if "####" in answer:
+        gsm8k_final_answer(answer)
+    elif normalize_number(answer) is None:
+        raise ValueError(f"field 'answer' holds no number: {answer[:120]!r}; expected '<reasoning> #### N' or a number")
+
+
+def check_math_row(row: Mapping[str, Any]) -> None:
+    """ValueError unless the row has a reference answer: `answer`, or a `solution` with \\boxed{...}."""
+    from rayllm_rl.rewards.math_answer import math_reference_answer
+
+    math_reference_answer(dict(row))
+
+
+def check_ifeval_row(row: Mapping[str, Any]) -> None:
+    """ValueError unless `instruction_id_list` lists known ids and `kwargs` (optional) has one dict per id."""
+    from rayllm_rl.rewards.ifeval import normalize_instruction_ids, normalize_kwargs
+
+    ids = normalize_instruction_ids(row["instruction_id_list"])
+    normalize_kwargs(row.get("kwargs"), len(ids))
+
+
 class DatasetChatEnv(ChatEnv):
     """A ChatEnv whose prompts come from a dataset and whose steps are scored by `reward_fn`.
 
     `dataset` is a `datasets.Dataset` or a source for `load_rows` (local file, save_to_disk
     folder, hub name). `make_messages(row)` builds the prompt chat (default: the row's
-    `prompt_key` field, a str or a chat). `repeats` = GRPO group size. `required_fields` are
-    checked up front so a malformed row fails at load time with its index, not mid-run.
+    `prompt_key` field, a str or a chat). `repeats` = GRPO group size. `required_fields` and
+    `check_row` (a RowCheck) are applied to every row up front, so a malformed row fails at load
+    time with its file and line (or row), not mid-run. A task env sets both as class attributes.
     """
+
+    required_fields: tuple[str, ...] = ()
+    check_row: RowCheck | None = None
 
     def __init__(
         self,
@@ -57,6 +87,7 @@ class DatasetChatEnv(ChatEnv):
         make_messages: Callable[[Mapping[str, Any]], list[dict[str, str]]] | None = None,
         prompt_key: str = "messages",
         required_fields: tuple[str, ...] = (),
+        check_row: RowCheck | None = None,
         repeats: int = 1,
         batch_size: int = 1,
         split: str = "train",
@@ -68,11 +99,13 @@ class DatasetChatEnv(ChatEnv):
         reward_timeout_s: float = 30.0,
         check_rows: bool = True,
     ) -> None:
-        source = dataset if isinstance(dataset, str) else type(self).__name__
+        required_fields = tuple(required_fields) or type(self).required_fields
+        check_row = check_row or type(self).check_row
         if isinstance(dataset, str):
-            dataset = load_rows(dataset, split)
-        if check_rows:  # a task that checked its rows once builds one env per episode with check_rows=False
-            check_fields(dataset, required_fields, source)
+            dataset = load_rows(dataset, split, required=required_fields if check_rows else (),
+                                check_row=check_row if check_rows else None)
+        elif check_rows:  # a task that checked its rows once builds one env per episode with check_rows=False
+            check_fields(dataset, required_fields, type(self).__name__, check_row)
         self.dataset = dataset
         self.reward_fn = reward_fn
         self.make_messages = make_messages
@@ -100,36 +133,43 @@ class DatasetChatEnv(ChatEnv):
 class GSM8KEnv(DatasetChatEnv):
     """GSM8K (`question`, `answer` ending in `#### N`) with GSM8KRewardParser's components."""
 
+    required_fields = ("question", "answer")
+    check_row = staticmethod(check_gsm8k_row)
+
     def __init__(self, dataset: Any, tokenizer, **kwargs: Any) -> None:
         from rayllm_rl.rewards.gsm8k import GSM8KRewardParser
 
         kwargs.setdefault("reward_fn", GSM8KRewardParser())
-        super().__init__(dataset, tokenizer, make_messages=gsm8k_messages, required_fields=("question", "answer"),
-                         **kwargs)
+        super().__init__(dataset, tokenizer, make_messages=gsm8k_messages, **kwargs)
 
 
 class MATHEnv(DatasetChatEnv):
     """MATH (`problem` + `solution` with a boxed answer, or MATH-500's `answer`), checked by math-verify
     in a separate process with a timeout (MathRewardFn)."""
 
+    required_fields = ("problem",)
+    check_row = staticmethod(check_math_row)
+
     def __init__(self, dataset: Any, tokenizer, **kwargs: Any) -> None:
         from rayllm_rl.rewards.math_answer import MathRewardFn
 
         kwargs.setdefault("reward_fn", MathRewardFn())
-        super().__init__(dataset, tokenizer, make_messages=math_prompt, required_fields=("problem",), **kwargs)
+        super().__init__(dataset, tokenizer, make_messages=math_prompt, **kwargs)
 
 
 class IFEvalEnv(DatasetChatEnv):
     """IFEval (`prompt`, `instruction_id_list`, `kwargs`) scored by IFEvalScorer; an episode is done
     once the response holds an answer block."""
 
+    required_fields = ("prompt", "instruction_id_list")
+    check_row = staticmethod(check_ifeval_row)
+
     def __init__(self, dataset: Any, tokenizer, **kwargs: Any) -> None:
         from rayllm_rl.rewards.ifeval import IFEvalScorer
 
         scorer = kwargs.setdefault("reward_fn", IFEvalScorer())
         kwargs.setdefault("set_done", getattr(getattr(scorer, "reward_fn", scorer), "done", True))
-        super().__init__(dataset, tokenizer, make_messages=ifeval_prompt,
-                         required_fields=("prompt", "instruction_id_list"), **kwargs)
+        super().__init__(dataset, tokenizer, make_messages=ifeval_prompt, **kwargs)
 
 
 ENVS: dict[str, type[DatasetChatEnv]] = {"gsm8k": GSM8KEnv, "math": MATHEnv, "ifeval": IFEvalEnv}

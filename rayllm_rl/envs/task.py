@@ -27,25 +27,26 @@ class Task:
 
 
 def _dataset_task(name: str, data_cfg: Any, seed: int) -> Task:
-    """gsm8k / math / ifeval: rows from `data_cfg.path` (+ `eval_path` or a held-out slice)."""
-    from rayllm_rl.data.sources import add_messages, check_fields, load_rows, split_held_out
+    """gsm8k / math / ifeval: rows from `data_cfg.path` (+ `eval_path` or a held-out slice).
+
+    Every row of both files is checked here, on the driver before any actor starts, against the
+    task env's `required_fields` and `check_row`: a malformed file raises ValueError naming the
+    file and line (see `load_rows`)."""
+    from rayllm_rl.data.sources import add_messages, load_rows, split_held_out
     from rayllm_rl.envs import dataset_envs
 
     if not data_cfg.path:
         raise ValueError(f"task={name} reads its prompts from data.path (a local .jsonl/.parquet file or a "
                          "dataset name); none was given")
     env_cls = dataset_envs.ENVS[name]
-    make_messages, required, reward_fn, sft_target = {
-        "gsm8k": lambda: (dataset_envs.gsm8k_messages, ("question", "answer"), _gsm8k_reward(), _gsm8k_sft()),
-        "math": lambda: (dataset_envs.math_prompt, ("problem",), _math_reward(), None),
-        "ifeval": lambda: (dataset_envs.ifeval_prompt, ("prompt", "instruction_id_list"), _ifeval_reward(), None),
+    make_messages, reward_fn, sft_target = {
+        "gsm8k": lambda: (dataset_envs.gsm8k_messages, _gsm8k_reward(), _gsm8k_sft()),
+        "math": lambda: (dataset_envs.math_prompt, _math_reward(), None),
+        "ifeval": lambda: (dataset_envs.ifeval_prompt, _ifeval_reward(), None),
     }[name]()
-    rows = load_rows(data_cfg.path, data_cfg.split)
-    check_fields(rows, required, data_cfg.path)
-    held = None
-    if data_cfg.eval_path:
-        held = load_rows(data_cfg.eval_path, data_cfg.split)
-        check_fields(held, required, data_cfg.eval_path)
+    checks = {"required": env_cls.required_fields, "check_row": env_cls.check_row}
+    rows = load_rows(data_cfg.path, data_cfg.split, **checks)
+    held = load_rows(data_cfg.eval_path, data_cfg.split, **checks) if data_cfg.eval_path else None
     train, eval_ = split_held_out(rows, data_cfg.eval_size, seed, held)
     from rayllm_rl.workflows.rewards import RewardCaller
 

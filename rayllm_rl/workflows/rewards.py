@@ -23,12 +23,17 @@ def component_keys_of(reward_fn: Callable[..., Any]) -> tuple[str, ...]:
     return tuple(getattr(reward_fn, "component_keys", ()) or ())
 
 
+class NonFiniteReward(ValueError):
+    """A reward function returned NaN or an infinity (for the reward or a component)."""
+
+
 class RewardCaller:
     """Wraps a reward function: `await caller.score(...)` -> {"reward": float, **components}.
 
-    A reward that raises, returns a non-number / a mapping without "reward", or exceeds
-    `timeout_s` yields reward 0.0 (components 0.0), a logged warning and a counter increment
-    (`num_errors`, `num_timeouts`); the episode goes on. The components returned are exactly
+    A reward that raises or returns a non-number / a mapping without "reward" (`num_errors`),
+    returns NaN or an infinity as its reward or a component (`num_nonfinite`), or exceeds
+    `timeout_s` (`num_timeouts`) yields reward 0.0 (components 0.0), a logged warning and an
+    increment of that counter; the episode goes on. The components returned are exactly
     `component_keys` (from the reward function's `component_keys` attribute, else learned from
     its first mapping result), so every trajectory of a task has the same keys; missing ones
     read 0.0 and undeclared extras are dropped. A sync reward runs in a worker thread when
@@ -48,26 +53,41 @@ class RewardCaller:
         self.num_calls = 0
         self.num_errors = 0
         self.num_timeouts = 0
+        self.num_nonfinite = 0
 
     @property
     def name(self) -> str:
         return getattr(self.reward_fn, "__name__", type(self.reward_fn).__name__)
 
     def normalize(self, value: Any) -> dict[str, float]:
-        """A reward function's result as {"reward", *component_keys} floats; ValueError if malformed."""
+        """A reward function's result as {"reward", *component_keys} floats.
+
+        ValueError if malformed (not a number, a mapping without "reward"); NonFiniteReward if the
+        reward or a component is NaN or infinite."""
         if isinstance(value, Mapping):
             if "reward" not in value:
                 raise ValueError(f"reward function {self.name} returned a mapping without 'reward': {sorted(value)}")
             if self.component_keys is None:
                 self.component_keys = tuple(k for k in value if k != "reward")
-            out = {"reward": float(value["reward"])}
-            out.update({k: float(value.get(k, 0.0)) for k in self.component_keys})
+            out = {"reward": self._number("reward", value["reward"])}
+            out.update({k: self._number(k, value.get(k, 0.0)) for k in self.component_keys})
         else:
-            out = {"reward": float(value)}
+            out = {"reward": self._number("reward", value)}
             out.update({k: 0.0 for k in self.component_keys or ()})
-        if not all(math.isfinite(v) for v in out.values()):
-            raise ValueError(f"reward function {self.name} returned a non-finite value: {out}")
+        bad = {k: v for k, v in out.items() if not math.isfinite(v)}
+        if bad:
+            raise NonFiniteReward(f"reward function {self.name} returned non-finite {bad}")
         return out
+
+    def _number(self, key: str, value: Any) -> float:
+        """`value` as a float; ValueError naming `key` for None, a string or anything float() refuses."""
+        if value is None or isinstance(value, (str, bytes)):
+            raise ValueError(f"reward function {self.name} returned {value!r:.80} for {key!r}; expected a number")
+        try:
+            return float(value)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"reward function {self.name} returned {type(value).__name__} {value!r:.80} "
+                             f"for {key!r}; expected a number") from err
 
     def failed(self) -> dict[str, float]:
         return {"reward": 0.0, **{k: 0.0 for k in self.component_keys or ()}}
@@ -88,6 +108,8 @@ class RewardCaller:
         except asyncio.TimeoutError:
             self.num_timeouts += 1
             log.warning("reward function %s timed out after %.1fs; reward set to 0", self.name, self.timeout_s)
+        except NonFiniteReward as exc:
+            self._count_nonfinite(exc)
         except Exception as exc:  # noqa: BLE001 - a user reward must never crash the worker
             self.num_errors += 1
             log.warning("reward function %s raised %s: %s; reward set to 0", self.name, type(exc).__name__, exc)
@@ -106,6 +128,8 @@ class RewardCaller:
         except concurrent.futures.TimeoutError:
             self.num_timeouts += 1
             log.warning("reward function %s timed out after %.1fs; reward set to 0", self.name, self.timeout_s)
+        except NonFiniteReward as exc:
+            self._count_nonfinite(exc)
         except Exception as exc:  # noqa: BLE001
             self.num_errors += 1
             log.warning("reward function %s raised %s: %s; reward set to 0", self.name, type(exc).__name__, exc)
@@ -113,10 +137,16 @@ class RewardCaller:
             pool.shutdown(wait=False)
         return self.failed()
 
+    def _count_nonfinite(self, exc: NonFiniteReward) -> None:
+        self.num_nonfinite += 1
+        log.warning("%s; reward set to 0", exc)
+
     async def __call__(self, prompt: str, completions: str, prompt_ids: list[int],
                        completion_ids: list[int], **row: Any) -> float:
         """The scalar reward only (see `score` for the components)."""
         return (await self.score(prompt, completions, prompt_ids, completion_ids, **row))["reward"]
 
     def counters(self) -> dict[str, int]:
-        return {"reward_calls": self.num_calls, "reward_errors": self.num_errors, "reward_timeouts": self.num_timeouts}
+        """Calls and failures by kind, as reported in a run's summary (`reward_failures`)."""
+        return {"reward_calls": self.num_calls, "reward_errors": self.num_errors, "reward_timeouts": self.num_timeouts,
+                "reward_nonfinite": self.num_nonfinite}
