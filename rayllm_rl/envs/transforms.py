@@ -401,8 +401,8 @@ class RewardTransform(Transform):
     `reward_answer`, ...): the reward is added to `reward` (float32 `[1, 1]` per element, so
     `(B, 1, 1)` batched: the sparse-reward shape) and each component is written under its own
     key with the same shape, as in TorchRL's GSM8KRewardParser. A reward_fn that raises or runs
-    past `timeout_s` gives 0.0, a warning and `num_errors += 1` / `num_timeouts += 1`, never
-    a crash (see `RewardCaller`). Done/terminated are set when `set_done` is True, or, when
+    past `timeout_s`, or returns NaN/inf, gives 0.0, a warning and `num_errors` / `num_timeouts` /
+    `num_nonfinite` += 1, never a crash (see `RewardCaller`). Done/terminated are set when `set_done` is True, or, when
     `set_done` is a callable `(completion: str) -> bool` (e.g. IFEvalScorer.done: an answer
     block is present), when it returns True.
     """
@@ -427,6 +427,10 @@ class RewardTransform(Transform):
     @property
     def num_timeouts(self) -> int:
         return self.caller.num_timeouts
+
+    @property
+    def num_nonfinite(self) -> int:
+        return self.caller.num_nonfinite
 
     def set_env(self, env) -> None:
         super().set_env(env)
