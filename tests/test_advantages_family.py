@@ -1,23 +1,11 @@
-"""MC (multi-step) advantages, TopKRewardSelector and DAPO's uniform-group filter, against hand-computed values."""
+"""TopKRewardSelector and DAPO's uniform-group filter, against hand-computed values."""
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
 from tensordict import TensorDict
 
 from rayllm_rl.data.selectors import TopKRewardSelector, drop_uniform_groups, top_k_mask
-from rayllm_rl.objectives.advantages import (
-    AdvantageConfig,
-    MCAdvantage,
-    compute_advantages,
-    compute_mc_advantages,
-    episode_returns,
-    mc_advantages,
-)
-
-EPS = 1e-6
 
 
 def _t(xs, dtype=torch.float32):
@@ -26,131 +14,6 @@ def _t(xs, dtype=torch.float32):
 
 def _l(xs):
     return torch.tensor(xs, dtype=torch.long)
-
-
-# ---------------------------------------------------------------- reductions (normalize='none')
-# Episode 5: steps 0,1,2 with rewards 1, 3, 2 -> sum 6, max 3, mean 2, last (step 2) 2.
-# Episode 7: steps 0,1   with rewards -1, 0.5 -> sum -0.5, max 0.5, mean -0.25, last (step 1) 0.5.
-# Rows are shuffled so that neither episode nor step order can be assumed.
-RED_EP = [5, 7, 5, 7, 5]
-RED_STEP = [1, 1, 0, 0, 2]
-RED_R = [3.0, 0.5, 1.0, -1.0, 2.0]
-
-
-@pytest.mark.parametrize(
-    "reduction, ep5, ep7",
-    [("sum", 6.0, -0.5), ("max", 3.0, 0.5), ("mean", 2.0, -0.25), ("last", 2.0, 0.5)],
-)
-def test_mc_reductions_broadcast_raw_returns_to_every_step(reduction, ep5, ep7):
-    adv = mc_advantages(_t(RED_R), _l(RED_EP), _l(RED_STEP), reduction=reduction, normalize="none")
-    expected = [ep5 if e == 5 else ep7 for e in RED_EP]
-    assert adv.dtype == torch.float32
-    assert adv.tolist() == pytest.approx(expected, abs=1e-6)
-
-
-def test_episode_returns_keys_and_inverse():
-    ret, inv, keys = episode_returns(_t(RED_R), _l(RED_EP), _l(RED_STEP), reduction="sum")
-    assert keys.tolist() == [5, 7]
-    assert ret.tolist() == pytest.approx([6.0, -0.5])
-    assert inv.tolist() == [0, 1, 0, 1, 0]
-
-
-# ---------------------------------------------------------------- group / global normalisation
-# Group 0: ep 10 (steps [1, 2] -> sum 3), ep 11 (steps [0, 1, 0] -> sum 1), ep 12 (one step [2] -> 2).
-#   Episode returns 3, 1, 2: mean 2, population std sqrt(2/3) -> +sqrt(3/2), -sqrt(3/2), 0.
-#   (Per-step statistics would weight ep 11 three times and give different numbers.)
-# Group 1: ep 20 (one step [4] -> 4), ep 21 (steps [1, 1] -> 2). Returns 4, 2: mean 3, std 1 -> +1, -1.
-ROWS = [  # (episode, step, reward, group)
-    (11, 2, 0.0, 0),
-    (20, 0, 4.0, 1),
-    (10, 0, 1.0, 0),
-    (11, 0, 0.0, 0),
-    (21, 1, 1.0, 1),
-    (12, 0, 2.0, 0),
-    (10, 1, 2.0, 0),
-    (21, 0, 1.0, 1),
-    (11, 1, 1.0, 0),
-]
-EP = _l([r[0] for r in ROWS])
-STEP = _l([r[1] for r in ROWS])
-REW = _t([r[2] for r in ROWS])
-GID = _l([r[3] for r in ROWS])
-S32 = math.sqrt(1.5) / (1.0 + EPS * math.sqrt(1.5))  # 1 / (sqrt(2/3) + eps)
-GROUP_ADV = {10: S32, 11: -S32, 12: 0.0, 20: 1.0 / (1.0 + EPS), 21: -1.0 / (1.0 + EPS)}
-
-
-def test_mc_group_normalisation_per_episode_then_broadcast():
-    adv = mc_advantages(REW, EP, STEP, reduction="sum", group_ids=GID, normalize="group")
-    assert adv.tolist() == pytest.approx([GROUP_ADV[int(e)] for e in EP], rel=1e-6, abs=1e-6)
-
-
-def test_mc_group_mean_only_is_dr_grpo_style():
-    # Returns 3, 1, 2 (mean 2) and 4, 2 (mean 3), no std division.
-    want = {10: 1.0, 11: -1.0, 12: 0.0, 20: 1.0, 21: -1.0}
-    adv = mc_advantages(REW, EP, STEP, group_ids=GID, normalize="group", std=False)
-    assert adv.tolist() == pytest.approx([want[int(e)] for e in EP], abs=1e-6)
-
-
-def test_mc_group_max_reduction():
-    # max: ep10 2, ep11 1, ep12 2 -> mean 5/3, var ((1/3)^2*2 + (2/3)^2)/3 = 2/9, std sqrt(2)/3.
-    #      ep20 4, ep21 1 -> mean 2.5, std 1.5.
-    s = math.sqrt(2) / 3
-    want = {10: (1 / 3) / (s + EPS), 11: (-2 / 3) / (s + EPS), 12: (1 / 3) / (s + EPS),
-            20: 1.5 / (1.5 + EPS), 21: -1.5 / (1.5 + EPS)}
-    adv = mc_advantages(REW, EP, STEP, reduction="max", group_ids=GID, normalize="group")
-    assert adv.tolist() == pytest.approx([want[int(e)] for e in EP], rel=1e-6, abs=1e-6)
-
-
-def test_mc_global_normalisation_over_episodes():
-    # Episode returns 3, 1, 2, 4, 2: mean 2.4, population var 5.2 / 5 = 1.04.
-    ret = {10: 3.0, 11: 1.0, 12: 2.0, 20: 4.0, 21: 2.0}
-    sd = math.sqrt(1.04)
-    adv = mc_advantages(REW, EP, STEP, reduction="sum", normalize="global")
-    assert adv.tolist() == pytest.approx([(ret[int(e)] - 2.4) / (sd + EPS) for e in EP], rel=1e-6, abs=1e-6)
-
-
-def test_single_step_episodes_match_group_advantages():
-    r = _t([1.0, 0.0, 1.0, 1.0, 0.0, 0.0])
-    g = _l([0, 0, 0, 1, 1, 1])
-    adv = mc_advantages(r, torch.arange(6), torch.zeros(6, dtype=torch.long), group_ids=g)
-    ref = compute_advantages(r, g, AdvantageConfig())
-    assert torch.allclose(adv, ref)
-
-
-def test_mc_errors():
-    with pytest.raises(ValueError, match="needs group_ids"):
-        mc_advantages(REW, EP, STEP, normalize="group")
-    with pytest.raises(ValueError, match="unknown reduction"):
-        mc_advantages(REW, EP, STEP, reduction="min", group_ids=GID)
-    with pytest.raises(ValueError, match="unknown normalize"):
-        mc_advantages(REW, EP, STEP, normalize="batch")
-    with pytest.raises(ValueError, match="duplicate"):
-        mc_advantages(_t([1.0, 2.0]), _l([0, 0]), _l([0, 0]), normalize="none")
-    with pytest.raises(ValueError, match="different group_ids"):
-        mc_advantages(_t([1.0, 2.0]), _l([0, 0]), _l([0, 1]), group_ids=_l([0, 1]))
-    with pytest.raises(ValueError, match="integer"):
-        mc_advantages(REW, EP.float(), STEP, normalize="none")
-
-
-def test_mc_advantage_callable_writes_key():
-    td = TensorDict({"rewards": REW, "episode_id": EP, "step": STEP, "group_id": GID}, batch_size=[len(ROWS)])
-    out = MCAdvantage()(td)
-    assert out is td
-    assert td["advantages"].tolist() == pytest.approx([GROUP_ADV[int(e)] for e in EP], rel=1e-6, abs=1e-6)
-    with pytest.raises(KeyError, match="step"):
-        MCAdvantage()(TensorDict({"rewards": REW, "episode_id": EP, "group_id": GID}, batch_size=[len(ROWS)]))
-    with pytest.raises(ValueError, match="unknown reduction"):
-        MCAdvantage(reduction="median")
-
-
-def test_compute_mc_advantages_from_config_and_config_defaults():
-    assert AdvantageConfig().mc_reduction == "sum"
-    with pytest.raises(ValueError, match="mc_reduction"):
-        AdvantageConfig(mc_reduction="median")
-    adv = compute_mc_advantages(REW, EP, STEP, GID, AdvantageConfig(mode="group"))
-    assert adv.tolist() == pytest.approx([GROUP_ADV[int(e)] for e in EP], rel=1e-6, abs=1e-6)
-    with pytest.raises(ValueError, match="leave_one_out"):
-        compute_mc_advantages(REW, EP, STEP, GID, AdvantageConfig(leave_one_out=True))
 
 
 # ---------------------------------------------------------------- TopKRewardSelector

@@ -8,13 +8,7 @@ from tensordict import TensorDict
 
 from rayllm_rl.data.history import ChatHistory, History
 from rayllm_rl.envs import (
-    ChatEnv,
-    DataLoadingPrimer,
-    IncrementalTokenizer,
-    PolicyVersion,
-    RewardTransform,
-    StepCounter,
-    Transform,
+    ChatEnv, DataLoadingPrimer, IncrementalTokenizer, PolicyVersion, RewardTransform, StepCounter, Transform,
 )
 
 SYSTEM = "You are helpful."

@@ -11,18 +11,8 @@ import pytest
 import torch
 
 from rayllm_rl.objectives import (
-    LOSSES,
-    CISPOLoss,
-    DAPOLoss,
-    DecoupledPPOLoss,
-    DrGRPOLoss,
-    GRPOLoss,
-    GRPOTISLoss,
-    TruncatedIS,
-    aggregate,
-    loglinear_prox_logp,
-    make_loss,
-    overlong_reward_shaping,
+    LOSSES, CISPOLoss, DAPOLoss, DecoupledPPOLoss, DrGRPOLoss, GRPOLoss, GRPOTISLoss, TruncatedIS, aggregate,
+    loglinear_prox_logp, make_loss, overlong_reward_shaping,
 )
 
 NAN, INF = float("nan"), float("inf")
@@ -209,6 +199,20 @@ PG = [[-2.4, -2.2, -1.0], [0.8, 1.5, 0.9, 1.0]]  # PPO-clip eps 0.2 vs prox (see
 PG_GRAD = [[0.0, -2.2, -1.0], [0.0, 1.5, 0.9, 1.0]]
 
 
+def _assert_weighted_pg(out, logp, weights, weight_metrics, capped_frac):
+    """`out` is the token-mean of `weights * PG` on the fixture batch: value, gradient (PG_GRAD
+    scaled by the weights), the two weight metrics (names `weight_metrics`) and GRPO's clip
+    fraction of the ratio vs prox."""
+    want = sum(weights[i][j] * PG[i][j] for i in range(2) for j in range(len(PG[i]))) / N_TOK
+    assert out.loss.item() == pytest.approx(want, abs=1e-12)
+    grads = [[weights[i][j] * PG_GRAD[i][j] / N_TOK for j in range(len(PG[i]))] for i in range(2)]
+    _assert_rows(_grad(out.loss, logp), _pad(grads))
+    mean_key, capped_key = weight_metrics
+    assert out.metrics[mean_key] == pytest.approx(sum(weights[0] + weights[1]) / N_TOK)
+    assert out.metrics[capped_key] == pytest.approx(capped_frac)
+    assert out.metrics["clip_fraction_high"] == pytest.approx(1 / 7)  # ratio vs prox, as in GRPO
+
+
 def _decoupled_inputs():
     logp, prox, adv, mask = _batch()
     behav = prox - _off([[lg(w) for w in W_RAW[0]], [lg(w) for w in W_RAW[1]]])
@@ -227,13 +231,7 @@ def test_decoupled_ppo_value_grad_and_cap(mode, weights, capped_frac):
     assert loss_fn.needs_prox_logp and loss_fn.behav_weight_cap == 5.0
     logp, behav, prox, adv, mask = _decoupled_inputs()
     out = loss_fn(logp, behav, prox, adv, mask)
-    want = sum(weights[i][j] * PG[i][j] for i in range(2) for j in range(len(PG[i]))) / N_TOK
-    assert out.loss.item() == pytest.approx(want, abs=1e-12)
-    grads = [[weights[i][j] * PG_GRAD[i][j] / N_TOK for j in range(len(PG[i]))] for i in range(2)]
-    _assert_rows(_grad(out.loss, logp), _pad(grads))
-    assert out.metrics["behav_weight_mean"] == pytest.approx(sum(weights[0] + weights[1]) / N_TOK)
-    assert out.metrics["behav_weight_capped_fraction"] == pytest.approx(capped_frac)
-    assert out.metrics["clip_fraction_high"] == pytest.approx(1 / 7)  # ratio vs prox, as in GRPO
+    _assert_weighted_pg(out, logp, weights, ("behav_weight_mean", "behav_weight_capped_fraction"), capped_frac)
 
 
 def test_decoupled_ppo_behaviour_weight_matters_and_prox_required():
@@ -270,7 +268,7 @@ def test_decoupled_ppo_behaviour_weight_is_token_truncated_is(mode, tis_mode, we
     behav[0, 0], behav[0, 4], behav[1, 0] = -50.0, 50.0, NAN
     prox.requires_grad_(True)
     behav.requires_grad_(True)
-    w, over = DecoupledPPOLoss(behav_weight_mode=mode).behav_weight(prox, behav, mask)
+    w, over = DecoupledPPOLoss(behav_weight_mode=mode).weights(prox, behav, mask)
     tis_w, tis_over = TruncatedIS(GRPOLoss(), level="token", mode=tis_mode, cap=5.0).weights(prox, behav, mask)
     assert torch.equal(w, tis_w) and torch.equal(over, tis_over)
     _assert_rows(w.tolist(), weights)
@@ -313,14 +311,8 @@ def test_truncated_is_weights_value_and_grad(level, mode, weights, capped):
     loss_fn = TruncatedIS(GRPOLoss(), level=level, mode=mode, cap=2.0)
     assert loss_fn.needs_prox_logp and loss_fn.aggregation == "token-mean"
     out = loss_fn(logp, behav, prox, adv, mask)
-    want = sum(weights[i][j] * PG[i][j] for i in range(2) for j in range(len(PG[i]))) / N_TOK
-    assert out.loss.item() == pytest.approx(want, abs=1e-12)
-    grads = [[weights[i][j] * PG_GRAD[i][j] / N_TOK for j in range(len(PG[i]))] for i in range(2)]
-    _assert_rows(_grad(out.loss, logp), _pad(grads))
-    assert out.metrics["tis_weight_mean"] == pytest.approx(sum(weights[0] + weights[1]) / N_TOK)
-    assert out.metrics["tis_capped_fraction"] == pytest.approx(capped)
     # The base ratio uses prox, not behav: the clip fractions are the plain GRPO ones.
-    assert out.metrics["clip_fraction_high"] == pytest.approx(1 / 7)
+    _assert_weighted_pg(out, logp, weights, ("tis_weight_mean", "tis_capped_fraction"), capped)
 
 
 def test_truncated_is_wraps_cispo_and_registry_variant():

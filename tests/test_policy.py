@@ -86,3 +86,36 @@ def test_policy_rejects_bad_mode_and_missing_prompt(engine, tokenizer):
 
     with pytest.raises(KeyError, match="tokens"):
         asyncio.run(LLMPolicy(engine, tokenizer, input_mode="tokens")(TensorDict({}, batch_size=[1])))
+
+
+class EchoEngine:
+    """Answers every request with tokens [7, 8] (logprobs -0.5, -0.25, version 3), recording requests."""
+
+    def __init__(self):
+        self.requests = []
+
+    async def agenerate(self, req):
+        from rayllm_rl.inference.protocol import LLMResponse
+
+        self.requests.append(req)
+        return LLMResponse(list(req.input_ids), [7, 8], [-0.5, -0.25], [3, 3], "length", rid=req.rid)
+
+
+def test_rids_and_response_of_give_back_the_engine_call(tokenizer):
+    from tensordict import TensorDict
+
+    from rayllm_rl.inference.policy import response_of
+
+    env = ChatEnv(tokenizer, input_mode="tokens", batch_size=2)
+    td = env.reset(TensorDict(query=["a", "b"], batch_size=[2]))
+    engine = EchoEngine()
+    policy = LLMPolicy(engine, tokenizer, input_mode="tokens", sampling=SamplingParams(max_new_tokens=2))
+    td = asyncio.run(policy(td, rids=["conv-0", "conv-1"]))
+    assert [r.rid for r in engine.requests] == ["conv-0", "conv-1"]
+    for req, elem in zip(engine.requests, td.unbind(0)):
+        resp = response_of(elem)
+        assert resp.input_tokens == req.input_ids and resp.output_tokens == [7, 8]
+        assert resp.output_logprobs == [-0.5, -0.25] and resp.output_versions == [3, 3]
+        assert resp.stop_reason == "length"
+    with pytest.raises(ValueError, match="rids"):
+        asyncio.run(policy(td, rids=["only-one"]))

@@ -1,9 +1,10 @@
 """Group-level filters on a trajectory TensorDict (batch dim first, `group_id [N]`, `rewards [N]`).
 
 TopKRewardSelector (TorchRL's `torchrl.data.llm.TopKRewardSelector`): keep the k best-rewarded
-completions of each prompt group. drop_uniform_groups: DAPO's dynamic sampling filter, dropping
-groups whose rewards are all equal (their group-normalised advantages are all 0: no signal).
-Both keep the surviving rows in their original order.
+completions of each prompt group; the job applies it with `rollout.keep_top_k` (in
+`orchestration.batch_prep.rewards_to_advantages`, before advantages). drop_uniform_groups: DAPO's
+dynamic sampling filter, dropping groups whose rewards are all equal (their group-normalised
+advantages are all 0: no signal). Both keep the surviving rows in their original order.
 """
 from __future__ import annotations
 

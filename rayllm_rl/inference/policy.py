@@ -8,12 +8,15 @@ Keys written per element (ragged, batch `[]`):
   ("tokens", "prompt"|"response"|"full")  int64 [L]   - always (the exact engine tokens)
   ("log_probs", "response")                float32 [R] - sampled-token logprobs
   ("versions", "response")                 int64 [R]   - policy version of each token
+  "stop_reason"                            str         - "stop" | "length" | "abort" (the engine's)
   history mode: ("history",) ChatHistory with prompt, response (assistant History[1]), full
   text mode:    ("text", "prompt"|"response"|"full") str
+`response_of(elem)` reads them back as the engine's `LLMResponse` (for `TrajectoryBuilder`).
 """
 from __future__ import annotations
 
 import asyncio
+from typing import Sequence
 
 import torch
 from tensordict import TensorDictBase
@@ -60,13 +63,19 @@ class LLMPolicy:
             text = elem["text", "prompt"]
         return list(self.tokenizer.encode(str(text), add_special_tokens=False))
 
-    async def __call__(self, td: TensorDictBase) -> TensorDictBase:
-        """Fill the policy outputs in place (all elements generated concurrently) and return `td`."""
+    async def __call__(self, td: TensorDictBase, rids: Sequence[str] | None = None) -> TensorDictBase:
+        """Fill the policy outputs in place (all elements generated concurrently) and return `td`.
+
+        `rids`: one request id per element; give every turn of a conversation the same id (a
+        router sends it back to the same replica, for KV/prefix reuse). None: a fresh id per request.
+        """
         elems = td.unbind(0)
-        ids = [self.prompt_ids(e) for e in elems]
-        responses = await asyncio.gather(*[
-            self.engine.agenerate(LLMRequest(input_ids=p, sampling=self.sampling)) for p in ids
-        ])
+        if rids is not None and len(rids) != len(elems):
+            raise ValueError(f"LLMPolicy got {len(rids)} rids for {len(elems)} elements")
+        requests = [LLMRequest(input_ids=self.prompt_ids(e), sampling=self.sampling) for e in elems]
+        for req, rid in zip(requests, rids or ()):
+            req.rid = rid
+        responses = await asyncio.gather(*[self.engine.agenerate(req) for req in requests])
         for elem, resp in zip(elems, responses):
             self._write(elem, resp)
         return td
@@ -78,6 +87,7 @@ class LLMPolicy:
         elem["tokens", "full"] = torch.tensor(resp.input_tokens + out, dtype=torch.long)
         elem["log_probs", "response"] = torch.tensor(resp.output_logprobs, dtype=torch.float32)
         elem["versions", "response"] = torch.tensor(resp.output_versions, dtype=torch.long)
+        elem["stop_reason"] = resp.stop_reason
         if self.input_mode == "text":
             response_text = self.tokenizer.decode(out)
             elem["text", "response"] = response_text
@@ -89,3 +99,19 @@ class LLMPolicy:
             response = History.from_messages(["assistant"], [content], [complete])
             prompt = elem["history", "prompt"]
             elem["history"] = ChatHistory(prompt=prompt, response=response, full=prompt.extend(response))
+
+
+def response_of(elem: TensorDictBase) -> LLMResponse:
+    """The engine's answer that `LLMPolicy` wrote into one element, as an `LLMResponse`.
+
+    Tokens, logprobs (float32, as written) and versions are those of the engine call, so
+    `TrajectoryBuilder.add_prompt(r.input_tokens)` + `add_generated(r)` records exactly what the
+    engine saw and produced.
+    """
+    return LLMResponse(
+        input_tokens=elem["tokens", "prompt"].tolist(),
+        output_tokens=elem["tokens", "response"].tolist(),
+        output_logprobs=elem["log_probs", "response"].tolist(),
+        output_versions=elem["versions", "response"].tolist(),
+        stop_reason=elem["stop_reason"],
+    )

@@ -1,8 +1,16 @@
 """The training worker: recompute logprobs, apply any `Loss`, step AdamW. No Ray, no algorithm names.
 
 A batch is a trajectory TensorDict (`rayllm_rl.data.trajectory`) plus `advantages` (`[N]` or
-`[N, T]`) and optionally `ref_logprobs` / `prox_logprobs`. The same worker runs the SFT warm
-start and every RL loss: it only calls `loss(logp, behav_logp, prox_logp, advantages, mask, ref_logp)`.
+`[N, T]`) and optionally `ref_logprobs` / `prox_logprobs` / `prox_version`. The same worker runs
+the SFT warm start and every RL loss: it only calls
+`loss(logp, behav_logp, prox_logp, advantages, mask, ref_logp)`.
+
+A loss with `needs_prox_logp` gets pi_prox (the weights before this update) in one of two ways,
+chosen by its `prox_logp_method`: "recompute" runs one forward pass over the batch before the
+first optimizer step (`compute_logprobs`); "loglinear" skips it and approximates each
+micro-batch's prox from its behaviour logprobs, token `versions` and training forward with
+`loglinear_prox_logp`, which needs `prox_version` `[N]` (the policy version of the weights the
+batch is trained from; the driver owns it and stamps it on the batch).
 
 Data parallel (FSDP2, `dist=DistConfig(rank, world_size, ...)` with world_size > 1): every rank
 gets the FULL batch and the same seeded minibatch permutation; within each optimizer step rank r
@@ -32,6 +40,7 @@ from rayllm_rl.learner.distributed import (
     to_local_scalar,
 )
 from rayllm_rl.objectives.base import Loss
+from rayllm_rl.objectives.ppo_decoupled import loglinear_prox_logp
 
 
 @dataclasses.dataclass
@@ -170,8 +179,13 @@ class Learner:
         if getattr(loss_fn, "needs_ref_logp", False) and "ref_logprobs" not in td.keys():
             raise ValueError(f"{type(loss_fn).__name__} needs 'ref_logprobs' in the batch (KL to reference is on)")
         if getattr(loss_fn, "needs_prox_logp", False) and "prox_logprobs" not in td.keys():
-            td = td.clone(False)
-            td["prox_logprobs"] = self.compute_logprobs(td)
+            method = getattr(loss_fn, "prox_logp_method", "recompute")
+            if method == "recompute":
+                td = td.clone(False)
+                td["prox_logprobs"] = self.compute_logprobs(td)
+            elif "prox_version" not in td.keys():
+                raise ValueError(f"{type(loss_fn).__name__} with prox_logp_method={method!r} needs 'prox_version' "
+                                 "[N] in the batch (the policy version it is trained from)")
         n = td.batch_size[0]
         if self.world_size > 1:
             self._check_same_batch(td)
@@ -218,9 +232,10 @@ class Learner:
             ent = float(torch.where(mb["loss_mask"] != 0, entropy, torch.zeros_like(entropy)).sum()) / total_tokens
             metrics["entropy"] = metrics.get("entropy", 0.0) + ent
             adv = mb["advantages"]
-            out = loss_fn(
-                logp, mb["logprobs"], mb.get("prox_logprobs", None), adv, mb["loss_mask"], mb.get("ref_logprobs", None),
-            )
+            prox = mb.get("prox_logprobs", None)
+            if prox is None and getattr(loss_fn, "needs_prox_logp", False):  # loglinear: no recompute pass
+                prox = loglinear_prox_logp(mb["logprobs"], mb["versions"], mb["prox_version"] + 1, logp)
+            out = loss_fn(logp, mb["logprobs"], prox, adv, mb["loss_mask"], mb.get("ref_logprobs", None))
             weight = float(mask.sum()) / total_tokens if aggregation == "token-mean" else mb.batch_size[0] / total_seqs
             (out.loss * weight).backward()
             for k, v in out.metrics.items():

@@ -8,10 +8,10 @@ from rayllm_rl.objectives.advantages import (
     group_advantages,
     masked_normalize,
 )
-from rayllm_rl.objectives.base import Loss, LossOutput
+from rayllm_rl.objectives.base import Loss, LossOutput, aggregate, masked_mean
 from rayllm_rl.objectives.cispo import CISPOLoss
 from rayllm_rl.objectives.dapo import DAPOLoss, DrGRPOLoss, overlong_reward_shaping
-from rayllm_rl.objectives.grpo import GRPOLoss, aggregate, kl_estimate, masked_mean
+from rayllm_rl.objectives.grpo import GRPOLoss, kl_estimate
 from rayllm_rl.objectives.importance import GRPOTISLoss, TruncatedIS
 from rayllm_rl.objectives.ppo_decoupled import DecoupledPPOLoss, loglinear_prox_logp
 from rayllm_rl.objectives.sft import SFTLoss

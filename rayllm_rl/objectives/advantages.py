@@ -1,5 +1,8 @@
-"""Outcome-reward advantages: group-relative (GRPO / RLOO), batch-global, masked per-token
-normalisation, and Monte-Carlo episode returns for multi-step trajectories (TorchRL's MCAdvantage)."""
+"""Outcome-reward advantages: group-relative (GRPO / RLOO), batch-global and masked per-token
+normalisation.
+
+A trajectory is a whole episode (a multi-turn conversation is one row with one reward), so the
+group advantage of the episode reward is also what TorchRL's MCAdvantage computes for it."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,7 +10,6 @@ import dataclasses
 import torch
 
 ADVANTAGE_MODES = ("group", "global", "none")
-MC_REDUCTIONS = ("sum", "max", "mean", "last")
 
 
 def _check_rewards(rewards: torch.Tensor) -> torch.Tensor:
@@ -109,14 +111,10 @@ class AdvantageConfig:
     """Group mode only: baseline is the mean of the *other* group members (RLOO)."""
     eps: float = 1e-6
     """Added to the std before dividing, so constant-reward groups give 0 instead of NaN."""
-    mc_reduction: str = "sum"
-    """Multi-step episodes only (compute_mc_advantages): episode return = sum, max, mean or last of its step rewards."""
 
     def __post_init__(self) -> None:
         if self.mode not in ADVANTAGE_MODES:
             raise ValueError(f"unknown advantage mode {self.mode!r}; valid: {list(ADVANTAGE_MODES)}")
-        if self.mc_reduction not in MC_REDUCTIONS:
-            raise ValueError(f"unknown mc_reduction {self.mc_reduction!r}; valid: {list(MC_REDUCTIONS)}")
         if self.leave_one_out and self.mode != "group":
             raise ValueError(f"leave_one_out needs mode='group', got mode={self.mode!r}")
 
@@ -135,173 +133,3 @@ def compute_advantages(
         return global_advantages(rewards, mean=cfg.mean, std=cfg.std, eps=cfg.eps)
     return _check_rewards(rewards).clone()
 
-
-# ---------------------------------------------------------------- Monte-Carlo (multi-step) advantages
-
-
-def _int_ids(name: str, ids: torch.Tensor, like: torch.Tensor) -> None:
-    if ids.shape != like.shape:
-        raise ValueError(f"shape mismatch: {name} has shape {tuple(ids.shape)}, rewards has {tuple(like.shape)}")
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise ValueError(f"{name} must be an integer tensor, got dtype {ids.dtype}")
-
-
-def episode_returns(
-    rewards: torch.Tensor,
-    episode_ids: torch.Tensor,
-    step_index: torch.Tensor,
-    *,
-    reduction: str = "sum",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Reduce per-step rewards `[N]` to one return per episode.
-
-    Returns `(returns [E], inverse [N], episode_keys [E])`: `returns[inverse]` broadcasts back to
-    steps, `episode_keys` are the distinct episode ids in sorted order. `reduction` is 'sum', 'max',
-    'mean' or 'last' (the reward of the step with the largest `step_index`). Steps may come in any
-    order, but an (episode, step) pair must not repeat. Computed in float64.
-    """
-    rewards = _check_rewards(rewards)
-    _int_ids("episode_ids", episode_ids, rewards)
-    _int_ids("step_index", step_index, rewards)
-    if reduction not in MC_REDUCTIONS:
-        raise ValueError(f"unknown reduction {reduction!r}; valid: {list(MC_REDUCTIONS)}")
-    keys, inv = torch.unique(episode_ids, return_inverse=True)
-    num = keys.numel()
-    pairs = torch.stack([inv, step_index.to(inv.dtype)], dim=1)
-    if pairs.shape[0] and torch.unique(pairs, dim=0).shape[0] != pairs.shape[0]:
-        raise ValueError("duplicate (episode_id, step) pair: each step of an episode must appear once")
-    work = rewards.double()
-    zeros = torch.zeros(num, dtype=work.dtype, device=work.device)
-    if reduction in ("sum", "mean"):
-        out = zeros.index_add(0, inv, work)
-        if reduction == "mean":
-            out = out / zeros.index_add(0, inv, torch.ones_like(work))
-    elif reduction == "max":
-        out = zeros.scatter_reduce(0, inv, work, reduce="amax", include_self=False)
-    else:  # last
-        steps = step_index.to(torch.long)
-        last_step = torch.zeros(num, dtype=torch.long, device=work.device).scatter_reduce(
-            0, inv, steps, reduce="amax", include_self=False
-        )
-        is_last = steps == last_step[inv]
-        out = zeros.index_add(0, inv, torch.where(is_last, work, torch.zeros_like(work)))
-    return out, inv, keys
-
-
-def mc_advantages(
-    rewards: torch.Tensor,
-    episode_ids: torch.Tensor,
-    step_index: torch.Tensor,
-    *,
-    reduction: str = "sum",
-    group_ids: torch.Tensor | None = None,
-    normalize: str = "group",
-    mean: bool = True,
-    std: bool = True,
-    eps: float = 1e-6,
-) -> torch.Tensor:
-    """Monte-Carlo advantages `[N]` for multi-step trajectories (TorchRL's MCAdvantage).
-
-    Each row is one step (one LLM turn) of an episode. The episode's return is the `reduction`
-    ('sum' | 'max' | 'mean' | 'last') of its steps' rewards; returns are then normalised across
-    episodes -- 'group': episodes sharing a `group_ids` value (the same prompt), as in
-    `group_advantages`; 'global': over all episodes; 'none': raw returns -- and every step of an
-    episode receives its episode's advantage. Each episode counts once in the statistics, however
-    many steps it has. All steps of an episode must carry the same group id.
-    """
-    if normalize not in ADVANTAGE_MODES:
-        raise ValueError(f"unknown normalize {normalize!r}; valid: {list(ADVANTAGE_MODES)}")
-    returns, inv, _ = episode_returns(rewards, episode_ids, step_index, reduction=reduction)
-    out_dtype = _check_rewards(rewards).dtype
-    if normalize == "group":
-        if group_ids is None:
-            raise ValueError("mc_advantages with normalize='group' needs group_ids, got None")
-        _int_ids("group_ids", group_ids, rewards)
-        g = group_ids.to(torch.long)
-        n = returns.numel()
-        g_lo = torch.zeros(n, dtype=torch.long, device=g.device).scatter_reduce(0, inv, g, "amin", include_self=False)
-        g_hi = torch.zeros(n, dtype=torch.long, device=g.device).scatter_reduce(0, inv, g, "amax", include_self=False)
-        if bool((g_lo != g_hi).any()):
-            raise ValueError("mc_advantages: the steps of one episode carry different group_ids")
-        adv = group_advantages(returns, g_lo, mean=mean, std=std, eps=eps)
-    elif normalize == "global":
-        adv = global_advantages(returns, mean=mean, std=std, eps=eps)
-    else:
-        adv = returns
-    return adv[inv].to(out_dtype)
-
-
-@dataclasses.dataclass
-class MCAdvantage:
-    """Callable writing `advantage_key` `[N]` into a step-level TensorDict via `mc_advantages`.
-
-    Reads `rewards_key`, `episode_key`, `step_key` (and `group_key` when normalize='group');
-    returns the same TensorDict, modified in place.
-    """
-
-    reduction: str = "sum"
-    """Episode return: sum, max, mean or last of the step rewards."""
-    normalize: str = "group"
-    """'group' (across episodes of a prompt), 'global' (across all episodes) or 'none'."""
-    mean: bool = True
-    """Subtract the group/batch mean of episode returns."""
-    std: bool = True
-    """Divide by the group/batch std of episode returns (+ eps)."""
-    eps: float = 1e-6
-    """Added to the std before dividing."""
-    rewards_key: str = "rewards"
-    """Per-step reward key `[N]`."""
-    episode_key: str = "episode_id"
-    """Per-step episode id key `[N]`."""
-    step_key: str = "step"
-    """Per-step step-index key `[N]`."""
-    group_key: str = "group_id"
-    """Per-step group (prompt) id key `[N]`."""
-    advantage_key: str = "advantages"
-    """Output key `[N]`."""
-
-    def __post_init__(self) -> None:
-        if self.reduction not in MC_REDUCTIONS:
-            raise ValueError(f"unknown reduction {self.reduction!r}; valid: {list(MC_REDUCTIONS)}")
-        if self.normalize not in ADVANTAGE_MODES:
-            raise ValueError(f"unknown normalize {self.normalize!r}; valid: {list(ADVANTAGE_MODES)}")
-
-    def __call__(self, td):
-        needed = [self.rewards_key, self.episode_key, self.step_key]
-        if self.normalize == "group":
-            needed.append(self.group_key)
-        keys = set(td.keys())
-        missing = [k for k in needed if k not in keys]
-        if missing:
-            raise KeyError(f"MCAdvantage: TensorDict is missing keys {missing}; has {sorted(keys)}")
-        td[self.advantage_key] = mc_advantages(
-            td[self.rewards_key],
-            td[self.episode_key],
-            td[self.step_key],
-            reduction=self.reduction,
-            group_ids=td[self.group_key] if self.normalize == "group" else None,
-            normalize=self.normalize,
-            mean=self.mean,
-            std=self.std,
-            eps=self.eps,
-        )
-        return td
-
-
-def compute_mc_advantages(
-    rewards: torch.Tensor,
-    episode_ids: torch.Tensor,
-    step_index: torch.Tensor,
-    group_ids: torch.Tensor | None,
-    cfg: AdvantageConfig,
-) -> torch.Tensor:
-    """`mc_advantages` driven by an `AdvantageConfig` (mode -> normalize, mc_reduction, mean, std, eps).
-
-    leave_one_out is not supported for episode returns and raises.
-    """
-    if cfg.leave_one_out:
-        raise ValueError("compute_mc_advantages does not support leave_one_out")
-    return mc_advantages(
-        rewards, episode_ids, step_index, reduction=cfg.mc_reduction, group_ids=group_ids,
-        normalize=cfg.mode, mean=cfg.mean, std=cfg.std, eps=cfg.eps,
-    )

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from rayllm_rl.objectives.base import Loss, LossOutput
-from rayllm_rl.objectives.grpo import AGGREGATIONS, aggregate, check_shapes, prepare, ratio_metrics
+from rayllm_rl.objectives.base import AGGREGATIONS, Loss, LossTerms
+from rayllm_rl.objectives.grpo import prepare, ratio_metrics
 
 
 class CISPOLoss(Loss):
@@ -60,20 +60,7 @@ class CISPOLoss(Loss):
         low = (r < lo) if lo is not None else torch.zeros_like(m)
         return per_token, ratio_metrics(m, safe_logp, log_ratio, low, r > hi)
 
-    def reduce(self, per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return aggregate(per_token, mask, self.aggregation)
-
-    def forward(
-        self,
-        logp: torch.Tensor,
-        behav_logp: torch.Tensor,
-        prox_logp: torch.Tensor | None,
-        advantages: torch.Tensor,
-        mask: torch.Tensor,
-        ref_logp: torch.Tensor | None = None,
-    ) -> LossOutput:
-        check_shapes(logp, behav_logp=behav_logp, prox_logp=prox_logp, advantages=advantages, mask=mask)
-        old = prox_logp if prox_logp is not None else behav_logp
-        per_token, stats = self.per_token(logp, old, advantages, mask)
-        loss = self.reduce(per_token, mask)
-        return LossOutput(loss=loss, metrics={"loss": float(loss.detach()), **stats})
+    def terms(self, logp: torch.Tensor, behav_logp: torch.Tensor, prox_logp: torch.Tensor | None,
+              advantages: torch.Tensor, mask: torch.Tensor, ref_logp: torch.Tensor | None) -> LossTerms:
+        """`per_token` against `old = prox_logp if given else behav_logp`; `ref_logp` is not used."""
+        return self.per_token(logp, prox_logp if prox_logp is not None else behav_logp, advantages, mask)

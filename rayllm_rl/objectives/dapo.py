@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from rayllm_rl.objectives.grpo import aggregate, GRPOLoss
+from rayllm_rl.objectives.base import aggregate
+from rayllm_rl.objectives.grpo import GRPOLoss
 
 
 class DAPOLoss(GRPOLoss):

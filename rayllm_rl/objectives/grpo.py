@@ -1,57 +1,16 @@
 """GRPO / PPO-clip policy loss with decoupled clip bounds and an optional KL-to-reference term.
 
-Also home of the small helpers every objective shares: `aggregate` (token-mean / seq-mean /
-seq-sum reduction of a masked `[B, T]` tensor), `masked_mean`, `kl_estimate` (Schulman's k1/k2/k3)
-and `check_shapes`.
+Also home of the helpers the policy losses share: `kl_estimate` (Schulman's k1/k2/k3), `prepare`
+(masked, NaN-safe inputs) and `ratio_metrics`.
 """
 from __future__ import annotations
 
 import torch
 
-from rayllm_rl.objectives.base import Loss, LossOutput
+from rayllm_rl.objectives.base import AGGREGATIONS, Loss, LossTerms, masked_mean
 
-AGGREGATIONS = ("token-mean", "seq-mean", "seq-sum")
 RATIO_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3")
-
-
-def aggregate(
-    per_token: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", *, max_tokens: int | None = None
-) -> torch.Tensor:
-    """Reduce a per-token `[B, T]` tensor over masked tokens to a scalar.
-
-    token-mean: sum of masked values / number of masked tokens in the batch.
-    seq-mean: mean over sequences of each sequence's masked mean.
-    seq-sum: mean over sequences of each sequence's masked sum.
-    constant (Dr.GRPO, needs `max_tokens`): sum of masked values / (B * max_tokens), B counting
-    every row, empty ones included; the normaliser does not depend on the sequence lengths.
-    "constant" is not in `AGGREGATIONS` (the modes every loss accepts): only losses that own a
-    `max_tokens` use it; a learner weights its micro-batches like the seq modes (by row count).
-    Sequences with no masked token are excluded from the mean over sequences in both seq modes
-    (they have no tokens to learn from); an all-empty batch gives 0 (still attached to the graph).
-    Values at unmasked positions are never read (inf/NaN there cannot leak into the result).
-    """
-    if mode == "constant":
-        if max_tokens is None or max_tokens <= 0:
-            raise ValueError(f"aggregation 'constant' needs max_tokens > 0, got {max_tokens}")
-        vals = torch.where(mask != 0, per_token, torch.zeros_like(per_token))
-        return vals.sum() / (per_token.shape[0] * float(max_tokens))
-    if mode not in AGGREGATIONS:
-        raise ValueError(f"unknown aggregation {mode!r}; valid: {list(AGGREGATIONS)}")
-    m = mask != 0
-    vals = torch.where(m, per_token, torch.zeros_like(per_token))
-    if mode == "token-mean":
-        return vals.sum() / m.sum().clamp_min(1)
-    seq_sum = vals.sum(dim=-1)  # [B]
-    counts = m.sum(dim=-1)  # [B]
-    nonempty = counts > 0
-    per_seq = seq_sum / counts.clamp_min(1) if mode == "seq-mean" else seq_sum
-    return torch.where(nonempty, per_seq, torch.zeros_like(per_seq)).sum() / nonempty.sum().clamp_min(1)
-
-
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of `values` `[B, T]` over tokens where mask != 0; 0 when the mask is empty."""
-    return aggregate(values, mask, "token-mean")
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -67,24 +26,6 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3
     if estimator == "k3":
         return torch.expm1(lr) - lr
     raise ValueError(f"unknown kl_estimator {estimator!r}; valid: {list(KL_ESTIMATORS)}")
-
-
-def check_shapes(logp: torch.Tensor, **others: torch.Tensor | None) -> None:
-    """Raise ValueError unless `logp` is `[B, T]` and every non-None tensor in `others` matches it.
-
-    `advantages` may also be `[B]` (broadcast over tokens).
-    """
-    if logp.dim() != 2:
-        raise ValueError(f"logp must be [B, T], got shape {tuple(logp.shape)}")
-    for name, t in others.items():
-        if t is None:
-            continue
-        ok = t.shape == logp.shape or (name == "advantages" and tuple(t.shape) == tuple(logp.shape[:1]))
-        if not ok:
-            want = f"{tuple(logp.shape)}" + (f" or {tuple(logp.shape[:1])}" if name == "advantages" else "")
-            raise ValueError(
-                f"shape mismatch: {name} has shape {tuple(t.shape)}, expected {want} (logp shape)"
-            )
 
 
 def prepare(
@@ -247,27 +188,12 @@ class GRPOLoss(Loss):
             total = coef * kl if total is None else total + coef * kl
         return total, metrics
 
-    def reduce(self, per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Aggregate a per-token loss with this loss's aggregation."""
-        return aggregate(per_token, mask, self.aggregation)
-
-    def forward(
-        self,
-        logp: torch.Tensor,
-        behav_logp: torch.Tensor,
-        prox_logp: torch.Tensor | None,
-        advantages: torch.Tensor,
-        mask: torch.Tensor,
-        ref_logp: torch.Tensor | None = None,
-    ) -> LossOutput:
-        """Return the aggregated loss and masked metrics; all inputs `[B, T]` (advantages may be `[B]`)."""
-        check_shapes(
-            logp, behav_logp=behav_logp, prox_logp=prox_logp, advantages=advantages, mask=mask, ref_logp=ref_logp
-        )
+    def terms(self, logp: torch.Tensor, behav_logp: torch.Tensor, prox_logp: torch.Tensor | None,
+              advantages: torch.Tensor, mask: torch.Tensor, ref_logp: torch.Tensor | None) -> LossTerms:
+        """Per-token clipped surrogate vs `old` plus the KL penalties `[B, T]`, and their metrics."""
         kl, kl_stats = self.penalty(logp, behav_logp, ref_logp, mask)
         old = prox_logp if prox_logp is not None else behav_logp
         per_token, ratio_stats = self.per_token(logp, old, advantages, mask)
         if kl is not None:
             per_token = per_token + kl
-        loss = self.reduce(per_token, mask)
-        return LossOutput(loss=loss, metrics={"loss": float(loss.detach()), **ratio_stats, **kl_stats})
+        return per_token, {**ratio_stats, **kl_stats}

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from rayllm_rl.objectives.base import Loss, LossOutput
-from rayllm_rl.objectives.grpo import GRPOLoss, check_shapes, masked_mean
+from rayllm_rl.objectives.base import PROX_LOGP_METHODS, Loss, LossTerms, masked_mean
+from rayllm_rl.objectives.grpo import GRPOLoss
 
 TIS_LEVELS = ("token", "sequence")
 TIS_MODES = ("truncate", "mask")
@@ -28,17 +28,25 @@ class TruncatedIS(Loss):
     loss = base.reduce(w * base.per_token(logp, prox, A, mask) [+ base.penalty(...)]); the KL
     terms, if the base has them, are not reweighted. The base must expose `per_token(logp, old,
     advantages, mask) -> (per_token_loss, metrics)` and `reduce(per_token, mask)` (GRPOLoss and
-    its subclasses, CISPOLoss). Extra metrics: `tis_weight_mean` (mean applied weight over
-    masked tokens), `tis_capped_fraction` (fraction of masked tokens whose raw weight > cap).
-    `aggregation` is the base's (so the learner weights micro-batches as for the base).
+    its subclasses, CISPOLoss). Extra metrics (names in `weight_metrics`): `tis_weight_mean`
+    (mean applied weight over masked tokens), `tis_capped_fraction` (fraction of masked tokens
+    whose raw weight > cap). `aggregation` and `reduce` are the base's (so the learner weights
+    micro-batches as for the base). `prox_logp_method` tells the learner how to get prox_logp:
+    "recompute" (a forward pass with the pre-update weights) or "loglinear"
+    (`loglinear_prox_logp`, no extra pass).
     """
 
     needs_prox_logp = True
+    weight_metrics = ("tis_weight_mean", "tis_capped_fraction")
+    """Metric names of the mean applied weight and of the fraction of masked tokens over the cap."""
 
-    def __init__(self, base_loss: Loss, level: str = "token", mode: str = "truncate", cap: float = 2.0) -> None:
+    def __init__(self, base_loss: Loss, level: str = "token", mode: str = "truncate", cap: float = 2.0,
+                 prox_logp_method: str = "recompute") -> None:
         super().__init__()
         if not (hasattr(base_loss, "per_token") and hasattr(base_loss, "reduce")):
             raise ValueError(f"{type(base_loss).__name__} does not expose per_token/reduce; TruncatedIS cannot wrap it")
+        if prox_logp_method not in PROX_LOGP_METHODS:
+            raise ValueError(f"unknown prox_logp_method {prox_logp_method!r}; valid: {list(PROX_LOGP_METHODS)}")
         if level not in TIS_LEVELS:
             raise ValueError(f"unknown level {level!r}; valid: {list(TIS_LEVELS)}")
         if mode not in TIS_MODES:
@@ -46,6 +54,7 @@ class TruncatedIS(Loss):
         if not cap > 0:
             raise ValueError(f"cap must be > 0, got {cap}")
         self.base = base_loss
+        self.prox_logp_method = prox_logp_method
         self.level = level
         self.mode = mode
         self.cap = float(cap)
@@ -55,8 +64,11 @@ class TruncatedIS(Loss):
     def aggregation(self) -> str:
         return getattr(self.base, "aggregation", "token-mean")
 
+    def reduce(self, per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.base.reduce(per_token, mask)
+
     def extra_repr(self) -> str:
-        return f"level={self.level!r}, mode={self.mode!r}, cap={self.cap}"
+        return f"level={self.level!r}, mode={self.mode!r}, cap={self.cap}, prox_logp_method={self.prox_logp_method!r}"
 
     def weights(
         self, prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor
@@ -94,20 +106,14 @@ class TruncatedIS(Loss):
             w = torch.clamp(raw, max=cap) if mode == "truncate" else torch.where(over, zeros, raw)
             return torch.where(m, w, zeros), over
 
-    def forward(
-        self,
-        logp: torch.Tensor,
-        behav_logp: torch.Tensor,
-        prox_logp: torch.Tensor | None,
-        advantages: torch.Tensor,
-        mask: torch.Tensor,
-        ref_logp: torch.Tensor | None = None,
-    ) -> LossOutput:
+    def terms(self, logp: torch.Tensor, behav_logp: torch.Tensor, prox_logp: torch.Tensor | None,
+              advantages: torch.Tensor, mask: torch.Tensor, ref_logp: torch.Tensor | None) -> LossTerms:
+        """`w * base.per_token(logp, prox_logp, A, mask)` plus the base's KL penalty, and the metrics."""
         if prox_logp is None:
-            raise ValueError("TruncatedIS needs prox_logp (the learner recomputes it when needs_prox_logp is True)")
-        check_shapes(
-            logp, behav_logp=behav_logp, prox_logp=prox_logp, advantages=advantages, mask=mask, ref_logp=ref_logp
-        )
+            raise ValueError(
+                f"{type(self).__name__} needs prox_logp (the learner recomputes it when needs_prox_logp is True, "
+                "or approximates it with loglinear_prox_logp when prox_logp_method='loglinear')"
+            )
         penalty_fn = getattr(self.base, "penalty", None)
         kl, kl_stats = penalty_fn(logp, behav_logp, ref_logp, mask) if penalty_fn is not None else (None, {})
         pg, stats = self.base.per_token(logp, prox_logp, advantages, mask)
@@ -115,37 +121,22 @@ class TruncatedIS(Loss):
         per_token = w * pg
         if kl is not None:
             per_token = per_token + kl
-        loss = self.base.reduce(per_token, mask)
         m = mask != 0
-        metrics = {"loss": float(loss.detach()), **stats, **kl_stats}
-        metrics["tis_weight_mean"] = float(masked_mean(w, m))
-        metrics["tis_capped_fraction"] = float(over.sum() / m.sum().clamp_min(1))
-        return LossOutput(loss=loss, metrics=metrics)
+        mean_key, capped_key = self.weight_metrics
+        metrics = {**stats, **kl_stats, mean_key: float(masked_mean(w, m)),
+                   capped_key: float(over.sum() / m.sum().clamp_min(1))}
+        return per_token, metrics
 
 
 class GRPOTISLoss(TruncatedIS):
-    """`TruncatedIS(GRPOLoss(...), level, mode, cap)` built from flat config fields (registered
-    as "grpo_tis"); `tis_level`, `tis_mode`, `tis_cap` are TruncatedIS's level, mode and cap."""
+    """`TruncatedIS(GRPOLoss(...), level, mode, cap, prox_logp_method)` built from flat config
+    fields (registered as "grpo_tis"); `tis_level`, `tis_mode`, `tis_cap` are TruncatedIS's level,
+    mode and cap, the other arguments `GRPOLoss`'s."""
 
-    def __init__(
-        self,
-        *,
-        clip_eps_low: float = 0.2,
-        clip_eps_high: float = 0.2,
-        kl_coef: float = 0.0,
-        kl_estimator: str = "k3",
-        aggregation: str = "token-mean",
-        kl_behav_coef: float = 0.0,
-        tis_level: str = "token",
-        tis_mode: str = "truncate",
-        tis_cap: float = 2.0,
-    ) -> None:
-        base = GRPOLoss(
-            clip_eps_low=clip_eps_low,
-            clip_eps_high=clip_eps_high,
-            kl_coef=kl_coef,
-            kl_estimator=kl_estimator,
-            aggregation=aggregation,
-            kl_behav_coef=kl_behav_coef,
-        )
-        super().__init__(base, level=tis_level, mode=tis_mode, cap=tis_cap)
+    def __init__(self, *, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2, kl_coef: float = 0.0,
+                 kl_estimator: str = "k3", aggregation: str = "token-mean", kl_behav_coef: float = 0.0,
+                 tis_level: str = "token", tis_mode: str = "truncate", tis_cap: float = 2.0,
+                 prox_logp_method: str = "recompute") -> None:
+        base = GRPOLoss(clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, kl_coef=kl_coef,
+                        kl_estimator=kl_estimator, aggregation=aggregation, kl_behav_coef=kl_behav_coef)
+        super().__init__(base, level=tis_level, mode=tis_mode, cap=tis_cap, prox_logp_method=prox_logp_method)

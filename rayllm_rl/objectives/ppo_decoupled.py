@@ -3,121 +3,64 @@ from __future__ import annotations
 
 import torch
 
-from rayllm_rl.objectives.base import LossOutput
-from rayllm_rl.objectives.grpo import GRPOLoss, check_shapes, masked_mean
-from rayllm_rl.objectives.importance import TruncatedIS
+from rayllm_rl.objectives.importance import GRPOTISLoss
 
 TIS_MODE_OF = {"cap": "truncate", "mask": "mask"}  # behav_weight_mode -> TruncatedIS mode
 BEHAV_WEIGHT_MODES = tuple(TIS_MODE_OF)
 
 
-class DecoupledPPOLoss(GRPOLoss):
+class DecoupledPPOLoss(GRPOTISLoss):
     """Decoupled PPO objective of AReaL (Fu et al. 2025, "AReaL: A Large-Scale Asynchronous
     Reinforcement Learning System for Language Reasoning", arXiv:2505.24298, Eq. 5).
 
     Two policies are decoupled: the proximal policy pi_prox (the learner's weights before this
-    update, recomputed by the learner because `needs_prox_logp = True`) anchors the trust region,
-    and the behaviour policy pi_behav (the possibly stale rollout policy) is corrected by
-    importance weighting. Per token:
+    update: `needs_prox_logp = True`, recomputed by the learner or, with
+    `prox_logp_method="loglinear"`, approximated by `loglinear_prox_logp`) anchors the trust
+    region, and the behaviour policy pi_behav (the possibly stale rollout policy) is corrected
+    by importance weighting. Per token:
         r = exp(logp - prox)                       (gradient flows through logp)
         pg = -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)
         w = exp(prox - behav)                      (detached, ALWAYS applied)
         "cap":  w <- min(w, behav_weight_cap)
         "mask": w <- 0 where w > behav_weight_cap  (AReaL's `behav_imp_weight_cap` does this)
         loss_t = w * pg   (+ the KL penalties of `GRPOLoss.penalty` when on), aggregated with `aggregation`.
-    w is `TruncatedIS`'s token-level weight with cap = behav_weight_cap and "cap" read as its
-    "truncate" mode (`behav_weight` calls `TruncatedIS.importance_weights`).
+    That is `GRPOTISLoss` at token level with cap = behav_weight_cap and "cap" read as its
+    "truncate" mode, so the computation is `TruncatedIS.terms`; only the names differ.
     In "mask" mode masked tokens still count in the token-mean denominator (as in AReaL, where
     they are zeroed by the weight, not removed from the loss mask).
     Extra metrics: `behav_weight_mean` (mean of the applied weight over masked tokens) and
     `behav_weight_capped_fraction` (fraction of masked tokens with raw w > cap).
-    `prox_logp=None` raises ValueError (use the learner's recompute, or `loglinear_prox_logp`).
+    `prox_logp=None` raises ValueError.
     """
 
-    needs_prox_logp = True
+    weight_metrics = ("behav_weight_mean", "behav_weight_capped_fraction")
 
-    def __init__(
-        self,
-        *,
-        clip_eps_low: float = 0.2,
-        clip_eps_high: float = 0.2,
-        behav_weight_cap: float = 5.0,
-        behav_weight_mode: str = "cap",
-        kl_coef: float = 0.0,
-        kl_estimator: str = "k3",
-        aggregation: str = "token-mean",
-        kl_behav_coef: float = 0.0,
-    ) -> None:
-        super().__init__(
-            clip_eps_low=clip_eps_low,
-            clip_eps_high=clip_eps_high,
-            kl_coef=kl_coef,
-            kl_estimator=kl_estimator,
-            aggregation=aggregation,
-            kl_behav_coef=kl_behav_coef,
-        )
+    def __init__(self, *, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2, behav_weight_cap: float = 5.0,
+                 behav_weight_mode: str = "cap", kl_coef: float = 0.0, kl_estimator: str = "k3",
+                 aggregation: str = "token-mean", kl_behav_coef: float = 0.0,
+                 prox_logp_method: str = "recompute") -> None:
         if behav_weight_mode not in BEHAV_WEIGHT_MODES:
             raise ValueError(f"unknown behav_weight_mode {behav_weight_mode!r}; valid: {list(BEHAV_WEIGHT_MODES)}")
         if not behav_weight_cap > 0:
             raise ValueError(f"behav_weight_cap must be > 0, got {behav_weight_cap}")
+        super().__init__(clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, kl_coef=kl_coef,
+                         kl_estimator=kl_estimator, aggregation=aggregation, kl_behav_coef=kl_behav_coef,
+                         tis_level="token", tis_mode=TIS_MODE_OF[behav_weight_mode], tis_cap=behav_weight_cap,
+                         prox_logp_method=prox_logp_method)
         self.behav_weight_cap = float(behav_weight_cap)
         self.behav_weight_mode = behav_weight_mode
 
     def extra_repr(self) -> str:
         return (
-            super().extra_repr()
-            + f", behav_weight_cap={self.behav_weight_cap}, behav_weight_mode={self.behav_weight_mode!r}"
+            f"behav_weight_cap={self.behav_weight_cap}, behav_weight_mode={self.behav_weight_mode!r}, "
+            f"prox_logp_method={self.prox_logp_method!r}"
         )
-
-    def behav_weight(
-        self, prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Detached `(w, over_cap)` `[B, T]`: capped/masked exp(prox - behav), 0 off-mask; token-level
-        `TruncatedIS` weights with mode "cap" -> "truncate", "mask" -> "mask"."""
-        return TruncatedIS.importance_weights(
-            prox_logp,
-            behav_logp,
-            mask,
-            level="token",
-            mode=TIS_MODE_OF[self.behav_weight_mode],
-            cap=self.behav_weight_cap,
-        )
-
-    def forward(
-        self,
-        logp: torch.Tensor,
-        behav_logp: torch.Tensor,
-        prox_logp: torch.Tensor | None,
-        advantages: torch.Tensor,
-        mask: torch.Tensor,
-        ref_logp: torch.Tensor | None = None,
-    ) -> LossOutput:
-        if prox_logp is None:
-            raise ValueError(
-                "DecoupledPPOLoss needs prox_logp (the learner recomputes it when needs_prox_logp is True; "
-                "without a recompute, pass loglinear_prox_logp(...))"
-            )
-        check_shapes(
-            logp, behav_logp=behav_logp, prox_logp=prox_logp, advantages=advantages, mask=mask, ref_logp=ref_logp
-        )
-        kl, kl_stats = self.penalty(logp, behav_logp, ref_logp, mask)
-        pg, stats = self.per_token(logp, prox_logp, advantages, mask)
-        w, over = self.behav_weight(prox_logp.to(logp.dtype), behav_logp.to(logp.dtype), mask)
-        per_token = w * pg
-        if kl is not None:
-            per_token = per_token + kl
-        loss = self.reduce(per_token, mask)
-        m = mask != 0
-        metrics = {"loss": float(loss.detach()), **stats, **kl_stats}
-        metrics["behav_weight_mean"] = float(masked_mean(w, m))
-        metrics["behav_weight_capped_fraction"] = float(over.sum() / m.sum().clamp_min(1))
-        return LossOutput(loss=loss, metrics=metrics)
 
 
 def loglinear_prox_logp(
     behav_logp: torch.Tensor,
     versions: torch.Tensor,
-    current_version: int,
+    current_version: int | torch.Tensor,
     logp_current: torch.Tensor,
 ) -> torch.Tensor:
     """Approximate log pi_prox without a recompute forward pass (detached, `[B, T]`).
@@ -140,6 +83,10 @@ def loglinear_prox_logp(
     curvature of the optimisation path, is only as good as the version bookkeeping, and on the
     first minibatch (`logp_current` = prox) it differs from the true prox only by how stale
     tokens are interpolated. Use the learner's recompute when affordable.
+
+    `current_version` is an int or a per-row `[B]` tensor. The learner uses this with
+    `algo.prox_logp_method=loglinear`: `logp_current` is its training forward's logp and
+    `current_version` the batch's `prox_version` + 1 (the version this update produces).
     """
     if behav_logp.shape != logp_current.shape or versions.shape != behav_logp.shape:
         raise ValueError(
@@ -150,7 +97,9 @@ def loglinear_prox_logp(
         b = behav_logp.detach().to(torch.float64)
         c = logp_current.detach().to(torch.float64)
         v = versions.to(torch.float64)
-        cur = float(current_version)
+        cur = torch.as_tensor(current_version, dtype=torch.float64, device=v.device)
+        if cur.dim() == 1:
+            cur = cur.unsqueeze(-1)  # [B] -> [B, 1], one version per row
         stale = v < cur - 1.0
         alpha = torch.where(stale, (cur - 1.0 - v) / (cur - v).clamp_min(1.0), torch.zeros_like(v))
         out = b + alpha * (c - b)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rayllm_rl.objectives.base import Loss, LossOutput
-from rayllm_rl.objectives.grpo import AGGREGATIONS, aggregate, check_shapes, kl_estimate, masked_mean
+from rayllm_rl.objectives.base import AGGREGATIONS, Loss, LossOutput, aggregate, check_shapes, masked_mean
+from rayllm_rl.objectives.grpo import kl_estimate
 
 SFT_FUNCTIONS = ("sft", "minor_sft")
 

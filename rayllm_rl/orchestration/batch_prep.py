@@ -1,9 +1,11 @@
 """Turn a rollout batch into a training batch (rewards -> advantages) and summarise it for the logs."""
 from __future__ import annotations
 
+import torch
+
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 
-SEQ_CORE = frozenset({"rewards", "group_id", "advantages"})
+SEQ_CORE = frozenset({"rewards", "group_id", "advantages", "prox_version"})
 
 
 def reward_component_means(batch) -> dict[str, float]:
@@ -12,18 +14,33 @@ def reward_component_means(batch) -> dict[str, float]:
             if k not in SEQ_CORE and batch[k].dim() == 1}
 
 
-def rewards_to_advantages(batch, cfg: GRPOJobConfig, ref_logprobs_fn=None):
-    """Rollout batch -> training batch, in place: reward shaping (DAPO overlong), reference KL
-    (reference logprobs, KL-in-reward), then `advantages` `[N]` from the rewards and groups."""
+def rewards_to_advantages(batch, cfg: GRPOJobConfig, ref_logprobs_fn=None, *, version: int | None = None):
+    """Rollout batch `[N]` -> training batch `[N']`; returns it (use the returned batch: it may be smaller).
+
+    In order: reward shaping (DAPO overlong), reference KL (reference logprobs, KL-in-reward),
+    then with `rollout.keep_top_k = k > 0` only the k best-rewarded trajectories of each group are
+    kept (`TopKRewardSelector`, on the shaped rewards; N' = the kept rows, in their order), then
+    `advantages` `[N']` from the rewards and groups of the kept rows. `version` is the policy
+    version the learner trains this batch from; when given it is stamped as `prox_version` `[N']`
+    (`algo.prox_logp_method=loglinear` needs it and raises without it).
+    """
+    from rayllm_rl.data.selectors import TopKRewardSelector
     from rayllm_rl.objectives import compute_advantages
     from rayllm_rl.objectives.kl_reward import KLRewardTransform, RetrieveKL
 
+    if cfg.algo.prox_logp_method == "loglinear" and version is None:
+        raise ValueError("algo.prox_logp_method=loglinear needs the policy version of the batch: "
+                         "call rewards_to_advantages(batch, cfg, ref_fn, version=version)")
     shape_rewards(batch, cfg)
     if ref_logprobs_fn is not None:
         RetrieveKL(ref_logprobs_fn)(batch)
         if cfg.algo.kl_reward_coef > 0:
             KLRewardTransform(cfg.algo.kl_reward_coef)(batch)
+    if cfg.rollout.keep_top_k > 0:
+        batch = TopKRewardSelector(cfg.rollout.keep_top_k)(batch)
     batch["advantages"] = compute_advantages(batch["rewards"], batch["group_id"], cfg.algo.advantage)
+    if version is not None:
+        batch["prox_version"] = torch.full(batch["rewards"].shape, int(version), dtype=torch.long)
     return batch
 
 

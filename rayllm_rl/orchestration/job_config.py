@@ -84,6 +84,14 @@ class RolloutConfig:
     openai.AsyncOpenAI; its completions become trajectories, the task's reward scores the last one."""
     turn_discount: float = 0.9
     """multi_turn: a success at turn t earns discount^(t-1)."""
+    keep_top_k: int = 0
+    """Rejection sampling (TorchRL's TopKRewardSelector): keep only the k best-rewarded trajectories of
+    each group before advantages are computed (ties: the earlier row); 0 keeps every trajectory."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.keep_top_k <= self.group_size:
+            raise ValueError(f"rollout.keep_top_k must be in [0, rollout.group_size={self.group_size}] "
+                             f"(0 = keep every trajectory), got {self.keep_top_k}")
 
 
 @dataclasses.dataclass
@@ -128,6 +136,10 @@ class AlgoConfig:
     """DAPO overlong shaping: linear penalty over the last N tokens of the budget (0 = off)."""
     overlong_penalty: float = 1.0
     """DAPO overlong shaping: penalty at (and beyond) the full generation budget."""
+    prox_logp_method: Literal["recompute", "loglinear"] = "recompute"
+    """ppo_decoupled and grpo_tis: how the learner gets the proximal logprobs: 'recompute' (one extra forward
+    pass before the update) or 'loglinear' (AReaL's interpolation between the behaviour logprobs and the
+    training forward by token version, no extra pass; see loglinear_prox_logp)."""
     advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
     """How rewards become advantages (group/global normalisation, RLOO)."""
 
@@ -142,7 +154,13 @@ class AlgoConfig:
                   if f.name in params and f.name != "name" and getattr(self, f.name) is not None}
         if "max_tokens" in params and "max_tokens" not in kwargs and max_new_tokens:
             kwargs["max_tokens"] = max_new_tokens
-        return make_loss(self.name, **kwargs)
+        loss = make_loss(self.name, **kwargs)
+        if self.prox_logp_method != "recompute" and not loss.needs_prox_logp:
+            takes_prox = sorted(n for n, cls in LOSSES.items() if cls.needs_prox_logp)
+            raise ValueError(f"algo.prox_logp_method={self.prox_logp_method} only applies to losses that use "
+                             f"proximal logprobs ({takes_prox}); algo.name={self.name} does not: use "
+                             "algo.prox_logp_method=recompute")
+        return loss
 
 
 @dataclasses.dataclass
@@ -181,7 +199,8 @@ class TrainerConfig:
     num_threads: int = 0
     """torch intra-op threads of the local backend (0 = leave torch's default)."""
     backend: str = "ray"
-    """'ray' (actors, async, weight sync over a collective) or 'local' (one process, synchronous)."""
+    """'ray' (every role a Ray actor, weights over a collective) or 'local' (every role in this process).
+    Both run the same driver: same eta, resume, checkpoints and summary."""
     checkpoint_every: int = 0
     """Save a resumable checkpoint every N steps (0 = only at the end)."""
 
@@ -220,6 +239,11 @@ class RayConfig:
     """Tensor-parallel degree of each vLLM replica (needs gpus_per_replica >= it when gpus_per_replica > 0)."""
     gpus_per_learner: float = 0.0
     """GPUs each FSDP learner rank requests (0 = CPU)."""
+    namespace: str = "rayllm_rl"
+    """Ray namespace of the job's named actors (`ray.get_actor("env-0", namespace=...)` from another
+    driver); two jobs on one cluster at the same time need two namespaces."""
+    env_worker_restarts: int = 3
+    """How many times Ray restarts a crashed env worker; its in-flight episodes are run again."""
 
 
 @dataclasses.dataclass
@@ -257,6 +281,10 @@ class GRPOJobConfig:
         rc = self.ray
         validate_placement(rc.num_replicas, rc.num_learners, rc.gpus_per_replica, rc.gpus_per_learner,
                            rc.tensor_parallel_size, rc.sync_timeout_s)
+        if not rc.namespace.strip():
+            raise ValueError("ray.namespace must not be empty (default 'rayllm_rl')")
+        if rc.env_worker_restarts < 0:
+            raise ValueError(f"ray.env_worker_restarts={rc.env_worker_restarts}: must be >= 0")
         if self.inference.engine == "vllm":
             if not vllm_available():
                 raise ValueError("inference.engine=vllm but the vllm package is not installed (`make install` adds "
@@ -272,6 +300,8 @@ class GRPOJobConfig:
         if rc.sync_transport == "nccl" and (rc.gpus_per_learner <= 0 or rc.gpus_per_replica <= 0):
             raise ValueError("ray.sync_transport=nccl needs GPUs on both sides: ray.gpus_per_learner > 0 and "
                              "ray.gpus_per_replica > 0")
+        if self.algo.prox_logp_method != "recompute":
+            self.algo.build_loss(self.rollout.max_new_tokens)  # raises for a loss without proximal logprobs
         if self.model.dtype == "bfloat16" and self.inference.engine == "transformers":
             raise ValueError("model.dtype=bfloat16 is for GPUs (inference.engine=vllm); the CPU TransformersEngine "
                              "and learner run float32")

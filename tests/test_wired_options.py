@@ -1,0 +1,176 @@
+"""Config options that reach the job: `rollout.keep_top_k` (TopKRewardSelector in
+`rewards_to_advantages`) and `algo.prox_logp_method=loglinear` (the learner's recompute-free
+proximal logprobs), against hand-derived numbers."""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from rayllm_rl.config import load_config
+from rayllm_rl.learner.learner import Learner, OptimConfig
+from rayllm_rl.objectives import DecoupledPPOLoss, GRPOTISLoss
+from rayllm_rl.orchestration.batch_prep import rewards_to_advantages
+from rayllm_rl.orchestration.job_config import GRPOJobConfig
+
+EPS = 1e-6  # AdvantageConfig.eps
+
+
+def _job(*argv: str) -> GRPOJobConfig:
+    return load_config(GRPOJobConfig, list(argv))
+
+
+# ---------------------------------------------------------------- rollout.keep_top_k
+# Two interleaved groups of 4; input_ids hold the row index so kept rows can be identified.
+#   group 7 = rows 0, 2, 4, 6 with rewards 1, 0, 3, 2  -> top 2: rows 4 (3) and 6 (2)
+#   group 9 = rows 1, 3, 5, 7 with rewards .5, 1, 1, 0 -> top 2: rows 3 and 5 (the two 1s)
+GIDS = [7, 9, 7, 9, 7, 9, 7, 9]
+REWARDS = [1.0, 0.5, 0.0, 1.0, 3.0, 1.0, 2.0, 0.0]
+
+
+def _rollout_batch() -> TensorDict:
+    n, t = len(REWARDS), 3
+    return TensorDict({
+        "input_ids": torch.arange(n).unsqueeze(-1).repeat(1, t),
+        "attention_mask": torch.ones(n, t, dtype=torch.bool),
+        "loss_mask": torch.tensor([[0, 1, 1]] * n, dtype=torch.bool),
+        "logprobs": torch.full((n, t), -0.5),
+        "versions": torch.tensor([[-1, 0, 0]] * n),
+        "rewards": torch.tensor(REWARDS),
+        "group_id": torch.tensor(GIDS),
+    }, batch_size=[n])
+
+
+def test_keep_top_k_selects_before_advantages():
+    cfg = _job("rollout.group_size=4", "rollout.keep_top_k=2")
+    out = rewards_to_advantages(_rollout_batch(), cfg, version=5)
+    assert out.batch_size[0] == 4
+    assert out["input_ids"][:, 0].tolist() == [3, 4, 5, 6]  # kept rows, in their original order
+    assert out["rewards"].tolist() == [1.0, 3.0, 1.0, 2.0]
+    # group 7 keeps rewards 3 and 2: mean 2.5, population std 0.5 -> +-0.5 / (0.5 + eps);
+    # group 9 keeps 1 and 1: std 0 -> 0 / (0 + eps) = 0.
+    a = 0.5 / (0.5 + EPS)
+    assert out["advantages"].tolist() == pytest.approx([0.0, a, 0.0, -a], abs=1e-7)
+    assert out["prox_version"].tolist() == [5, 5, 5, 5]
+    # without selection the same groups have 4 members: group 7 rewards 1, 0, 3, 2 -> mean 1.5,
+    # population std sqrt(1.25); row 4 (reward 3) gets 1.5 / (sqrt(1.25) + eps)
+    full = rewards_to_advantages(_rollout_batch(), _job("rollout.group_size=4"))
+    assert full.batch_size[0] == 8 and "prox_version" not in full.keys()
+    assert float(full["advantages"][4]) == pytest.approx(1.5 / (math.sqrt(1.25) + EPS), abs=1e-6)
+
+
+def test_keep_top_k_mean_only_advantages_and_ties():
+    out = rewards_to_advantages(
+        _rollout_batch(), _job("rollout.group_size=4", "rollout.keep_top_k=3", "algo.advantage.std=false"))
+    # group 7 keeps 1, 3, 2 (rows 0, 4, 6; mean 2); group 9 keeps .5, 1, 1 (rows 1, 3, 5; mean 2.5/3)
+    assert out["input_ids"][:, 0].tolist() == [0, 1, 3, 4, 5, 6]
+    m9 = 2.5 / 3
+    assert out["advantages"].tolist() == pytest.approx([-1.0, 0.5 - m9, 1.0 - m9, 1.0, 1.0 - m9, 0.0], abs=1e-6)
+
+
+@pytest.mark.parametrize("argv", [
+    ["rollout.keep_top_k=9"],  # group_size 8
+    ["rollout.keep_top_k=-1"],
+    ["rollout.group_size=2", "rollout.keep_top_k=3"],
+])
+def test_keep_top_k_out_of_range_names_the_key(argv):
+    with pytest.raises(ValueError, match=r"rollout\.keep_top_k"):
+        _job(*argv)
+
+
+# ---------------------------------------------------------------- algo.prox_logp_method
+def test_prox_logp_method_reaches_the_losses_that_use_prox():
+    ppo = _job("algo.name=ppo_decoupled", "algo.prox_logp_method=loglinear").algo.build_loss()
+    assert isinstance(ppo, DecoupledPPOLoss) and ppo.prox_logp_method == "loglinear"
+    tis = _job("algo.name=grpo_tis", "algo.prox_logp_method=loglinear").algo.build_loss()
+    assert isinstance(tis, GRPOTISLoss) and tis.prox_logp_method == "loglinear"
+    assert _job("algo.name=ppo_decoupled").algo.build_loss().prox_logp_method == "recompute"
+    cfg = _job("algo.name=grpo", "algo.prox_logp_method=loglinear")
+    with pytest.raises(ValueError, match=r"algo\.prox_logp_method=loglinear.*algo\.name=grpo"):
+        cfg.validate()
+    with pytest.raises(ValueError, match=r"algo\.prox_logp_method"):
+        _job("algo.prox_logp_method=linear")
+    with pytest.raises(ValueError, match="version"):  # the driver must pass the version it trains from
+        rewards_to_advantages(_rollout_batch(), _job("algo.name=ppo_decoupled", "algo.prox_logp_method=loglinear"))
+
+
+class UniformLM(torch.nn.Module):
+    """A 4-token LM whose logits are one learnable bias at every position: log pi = log(1/4) for
+    every token at init. Counts its forward passes."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.zeros(4))
+        self.forwards = 0
+
+    def forward(self, input_ids, attention_mask):
+        self.forwards += 1
+        return SimpleNamespace(logits=self.bias.expand(*input_ids.shape, 4))
+
+
+class RecordingPPO(DecoupledPPOLoss):
+    """DecoupledPPOLoss that keeps the prox_logp the learner handed it."""
+
+    def terms(self, logp, behav_logp, prox_logp, advantages, mask, ref_logp):
+        self.seen = prox_logp.detach().clone()
+        return super().terms(logp, behav_logp, prox_logp, advantages, mask, ref_logp)
+
+
+def _train_batch() -> TensorDict:
+    # token versions on generated tokens: row 0 [3, 2, 0], row 1 [1, 3]; the batch trains from v=3
+    return TensorDict({
+        "input_ids": torch.tensor([[0, 1, 2, 3], [0, 2, 1, 0]]),
+        "attention_mask": torch.ones(2, 4, dtype=torch.bool),
+        "loss_mask": torch.tensor([[0, 1, 1, 1], [0, 1, 1, 0]], dtype=torch.bool),
+        "logprobs": torch.tensor([[0.0, -1.0, -2.0, -0.5], [0.0, -1.5, -1.0, 0.0]]),
+        "versions": torch.tensor([[-1, 3, 2, 0], [-1, 1, 3, -1]]),
+        "advantages": torch.tensor([1.0, -1.0]),
+        "prox_version": torch.tensor([3, 3]),
+    }, batch_size=[2])
+
+
+def _learner(model):
+    return Learner("", OptimConfig(lr=1e-3, micro_batch_size=8), model=model)
+
+
+def test_loglinear_prox_in_the_learner_skips_the_recompute_pass():
+    model = UniformLM()
+    loss = RecordingPPO(prox_logp_method="loglinear")
+    _learner(model).train_step(_train_batch(), loss)
+    assert model.forwards == 1  # the training forward only
+    # current policy logp = log(1/4); the update produces v = 4, v_prox = 3:
+    # alpha = (3 - v_t) / (4 - v_t), prox = behav + alpha * (log(1/4) - behav)
+    cur = math.log(0.25)
+
+    def prox(behav, v):
+        return behav + (3 - v) / (4 - v) * (cur - behav)
+
+    want = {(0, 1): -1.0,  # v=3: alpha 0, the behaviour logprob itself
+            (0, 2): prox(-2.0, 2),  # alpha 1/2
+            (0, 3): prox(-0.5, 0),  # alpha 3/4
+            (1, 1): prox(-1.5, 1),  # alpha 2/3
+            (1, 2): -1.0}
+    assert want[(0, 2)] == pytest.approx(-2.0 + 0.5 * (cur + 2.0))
+    for (i, t), v in want.items():
+        assert float(loss.seen[i, t]) == pytest.approx(v, abs=1e-6), (i, t)
+
+
+def test_recompute_prox_in_the_learner_runs_one_extra_pass():
+    model = UniformLM()
+    loss = RecordingPPO()
+    batch = _train_batch()
+    del batch["prox_version"]
+    _learner(model).train_step(batch, loss)
+    assert model.forwards == 2  # recompute + training forward
+    mask = batch["loss_mask"]
+    assert torch.allclose(loss.seen[mask], torch.full((5,), math.log(0.25)))
+
+
+def test_loglinear_without_prox_version_raises():
+    batch = _train_batch()
+    del batch["prox_version"]
+    with pytest.raises(ValueError, match="prox_version"):
+        _learner(UniformLM()).train_step(batch, RecordingPPO(prox_logp_method="loglinear"))
