@@ -104,7 +104,14 @@ class EnvWorker:
         return await run_and_store(self.workflow, self.router, row, self._put, self.episode_filter)
 
     async def _put(self, td) -> None:
-        await asyncio.wait_for(self.buffer.put.remote(td, self.timeout_s), self.timeout_s + 30)
+        episode_id = int(td["group_id"][0])  # the collector's id of this episode (all rows share it)
+        await asyncio.wait_for(self.buffer.put.remote(td, self.timeout_s, episode_id), self.timeout_s + 30)
+
+    def pid(self) -> int:
+        """This worker's process id (fault-injection tests kill it)."""
+        import os
+
+        return os.getpid()
 
     def stats(self) -> dict[str, Any]:
         reward = getattr(self.workflow, "reward", None)
@@ -141,6 +148,9 @@ class ReplayBufferActor:
         self.buffer = ReplayBuffer(capacity_episodes, max_staleness)
         self.waiting = AwaitableEpisodeBuffer(self.buffer, on_dropped=self._tell_collector)
         self.collector = None
+        self.stored_ids: set[int] = set()
+        """Episode ids stored so far: an episode re-run after its env worker died is stored once."""
+        self.duplicate_puts = 0
 
     def set_collector(self, collector) -> None:
         """Over-stale episodes dropped at sampling give their slots back to this collector."""
@@ -150,8 +160,15 @@ class ReplayBufferActor:
         if self.collector is not None:
             self.collector.on_dropped.remote(n)  # fire and forget: the collector only frees slots
 
-    async def put(self, episode, timeout_s: float) -> None:
+    async def put(self, episode, timeout_s: float, episode_id: int | None = None) -> bool:
+        """Store `episode`; False (and not stored) if an episode with this id already was."""
+        if episode_id is not None:
+            if episode_id in self.stored_ids:
+                self.duplicate_puts += 1
+                return False
+            self.stored_ids.add(episode_id)
         await self.waiting.put(episode, timeout_s)
+        return True
 
     async def get_batch(self, n_episodes: int, current_version: int, timeout_s: float):
         """(batch of the oldest n episodes within the bound, episodes left); waits, no polling."""
@@ -161,7 +178,7 @@ class ReplayBufferActor:
         self.waiting.fail(reason)
 
     def stats(self) -> dict[str, Any]:
-        return self.buffer.stats()
+        return {**self.buffer.stats(), "duplicate_puts": self.duplicate_puts}
 
     def state_dict(self) -> dict[str, Any]:
         return self.buffer.state_dict()
@@ -275,7 +292,7 @@ class RayLLMCollector:
     which put them straight into the buffer; a collector loop that dies fails the buffer's waiters."""
 
     def __init__(self, dataset, env_workers: list, buffer, batch_size: int, max_staleness: int,
-                 seed: int = 0, episode_timeout_s: float = 600.0):
+                 seed: int = 0, episode_timeout_s: float = 600.0, max_episode_attempts: int = 3):
         from rayllm_rl.data.loader import PromptLoader
         from rayllm_rl.orchestration.collector import LLMCollector
         from rayllm_rl.orchestration.staleness import StalenessController
@@ -284,23 +301,55 @@ class RayLLMCollector:
         self.in_flight = [0] * len(env_workers)
         self.buffer = buffer
         self.timeout_s = episode_timeout_s
+        self.max_episode_attempts = max_episode_attempts
+        self.worker_pids: list[set[int]] = [set() for _ in env_workers]
+        """Per env worker: the process ids it has had (more than one: Ray restarted it)."""
+        self.episodes_rerun = 0
+        self.episodes_lost = 0
+        """Episodes whose worker died on every attempt (counted as failed too)."""
         self.collector = LLMCollector(PromptLoader(dataset, seed=seed), self._run_episode,
                                       StalenessController(batch_size, max_staleness))
         self._task: asyncio.Task | None = None
 
     async def _run_episode(self, row: dict):
-        i = min(range(len(self.env_workers)), key=lambda k: self.in_flight[k])
-        self.in_flight[i] += 1
+        """Run on the least-busy env worker; if that worker's process dies, run the episode again
+        (same id: the buffer stores it once) on whichever worker is then least busy."""
+        for attempt in range(1, self.max_episode_attempts + 1):
+            i = min(range(len(self.env_workers)), key=lambda k: self.in_flight[k])
+            self.in_flight[i] += 1
+            try:
+                return await asyncio.wait_for(self.env_workers[i].run_episode.remote(row), self.timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+                if attempt == self.max_episode_attempts:
+                    self.episodes_lost += 1
+                    raise RuntimeError(f"episode {row.get('group_id')}: its env worker died {attempt} times") from exc
+                self.episodes_rerun += 1
+                await asyncio.sleep(0.5 * attempt)  # give Ray time to restart the worker
+                await self._note_pid(i)
+            finally:
+                self.in_flight[i] -= 1
+
+    async def _note_pid(self, i: int) -> None:
+        """Record env worker i's current process id (a new one means Ray restarted it)."""
         try:
-            return await asyncio.wait_for(self.env_workers[i].run_episode.remote(row), self.timeout_s)
-        finally:
-            self.in_flight[i] -= 1
+            self.worker_pids[i].add(await asyncio.wait_for(self.env_workers[i].pid.remote(), self.timeout_s))
+        except (ray.exceptions.RayError, asyncio.TimeoutError):  # still restarting: asked again next time
+            pass
+
+    async def note_pids(self) -> list[int]:
+        """Ask every env worker for its process id now; returns the restarts seen per worker."""
+        await asyncio.gather(*(self._note_pid(i) for i in range(len(self.env_workers))))
+        return self.env_worker_restarts()
+
+    def env_worker_restarts(self) -> list[int]:
+        return [max(len(p) - 1, 0) for p in self.worker_pids]
 
     def _on_loop_end(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
             self.buffer.fail.remote(f"collector loop died: {task.exception()}")
 
     async def start(self) -> bool:
+        await self.note_pids()
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self.collector.run())
             self._task.add_done_callback(self._on_loop_end)
@@ -323,7 +372,8 @@ class RayLLMCollector:
     def stats(self) -> dict:
         if self._task is not None and self._task.done() and self._task.exception() is not None:
             raise RuntimeError(f"collector loop died: {self._task.exception()}")
-        return self.collector.stats()
+        return {**self.collector.stats(), "env_worker_restarts": self.env_worker_restarts(),
+                "episodes_rerun": self.episodes_rerun, "episodes_lost": self.episodes_lost}
 
     async def stop(self) -> None:
         self.collector.stop()

@@ -95,18 +95,22 @@ def build_cluster(cfg: GRPOJobConfig, model_path: str, task, workflow_factory) -
     vllm_options = {"kv_cache_mb": inf.kv_cache_mb, "gpu_memory_utilization": inf.gpu_memory_utilization,
                     "enable_prefix_caching": inf.enable_prefix_caching, "max_num_seqs": inf.max_num_seqs,
                     "tensor_parallel_size": rc.tensor_parallel_size}
-    replicas = [InferenceReplica.options(name=f"inference-{i}", **placement.replica_options[i]).remote(
+    ns = rc.namespace  # every named actor lives here: `ray.get_actor("env-0", namespace=...)` from any driver
+    replicas = [InferenceReplica.options(name=f"inference-{i}", namespace=ns, **placement.replica_options[i]).remote(
         inf.engine, model_path, seed + i, threads, cfg.model.dtype, vllm_options) for i in range(rc.num_replicas)]
     batch = cfg.rollout.prompts_per_step
     capacity = rc.buffer_episodes or 2 * (cfg.rollout.max_staleness + 1) * batch
-    buffer = ReplayBufferActor.options(name="replay-buffer", max_concurrency=1000).remote(
+    buffer = ReplayBufferActor.options(name="replay-buffer", namespace=ns, max_concurrency=1000).remote(
         capacity, cfg.rollout.max_staleness)
-    env_workers = [EnvWorker.options(name=f"env-{i}", max_concurrency=1000).remote(
+    # An env worker holds no state a restart loses: Ray restarts a dead one, and the collector runs
+    # the episodes it had in flight again (the buffer stores each episode id once).
+    env_workers = [EnvWorker.options(name=f"env-{i}", namespace=ns, max_concurrency=1000,
+                                     max_restarts=rc.env_worker_restarts).remote(
         workflow_factory, replicas, buffer, build_episode_filter(cfg), rc.call_timeout_s, 1)
         for i in range(rc.num_env_workers)]
-    learners = [LearnerWorker.options(name=f"learner-{r}", **placement.learner_options[r]).remote(
+    learners = [LearnerWorker.options(name=f"learner-{r}", namespace=ns, **placement.learner_options[r]).remote(
         r, rc.num_learners, threads) for r in range(rc.num_learners)]
-    collector = RayLLMCollector.options(name="collector", max_concurrency=1000).remote(
+    collector = RayLLMCollector.options(name="collector", namespace=ns, max_concurrency=1000).remote(
         task.train, env_workers, buffer, batch, cfg.rollout.max_staleness, seed, rc.call_timeout_s)
     buffer.set_collector.remote(collector)
     cluster = Cluster(replicas, env_workers, learners, buffer, collector, rc.call_timeout_s, rc.sync_timeout_s,

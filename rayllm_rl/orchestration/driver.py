@@ -28,7 +28,8 @@ from rayllm_rl.orchestration.sft_warmup import sft_warm_start
 SUMMARY_KEYS = frozenset({
     "eval_reward_before", "eval_reward_after", "eval_reward_gain", "steps", "version", "backend", "algo",
     "max_staleness", "max_version_lag", "stopped_by", "eval_prompts", "wall_seconds", "rl_seconds", "run_dir",
-    "checkpoint", "eval_before", "eval_after", "failed_episodes", "buffer", "reward_failures",
+    "checkpoint", "eval_before", "eval_after", "failed_episodes", "episodes_rerun", "episodes_lost", "restarts",
+    "buffer", "reward_failures",
     "replica_versions_held", "learner_checksums_equal_replicas"})
 """The summary's keys, the same on both backends (docs/ray-orchestration.md describes each)."""
 
@@ -81,7 +82,7 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, t_st
         t0 = time.perf_counter()
         batch, depth = backend.next_batch(B, version)
         t_wait = time.perf_counter() - t0
-        batch = rewards_to_advantages(batch, cfg, ref_fn)
+        batch = rewards_to_advantages(batch, cfg, ref_fn, version=version)
         lag = batch_staleness_stats(batch, version)
         versions_trained = sorted(set(batch["versions"][batch["loss_mask"]].tolist()))
         train_metrics = backend.train_step(batch)
@@ -98,6 +99,7 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, t_st
                   "staleness_mean": lag["mean_lag"], "staleness_max": lag["max_lag"],
                   "sync_seconds": sync["sync_s"], "stall_s": sync["stall_s"], "tokens_per_s": col["tokens_per_s"],
                   "buffer_depth": depth, "token_versions": versions_trained,
+                  "episode_ids": sorted(set(batch["group_id"].tolist())),
                   "data_sha": prompts_digest(batch), **reward_component_means(batch), **train_metrics}
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
             record["eval_reward"] = backend.evaluate()["eval_reward"]

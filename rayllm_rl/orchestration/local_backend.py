@@ -177,7 +177,8 @@ class LocalBackend:
     def summary_stats(self) -> dict[str, Any]:
         reward = getattr(self.workflow, "reward", None)
         engine_sum = self.loop.call(self.engine.weights_checksum(), 60, "engine checksum")
-        return {"failed_episodes": self.collector_stats()["failed_episodes"],
+        return {"failed_episodes": self.collector_stats()["failed_episodes"], "episodes_rerun": 0,
+                "episodes_lost": 0, "restarts": {"env": 0},  # one process: a crash ends it
                 "buffer": self.loop.run(self.buffer.buffer.stats),
                 "reward_failures": reward.counters() if reward is not None else {},
                 "replica_versions_held": [list(self.versions_held)],

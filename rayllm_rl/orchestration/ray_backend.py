@@ -65,7 +65,7 @@ class RayBackend:
 
     def start_reference(self, checkpoint: str | None):
         weights = checkpoint or self.cluster.learner_call("named_tensors")[0]
-        self.reference = ReferenceActor.options(name="reference").remote(
+        self.reference = ReferenceActor.options(name="reference", namespace=self.cfg.ray.namespace).remote(
             self.model_path, self.cfg.rollout.temperature, weights, self.cfg.ray.threads_per_actor)
         return lambda batch: self._get(self.reference.compute_logprobs.remote(batch))
 
@@ -111,7 +111,10 @@ class RayBackend:
     def summary_stats(self) -> dict[str, Any]:
         c = self.cluster
         sums = self._get([l.checksum.remote() for l in c.learners] + [r.checksum.remote() for r in c.replicas])
-        return {"failed_episodes": self.collector_stats()["failed_episodes"],
+        self._get(c.collector.note_pids.remote())  # a restart no episode ran into is counted too
+        col = self.collector_stats()
+        return {"failed_episodes": col["failed_episodes"], "episodes_rerun": col["episodes_rerun"],
+                "episodes_lost": col["episodes_lost"], "restarts": {"env": sum(col["env_worker_restarts"])},
                 "buffer": self._get(c.buffer.stats.remote()), "reward_failures": self._reward_counters(),
                 "replica_versions_held": self._get([r.version_history.remote() for r in c.replicas]),
                 "learner_checksums_equal_replicas": len(set(sums)) == 1}
