@@ -1,5 +1,6 @@
-"""A crashed env worker costs a restart, not the run: Ray restarts it, the collector runs its
-in-flight episodes again, and the buffer stores each episode once."""
+"""A crashed role costs a restart, not the run. An env worker: Ray restarts it, the collector runs
+its in-flight episodes again and the buffer stores each episode once. A learner, replica, collector
+or buffer: the driver rolls every role back to the last checkpoint and goes on."""
 from __future__ import annotations
 
 import json
@@ -33,36 +34,62 @@ def rl_records(run_dir: Path) -> list[dict]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("phase") == "rl"]
 
 
-def test_env_worker_sigkill_restarts_and_loses_no_episode(local_ray, tmp_path):
+STEPS, B, NS = 8, 4, "rayllm_ft_test"
+
+
+def run_and_kill(tmp_path, role: str, after_step: int, *extra: str) -> dict:
+    """Run a short job in a thread, SIGKILL `role`'s process once RL step `after_step` is logged."""
     from rayllm_rl.orchestration.driver import train
 
-    steps, B = 8, 4
     cfg = load_config(GRPOJobConfig, [
         "sft.steps=2", "data.eval_size=8", "data.max_operand=9", f"rollout.prompts_per_step={B}",
-        "rollout.group_size=4", "rollout.max_new_tokens=6", f"trainer.steps={steps}", "trainer.eval_every=0",
-        "rollout.max_staleness=1", f"trainer.run_dir={tmp_path}", "ray.call_timeout_s=120",
-        "ray.namespace=rayllm_ft_test",
+        "rollout.group_size=4", "rollout.max_new_tokens=6", f"trainer.steps={STEPS}", "trainer.eval_every=0",
+        "rollout.max_staleness=1", f"trainer.run_dir={tmp_path}", "ray.call_timeout_s=60", "ray.sync_timeout_s=30",
+        f"ray.namespace={NS}", *extra,
     ])
     out: dict = {}
     runner = threading.Thread(target=lambda: out.update(summary=train(cfg)), daemon=True)
     runner.start()
     run_dirs: list[Path] = []
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not out:  # kill env-0 once RL step 2 is logged
+    while time.monotonic() < deadline and not out:
         run_dirs = [p for p in tmp_path.iterdir() if p.is_dir()]
-        if run_dirs and len(rl_records(run_dirs[0])) >= 2:
+        if run_dirs and len(rl_records(run_dirs[0])) >= after_step:
             break
         time.sleep(0.2)
     assert not out and run_dirs, "the run ended (or never started) before the fault could be injected"
-    worker = ray.get_actor("env-0", namespace="rayllm_ft_test")  # found by name from another handle
-    old_pid = ray.get(worker.pid.remote(), timeout=30)
-    os.kill(old_pid, signal.SIGKILL)
+    actor = ray.get_actor(role, namespace=NS)  # found by name from another driver's point of view
+    os.kill(ray.get(actor.pid.remote(), timeout=30), signal.SIGKILL)
     runner.join(timeout=400)
-    assert "summary" in out, "the run did not finish after its env worker was killed"
-    summary = out["summary"]
-    assert summary["steps"] == steps and summary["restarts"]["env"] >= 1
+    assert "summary" in out, f"the run did not finish after {role} was killed"
+    return out["summary"]
+
+
+def test_env_worker_sigkill_restarts_and_loses_no_episode(local_ray, tmp_path):
+    summary = run_and_kill(tmp_path, "env-0", 2)
+    steps = STEPS
+    assert summary["steps"] == steps and summary["restarts"]["env"] >= 1 and summary["recoveries"] == []
     assert summary["episodes_lost"] == 0 and summary["failed_episodes"] == 0
     records = rl_records(Path(summary["run_dir"]))
     trained = [gid for r in records for gid in r["episode_ids"]]
     assert len(trained) == steps * B and len(set(trained)) == len(trained), "an episode was trained twice"
     assert summary["learner_checksums_equal_replicas"]
+
+
+@pytest.mark.parametrize("role,kind", [("learner-0", "learner"), ("inference-0", "inference"),
+                                       ("collector", "collector"), ("replay-buffer", "replay-buffer")])
+def test_stateful_role_sigkill_rolls_back_to_the_last_checkpoint(local_ray, tmp_path, role, kind):
+    summary = run_and_kill(tmp_path, role, 3, "trainer.checkpoint_every=2")
+    assert summary["steps"] == STEPS and summary["version"] == STEPS
+    assert summary["restarts"][kind] == 1 and len(summary["recoveries"]) == 1
+    rec = summary["recoveries"][0]
+    assert role in rec["roles"] and rec["resumed_from"].endswith(("step_2", "step_4"))
+    resumed_at = int(rec["resumed_from"].rsplit("_", 1)[1])
+    records = rl_records(Path(summary["run_dir"]))
+    cut = next((i for i, r in enumerate(records) if i > 0 and r["step"] <= records[i - 1]["step"]), len(records))
+    history = [r for r in records[:cut] if r["step"] <= resumed_at] + records[cut:]
+    assert [r["step"] for r in history] == list(range(1, STEPS + 1))  # the same version sequence, once
+    assert [r["version"] for r in history] == list(range(1, STEPS + 1))
+    trained = [gid for r in history for gid in r["episode_ids"]]
+    assert len(trained) == STEPS * B and len(set(trained)) == len(trained), "an episode lost or trained twice"
+    assert summary["learner_checksums_equal_replicas"] and summary["failed_episodes"] == 0

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from rayllm_rl.config import load_config
-from rayllm_rl.orchestration.driver import SUMMARY_KEYS, train
+from rayllm_rl.orchestration.driver import train
+from rayllm_rl.orchestration.reporting import SUMMARY_KEYS
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 
 
@@ -86,3 +87,12 @@ def test_local_backend_learns_with_nonzero_advantages(tmp_path):
     assert statistics.fmean(r["advantage_abs_mean"] for r in rl) > 0.2
     first, last = (statistics.fmean(r["reward"] for r in part) for part in (rl[:15], rl[-15:]))
     assert last > first + 0.1, (first, last)
+
+
+def test_periodic_checkpoints_are_pruned_to_the_newest(tmp_path):
+    summary = train(local_cfg(tmp_path, "trainer.steps=4", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=2",
+                              "trainer.eval_every=0"))
+    ckpts = sorted(p.name for p in (Path(summary["run_dir"]) / "checkpoints").iterdir())
+    assert ckpts == ["step_2", "step_3", "step_4"]  # step_0 and step_1 pruned; the final one always kept
+    with pytest.raises(ValueError, match="trainer.keep_checkpoints=-1"):
+        local_cfg(tmp_path, "trainer.keep_checkpoints=-1")

@@ -78,7 +78,8 @@ def test_sync_makes_replica_weights_equal(local_ray, tmp_path, transport):
 
 @pytest.mark.parametrize("eta", [0, 1])
 def test_training_respects_staleness_and_versions(local_ray, tmp_path, eta):
-    from rayllm_rl.orchestration.driver import SUMMARY_KEYS, train
+    from rayllm_rl.orchestration.driver import train
+    from rayllm_rl.orchestration.reporting import SUMMARY_KEYS
 
     summary = train(small_cfg(tmp_path, "trainer.steps=4", f"rollout.max_staleness={eta}"))
     assert set(summary) == SUMMARY_KEYS and summary["backend"] == "ray"  # the local backend's schema too

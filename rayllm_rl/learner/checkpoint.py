@@ -118,3 +118,19 @@ def load_checkpoint(learner, path: str | os.PathLike) -> dict:
     rng = state["rng"]
     _set_rng_state(rng[learner.rank] if len(rng) == learner.world_size else rng[0])
     return state["extra"]
+
+
+def prune_checkpoints(directory: str | os.PathLike, keep: int) -> list[str]:
+    """Delete all but the newest `keep` complete `step_<n>` checkpoints under `directory` (0 keeps all);
+    returns the deleted paths. Incomplete ones (no state file: a save cut short) are left alone."""
+    import re
+    import shutil
+
+    if keep <= 0:
+        return []
+    steps = sorted((int(m.group(1)), p) for p in Path(directory).glob("step_*")
+                   if (m := re.fullmatch(r"step_(\d+)", p.name)) and (p / STATE_FILE).exists())
+    doomed = [p for _, p in steps[:-keep]]
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return [str(p) for p in doomed]

@@ -16,8 +16,17 @@ from rayllm_rl.inference.protocol import LLMRequest, LLMResponse, UpdateGroupSpe
 from rayllm_rl.orchestration.router import ReplicaRouter
 
 
+class _Process:
+    """Mixed into every actor: its process id, for fault-injection tests and operators."""
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
 @ray.remote(num_cpus=0)
-class InferenceReplica:
+class InferenceReplica(_Process):
     """`inference-<i>`: an engine (Transformers or vLLM) and the weight sink it owns.
 
     The replica never touches engine tensors: weights arrive through the engine's sink
@@ -82,7 +91,7 @@ class InferenceReplica:
 
 
 @ray.remote(num_cpus=0)
-class EnvWorker:
+class EnvWorker(_Process):
     """Runs many workflow episodes concurrently against the replicas and puts each finished episode
     straight into the replay buffer (the collector only admits work; it never carries episodes)."""
 
@@ -107,11 +116,7 @@ class EnvWorker:
         episode_id = int(td["group_id"][0])  # the collector's id of this episode (all rows share it)
         await asyncio.wait_for(self.buffer.put.remote(td, self.timeout_s, episode_id), self.timeout_s + 30)
 
-    def pid(self) -> int:
-        """This worker's process id (fault-injection tests kill it)."""
-        import os
 
-        return os.getpid()
 
     def stats(self) -> dict[str, Any]:
         reward = getattr(self.workflow, "reward", None)
@@ -119,7 +124,7 @@ class EnvWorker:
 
 
 @ray.remote(num_cpus=0)
-class ReferenceActor:
+class ReferenceActor(_Process):
     """`reference` on the dashboard: a frozen ReferenceModel serving reference logprobs for KL."""
 
     def __init__(self, model_path: str, temperature: float, weights: dict[str, torch.Tensor] | str,
@@ -139,7 +144,7 @@ class ReferenceActor:
 
 
 @ray.remote(num_cpus=0)
-class ReplayBufferActor:
+class ReplayBufferActor(_Process):
     """`replay-buffer`: bounded, version-aware episode buffer; env workers put, the driver awaits batches."""
 
     def __init__(self, capacity_episodes: int, max_staleness: int):
@@ -188,7 +193,7 @@ class ReplayBufferActor:
 
 
 @ray.remote(num_cpus=0)
-class LearnerWorker:
+class LearnerWorker(_Process):
     """One FSDP rank of the learner; rank 0 also streams weights to the replicas."""
 
     def __init__(self, rank: int, world_size: int, num_threads: int = 1):
@@ -287,7 +292,7 @@ class LearnerWorker:
 
 
 @ray.remote(num_cpus=0)
-class RayLLMCollector:
+class RayLLMCollector(_Process):
     """`collector`, the actor shell of `LLMCollector`: admits episodes under the staleness bound and spreads them over the env workers,
     which put them straight into the buffer; a collector loop that dies fails the buffer's waiters."""
 

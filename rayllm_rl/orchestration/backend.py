@@ -13,6 +13,18 @@ import torch
 from tensordict import TensorDict
 
 
+ROLE_KINDS = ("env", "inference", "learner", "collector", "replay-buffer", "reference")
+"""The roles the summary's `restarts` counts."""
+
+
+class RoleCrashed(RuntimeError):
+    """A role's process died; the driver rolls the job back to its last checkpoint (`Backend.recover`)."""
+
+    def __init__(self, roles: list[str], cause: BaseException):
+        super().__init__(f"role(s) {', '.join(roles)} died: {type(cause).__name__}: {cause}")
+        self.roles = roles
+
+
 class Backend(Protocol):
     """Blocking calls, each bounded by the job's timeouts."""
 
@@ -56,6 +68,9 @@ class Backend(Protocol):
 
     def summary_stats(self) -> dict[str, Any]:
         """The summary's backend part: buffer, failures, versions held, learner/engine checksums."""
+
+    def recover(self, crash: RoleCrashed) -> None:
+        """Replace every role after `crash` (the driver then restores the last checkpoint into them)."""
 
     def publish(self, record: dict[str, Any]) -> None:
         """Export a step's record to the backend's monitoring (the Ray dashboard's metrics)."""

@@ -52,6 +52,27 @@ class Cluster:
         """ray.get with the job's timeout: a hang becomes a GetTimeoutError naming the wait."""
         return ray.get(refs, timeout=timeout_s or self.timeout_s)
 
+    def roles(self) -> dict[str, Any]:
+        """Every actor of the job by its dashboard name."""
+        named = {f"inference-{i}": r for i, r in enumerate(self.replicas)}
+        named.update({f"env-{i}": w for i, w in enumerate(self.env_workers)})
+        named.update({f"learner-{i}": l for i, l in enumerate(self.learners)})
+        return {**named, "replay-buffer": self.buffer, "collector": self.collector}
+
+    def dead_roles(self, timeout_s: float = 10.0) -> list[str]:
+        """Names of the actors whose process is gone (a busy actor that does not answer in time is not dead)."""
+        roles = self.roles()
+        refs = {name: h.__ray_ready__.remote() for name, h in roles.items()}
+        dead = []
+        for name, ref in refs.items():
+            try:
+                ray.get(ref, timeout=timeout_s)
+            except ray.exceptions.ActorDiedError:  # for good (a restarting actor is only unavailable)
+                dead.append(name)
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+                pass
+        return dead
+
     def learner_call(self, method: str, *args) -> list:
         return self.get([getattr(l, method).remote(*args) for l in self.learners])
 
@@ -59,20 +80,42 @@ class Cluster:
         """Learners stream (rank 0 sends) while every replica receives into its back buffer."""
         sent = [l.sync_weights.remote(version) for l in self.learners]
         got = [r.receive_weights.remote() for r in self.replicas]
-        out = self.get(sent + got, timeout_s=self.sync_timeout_s)
-        learner0, replicas = out[0], out[len(self.learners):]
+        out = self.get(got + sent, timeout_s=self.sync_timeout_s)  # a dead replica fails at once
+        replicas, learner0 = out[:len(got)], out[len(got)]
         return {**learner0, "stall_s": max(r["stall_s"] for r in replicas),
                 "receive_s": max(r["receive_s"] for r in replicas)}
 
-    def shutdown(self) -> None:
+    def shutdown(self, close_timeout_s: float = 60.0, namespace: str | None = None) -> None:
+        """Close sync groups, shared segments and engine cores, kill every actor; with `namespace`,
+        also wait until their names are free again (so the job can be rebuilt under the same names)."""
         try:  # unlink shared segments, close sync groups and vLLM engine cores before the processes go
-            self.get([a.close.remote() for a in self.learners + self.replicas], timeout_s=60)
+            self.get([a.close.remote() for a in self.learners + self.replicas], timeout_s=close_timeout_s)
         except Exception:  # noqa: BLE001 - shutting down anyway
             pass
-        for a in self.replicas + self.env_workers + self.learners + [self.buffer, self.collector]:
+        names = list(self.roles())
+        for a in self.roles().values():
             ray.kill(a, no_restart=True)
         if self.placement is not None:
             self.placement.remove()
+        if namespace is not None:
+            wait_names_free(names, namespace)
+
+
+def wait_names_free(names: list[str], namespace: str, timeout_s: float = 60.0) -> None:
+    """Wait until no live actor holds any of `names` in `namespace` (a killed actor releases its name
+    asynchronously)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    for name in names:
+        while True:
+            try:
+                ray.get_actor(name, namespace=namespace)
+            except ValueError:
+                break  # free
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"actor name {name!r} still taken {timeout_s:g}s after its actor was killed")
+            time.sleep(0.2)
 
 
 def _pick_transport(cfg: GRPOJobConfig, learner_ip: str, replica_ips: set[str]) -> str:

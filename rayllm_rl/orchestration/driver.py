@@ -17,21 +17,13 @@ from pathlib import Path
 
 from rayllm_rl.data.replay_buffer import batch_staleness_stats
 from rayllm_rl.models.tiny import ensure_tiny_model
-from rayllm_rl.orchestration.backend import Backend
+from rayllm_rl.learner.checkpoint import prune_checkpoints
+from rayllm_rl.orchestration.backend import Backend, RoleCrashed
 from rayllm_rl.orchestration.batch_prep import reward_component_means, rewards_to_advantages
 from rayllm_rl.orchestration.factories import build_task, needs_reference
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.reporting import RunReporter, prompts_digest
 from rayllm_rl.orchestration.sft_warmup import sft_warm_start
-
-
-SUMMARY_KEYS = frozenset({
-    "eval_reward_before", "eval_reward_after", "eval_reward_gain", "steps", "version", "backend", "algo",
-    "max_staleness", "max_version_lag", "stopped_by", "eval_prompts", "wall_seconds", "rl_seconds", "run_dir",
-    "checkpoint", "eval_before", "eval_after", "failed_episodes", "episodes_rerun", "episodes_lost", "restarts",
-    "buffer", "reward_failures",
-    "replica_versions_held", "learner_checksums_equal_replicas"})
-"""The summary's keys, the same on both backends (docs/ray-orchestration.md describes each)."""
 
 
 def open_backend(cfg: GRPOJobConfig, model_path: str, task, tokenizer) -> Backend:
@@ -53,13 +45,35 @@ def train(cfg: GRPOJobConfig) -> dict:
     model_path = cfg.model.path or ensure_tiny_model()
     task, tokenizer = build_task(cfg), AutoTokenizer.from_pretrained(model_path)
     backend = open_backend(cfg, model_path, task, tokenizer)
+    run = RunState(t_start=t_start, checkpoint=cfg.resume or None)
     try:
-        return _run(cfg, backend, reporter, task, t_start)
+        while True:
+            try:
+                return _run(cfg, backend, reporter, task, run)
+            except RoleCrashed as crash:  # roll every role back to the last checkpoint and go on
+                if run.checkpoint is None or len(run.recoveries) >= cfg.trainer.max_recoveries:
+                    raise
+                run.recoveries.append({"roles": crash.roles, "at_step": run.step, "resumed_from": run.checkpoint})
+                reporter.log({"phase": "recovery", "error": str(crash), **run.recoveries[-1]}, show=True)
+                backend.recover(crash)
+                cfg = dataclasses.replace(cfg, resume=run.checkpoint)
     finally:
         backend.shutdown()
 
 
-def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, t_start: float) -> dict:
+@dataclasses.dataclass
+class RunState:
+    """What outlives a rollback to the last checkpoint."""
+
+    t_start: float
+    checkpoint: str | None = None
+    """The last complete checkpoint: where a crash rolls back to."""
+    eval_before: dict | None = None
+    step: int = 0
+    recoveries: list = dataclasses.field(default_factory=list)
+
+
+def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run: RunState) -> dict:
     if cfg.resume:
         step, version = backend.restore(cfg.resume)
     else:
@@ -69,12 +83,14 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, t_st
     backend.set_version(version)
     # frozen: the policy after the SFT warm start, or the one the checkpoint saved
     ref_fn = backend.start_reference(cfg.resume or None) if needs_reference(cfg) else None
-    eval_before = backend.evaluate()
-    reporter.log({"phase": "eval", "step": step, **eval_before}, show=True)
+    if run.eval_before is None:
+        run.eval_before = backend.evaluate()
+        reporter.log({"phase": "eval", "step": step, **run.eval_before}, show=True)
+    ckpt_dir = Path(reporter.run_dir) / "checkpoints"
+    run.checkpoint = run.checkpoint or backend.save_checkpoint(str(ckpt_dir / f"step_{step}"), step, version)
 
     backend.start_collector()
     t_rl, B, col = time.perf_counter(), cfg.rollout.prompts_per_step, {"tokens_per_s": None}
-    ckpt_dir = Path(reporter.run_dir) / "checkpoints"
     progress = reporter.progress(total=cfg.trainer.steps, desc=f"grpo eta={cfg.rollout.max_staleness}")
     progress.update(step)
     stopped_by = None
@@ -90,7 +106,7 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, t_st
         version += 1
         sync = backend.sync_weights(version)
         backend.set_version(version)
-        step += 1
+        step = run.step = step + 1
         if step % cfg.trainer.log_every == 0 or step == cfg.trainer.steps:
             col = backend.collector_stats()
         record = {"phase": "rl", "step": step, "version": version, "reward": float(batch["rewards"].mean()),
@@ -107,23 +123,26 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, t_st
         backend.publish(record)
         progress.update(1, reward=record["reward"])
         if cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0 and step < cfg.trainer.steps:
-            backend.save_checkpoint(str(ckpt_dir / f"step_{step}"), step, version)
+            run.checkpoint = backend.save_checkpoint(str(ckpt_dir / f"step_{step}"), step, version)
+            prune_checkpoints(ckpt_dir, cfg.trainer.keep_checkpoints)
         if cfg.trainer.time_budget_s and time.perf_counter() - t_rl > cfg.trainer.time_budget_s:
             stopped_by = "trainer.time_budget_s"
+            reporter.log({"phase": "stop", "step": step, "stopped": f"{stopped_by}={cfg.trainer.time_budget_s:g} cut the run "
+                          f"at step {step} of {cfg.trainer.steps}"}, show=True)
             break
     progress.close()
     ckpt = backend.save_checkpoint(str(ckpt_dir / f"step_{step}"), step, version)
     backend.drain()
     eval_after = backend.evaluate()
     reporter.log({"phase": "eval", "step": step, **eval_after}, show=True)
-    before, after = eval_before["eval_reward"], eval_after["eval_reward"]
+    before, after = run.eval_before["eval_reward"], eval_after["eval_reward"]
     lags = [r["staleness_max"] for r in reporter.records if r.get("phase") == "rl"]
     summary = {"eval_reward_before": before, "eval_reward_after": after, "eval_reward_gain": after - before,
                "steps": step, "version": version, "backend": cfg.trainer.backend, "algo": cfg.algo.name,
                "max_staleness": cfg.rollout.max_staleness, "max_version_lag": max(lags, default=0),
                "stopped_by": stopped_by, "eval_prompts": len(task.eval),
-               "wall_seconds": round(time.perf_counter() - t_start, 1), "rl_seconds": round(time.perf_counter() - t_rl, 1),
-               "run_dir": str(reporter.run_dir), "checkpoint": ckpt, "eval_before": eval_before,
-               "eval_after": eval_after, **backend.summary_stats()}
+               "wall_seconds": round(time.perf_counter() - run.t_start, 1), "rl_seconds": round(time.perf_counter() - t_rl, 1),
+               "run_dir": str(reporter.run_dir), "checkpoint": ckpt, "eval_before": run.eval_before,
+               "eval_after": eval_after, "recoveries": run.recoveries, **backend.summary_stats()}
     reporter.finish(summary)
     return summary

@@ -201,8 +201,13 @@ class TrainerConfig:
     backend: str = "ray"
     """'ray' (every role a Ray actor, weights over a collective) or 'local' (every role in this process).
     Both run the same driver: same eta, resume, checkpoints and summary."""
-    checkpoint_every: int = 0
-    """Save a resumable checkpoint every N steps (0 = only at the end)."""
+    checkpoint_every: int = 50
+    """Save a resumable checkpoint every N steps (0 = only at the start of RL and at the end). A crashed
+    learner, replica, collector or buffer rolls the run back to the last one."""
+    keep_checkpoints: int = 3
+    """Keep only the newest N checkpoints of the run (0 = keep all)."""
+    max_recoveries: int = 3
+    """Rollbacks to the last checkpoint after a crashed role before the run gives up (Ray backend)."""
 
 
 @dataclasses.dataclass
@@ -285,6 +290,9 @@ class GRPOJobConfig:
             raise ValueError("ray.namespace must not be empty (default 'rayllm_rl')")
         if rc.env_worker_restarts < 0:
             raise ValueError(f"ray.env_worker_restarts={rc.env_worker_restarts}: must be >= 0")
+        for key in ("checkpoint_every", "keep_checkpoints", "max_recoveries"):
+            if getattr(self.trainer, key) < 0:
+                raise ValueError(f"trainer.{key}={getattr(self.trainer, key)}: must be >= 0")
         if self.inference.engine == "vllm":
             if not vllm_available():
                 raise ValueError("inference.engine=vllm but the vllm package is not installed (`make install` adds "

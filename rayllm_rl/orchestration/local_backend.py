@@ -21,7 +21,7 @@ from rayllm_rl.data.replay_buffer import AwaitableEpisodeBuffer, ReplayBuffer
 from rayllm_rl.inference.protocol import weights_checksum
 from rayllm_rl.inference.transformers_engine import TransformersEngine
 from rayllm_rl.learner.learner import Learner
-from rayllm_rl.orchestration.backend import buffer_capacity
+from rayllm_rl.orchestration.backend import ROLE_KINDS, buffer_capacity
 from rayllm_rl.orchestration.collector import LLMCollector, run_and_store
 from rayllm_rl.orchestration.factories import build_episode_filter, build_workflow
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
@@ -178,11 +178,15 @@ class LocalBackend:
         reward = getattr(self.workflow, "reward", None)
         engine_sum = self.loop.call(self.engine.weights_checksum(), 60, "engine checksum")
         return {"failed_episodes": self.collector_stats()["failed_episodes"], "episodes_rerun": 0,
-                "episodes_lost": 0, "restarts": {"env": 0},  # one process: a crash ends it
+                "episodes_lost": 0, "restarts": dict.fromkeys(ROLE_KINDS, 0),  # one process: a crash ends it
                 "buffer": self.loop.run(self.buffer.buffer.stats),
                 "reward_failures": reward.counters() if reward is not None else {},
                 "replica_versions_held": [list(self.versions_held)],
                 "learner_checksums_equal_replicas": weights_checksum(self.learner.named_tensors()) == engine_sum}
+
+    def recover(self, crash) -> None:
+        """Nothing to restart: in one process a crashed role is a crashed run."""
+        raise crash
 
     def publish(self, record: dict[str, Any]) -> None:
         """Nothing to export to: the run's metrics.jsonl is the record."""

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import time
 from typing import Any
 
 import ray
 
 from rayllm_rl.orchestration.actors import ReferenceActor
+from rayllm_rl.orchestration.backend import ROLE_KINDS, RoleCrashed
 from rayllm_rl.orchestration.cluster import Cluster, build_cluster, init_ray
 from rayllm_rl.orchestration.factories import build_task, build_workflow
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
@@ -21,62 +24,137 @@ def make_workflow(cfg: GRPOJobConfig, model_path: str):
     return build_workflow(cfg, build_task(cfg), AutoTokenizer.from_pretrained(model_path))
 
 
+def _crash_aware(method):
+    """A failed call whose cause is a dead actor raises RoleCrashed naming it (else the error as is)."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            dead = self.dead_roles()
+            if dead:
+                raise RoleCrashed(dead, exc) from exc
+            raise
+    return wrapper
+
+
 class RayBackend:
     """Replicas, env workers, learners, buffer and collector as named Ray actors (see cluster.py)."""
 
     def __init__(self, cfg: GRPOJobConfig, model_path: str, task, tokenizer):
-        import functools
-
         from rayllm_rl.orchestration.metrics import RayMetrics
 
         init_ray(cfg)
         self.cfg, self.model_path, self.task, self.tokenizer = cfg, model_path, task, tokenizer
-        self.cluster: Cluster = build_cluster(cfg, model_path, task, functools.partial(make_workflow, cfg, model_path))
+        self.liveness_s = 10.0
+        """While waiting for a batch, check every this many seconds that no role died."""
+        self.restarts: dict[str, int] = dict.fromkeys(ROLE_KINDS, 0)
+        """Restarts per role: env workers restarted by Ray, other roles rebuilt by `recover`."""
+        self._build()
+        self._metrics = RayMetrics()
+
+    def _build(self) -> None:
+        cfg = self.cfg
+        self.cluster: Cluster = build_cluster(cfg, self.model_path, self.task,
+                                              functools.partial(make_workflow, cfg, self.model_path))
         self.reference = None
         self._pending_version = None  # the last set_version call, awaited at the next one
-        self._metrics = RayMetrics()
+
+    def dead_roles(self) -> list[str]:
+        dead = self.cluster.dead_roles()
+        if self.reference is not None:
+            try:
+                ray.get(self.reference.__ray_ready__.remote(), timeout=10)
+            except ray.exceptions.ActorDiedError:
+                dead.append("reference")
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+                pass
+        return dead
+
+    def recover(self, crash: RoleCrashed) -> None:
+        """Kill what is left of the job and start every role afresh (the driver restores a checkpoint)."""
+        for role in crash.roles:
+            kind = role.split("-")[0] if role[-1].isdigit() else role
+            self.restarts[kind] = self.restarts.get(kind, 0) + 1
+        self._count_env_restarts()
+        if self.reference is not None:
+            ray.kill(self.reference, no_restart=True)
+        self.cluster.shutdown(close_timeout_s=5, namespace=self.cfg.ray.namespace)
+        self._build()
+
+    def _count_env_restarts(self) -> None:
+        """Fold the collector's count of env-worker restarts into `restarts` (before it is replaced)."""
+        try:
+            n = sum(self._get(self.cluster.collector.note_pids.remote(), timeout_s=30))
+        except ray.exceptions.RayError:
+            return  # the collector itself is gone: its count went with it
+        self.restarts["env"] = self.restarts.get("env", 0) + n
 
     def _get(self, refs, timeout_s: float | None = None):
         return self.cluster.get(refs, timeout_s)
 
+    @_crash_aware
     def train_step(self, batch, loss=None) -> dict[str, float]:
         return self.cluster.learner_call("train_step", ray.put(batch), loss)[0]
 
+    @_crash_aware
     def reset_optimizer(self, optim_cfg) -> None:
         self.cluster.learner_call("reset_optimizer", optim_cfg)
 
+    @_crash_aware
     def sync_weights(self, version: int) -> dict[str, float]:
         return self.cluster.sync_weights(version)
 
+    @_crash_aware
     def set_version(self, version: int) -> None:
         """Pipelined: the previous call is awaited (bounded) and this one is left in flight."""
         if self._pending_version is not None:
             self._get(self._pending_version)
         self._pending_version = self.cluster.collector.set_version.remote(version)
 
+    @_crash_aware
     def start_collector(self) -> None:
         self._get(self.cluster.collector.start.remote())
 
+    @_crash_aware
     def next_batch(self, n_episodes: int, version: int):
         """One awaited call: the buffer returns over-stale episodes' slots to the collector itself, and
-        fails this wait at once (naming the cause) if the collector's loop dies."""
+        fails this wait at once (naming the cause) if the collector's loop dies. While waiting, a dead
+        role (a collector or env worker cannot die silently here) ends the wait every `liveness_s`."""
         c = self.cluster
-        return self._get(c.buffer.get_batch.remote(n_episodes, version, c.timeout_s), timeout_s=c.timeout_s + 30)
+        ref = c.buffer.get_batch.remote(n_episodes, version, c.timeout_s)
+        deadline = time.monotonic() + c.timeout_s + 30
+        while not ray.wait([ref], timeout=self.liveness_s)[0]:
+            dead = self.dead_roles()
+            if dead:
+                raise RoleCrashed(dead, RuntimeError(f"waiting for a batch at version {version}"))
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no batch of {n_episodes} episodes at version {version} in {c.timeout_s + 30:g}s")
+        return self._get(ref)
 
+    @_crash_aware
     def start_reference(self, checkpoint: str | None):
         weights = checkpoint or self.cluster.learner_call("named_tensors")[0]
         self.reference = ReferenceActor.options(name="reference", namespace=self.cfg.ray.namespace).remote(
             self.model_path, self.cfg.rollout.temperature, weights, self.cfg.ray.threads_per_actor)
-        return lambda batch: self._get(self.reference.compute_logprobs.remote(batch))
+        return self.reference_logprobs
 
+    @_crash_aware
+    def reference_logprobs(self, batch):
+        """log pi_ref `[N, T]` of a batch from the reference actor."""
+        return self._get(self.reference.compute_logprobs.remote(batch))
+
+    @_crash_aware
     def evaluate(self) -> dict[str, Any]:
         router = ReplicaRouter(self.cluster.replicas, self.cluster.timeout_s)
         return asyncio.run(evaluate_greedy(router, self.tokenizer, self.task.eval, self.task.reward_fn,
                                            self.cfg.rollout.max_new_tokens))
 
+    @_crash_aware
     def collector_stats(self) -> dict[str, Any]:
         return self._get(self.cluster.collector.stats.remote())
 
+    @_crash_aware
     def save_checkpoint(self, path: str, step: int, version: int) -> str:
         c = self.cluster
         collector_state = self._get(c.collector.drain.remote(c.timeout_s))
@@ -88,12 +166,14 @@ class RayBackend:
         self._get(c.collector.start.remote())
         return str(path)
 
+    @_crash_aware
     def restore(self, path: str) -> tuple[int, int]:
         extra = self.cluster.learner_call("load_checkpoint", path)[0]
         self._get(self.cluster.collector.load_state_dict.remote(extra["collector"]))
         self._get(self.cluster.buffer.load_state_dict.remote(extra["buffer"]))
         return extra["step"], extra["version"]
 
+    @_crash_aware
     def drain(self) -> None:
         if self._pending_version is not None:
             self._get(self._pending_version)
@@ -113,8 +193,9 @@ class RayBackend:
         sums = self._get([l.checksum.remote() for l in c.learners] + [r.checksum.remote() for r in c.replicas])
         self._get(c.collector.note_pids.remote())  # a restart no episode ran into is counted too
         col = self.collector_stats()
+        restarts = {**self.restarts, "env": self.restarts["env"] + sum(col["env_worker_restarts"])}
         return {"failed_episodes": col["failed_episodes"], "episodes_rerun": col["episodes_rerun"],
-                "episodes_lost": col["episodes_lost"], "restarts": {"env": sum(col["env_worker_restarts"])},
+                "episodes_lost": col["episodes_lost"], "restarts": restarts,
                 "buffer": self._get(c.buffer.stats.remote()), "reward_failures": self._reward_counters(),
                 "replica_versions_held": self._get([r.version_history.remote() for r in c.replicas]),
                 "learner_checksums_equal_replicas": len(set(sums)) == 1}
