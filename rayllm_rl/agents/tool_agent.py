@@ -3,7 +3,7 @@
 `ToolAgentWorkflow` plays a history-mode ChatEnv with tool transforms through `ChatEnvWorkflow`.
 The tool results are appended as tokens after the model's own ids (IncrementalTokenizer), so the
 past is never re-tokenized, and they are masked out of the loss because only engine-generated
-tokens are trained on. An episode ends when the model writes a turn without a tool call, or
+tokens are trained on. A conversation ends when the model writes a turn without a tool call, or
 after `max_turns` turns. The reward is scored once, on that final turn.
 """
 from __future__ import annotations
@@ -38,8 +38,8 @@ def _make_env(tokenizer, make_tools, caller, system_prompt):
 
 
 class ToolAgentWorkflow(ChatEnvWorkflow):
-    """`group_size` tool-using episodes per row; `make_tools()` builds fresh tool transforms per
-    episode (e.g. `lambda: [PythonInterpreter(RemoteExecutor(service), done_when_no_code=True)]`)."""
+    """`group_size` tool-using conversations per row (one episode); `make_tools()` builds fresh tool
+    transforms per conversation (e.g. `lambda: [PythonInterpreter(RemoteExecutor(service), done_when_no_code=True)]`)."""
 
     def __init__(self, tokenizer, make_tools: Callable[[], Sequence[Transform]], sampling: SamplingParams, *,
                  reward_fn: Callable[..., Any] | None = None, system_prompt: str | None = None,

@@ -30,7 +30,7 @@ class InferenceReplica(_Process):
     """`inference-<i>`: an engine (Transformers or vLLM) and the weight sink it owns.
 
     The replica never touches engine tensors: weights arrive through the engine's sink
-    (`init_update_group`, `receive_update`, `load_weights`), whatever the engine keeps inside.
+    (`init_update_group`, `receive_update`), whatever the engine keeps inside.
     """
 
     def __init__(self, engine_kind: str, model_path: str, seed: int = 0, num_threads: int = 1,
@@ -56,9 +56,6 @@ class InferenceReplica(_Process):
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
 
-    def weight_metadata(self) -> list:
-        return self.engine.weight_metadata()
-
     async def init_update_group(self, spec: UpdateGroupSpec) -> bool:
         await self.engine.init_update_group(spec)
         return True
@@ -68,12 +65,6 @@ class InferenceReplica(_Process):
         out = await self.engine.receive_update()
         self.versions_held.append(int(out["version"]))
         return out
-
-    async def load_weights(self, named: dict[str, torch.Tensor], version: int) -> int:
-        """Weights through the object store (no collective): initial load or fallback."""
-        v = await self.engine.load_weights(named, version)
-        self.versions_held.append(v)
-        return v
 
     def version_history(self) -> list[int]:
         return list(self.versions_held)
@@ -85,9 +76,6 @@ class InferenceReplica(_Process):
         await self.engine.close_update_group()
         if hasattr(self.engine, "aclose"):
             await self.engine.aclose()
-
-    def stats(self) -> dict[str, Any]:
-        return self.engine.info()
 
 
 @ray.remote(num_cpus=0)
@@ -379,6 +367,3 @@ class RayLLMCollector(_Process):
             raise RuntimeError(f"collector loop died: {self._task.exception()}")
         return {**self.collector.stats(), "env_worker_restarts": self.env_worker_restarts(),
                 "episodes_rerun": self.episodes_rerun, "episodes_lost": self.episodes_lost}
-
-    async def stop(self) -> None:
-        self.collector.stop()
