@@ -49,6 +49,7 @@ class RayBackend:
         self.liveness_s = 10.0
         """While waiting for a batch, check every this many seconds that no role died."""
         self.restarts: dict[str, int] = dict.fromkeys(ROLE_KINDS, 0)
+        self.episodes_rerun = self.episodes_lost = 0  # of collectors a rollback replaced
         """Restarts per role: env workers restarted by Ray, other roles rebuilt by `recover`."""
         self._build()
         self._metrics = RayMetrics()
@@ -83,12 +84,16 @@ class RayBackend:
         self._build()
 
     def _count_env_restarts(self) -> None:
-        """Fold the collector's count of env-worker restarts into `restarts` (before it is replaced)."""
+        """Fold the collector's counters (env-worker restarts, episodes re-run or lost) into this
+        backend's totals before the collector is replaced."""
         try:
             n = sum(self._get(self.cluster.collector.note_pids.remote(), timeout_s=30))
+            col = self._get(self.cluster.collector.stats.remote(), timeout_s=30)
         except ray.exceptions.RayError:
-            return  # the collector itself is gone: its count went with it
-        self.restarts["env"] = self.restarts.get("env", 0) + n
+            return  # the collector itself is gone: its counts went with it
+        self.restarts["env"] += n
+        self.episodes_rerun += col["episodes_rerun"]
+        self.episodes_lost += col["episodes_lost"]
 
     def _get(self, refs, timeout_s: float | None = None):
         return self.cluster.get(refs, timeout_s)
@@ -194,8 +199,8 @@ class RayBackend:
         self._get(c.collector.note_pids.remote())  # a restart no episode ran into is counted too
         col = self.collector_stats()
         restarts = {**self.restarts, "env": self.restarts["env"] + sum(col["env_worker_restarts"])}
-        return {"failed_episodes": col["failed_episodes"], "episodes_rerun": col["episodes_rerun"],
-                "episodes_lost": col["episodes_lost"], "restarts": restarts,
+        return {"failed_episodes": col["failed_episodes"], "episodes_rerun": self.episodes_rerun + col["episodes_rerun"],
+                "episodes_lost": self.episodes_lost + col["episodes_lost"], "restarts": restarts,
                 "buffer": self._get(c.buffer.stats.remote()), "reward_failures": self._reward_counters(),
                 "replica_versions_held": self._get([r.version_history.remote() for r in c.replicas]),
                 "learner_checksums_equal_replicas": len(set(sums)) == 1}
