@@ -188,3 +188,16 @@ def describe(cfg: Any, prefix: str = "") -> str:
         else:
             lines.append(f"  {key}={value!r}  {docs.get(f.name, '')}")
     return "\n".join(lines)
+
+
+def check_literals(cfg: Any, prefix: str = "") -> None:
+    """Every `Literal` field of a (nested) config dataclass holds an allowed value: catches values set
+    in Python, which never pass through the YAML/command-line parser. Raises ConfigError naming the
+    key, the value and the allowed values."""
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value, tp, key = getattr(cfg, f.name), hints.get(f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            check_literals(value, key + ".")
+        elif typing.get_origin(tp) is typing.Literal and value not in typing.get_args(tp):
+            raise ConfigError(f"config key {key!r}: {value!r} is not one of {typing.get_args(tp)}")

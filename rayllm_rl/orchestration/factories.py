@@ -3,13 +3,14 @@ rollout workflow (by `rollout.workflow`), episode filter and whether a reference
 from __future__ import annotations
 
 import functools
+import typing
 
 import torch
 
 from rayllm_rl.data.selectors import uniform_group_mask
 from rayllm_rl.envs.task import Task, make_task
 from rayllm_rl.inference.protocol import SamplingParams
-from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.orchestration.job_config import GRPOJobConfig, RolloutConfig
 from rayllm_rl.workflows.rlvr import RLVRWorkflow
 
 
@@ -22,7 +23,8 @@ def build_sampling(cfg: GRPOJobConfig) -> SamplingParams:
     return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
 
 
-WORKFLOWS = ("auto", "rlvr", "multi_turn", "env", "openai_agent", "python_tool")
+WORKFLOWS = typing.get_args(typing.get_type_hints(RolloutConfig)["workflow"])
+"""The values `rollout.workflow` takes (its Literal type)."""
 
 PYTHON_TOOL_PROMPT = ("You may run Python: write a ```python block and its output comes back in <tool_response>. "
                       "Give the final answer without a code block.")

@@ -71,7 +71,7 @@ class RolloutConfig:
     """Top-k sampling; 0 disables."""
     max_staleness: int = 1
     """AReaL's eta: rollouts may be up to this many policy versions old (0 = synchronous)."""
-    workflow: str = "auto"
+    workflow: Literal["auto", "rlvr", "multi_turn", "env", "openai_agent", "python_tool"] = "auto"
     """'rlvr' (one turn, reward per completion), 'multi_turn' (AReaL's retry-with-feedback math agent),
     'env' (the task's ChatEnv, e.g. GSM8KEnv, run token-in/token-out), 'openai_agent' (agent code
     written with the OpenAI SDK, see `agent`), 'python_tool' (multi-turn agent whose ```python blocks run in
@@ -198,7 +198,7 @@ class TrainerConfig:
     """Where metrics.jsonl, the reward curve and checkpoints go (a timestamped subfolder)."""
     num_threads: int = 0
     """torch intra-op threads of the local backend (0 = leave torch's default)."""
-    backend: str = "ray"
+    backend: Literal["ray", "local"] = "ray"
     """'ray' (every role a Ray actor, weights over a collective) or 'local' (every role in this process).
     Both run the same driver: same eta, resume, checkpoints and summary."""
     checkpoint_every: int = 50
@@ -259,7 +259,7 @@ class GRPOJobConfig:
     """Model to train."""
     inference: InferenceConfig = dataclasses.field(default_factory=InferenceConfig)
     """Inference engine of the replicas."""
-    task: str = "arithmetic"
+    task: Literal["arithmetic", "gsm8k", "math", "ifeval"] = "arithmetic"
     """Task: arithmetic (built-in demo, a+b in <answer> tags), gsm8k, math, ifeval (these read data.path)."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     """Dataset source and evaluation split."""
@@ -278,11 +278,35 @@ class GRPOJobConfig:
     resume: str = ""
     """Checkpoint directory to resume from (same step, version and data order)."""
 
+    def _check_rollout_fields(self) -> None:
+        """A rollout field the chosen workflow never reads is a mistake, not a no-op."""
+        r, defaults = self.rollout, RolloutConfig()
+        turns = {"multi_turn", "env", "python_tool", "auto"}
+        if r.max_turns != defaults.max_turns and r.workflow not in turns:
+            raise ValueError(f"rollout.max_turns={r.max_turns} is read only by rollout.workflow in {sorted(turns)}; "
+                             f"rollout.workflow={r.workflow} is single-turn")
+        if r.turn_discount != defaults.turn_discount and r.workflow != "multi_turn":
+            raise ValueError(f"rollout.turn_discount is read only by rollout.workflow=multi_turn, not {r.workflow}")
+        if bool(r.agent) != (r.workflow == "openai_agent"):
+            raise ValueError("rollout.agent='package.module:async_fn' goes with rollout.workflow=openai_agent and only "
+                             f"with it (got workflow={r.workflow}, agent={r.agent!r})")
+        if r.workflow == "openai_agent":
+            from rayllm_rl.orchestration.factories import import_object
+
+            import_object(r.agent)  # an agent that cannot be imported fails here, not in the env workers
+        if r.workflow == "env" and self.task == "arithmetic":
+            raise ValueError("rollout.workflow=env needs a task with a ChatEnv (gsm8k, math, ifeval); task=arithmetic "
+                             "has none: use rollout.workflow=rlvr or multi_turn")
+
     def validate(self) -> "GRPOJobConfig":
         """Cross-field checks, before any actor starts; each error names the keys and the allowed values."""
         from rayllm_rl.inference.factory import vllm_available
         from rayllm_rl.orchestration.placement import validate as validate_placement
 
+        from rayllm_rl.config import check_literals
+
+        check_literals(self)
+        self._check_rollout_fields()
         rc = self.ray
         validate_placement(rc.num_replicas, rc.num_learners, rc.gpus_per_replica, rc.gpus_per_learner,
                            rc.tensor_parallel_size, rc.sync_timeout_s)
