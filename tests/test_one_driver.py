@@ -35,7 +35,7 @@ def test_local_backend_runs_the_shared_driver(tmp_path, eta):
     summary = train(local_cfg(tmp_path, "trainer.steps=3", "trainer.eval_every=2", f"rollout.max_staleness={eta}"))
     assert set(summary) == SUMMARY_KEYS
     assert summary["backend"] == "local" and summary["steps"] == 3 and summary["version"] == 3
-    assert summary["failed_episodes"] == 0 and summary["stopped_by"] is None
+    assert summary["failed_episodes"] == 0 and summary["budget_cuts"] == []
     records = rl_records(summary)
     assert [r["step"] for r in records] == [1, 2, 3] and [r["version"] for r in records] == [1, 2, 3]
     assert all(r["seqs"] == 16 for r in records) and "eval_reward" in records[1]
@@ -68,9 +68,12 @@ def test_local_resume_continues_same_step_version_data_and_reference(tmp_path):
     assert ref_a.keys() == ref_b.keys() and all(torch.equal(ref_a[k], ref_b[k]) for k in ref_a)
 
 
-def test_local_time_budget_stop_is_reported(tmp_path):
-    summary = train(local_cfg(tmp_path, "trainer.steps=50", "trainer.time_budget_s=0.001", "trainer.eval_every=0"))
-    assert summary["steps"] == 1 and summary["stopped_by"] == "trainer.time_budget_s"
+def test_time_budget_cuts_are_said_in_the_summary(tmp_path):
+    summary = train(local_cfg(tmp_path, "trainer.steps=50", "trainer.time_budget_s=0.001", "trainer.eval_every=0",
+                              "sft.steps=20", "sft.time_budget_s=0.001"))
+    assert summary["steps"] == 1
+    assert summary["budget_cuts"] == ["sft.time_budget_s=0.001 cut the SFT warm start at step 1 of 20",
+                                      "trainer.time_budget_s=0.001 cut RL at step 1 of 50"]
 
 
 @pytest.mark.slow

@@ -71,13 +71,16 @@ class RunState:
     eval_before: dict | None = None
     step: int = 0
     recoveries: list = dataclasses.field(default_factory=list)
+    budget_cuts: list = dataclasses.field(default_factory=list)
+    """What a time budget cut short (SFT warm start, RL), said in the summary."""
 
 
 def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run: RunState) -> dict:
     if cfg.resume:
         step, version = backend.restore(cfg.resume)
     else:
-        sft_warm_start(cfg, task, backend.tokenizer, reporter, backend.train_step, backend.reset_optimizer)
+        cut = sft_warm_start(cfg, task, backend.tokenizer, reporter, backend.train_step, backend.reset_optimizer)
+        run.budget_cuts += [cut] if cut else []
         step, version = 0, 0
     backend.sync_weights(version)
     backend.set_version(version)
@@ -93,7 +96,6 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
     t_rl, B, col = time.perf_counter(), cfg.rollout.prompts_per_step, {"tokens_per_s": None}
     progress = reporter.progress(total=cfg.trainer.steps, desc=f"grpo eta={cfg.rollout.max_staleness}")
     progress.update(step)
-    stopped_by = None
     while step < cfg.trainer.steps:
         t0 = time.perf_counter()
         batch, depth = backend.next_batch(B, version)
@@ -126,9 +128,9 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
             run.checkpoint = backend.save_checkpoint(str(ckpt_dir / f"step_{step}"), step, version)
             prune_checkpoints(ckpt_dir, cfg.trainer.keep_checkpoints)
         if cfg.trainer.time_budget_s and time.perf_counter() - t_rl > cfg.trainer.time_budget_s:
-            stopped_by = "trainer.time_budget_s"
-            reporter.log({"phase": "stop", "step": step, "stopped": f"{stopped_by}={cfg.trainer.time_budget_s:g} cut the run "
-                          f"at step {step} of {cfg.trainer.steps}"}, show=True)
+            run.budget_cuts.append(f"trainer.time_budget_s={cfg.trainer.time_budget_s:g} cut RL at step {step} of "
+                                   f"{cfg.trainer.steps}")
+            reporter.log({"phase": "stop", "step": step, "stopped": run.budget_cuts[-1]}, show=True)
             break
     progress.close()
     ckpt = backend.save_checkpoint(str(ckpt_dir / f"step_{step}"), step, version)
@@ -140,7 +142,7 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
     summary = {"eval_reward_before": before, "eval_reward_after": after, "eval_reward_gain": after - before,
                "steps": step, "version": version, "backend": cfg.trainer.backend, "algo": cfg.algo.name,
                "max_staleness": cfg.rollout.max_staleness, "max_version_lag": max(lags, default=0),
-               "stopped_by": stopped_by, "eval_prompts": len(task.eval),
+               "budget_cuts": run.budget_cuts, "eval_prompts": len(task.eval),
                "wall_seconds": round(time.perf_counter() - run.t_start, 1), "rl_seconds": round(time.perf_counter() - t_rl, 1),
                "run_dir": str(reporter.run_dir), "checkpoint": ckpt, "eval_before": run.eval_before,
                "eval_after": eval_after, "recoveries": run.recoveries, **backend.summary_stats()}

@@ -15,7 +15,7 @@ def sft_chats(task: Task, rows: list[dict]) -> list[list[dict]]:
 
 
 def sft_warm_start(cfg: GRPOJobConfig, task: Task, tokenizer, reporter,
-                   train_step: Callable[[Any, Any], dict], reset_optimizer: Callable[[Any], Any]) -> None:
+                   train_step: Callable[[Any, Any], dict], reset_optimizer: Callable[[Any], Any]) -> str | None:
     """Imitate the task's demonstrations for `sft.steps` steps (or until `sft.time_budget_s`), with the
     SFT learning rate, then give the learner(s) back the RL optimizer. Both backends: `train_step(batch,
     loss) -> metrics` and `reset_optimizer(optim_cfg)` reach the local learner or the learner actors."""
@@ -24,13 +24,16 @@ def sft_warm_start(cfg: GRPOJobConfig, task: Task, tokenizer, reporter,
     from rayllm_rl.objectives import SFTLoss
 
     if cfg.sft.steps <= 0 or task.sft_target is None:
-        return
+        return None
     reset_optimizer(dataclasses.replace(cfg.optim, lr=cfg.sft.lr, warmup_steps=cfg.sft.warmup_steps))
     loader, loss, t0 = PromptLoader(task.train, seed=cfg.trainer.seed + 1), SFTLoss(), time.perf_counter()
+    cut = None
     for step in range(1, cfg.sft.steps + 1):
         metrics = train_step(make_sft_batch(tokenizer, sft_chats(task, loader.next_rows(cfg.sft.batch_size))), loss)
         reporter.log({"phase": "sft", "sft_step": step, **metrics}, show=step % 50 == 0)
         if cfg.sft.time_budget_s and time.perf_counter() - t0 > cfg.sft.time_budget_s:
-            reporter.log({"phase": "sft", "sft_step": step, "stopped": "sft.time_budget_s"}, show=True)
+            cut = f"sft.time_budget_s={cfg.sft.time_budget_s:g} cut the SFT warm start at step {step} of {cfg.sft.steps}"
+            reporter.log({"phase": "sft", "sft_step": step, "stopped": cut}, show=True)
             break
     reset_optimizer(cfg.optim)
+    return cut
