@@ -146,14 +146,59 @@ def test_dr_grpo_normaliser_independent_of_lengths():
 
 
 def test_dr_grpo_microbatch_weighting_by_rows_matches_full_batch():
-    # The learner weights non-token-mean losses by rows: sum_k (B_k/B) * loss_k == full loss.
+    # The learner weights Dr.GRPO's micro-batches by rows (normalizer = B, empty rows included):
+    # sum_k (B_k/B) * loss_k == full loss.
     logp, old, adv, mask = _batch()
     dr = DrGRPOLoss(max_tokens=10)
+    assert dr.normalizer(mask) == 2.0 and dr.normalizer(torch.zeros_like(mask)) == 2.0
     full = dr(logp, old, None, adv, mask).loss.item()
     parts = [dr(logp[i:i + 1], old[i:i + 1], None, adv[i:i + 1], mask[i:i + 1]).loss.item() * 0.5 for i in range(2)]
     assert sum(parts) == pytest.approx(full, abs=1e-12)
     with pytest.raises(ValueError, match="max_tokens"):
         aggregate(torch.zeros(2, 3), torch.ones(2, 3), "constant")
+
+
+# ---------------------------------------------------------------- dual-clip (verl's clip_ratio_c)
+def _dual(r, a, eps_low, eps_high, c):
+    """verl's dual-clip per token in plain Python: (loss, d loss / d logp)."""
+    v, g = _ppo(r, a, eps_low, eps_high)
+    if a < 0 and v > -c * a:  # capped at c * |A|: constant, no gradient
+        return -c * a, 0.0
+    return v, g
+
+
+def test_dual_clip_caps_negative_advantage_tokens_value_and_grad():
+    # Row 0 (A=+2) ratios 4.0, 1.1, 0.5: r=4 > c but A > 0 -> only the usual clip (1.2 * 2 = 2.4).
+    # Row 1 (A=-1) ratios 0.5, 4.0, 0.9, 2.5 with c=3:
+    #   r=0.5 -> clipped low to 0.8 (grad 0); r=4.0 -> PPO gives 4.0 > 3 -> capped at 3.0 (grad 0);
+    #   r=0.9 -> 0.9 (grad -A*r = 0.9);     r=2.5 -> 2.5 < 3 -> unchanged (grad 2.5).
+    ratios = [[4.0, 1.1, 0.5], [0.5, 4.0, 0.9, 2.5]]
+    vals = [[-2.4, -2.2, -1.0], [0.8, 3.0, 0.9, 2.5]]
+    grads = [[0.0, -2.2, -1.0], [0.0, 0.0, 0.9, 2.5]]
+    for i in range(2):
+        for j, r in enumerate(ratios[i]):
+            v, g = _dual(r, A[i], 0.2, 0.2, 3.0)
+            assert v == pytest.approx(vals[i][j]) and g == pytest.approx(grads[i][j])
+    logp, old, adv, mask = _batch(ratios)
+    loss_fn = GRPOLoss(clip_ratio_c=3.0)
+    out = loss_fn(logp, old, None, adv, mask)
+    assert out.loss.item() == pytest.approx(1.6 / 7, abs=1e-12)  # -2.4 - 2.2 - 1 + 0.8 + 3 + 0.9 + 2.5
+    _assert_rows(_grad(out.loss, logp), _pad([[g / N_TOK for g in grads[0]], [g / N_TOK for g in grads[1]]]))
+    assert out.metrics["clip_fraction_dual"] == pytest.approx(1 / 7)
+    # Off by default: the r=4, A=-1 token costs 4.0 and pushes its gradient (-A*r = 4) through.
+    logp, old, adv, mask = _batch(ratios)
+    plain = GRPOLoss()(logp, old, None, adv, mask)
+    assert plain.loss.item() == pytest.approx(2.6 / 7, abs=1e-12) and "clip_fraction_dual" not in plain.metrics
+    assert _grad(plain.loss, logp)[1][2] == pytest.approx(4.0 / 7)
+    # The same field reaches the PPO-clip family (DAPO clip-higher 0.28 does not change row 1 here)
+    for name in ("dapo", "ppo_decoupled", "grpo_tis"):
+        logp, old, adv, mask = _batch(ratios)
+        got = make_loss(name, clip_ratio_c=3.0)(logp, old, old, adv, mask)
+        assert got.metrics["clip_fraction_dual"] == pytest.approx(1 / 7), name
+        assert _grad(got.loss, logp)[1][2] == 0.0, name
+    for bad in (1.0, 0.5):
+        with pytest.raises(ValueError, match="clip_ratio_c"):
+            GRPOLoss(clip_ratio_c=bad)
 
 
 # ---------------------------------------------------------------- CISPO

@@ -102,10 +102,10 @@ def test_grpo_metrics():
     assert m["clip_fraction_low"] == pytest.approx(1 / 7)  # row1 t1 (r=0.5, A<0)
     assert m["clip_fraction"] == pytest.approx(2 / 7)
     rs = R0 + R1
-    # k3 of old vs new: exp(old - logp) - 1 - (old - logp) = 1/r - 1 + log r
+    # k3 of KL(old || new) on tokens sampled by old: r - 1 - log r with r = exp(logp - old)
     approx_kl = 0.0
     for r in rs:
-        approx_kl += 1 / r - 1 + math.log(r)
+        approx_kl += r - 1 - math.log(r)
     assert m["approx_kl"] == pytest.approx(approx_kl / 7)
     # ess = (sum r)^2 / (n sum r^2) = 7.0^2 / (7 * 8.02)
     assert m["ess"] == pytest.approx(49.0 / (7 * 8.02))
@@ -115,6 +115,26 @@ def test_grpo_metrics():
     assert m["entropy_proxy"] == pytest.approx(ent / 7)
     assert m["loss"] == pytest.approx(-0.2)
     assert "kl_ref" not in m
+
+
+def test_approx_kl_is_kl_old_to_new_exactly_on_a_categorical():
+    # Old policy q = [1/2, 1/4, 1/4] over 3 tokens, new policy p = [0.2, 0.5, 0.3]. Four tokens
+    # sampled in exactly q's proportions (token 0 twice, 1 once, 2 once) make the masked mean of an
+    # unbiased per-token estimator equal its expectation under q.
+    q, p = [0.5, 0.25, 0.25], [0.2, 0.5, 0.3]
+    kl_old_new = sum(qi * math.log(qi / pi) for qi, pi in zip(q, p))  # KL(q || p) = 0.2393
+    kl_new_old = sum(pi * math.log(pi / qi) for qi, pi in zip(q, p))  # KL(p || q) = 0.2180
+    assert kl_old_new == pytest.approx(0.23928, abs=1e-5) and kl_new_old == pytest.approx(0.21801, abs=1e-5)
+    tokens = [0, 0, 1, 2]
+    logp = torch.tensor([[0.0] + [math.log(p[t]) for t in tokens]], dtype=F64)
+    old = torch.tensor([[0.0] + [math.log(q[t]) for t in tokens]], dtype=F64)
+    mask = torch.tensor([[0, 1, 1, 1, 1]], dtype=torch.bool)
+    m = GRPOLoss()(logp, old, None, torch.ones(1, dtype=F64), mask).metrics
+    assert m["approx_kl"] == pytest.approx(kl_old_new, abs=1e-12)
+    assert abs(m["approx_kl"] - kl_new_old) > 0.02  # not the other direction
+    # the formula logged before, exp(old - logp) - 1 - (old - logp), is neither on these samples
+    swapped = sum(math.exp(math.log(q[t] / p[t])) - 1 - math.log(q[t] / p[t]) for t in tokens) / 4
+    assert abs(swapped - kl_old_new) > 0.1 and abs(swapped - kl_new_old) > 0.1
 
 
 def test_grpo_zero_advantage_is_never_clipped():
@@ -304,9 +324,10 @@ def test_sft_nll(mode, expected):
             assert got_row == pytest.approx(want_row)
 
 
-def test_minor_sft_value_and_grad():
+def test_minor_sft_unnormalised_value_and_grad():
     logp, ref, mask = _sft_batch()
-    out = SFTLoss(loss_function="minor_sft", beta=0.1)(logp, None, None, None, mask, ref_logp=ref)
+    loss_fn = SFTLoss(loss_function="minor_sft", beta=0.1, normalize_by_seq_length=False)
+    out = loss_fn(logp, None, None, None, mask, ref_logp=ref)
     # row0: sum logp -3.5, sum ref -4.5 -> x = 0.1 * 1.0;   -logsigmoid(x) = log(1 + e^-x)
     # row1: sum logp -4.0, sum ref -3.5 -> x = 0.1 * -0.5
     x0, x1 = 0.1, -0.05
@@ -317,6 +338,31 @@ def test_minor_sft_value_and_grad():
     want = [[0.0, g0, g0, g0, 0.0], [0.0, g1, g1, 0.0, 0.0]]
     for got_row, want_row in zip(grad.tolist(), want):
         assert got_row == pytest.approx(want_row)
+
+
+def test_minor_sft_length_normalised_by_default_value_and_grad():
+    logp, ref, mask = _sft_batch()
+    loss_fn = SFTLoss(loss_function="minor_sft", beta=0.1)
+    assert loss_fn.normalize_by_seq_length  # TorchRL's default
+    out = loss_fn(logp, None, None, None, mask, ref_logp=ref)
+    # row0: (sum logp - sum ref) / |y| = (-3.5 + 4.5) / 3 -> x0 = 0.1 / 3
+    # row1: (-4.0 + 3.5) / 2 = -0.25                     -> x1 = -0.025
+    x0, x1 = 0.1 / 3, -0.025
+    assert out.loss.item() == pytest.approx((math.log(1 + math.exp(-x0)) + math.log(1 + math.exp(-x1))) / 2)
+    # d/dlogp_t = -beta * sigmoid(-x_i) / |y_i| / 2 (mean over 2 sequences)
+    g0, g1 = -0.1 / (1 + math.exp(x0)) / 3 / 2, -0.1 / (1 + math.exp(x1)) / 2 / 2
+    (grad,) = torch.autograd.grad(out.loss, logp)
+    want = [[0.0, g0, g0, g0, 0.0], [0.0, g1, g1, 0.0, 0.0]]
+    for got_row, want_row in zip(grad.tolist(), want):
+        assert got_row == pytest.approx(want_row, abs=1e-15)
+    # reported, not trained: k3(logp, ref) on the 5 target tokens (lr = ref - logp)
+    k3 = sum(math.exp(lr) - 1 - lr for lr in [-0.5, 0.0, -0.5, 1.0, -0.5])
+    assert out.metrics["kl_ref"] == pytest.approx(k3 / 5)
+    # minor_sft averages over the non-empty rows, whatever `aggregation` says
+    empty_row = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
+    assert loss_fn.normalizer(empty_row) == 1.0 and SFTLoss().normalizer(empty_row) == 3.0
+    with pytest.raises(ValueError, match="kl_to_ref_coeff.*minor_sft"):
+        SFTLoss(loss_function="minor_sft", kl_to_ref_coeff=0.1)
 
 
 def test_sft_with_kl_to_ref():
@@ -365,6 +411,42 @@ def test_group_advantages_std_only():
     keep = [0, 1, 2, 3, 5, 6]  # drop the singleton (std 0 would give r / eps)
     got = group_advantages(torch.tensor([REWARDS[i] for i in keep]), torch.tensor([GIDS[i] for i in keep]), mean=False)
     assert got.tolist() == pytest.approx([1 / S7, 0.0, 1 / S7, 2 / S3, 4 / S7, 4 / S3], rel=1e-6)
+
+
+def test_group_advantages_unbiased_std_value_and_grad():
+    # Bessel's correction: group 7 (1, 1, 4) squared deviations 6 -> var 6/2 = 3;
+    # group 3 (0, 2, 4) squared deviations 8 -> var 8/2 = 4, std 2; the singleton keeps std 0.
+    u7, u3 = math.sqrt(3.0) + EPS, 2.0 + EPS
+    want = [-1 / u7, -2 / u3, -1 / u7, 0.0, 0.0, 2 / u7, 2 / u3]
+    got = _adv(std_estimator="unbiased")  # float32 rewards -> float32 advantages
+    assert got == pytest.approx(want, rel=1e-6)
+    # unbiased std = population std * sqrt(G / (G - 1)): advantages shrink by sqrt(2/3) at G = 3
+    assert got[5] / _adv()[5] == pytest.approx(math.sqrt(2 / 3), rel=1e-6)
+    # G = 8, rewards six 0s and two 1s: population std sqrt(3/16), unbiased sqrt(3/14); ratio 1.069
+    r8 = torch.tensor([0.0] * 6 + [1.0] * 2, dtype=F64)
+    pop = group_advantages(r8, torch.zeros(8, dtype=torch.long), eps=0.0)
+    unb = group_advantages(r8, torch.zeros(8, dtype=torch.long), eps=0.0, std_estimator="unbiased")
+    assert float(unb[7]) == pytest.approx(0.75 / math.sqrt(3 / 14), rel=1e-12)
+    assert float(pop[7] / unb[7]) == pytest.approx(math.sqrt(8 / 7), rel=1e-12)
+    assert math.sqrt(8 / 7) == pytest.approx(1.069, abs=1e-3)
+    # gradient: one token per row at ratio 1 (no clip) -> token-mean loss -mean_i A_i, d/dlogp_i = -A_i / 8
+    logp = torch.zeros(8, 2, dtype=F64, requires_grad=True)
+    mask = torch.tensor([[0, 1]] * 8, dtype=torch.bool)
+    out = GRPOLoss()(logp, logp.detach(), None, unb, mask)
+    (grad,) = torch.autograd.grad(out.loss, logp)
+    s14 = math.sqrt(3 / 14)
+    assert grad[:, 1].tolist() == pytest.approx([0.25 / s14 / 8] * 6 + [-0.75 / s14 / 8] * 2, rel=1e-12)
+    # global: rewards 1, 2, 3, 6 -> squared deviations 14, unbiased var 14/3
+    s = math.sqrt(14 / 3) + EPS
+    r = torch.tensor([1.0, 2.0, 3.0, 6.0])
+    want_global = [-2 / s, -1 / s, 0.0, 3 / s]
+    assert global_advantages(r, std_estimator="unbiased").tolist() == pytest.approx(want_global, rel=1e-6)
+    cfg = AdvantageConfig(std_estimator="unbiased")
+    assert compute_advantages(torch.tensor(REWARDS), torch.tensor(GIDS), cfg).tolist() == pytest.approx(want, rel=1e-6)
+    with pytest.raises(ValueError, match="std_estimator"):
+        AdvantageConfig(std_estimator="bessel")
+    with pytest.raises(ValueError, match="std_estimator"):
+        _adv(std_estimator="sample")
 
 
 def test_group_advantages_errors():

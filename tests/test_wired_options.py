@@ -1,6 +1,7 @@
 """Config options that reach the job: `rollout.keep_top_k` (TopKRewardSelector in
-`rewards_to_advantages`) and `algo.prox_logp_method=loglinear` (the learner's recompute-free
-proximal logprobs), against hand-derived numbers."""
+`rewards_to_advantages`), `algo.prox_logp_method=loglinear` (the learner's recompute-free
+proximal logprobs), `algo.clip_ratio_c` and `algo.advantage.std_estimator`, against hand-derived
+numbers."""
 from __future__ import annotations
 
 import math
@@ -12,7 +13,7 @@ from tensordict import TensorDict
 
 from rayllm_rl.config import load_config
 from rayllm_rl.learner.learner import Learner, OptimConfig
-from rayllm_rl.objectives import DecoupledPPOLoss, GRPOTISLoss
+from rayllm_rl.objectives import DecoupledPPOLoss, GRPOLoss, GRPOTISLoss
 from rayllm_rl.orchestration.batch_prep import rewards_to_advantages
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 
@@ -25,8 +26,9 @@ def _job(*argv: str) -> GRPOJobConfig:
 
 # ---------------------------------------------------------------- rollout.keep_top_k
 # Two interleaved groups of 4; input_ids hold the row index so kept rows can be identified.
-#   group 7 = rows 0, 2, 4, 6 with rewards 1, 0, 3, 2  -> top 2: rows 4 (3) and 6 (2)
-#   group 9 = rows 1, 3, 5, 7 with rewards .5, 1, 1, 0 -> top 2: rows 3 and 5 (the two 1s)
+# TorchRL's rule: only rewards strictly above the group's lower median are eligible.
+#   group 7 = rows 0, 2, 4, 6 with rewards 1, 0, 3, 2  (median 1)  -> eligible: rows 4 (3) and 6 (2)
+#   group 9 = rows 1, 3, 5, 7 with rewards .5, 1, 1, 0 (median .5) -> eligible: rows 3 and 5 (the two 1s)
 GIDS = [7, 9, 7, 9, 7, 9, 7, 9]
 REWARDS = [1.0, 0.5, 0.0, 1.0, 3.0, 1.0, 2.0, 0.0]
 
@@ -62,13 +64,24 @@ def test_keep_top_k_selects_before_advantages():
     assert float(full["advantages"][4]) == pytest.approx(1.5 / (math.sqrt(1.25) + EPS), abs=1e-6)
 
 
-def test_keep_top_k_mean_only_advantages_and_ties():
+def test_keep_top_k_keeps_at_most_the_rows_above_the_median():
     out = rewards_to_advantages(
         _rollout_batch(), _job("rollout.group_size=4", "rollout.keep_top_k=3", "algo.advantage.std=false"))
-    # group 7 keeps 1, 3, 2 (rows 0, 4, 6; mean 2); group 9 keeps .5, 1, 1 (rows 1, 3, 5; mean 2.5/3)
-    assert out["input_ids"][:, 0].tolist() == [0, 1, 3, 4, 5, 6]
-    m9 = 2.5 / 3
-    assert out["advantages"].tolist() == pytest.approx([-1.0, 0.5 - m9, 1.0 - m9, 1.0, 1.0 - m9, 0.0], abs=1e-6)
+    # k=3 but only two rows per group are above the median (plain top-3 would add rows 0 and 1):
+    # group 7 keeps 3, 2 (rows 4, 6; mean 2.5); group 9 keeps 1, 1 (rows 3, 5; mean 1)
+    assert out["input_ids"][:, 0].tolist() == [3, 4, 5, 6]
+    assert out["advantages"].tolist() == pytest.approx([0.0, 0.5, 0.0, -0.5], abs=1e-12)
+
+
+def test_keep_top_k_on_uniform_groups_gives_an_empty_batch_and_no_step():
+    batch = _rollout_batch()
+    batch["rewards"] = torch.tensor([1.0, 0.0] * 4)  # group 7 all 1, group 9 all 0
+    out = rewards_to_advantages(batch, _job("rollout.group_size=4", "rollout.keep_top_k=2"), version=0)
+    assert out.batch_size[0] == 0 and out["advantages"].shape == (0,)
+    model = UniformLM()
+    before = model.bias.detach().clone()
+    assert _learner(model).train_step(out, GRPOLoss()) == {"empty_batch": 1.0}
+    assert model.forwards == 0 and torch.equal(model.bias.detach(), before)
 
 
 @pytest.mark.parametrize("argv", [
@@ -79,6 +92,38 @@ def test_keep_top_k_mean_only_advantages_and_ties():
 def test_keep_top_k_out_of_range_names_the_key(argv):
     with pytest.raises(ValueError, match=r"rollout\.keep_top_k"):
         _job(*argv)
+
+
+# ---------------------------------------------------------------- algo.advantage.std_estimator
+def test_std_estimator_reaches_the_advantages():
+    # group 7 rewards 1, 0, 3, 2: mean 1.5, squared deviations .25 + 2.25 + 2.25 + .25 = 5
+    # population std sqrt(5/4), unbiased (Bessel) std sqrt(5/3); row 4 (reward 3) has A = 1.5 / (std + eps)
+    pop = rewards_to_advantages(_rollout_batch(), _job("rollout.group_size=4"))
+    unb = rewards_to_advantages(_rollout_batch(), _job("rollout.group_size=4", "algo.advantage.std_estimator=unbiased"))
+    assert float(pop["advantages"][4]) == pytest.approx(1.5 / (math.sqrt(5 / 4) + EPS), rel=1e-7)
+    assert float(unb["advantages"][4]) == pytest.approx(1.5 / (math.sqrt(5 / 3) + EPS), rel=1e-7)
+    # group 9 rewards .5, 1, 1, 0: mean .625, squared deviations .015625 + 2 * .140625 + .390625 = .6875
+    assert float(unb["advantages"][1]) == pytest.approx(-0.125 / (math.sqrt(0.6875 / 3) + EPS), rel=1e-6)
+    with pytest.raises(ValueError, match=r"algo\.advantage\.std_estimator.*population.*unbiased"):
+        _job("algo.advantage.std_estimator=bessel")
+
+
+# ---------------------------------------------------------------- algo.clip_ratio_c
+@pytest.mark.parametrize("name", ["grpo", "dapo", "dr_grpo", "ppo_decoupled", "grpo_tis"])
+def test_clip_ratio_c_reaches_every_ppo_clip_loss(name):
+    def clipping_loss(*argv):
+        loss = _job(f"algo.name={name}", *argv).algo.build_loss(10)
+        return getattr(loss, "base", loss)  # the TIS wrappers hold the GRPOLoss that clips
+
+    assert clipping_loss("algo.clip_ratio_c=3").clip_ratio_c == 3.0
+    assert clipping_loss().clip_ratio_c is None  # off by default
+
+
+def test_clip_ratio_c_validation_names_the_key():
+    with pytest.raises(ValueError, match=r"algo\.clip_ratio_c=1\.0: must be > 1"):
+        _job("algo.clip_ratio_c=1")
+    with pytest.raises(ValueError, match=r"algo\.clip_ratio_c.*algo\.name=cispo"):
+        _job("algo.name=cispo", "algo.clip_ratio_c=3").algo.build_loss()
 
 
 # ---------------------------------------------------------------- algo.prox_logp_method

@@ -15,8 +15,14 @@ batch is trained from; the driver owns it and stamps it on the batch).
 Data parallel (FSDP2, `dist=DistConfig(rank, world_size, ...)` with world_size > 1): every rank
 gets the FULL batch and the same seeded minibatch permutation; within each optimizer step rank r
 trains on rows `[r*n//W, (r+1)*n//W)` of the minibatch, with loss weights normalised by the
-minibatch's GLOBAL token / sequence count and gradients SUMmed over ranks, so the update equals
-the single-process one on the same batch (up to float summation order). Every public method
+minibatch's GLOBAL `loss.normalizer` (the tokens or non-empty rows the loss averages over) and
+gradients SUMmed over ranks, so the update equals the single-process one on the same batch (up
+to float summation order).
+
+Micro-batches: micro-batch k's loss is weighted by `loss.normalizer(mask_k) / loss.normalizer(mask)`,
+so the accumulated gradient equals the full-batch gradient for every aggregation, rows with no
+trained token included. A step whose loss or gradient is not finite is skipped (weights and
+optimizer state untouched) and counted in `skipped_nonfinite_steps`. Every public method
 that touches the model (`compute_logprobs`, `train_step`, `named_tensors`, `iter_named_tensors`,
 checkpointing) is a collective: all ranks must call it, in the same order, with the same batch.
 """
@@ -67,6 +73,9 @@ class OptimConfig:
     """Linear warm-up of the learning rate over this many optimizer steps."""
 
 
+COUNTED_METRICS = frozenset({"skipped_nonfinite_steps"})
+"""train_step metrics summed over its optimizer steps (counts), not averaged."""
+
 ENTROPY_CHUNK = 512
 """Positions per chunk when the learner computes the policy entropy metric."""
 
@@ -75,10 +84,13 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
                    temperature: float = 1.0, *, with_entropy: bool = False):
     """Token-aligned log pi(x_t | x_<t) `[B, T]` for right-padded input; column 0 is 0.
 
+    Computed in float32, or float64 for a float64 model (never below float32).
+
     With `with_entropy`, also the detached entropy of the full next-token distribution at each
     position, `[B, T]` aligned the same way (column 0 is 0): `(logp, entropy)`.
     """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask.long()).logits[:, :-1].float()
+    logits = model(input_ids=input_ids, attention_mask=attention_mask.long()).logits[:, :-1]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if temperature != 1.0:
         logits = logits / temperature
     log_probs = torch.log_softmax(logits, dim=-1)
@@ -94,13 +106,16 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
 @torch.no_grad()
 def batched_token_logprobs(model: torch.nn.Module, td: TensorDict, micro_batch_size: int, temperature: float = 1.0,
                            device: torch.device | str = "cpu") -> torch.Tensor:
-    """`token_logprobs` over `td` in micro-batches trimmed to their longest row: `[N, T]` float32 on CPU."""
+    """`token_logprobs` over `td` in micro-batches trimmed to their longest row: `[N, T]` on CPU,
+    float32 (float64 for a float64 model)."""
     out = torch.zeros(td["input_ids"].shape, dtype=torch.float32)
     for i in range(0, td.batch_size[0], micro_batch_size):
         mb = td[i:i + micro_batch_size]
         width = int(mb["attention_mask"].sum(-1).max())
-        out[i:i + mb.batch_size[0], :width] = token_logprobs(
+        lp = token_logprobs(
             model, mb["input_ids"][:, :width].to(device), mb["attention_mask"][:, :width].to(device), temperature).cpu()
+        out = out.to(lp.dtype)
+        out[i:i + mb.batch_size[0], :width] = lp
     return out
 
 
@@ -173,11 +188,18 @@ class Learner:
         return 1.0 if w <= 0 else min(1.0, (self.optim_steps + 1) / w)
 
     def train_step(self, td: TensorDict, loss_fn: Loss) -> dict[str, float]:
-        """Epochs x minibatches optimizer steps over `td`; returns averaged metrics."""
+        """Epochs x minibatches optimizer steps over `td`; returns the metrics averaged over the
+        steps that report them, except the counters in `COUNTED_METRICS`, which are summed
+        (`skipped_nonfinite_steps`: steps whose loss or gradient was not finite, skipped without
+        touching the weights or the optimizer state). A batch with no row takes no step and
+        returns `{"empty_batch": 1.0}`."""
         if "advantages" not in td.keys():
             raise ValueError("train_step needs an 'advantages' entry ([N] or [N, T]) in the batch")
         if getattr(loss_fn, "needs_ref_logp", False) and "ref_logprobs" not in td.keys():
             raise ValueError(f"{type(loss_fn).__name__} needs 'ref_logprobs' in the batch (KL to reference is on)")
+        n = td.batch_size[0]
+        if n == 0:  # e.g. every group dropped by a selector: nothing to learn from (the same on every rank)
+            return {"empty_batch": 1.0}
         if getattr(loss_fn, "needs_prox_logp", False) and "prox_logprobs" not in td.keys():
             method = getattr(loss_fn, "prox_logp_method", "recompute")
             if method == "recompute":
@@ -186,20 +208,18 @@ class Learner:
             elif "prox_version" not in td.keys():
                 raise ValueError(f"{type(loss_fn).__name__} with prox_logp_method={method!r} needs 'prox_version' "
                                  "[N] in the batch (the policy version it is trained from)")
-        n = td.batch_size[0]
         if self.world_size > 1:
             self._check_same_batch(td)
         mb_count = max(1, min(self.cfg.num_minibatches, n))
         sums: dict[str, float] = {}
-        count = 0
+        counts: dict[str, int] = {}
         for _ in range(self.cfg.epochs):
             perm = torch.randperm(n, generator=self.generator)
             for chunk in perm.chunk(mb_count):
-                metrics = self._optimizer_step(td[chunk], loss_fn)
-                for k, v in metrics.items():
+                for k, v in self._optimizer_step(td[chunk], loss_fn).items():
                     sums[k] = sums.get(k, 0.0) + v
-                count += 1
-        return {k: v / count for k, v in sums.items()}
+                    counts[k] = counts.get(k, 0) + 1
+        return {k: v if k in COUNTED_METRICS else v / counts[k] for k, v in sums.items()}
 
     def _check_same_batch(self, td: TensorDict) -> None:
         """FSDP ranks must all get the full, identical batch: compare a cheap fingerprint."""
@@ -212,16 +232,18 @@ class Learner:
             raise ValueError(f"FSDP ranks got different batches (fingerprints {prints}); pass the full batch to all")
 
     def _optimizer_step(self, td: TensorDict, loss_fn: Loss) -> dict[str, float]:
-        aggregation = getattr(loss_fn, "aggregation", "token-mean")
         n = td.batch_size[0]  # the whole minibatch: the weights below use GLOBAL counts on every rank
         total_tokens = float(td["loss_mask"].sum().clamp(min=1))
-        total_seqs = float(n)
+        # Micro-batch k's loss averages over normalizer(mask_k) units (tokens, non-empty rows, rows):
+        # weighting it by normalizer(mask_k) / normalizer(mask) makes the sum the full-batch loss.
+        total_units = float(loss_fn.normalizer(td["loss_mask"]))
         shard = td[self.rank * n // self.world_size:(self.rank + 1) * n // self.world_size]
         mbs = list(_micro_batches(shard, self.cfg.micro_batch_size))
         # FSDP: every rank must run as many forward/backward passes as the rank with the largest shard.
         passes = max(1, math.ceil(math.ceil(n / self.world_size) / self.cfg.micro_batch_size))
         self.optimizer.zero_grad(set_to_none=True)
         metrics: dict[str, float] = {}
+        nonfinite_loss = False
         for mb in mbs:
             mask = mb["loss_mask"]
             logp, entropy = token_logprobs(self.model, mb["input_ids"].to(self.device),
@@ -236,28 +258,33 @@ class Learner:
             if prox is None and getattr(loss_fn, "needs_prox_logp", False):  # loglinear: no recompute pass
                 prox = loglinear_prox_logp(mb["logprobs"], mb["versions"], mb["prox_version"] + 1, logp)
             out = loss_fn(logp, mb["logprobs"], prox, adv, mb["loss_mask"], mb.get("ref_logprobs", None))
-            weight = float(mask.sum()) / total_tokens if aggregation == "token-mean" else mb.batch_size[0] / total_seqs
-            (out.loss * weight).backward()
-            for k, v in out.metrics.items():
-                metrics[k] = metrics.get(k, 0.0) + float(v) * weight
+            weight = float(loss_fn.normalizer(mask)) / total_units if total_units > 0 else 0.0
+            nonfinite_loss |= not bool(torch.isfinite(out.loss.detach()).all())
+            (out.loss * weight).backward()  # every rank runs every backward (FSDP collectives), even a bad one
+            if weight > 0:
+                for k, v in out.metrics.items():
+                    metrics[k] = metrics.get(k, 0.0) + float(v) * weight
         if self.world_size > 1:
             for _ in range(passes - len(mbs)):  # zero-weight pass: joins the all-gathers / reduce-scatters
                 dummy = next(_micro_batches(td[:1], 1))
                 token_logprobs(self.model, dummy["input_ids"].to(self.device),
                                dummy["attention_mask"].to(self.device), self.temperature).sum().mul(0.0).backward()
             summed: dict[str, float] = {}  # weights are global fractions, so the rank sum is the global mean
-            for part in all_gather_objects(metrics):
+            parts = all_gather_objects((metrics, nonfinite_loss))
+            for part, bad in parts:
+                nonfinite_loss |= bad  # one rank's non-finite loss skips the step on every rank
                 for k, v in part.items():
                     summed[k] = summed.get(k, 0.0) + v
             metrics = summed
-        if self.cfg.grad_clip > 0:
-            # FSDP2 grads are DTensors: clip_grad_norm_ computes the GLOBAL norm (Replicate DTensor).
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-            metrics["grad_norm"] = to_local_scalar(norm)
-        if not math.isfinite(metrics.get("grad_norm", 0.0)):  # global norm: every rank skips together
-            self.optimizer.zero_grad(set_to_none=True)  # skip a non-finite step instead of corrupting weights
-            metrics["skipped_step"] = 1.0
-            return metrics
+        # FSDP2 grads are DTensors: clip_grad_norm_ computes the GLOBAL norm (Replicate DTensor).
+        # With clipping off, max_norm=inf only measures the norm (the grads are scaled by exactly 1).
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
+        grad_norm = to_local_scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        if nonfinite_loss or not math.isfinite(grad_norm):  # global: every rank skips together
+            self.optimizer.zero_grad(set_to_none=True)  # weights and AdamW state stay as they were
+            return {"skipped_nonfinite_steps": 1.0}
+        metrics["grad_norm"] = grad_norm
+        metrics["skipped_nonfinite_steps"] = 0.0
         for g in self.optimizer.param_groups:
             g["lr"] = self.cfg.lr * self._lr_scale()
         self.optimizer.step()

@@ -2,14 +2,23 @@
 normalisation.
 
 A trajectory is a whole episode (a multi-turn conversation is one row with one reward), so the
-group advantage of the episode reward is also what TorchRL's MCAdvantage computes for it."""
+group advantage of the episode reward is also what TorchRL's MCAdvantage computes for it, once
+the std conventions agree: MCAdvantage divides by the unbiased (G - 1) std clamped at 1e-6,
+`std_estimator="unbiased"` by that std + eps."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import torch
 
 ADVANTAGE_MODES = ("group", "global", "none")
+STD_ESTIMATORS = ("population", "unbiased")
+
+
+def _check_std_estimator(std_estimator: str) -> None:
+    if std_estimator not in STD_ESTIMATORS:
+        raise ValueError(f"unknown std_estimator {std_estimator!r}; valid: {list(STD_ESTIMATORS)}")
 
 
 def _check_rewards(rewards: torch.Tensor) -> torch.Tensor:
@@ -26,13 +35,17 @@ def group_advantages(
     std: bool = True,
     eps: float = 1e-6,
     leave_one_out: bool = False,
+    std_estimator: str = "population",
 ) -> torch.Tensor:
     """Group-relative advantages `[N]` from rewards `[N]` and integer group ids `[N]` (any values, any order).
 
     mean: subtract the group mean; with `leave_one_out` (RLOO) subtract the mean of the *other*
     members instead. A singleton group has no peers, so under leave-one-out its baseline is its own
     reward (advantage 0), matching the plain-mean case and avoiding `r / eps` blow-ups when `std`.
-    std: divide by (population std of the group's rewards + eps); singletons have std 0.
+    std: divide by (std of the group's rewards + eps). `std_estimator="population"` divides the
+    sum of squared deviations by G (the group size), "unbiased" by G - 1 (Bessel's correction, as
+    TRL, verl and TorchRL's MCAdvantage do): unbiased = population * sqrt(G / (G - 1)), 1.069 at
+    G = 8. Singletons have std 0 under both.
     Vectorised with `torch.unique(return_inverse=True)` + `index_add`, no loop over groups.
     """
     rewards = _check_rewards(rewards)
@@ -59,22 +72,28 @@ def group_advantages(
             baseline = group_mean
         adv = work - baseline
     if std:
+        _check_std_estimator(std_estimator)
         sq = torch.zeros_like(counts).index_add_(0, inv, (work - group_mean) ** 2)
-        group_std = (sq / counts).sqrt()[inv]
+        dof = counts if std_estimator == "population" else (counts - 1).clamp_min(1)
+        group_std = (sq / dof).sqrt()[inv]
         adv = adv / (group_std + eps)
     return adv.to(rewards.dtype)
 
 
 def global_advantages(
-    rewards: torch.Tensor, *, mean: bool = True, std: bool = True, eps: float = 1e-6
+    rewards: torch.Tensor, *, mean: bool = True, std: bool = True, eps: float = 1e-6,
+    std_estimator: str = "population",
 ) -> torch.Tensor:
-    """Batch-level advantages `[N]`: subtract the batch mean and/or divide by (population std + eps)."""
+    """Batch-level advantages `[N]`: subtract the batch mean and/or divide by (std + eps), the std
+    over N ("population") or N - 1 ("unbiased"; a single reward has std 0)."""
     rewards = _check_rewards(rewards)
     adv = rewards
     if mean:
         adv = adv - rewards.mean()
     if std:
-        adv = adv / (rewards.std(unbiased=False) + eps)
+        _check_std_estimator(std_estimator)
+        unbiased = std_estimator == "unbiased" and rewards.numel() > 1
+        adv = adv / (rewards.std(unbiased=unbiased) + eps)
     return adv
 
 
@@ -107,6 +126,10 @@ class AdvantageConfig:
     """Subtract a baseline (the group or batch mean)."""
     std: bool = True
     """Divide by the group or batch reward std (+ eps); Dr. GRPO turns this off."""
+    std_estimator: Literal["population", "unbiased"] = "population"
+    """Which std `std` divides by: 'population' (squared deviations / G, G the group or batch size)
+    or 'unbiased' (/ (G - 1), Bessel's correction, as TRL, verl and TorchRL's MCAdvantage; larger by
+    sqrt(G / (G - 1)), 1.069 at G = 8)."""
     leave_one_out: bool = False
     """Group mode only: baseline is the mean of the *other* group members (RLOO)."""
     eps: float = 1e-6
@@ -117,6 +140,9 @@ class AdvantageConfig:
             raise ValueError(f"unknown advantage mode {self.mode!r}; valid: {list(ADVANTAGE_MODES)}")
         if self.leave_one_out and self.mode != "group":
             raise ValueError(f"leave_one_out needs mode='group', got mode={self.mode!r}")
+        if self.std_estimator not in STD_ESTIMATORS:
+            raise ValueError(f"algo.advantage.std_estimator={self.std_estimator!r}: valid values are "
+                             f"{list(STD_ESTIMATORS)}")
 
 
 def compute_advantages(
@@ -127,9 +153,10 @@ def compute_advantages(
         if group_ids is None:
             raise ValueError("advantage mode 'group' needs group_ids, got None")
         return group_advantages(
-            rewards, group_ids, mean=cfg.mean, std=cfg.std, eps=cfg.eps, leave_one_out=cfg.leave_one_out
+            rewards, group_ids, mean=cfg.mean, std=cfg.std, eps=cfg.eps, leave_one_out=cfg.leave_one_out,
+            std_estimator=cfg.std_estimator,
         )
     if cfg.mode == "global":
-        return global_advantages(rewards, mean=cfg.mean, std=cfg.std, eps=cfg.eps)
+        return global_advantages(rewards, mean=cfg.mean, std=cfg.std, eps=cfg.eps, std_estimator=cfg.std_estimator)
     return _check_rewards(rewards).clone()
 

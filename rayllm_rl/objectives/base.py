@@ -4,8 +4,9 @@ All per-token tensors are token-aligned `[B, T]`: position t holds log pi(input_
 input_ids[:t]); position 0 and every prompt/tool/pad token have mask 0. The trainer calls
 every loss the same way and never branches on the algorithm's name.
 
-Also home of what that contract needs: `check_shapes` and `aggregate` (token-mean / seq-mean /
-seq-sum reduction of a masked `[B, T]` tensor, with `masked_mean`).
+Also home of what that contract needs: `check_shapes`, `aggregate` (token-mean / seq-mean /
+seq-sum reduction of a masked `[B, T]` tensor, with `masked_mean`) and `aggregate_count` (what
+`aggregate` divides by, which a learner uses to weight its micro-batches).
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def aggregate(
     constant (Dr.GRPO, needs `max_tokens`): sum of masked values / (B * max_tokens), B counting
     every row, empty ones included; the normaliser does not depend on the sequence lengths.
     "constant" is not in `AGGREGATIONS` (the modes every loss accepts): only losses that own a
-    `max_tokens` use it; a learner weights its micro-batches like the seq modes (by row count).
+    `max_tokens` use it. `aggregate_count` gives each mode's divisor (a learner weights its
+    micro-batches by it).
     Sequences with no masked token are excluded from the mean over sequences in both seq modes
     (they have no tokens to learn from); an all-empty batch gives 0 (still attached to the graph).
     Values at unmasked positions are never read (inf/NaN there cannot leak into the result).
@@ -52,6 +54,25 @@ def aggregate(
     nonempty = counts > 0
     per_seq = seq_sum / counts.clamp_min(1) if mode == "seq-mean" else seq_sum
     return torch.where(nonempty, per_seq, torch.zeros_like(per_seq)).sum() / nonempty.sum().clamp_min(1)
+
+
+def aggregate_count(mask: torch.Tensor, mode: str = "token-mean") -> float:
+    """How many units `aggregate(., mask, mode)` averages over, for a mask `[B, T]`.
+
+    token-mean: masked tokens; seq-mean and seq-sum: rows with at least one masked token (empty
+    rows are left out of the mean over sequences); constant: every row, empty ones included (the
+    `max_tokens` factor is the same for every batch). `aggregate` divides a sum over the batch by
+    this count (clamped at 1, and an empty count means a zero sum), so micro-batches `k` of one
+    batch satisfy `sum_k count_k / count * aggregate(x_k, mask_k) = aggregate(x, mask)` exactly.
+    """
+    m = mask != 0
+    if mode == "token-mean":
+        return float(m.sum())
+    if mode in ("seq-mean", "seq-sum"):
+        return float(m.any(dim=-1).sum())
+    if mode == "constant":
+        return float(mask.shape[0])
+    raise ValueError(f"unknown aggregation {mode!r}; valid: {list(AGGREGATIONS) + ['constant']}")
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -107,11 +128,20 @@ class Loss(torch.nn.Module):
     """How the learner gets `prox_logp` when `needs_prox_logp`: 'recompute' (a forward pass with the
     pre-update weights) or 'loglinear' (`loglinear_prox_logp` from the token versions, no extra pass)."""
     aggregation: str = "token-mean"
-    """How `reduce` turns per-token losses into a scalar (`aggregate`); the learner weights micro-batches by it."""
+    """How `reduce` turns per-token losses into a scalar (`aggregate`)."""
 
     def reduce(self, per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Aggregate a per-token loss `[B, T]` with this loss's aggregation."""
         return aggregate(per_token, mask, self.aggregation)
+
+    def normalizer(self, mask: torch.Tensor) -> float:
+        """How many units this loss averages over for a mask `[B, T]` (`aggregate_count`).
+
+        A learner that splits a batch into micro-batches weights micro-batch k's loss by
+        `normalizer(mask_k) / normalizer(mask)`: the weighted sum of the micro-batch losses is
+        then the full-batch loss, whatever the split and however many rows are empty.
+        """
+        return aggregate_count(mask, self.aggregation)
 
     def forward(
         self,

@@ -20,7 +20,9 @@ class CISPOLoss(Loss):
     Defaults: `clip_eps_low=None` = no lower bound (MiniMax-M1: "we did not impose a lower bound
     on the IS weight by setting eps_low to a large value" and tuned only eps_high);
     `clip_eps_high=0.28` is our default, borrowed from DAPO's clip-higher value (the paper does
-    not fix one number for eps_high; tune it).
+    not fix one number for eps_high; tune it), i.e. an upper cap of 1.28 on the weight. TRL
+    (`loss_type="cispo"`, whose `epsilon_high` is the cap itself) and ScaleRL cap it at 5.0:
+    `clip_eps_high=4.0` reproduces that.
     Metrics: clip_fraction_low/high count masked tokens whose weight is clipped on that side,
     whatever the sign of A (CISPO clips the weight, not the objective).
     """

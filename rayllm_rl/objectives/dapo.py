@@ -20,7 +20,7 @@ class DAPOLoss(GRPOLoss):
     gradient loss (aggregation "token-mean": sum over every masked token of the batch / their
     count) and no KL penalty (DAPO removes it). Dynamic sampling (dropping groups whose rewards
     are all equal) lives in the rollout/advantage side, overlong shaping in
-    `overlong_reward_shaping`.
+    `overlong_reward_shaping`. `clip_ratio_c` is GRPOLoss's dual-clip (off by default).
     """
 
     def __init__(
@@ -29,9 +29,11 @@ class DAPOLoss(GRPOLoss):
         clip_eps_low: float = 0.2,
         clip_eps_high: float = 0.28,
         aggregation: str = "token-mean",
+        clip_ratio_c: float | None = None,
     ) -> None:
         super().__init__(
-            clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, kl_coef=0.0, aggregation=aggregation
+            clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, kl_coef=0.0, aggregation=aggregation,
+            clip_ratio_c=clip_ratio_c,
         )
 
 
@@ -69,10 +71,10 @@ class DrGRPOLoss(GRPOLoss):
     less). The paper's other half, advantages without std normalisation (`A = R - mean(R)`), is
     configured on the advantage side (`AdvantageConfig(std=False)`), not here.
 
-    `aggregation = "constant"` (see `aggregate`). Learner weighting: any aggregation other than
-    "token-mean" makes the learner weight micro-batch k by `B_k / B`; the micro-batch loss is
-    `sum_k / (B_k * max_tokens)`, so `sum_k weight_k * loss_k = sum_all / (B * max_tokens)`,
-    which is exactly the full-batch loss. No learner change is needed.
+    `aggregation = "constant"` (see `aggregate`). Learner weighting: `normalizer` counts every
+    row (`aggregate_count`), so the learner weights micro-batch k by `B_k / B`; the micro-batch
+    loss is `sum_k / (B_k * max_tokens)`, so `sum_k weight_k * loss_k = sum_all / (B * max_tokens)`,
+    which is exactly the full-batch loss. `clip_ratio_c` is GRPOLoss's dual-clip (off by default).
     """
 
     def __init__(
@@ -84,10 +86,11 @@ class DrGRPOLoss(GRPOLoss):
         kl_coef: float = 0.0,
         kl_estimator: str = "k3",
         kl_behav_coef: float = 0.0,
+        clip_ratio_c: float | None = None,
     ) -> None:
         super().__init__(
             clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, kl_coef=kl_coef, kl_estimator=kl_estimator,
-            kl_behav_coef=kl_behav_coef,
+            kl_behav_coef=kl_behav_coef, clip_ratio_c=clip_ratio_c,
         )
         if int(max_tokens) <= 0:
             raise ValueError(f"max_tokens must be > 0, got {max_tokens}")

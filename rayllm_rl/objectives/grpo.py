@@ -58,7 +58,9 @@ def ratio_metrics(
     """The metrics every policy loss reports, from the masked per-token log-ratio `[B, T]`.
 
     clip_fraction_low/high/clip_fraction: fraction of masked tokens in the boolean `low`/`high`;
-    approx_kl: k3 estimate of KL(old || new), `exp(old - logp) - 1 - (old - logp)`;
+    approx_kl: k3 estimate of KL(old || new) from tokens sampled by old: with the ratio
+    `r = exp(logp - old)`, `r - 1 - log r` (Schulman 2020: k3 of KL(q || p) on samples of q is
+    `p/q - 1 - log(p/q)`), unbiased and >= 0 per token;
     ess: `(sum r)^2 / (n sum r^2)`; entropy_proxy: mean `-logp` of the sampled tokens (true
     entropy needs logits).
     """
@@ -73,7 +75,7 @@ def ratio_metrics(
             "clip_fraction_low": float(low.sum() / n),
             "clip_fraction_high": float(high.sum() / n),
             "clip_fraction": float((low.sum() + high.sum()) / n),
-            "approx_kl": float(masked_mean(torch.expm1(-lr) + lr, m)),
+            "approx_kl": float(masked_mean(torch.expm1(lr) - lr, m)),
             "ess": float(ess),
             "entropy_proxy": float(masked_mean(-safe_logp.detach(), m)),
         }
@@ -97,6 +99,12 @@ class GRPOLoss(Loss):
     an explicit aggregation is honoured. With per-sequence advantages, seq-mean gives exactly the
     GSPO objective `mean_i min(s_i A_i, clip(s_i) A_i)`.
 
+    `clip_ratio_c` (None = off; verl's dual-clip, 3.0 there when on, must be > 1): for A < 0 the
+    per-token loss is also capped at `clip_ratio_c * |A|`, i.e. `min(max(-r*A, -clip(r)*A),
+    -clip_ratio_c * A)`; a token with A < 0 and r > clip_ratio_c then has no gradient, so one very
+    unlikely-under-old token with a negative advantage cannot dominate the update. Tokens with
+    A >= 0 are unchanged. Metric `clip_fraction_dual`: fraction of masked tokens capped that way.
+
     `per_token(logp, old, advantages, mask)` returns the unaggregated policy-gradient term (zero
     off-mask) and the ratio metrics, so wrappers (`TruncatedIS`) can reweight it before `reduce`.
     """
@@ -111,6 +119,7 @@ class GRPOLoss(Loss):
         aggregation: str | None = None,
         ratio_level: str = "token",
         kl_behav_coef: float = 0.0,
+        clip_ratio_c: float | None = None,
     ) -> None:
         super().__init__()
         if not 0.0 <= clip_eps_low < 1.0 or clip_eps_high < 0.0:
@@ -119,6 +128,8 @@ class GRPOLoss(Loss):
             )
         if kl_coef < 0:
             raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+        if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+            raise ValueError(f"clip_ratio_c (dual-clip) must be None (off) or > 1, got {clip_ratio_c}")
         if kl_behav_coef < 0:
             raise ValueError(f"kl_behav_coef must be >= 0, got {kl_behav_coef}")
         if kl_estimator not in KL_ESTIMATORS:
@@ -136,19 +147,20 @@ class GRPOLoss(Loss):
         self.kl_estimator = kl_estimator
         self.aggregation = aggregation
         self.ratio_level = ratio_level
+        self.clip_ratio_c = None if clip_ratio_c is None else float(clip_ratio_c)
         self.needs_ref_logp = self.kl_coef > 0
 
     def extra_repr(self) -> str:
         return (
             f"clip_eps_low={self.clip_eps_low}, clip_eps_high={self.clip_eps_high}, "
             f"kl_coef={self.kl_coef}, kl_behav_coef={self.kl_behav_coef}, kl_estimator={self.kl_estimator!r}, aggregation={self.aggregation!r}, "
-            f"ratio_level={self.ratio_level!r}"
+            f"ratio_level={self.ratio_level!r}, clip_ratio_c={self.clip_ratio_c}"
         )
 
     def per_token(
         self, logp: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Unaggregated clipped surrogate `[B, T]` (0 off-mask) and the ratio metrics."""
+        """Unaggregated clipped surrogate `[B, T]` (0 off-mask; dual-clipped with `clip_ratio_c`) and its metrics."""
         m, safe_logp, safe_old, adv = prepare(logp, old, advantages, mask)
         log_ratio = safe_logp - safe_old
         if self.ratio_level == "sequence":
@@ -158,10 +170,17 @@ class GRPOLoss(Loss):
         ratio = torch.exp(log_ratio)
         clipped = torch.clamp(ratio, 1.0 - self.clip_eps_low, 1.0 + self.clip_eps_high)
         per_token = torch.maximum(-ratio * adv, -clipped * adv)
+        dual_capped = None
+        if self.clip_ratio_c is not None:
+            cap = -self.clip_ratio_c * adv  # [B, T], = clip_ratio_c * |A| where A < 0
+            dual_capped = (adv < 0) & (per_token.detach() > cap) & m
+            per_token = torch.where(adv < 0, torch.minimum(per_token, cap), per_token)
         r = ratio.detach()
         metrics = ratio_metrics(
             m, safe_logp, log_ratio, (adv < 0) & (r < 1.0 - self.clip_eps_low), (adv > 0) & (r > 1.0 + self.clip_eps_high)
         )
+        if dual_capped is not None:
+            metrics["clip_fraction_dual"] = float(dual_capped.sum() / m.sum().clamp_min(1))
         return per_token, metrics
 
     def penalty(

@@ -30,9 +30,9 @@ class TruncatedIS(Loss):
     advantages, mask) -> (per_token_loss, metrics)` and `reduce(per_token, mask)` (GRPOLoss and
     its subclasses, CISPOLoss). Extra metrics (names in `weight_metrics`): `tis_weight_mean`
     (mean applied weight over masked tokens), `tis_capped_fraction` (fraction of masked tokens
-    whose raw weight > cap). `aggregation` and `reduce` are the base's (so the learner weights
-    micro-batches as for the base). `prox_logp_method` tells the learner how to get prox_logp:
-    "recompute" (a forward pass with the pre-update weights) or "loglinear"
+    whose raw weight > cap). `aggregation`, `reduce` and `normalizer` are the base's (so the
+    learner weights micro-batches as for the base). `prox_logp_method` tells the learner how to
+    get prox_logp: "recompute" (a forward pass with the pre-update weights) or "loglinear"
     (`loglinear_prox_logp`, no extra pass).
     """
 
@@ -66,6 +66,9 @@ class TruncatedIS(Loss):
 
     def reduce(self, per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return self.base.reduce(per_token, mask)
+
+    def normalizer(self, mask: torch.Tensor) -> float:
+        return self.base.normalizer(mask)
 
     def extra_repr(self) -> str:
         return f"level={self.level!r}, mode={self.mode!r}, cap={self.cap}, prox_logp_method={self.prox_logp_method!r}"
@@ -136,7 +139,8 @@ class GRPOTISLoss(TruncatedIS):
     def __init__(self, *, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2, kl_coef: float = 0.0,
                  kl_estimator: str = "k3", aggregation: str = "token-mean", kl_behav_coef: float = 0.0,
                  tis_level: str = "token", tis_mode: str = "truncate", tis_cap: float = 2.0,
-                 prox_logp_method: str = "recompute") -> None:
+                 prox_logp_method: str = "recompute", clip_ratio_c: float | None = None) -> None:
         base = GRPOLoss(clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, kl_coef=kl_coef,
-                        kl_estimator=kl_estimator, aggregation=aggregation, kl_behav_coef=kl_behav_coef)
+                        kl_estimator=kl_estimator, aggregation=aggregation, kl_behav_coef=kl_behav_coef,
+                        clip_ratio_c=clip_ratio_c)
         super().__init__(base, level=tis_level, mode=tis_mode, cap=tis_cap, prox_logp_method=prox_logp_method)

@@ -27,7 +27,9 @@ class DecoupledPPOLoss(GRPOTISLoss):
     That is `GRPOTISLoss` at token level with cap = behav_weight_cap and "cap" read as its
     "truncate" mode, so the computation is `TruncatedIS.terms`; only the names differ.
     In "mask" mode masked tokens still count in the token-mean denominator (as in AReaL, where
-    they are zeroed by the weight, not removed from the loss mask).
+    they are zeroed by the weight, not removed from the loss mask). The default mode is "cap";
+    AReaL's `behav_imp_weight_cap` masks, so `behav_weight_mode="mask"` reproduces AReaL.
+    `clip_ratio_c` is GRPOLoss's dual-clip (off by default; AReaL's `c_clip`).
     Extra metrics: `behav_weight_mean` (mean of the applied weight over masked tokens) and
     `behav_weight_capped_fraction` (fraction of masked tokens with raw w > cap).
     `prox_logp=None` raises ValueError.
@@ -38,7 +40,7 @@ class DecoupledPPOLoss(GRPOTISLoss):
     def __init__(self, *, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2, behav_weight_cap: float = 5.0,
                  behav_weight_mode: str = "cap", kl_coef: float = 0.0, kl_estimator: str = "k3",
                  aggregation: str = "token-mean", kl_behav_coef: float = 0.0,
-                 prox_logp_method: str = "recompute") -> None:
+                 prox_logp_method: str = "recompute", clip_ratio_c: float | None = None) -> None:
         if behav_weight_mode not in BEHAV_WEIGHT_MODES:
             raise ValueError(f"unknown behav_weight_mode {behav_weight_mode!r}; valid: {list(BEHAV_WEIGHT_MODES)}")
         if not behav_weight_cap > 0:
@@ -46,7 +48,7 @@ class DecoupledPPOLoss(GRPOTISLoss):
         super().__init__(clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, kl_coef=kl_coef,
                          kl_estimator=kl_estimator, aggregation=aggregation, kl_behav_coef=kl_behav_coef,
                          tis_level="token", tis_mode=TIS_MODE_OF[behav_weight_mode], tis_cap=behav_weight_cap,
-                         prox_logp_method=prox_logp_method)
+                         prox_logp_method=prox_logp_method, clip_ratio_c=clip_ratio_c)
         self.behav_weight_cap = float(behav_weight_cap)
         self.behav_weight_mode = behav_weight_mode
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rayllm_rl.objectives.base import AGGREGATIONS, Loss, LossOutput, aggregate, check_shapes, masked_mean
+from rayllm_rl.objectives.base import (
+    AGGREGATIONS, Loss, LossOutput, aggregate, aggregate_count, check_shapes, masked_mean,
+)
 from rayllm_rl.objectives.grpo import kl_estimate
 
 SFT_FUNCTIONS = ("sft", "minor_sft")
@@ -13,11 +15,18 @@ SFT_FUNCTIONS = ("sft", "minor_sft")
 class SFTLoss(Loss):
     """SFT on masked target tokens; `behav_logp`, `prox_logp` and `advantages` are ignored.
 
-    sft: `aggregate(-logp, mask, aggregation)`.
-    minor_sft (TorchRL's MinorSFT, DPO-inspired, gentler than SFT): per sequence
-    `-logsigmoid(beta * (sum_t logp - sum_t ref_logp))` over masked tokens, averaged over sequences
-    that have at least one masked token (`aggregation` does not apply to this term).
-    With `kl_to_ref_coeff > 0`, `coeff * aggregate(k3(logp, ref_logp), mask, aggregation)` is added.
+    sft: `aggregate(-logp, mask, aggregation)` (default token-mean; TorchRL's SFTLoss default,
+    the mean over sequences of each sequence's mean NLL, is `aggregation="seq-mean"`).
+    minor_sft (TorchRL's MinorSFT, DPO-inspired, gentler than SFT): per sequence i with |y_i|
+    masked tokens,
+        x_i = beta * (sum_t logp_t - sum_t ref_t) / |y_i|     (normalize_by_seq_length=True, TorchRL's default)
+        x_i = beta * (sum_t logp_t - sum_t ref_t)             (normalize_by_seq_length=False)
+    and the loss is `-logsigmoid(x_i)` averaged over the sequences that have at least one masked
+    token (`aggregation` does not apply to it).
+    With `kl_to_ref_coeff > 0` (loss_function "sft" only), `coeff * aggregate(k3(logp, ref_logp),
+    mask, aggregation)` is added. minor_sft regularises toward the reference by construction, so it
+    rejects `kl_to_ref_coeff > 0` (TorchRL sets it to 0 with a warning); it reports `kl_ref`
+    (masked mean k3, no gradient) as TorchRL logs `kl_to_ref`.
     """
 
     def __init__(
@@ -27,6 +36,7 @@ class SFTLoss(Loss):
         beta: float = 0.1,
         kl_to_ref_coeff: float = 0.0,
         aggregation: str = "token-mean",
+        normalize_by_seq_length: bool = True,
     ) -> None:
         super().__init__()
         if loss_function not in SFT_FUNCTIONS:
@@ -35,17 +45,35 @@ class SFTLoss(Loss):
             raise ValueError(f"unknown aggregation {aggregation!r}; valid: {list(AGGREGATIONS)}")
         if kl_to_ref_coeff < 0:
             raise ValueError(f"kl_to_ref_coeff must be >= 0, got {kl_to_ref_coeff}")
+        if loss_function == "minor_sft" and kl_to_ref_coeff > 0:
+            raise ValueError("kl_to_ref_coeff applies to loss_function='sft' only: minor_sft already regularises "
+                             f"toward the reference (TorchRL turns the coefficient off for it), got {kl_to_ref_coeff}")
         self.loss_function = loss_function
         self.beta = float(beta)
         self.kl_to_ref_coeff = float(kl_to_ref_coeff)
         self.aggregation = aggregation
+        self.normalize_by_seq_length = bool(normalize_by_seq_length)
         self.needs_ref_logp = loss_function == "minor_sft" or self.kl_to_ref_coeff > 0
 
     def extra_repr(self) -> str:
         return (
-            f"loss_function={self.loss_function!r}, beta={self.beta}, "
-            f"kl_to_ref_coeff={self.kl_to_ref_coeff}, aggregation={self.aggregation!r}"
+            f"loss_function={self.loss_function!r}, beta={self.beta}, kl_to_ref_coeff={self.kl_to_ref_coeff}, "
+            f"aggregation={self.aggregation!r}, normalize_by_seq_length={self.normalize_by_seq_length}"
         )
+
+    def normalizer(self, mask: torch.Tensor) -> float:
+        """minor_sft averages over the non-empty sequences; sft over its `aggregation`'s units."""
+        return aggregate_count(mask, "seq-mean" if self.loss_function == "minor_sft" else self.aggregation)
+
+    def minor_sft(self, safe_logp: torch.Tensor, safe_ref: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """Mean over non-empty rows of `-logsigmoid(x_i)` (see the class docstring); inputs `[B, T]`, 0 off-mask."""
+        counts = m.sum(-1)  # [B]
+        margin = safe_logp.sum(-1) - safe_ref.sum(-1)  # [B]
+        if self.normalize_by_seq_length:
+            margin = margin / counts.clamp_min(1)
+        nonempty = counts > 0
+        per_seq = torch.where(nonempty, -F.logsigmoid(self.beta * margin), torch.zeros_like(margin))
+        return per_seq.sum() / nonempty.sum().clamp_min(1)
 
     def forward(
         self,
@@ -56,7 +84,7 @@ class SFTLoss(Loss):
         mask: torch.Tensor,
         ref_logp: torch.Tensor | None = None,
     ) -> LossOutput:
-        """Return the SFT loss and metrics (`nll`, `loss`, `kl_ref` when on); tensors `[B, T]`."""
+        """Return the SFT loss and metrics (`nll`, `loss`, `kl_ref` when a reference is used); tensors `[B, T]`."""
         check_shapes(logp, mask=mask, ref_logp=ref_logp)
         if self.needs_ref_logp and ref_logp is None:
             why = "loss_function='minor_sft'" if self.loss_function == "minor_sft" else "kl_to_ref_coeff > 0"
@@ -64,20 +92,18 @@ class SFTLoss(Loss):
         m = mask != 0
         zeros = torch.zeros_like(logp)
         safe_logp = torch.where(m, logp, zeros)  # off-mask garbage never reaches loss or gradient
-        safe_ref = torch.where(m, ref_logp.detach(), zeros) if ref_logp is not None else None
+        safe_ref = torch.where(m, ref_logp.detach().to(logp.dtype), zeros) if ref_logp is not None else None
 
         if self.loss_function == "sft":
             loss = aggregate(-safe_logp, m, self.aggregation)
         else:
-            margin = self.beta * (safe_logp.sum(-1) - safe_ref.sum(-1))  # [B]
-            nonempty = m.any(-1)
-            per_seq = torch.where(nonempty, -F.logsigmoid(margin), torch.zeros_like(margin))
-            loss = per_seq.sum() / nonempty.sum().clamp_min(1)
+            loss = self.minor_sft(safe_logp, safe_ref, m)
 
         kl = None
-        if self.kl_to_ref_coeff > 0:
+        if self.needs_ref_logp:
             kl = kl_estimate(safe_logp, safe_ref, "k3")
-            loss = loss + self.kl_to_ref_coeff * aggregate(kl, m, self.aggregation)
+            if self.kl_to_ref_coeff > 0:
+                loss = loss + self.kl_to_ref_coeff * aggregate(kl, m, self.aggregation)
 
         metrics = {"loss": float(loss.detach()), "nll": float(masked_mean(-safe_logp.detach(), m))}
         if kl is not None:

@@ -18,9 +18,11 @@ def rewards_to_advantages(batch, cfg: GRPOJobConfig, ref_logprobs_fn=None, *, ve
     """Rollout batch `[N]` -> training batch `[N']`; returns it (use the returned batch: it may be smaller).
 
     In order: reward shaping (DAPO overlong), reference KL (reference logprobs, KL-in-reward),
-    then with `rollout.keep_top_k = k > 0` only the k best-rewarded trajectories of each group are
-    kept (`TopKRewardSelector`, on the shaped rewards; N' = the kept rows, in their order), then
-    `advantages` `[N']` from the rewards and groups of the kept rows. `version` is the policy
+    then with `rollout.keep_top_k = k > 0` only the trajectories TorchRL's TopKRewardSelector
+    keeps: of each group, at most k of those whose shaped reward is above the group's median
+    (ties: the earlier row), so a uniform group keeps none and the batch may shrink to 0 rows
+    (N' = the kept rows, in their order); then `advantages` `[N']` from the rewards and groups of
+    the kept rows (a group that keeps one row gets advantage 0 with `algo.advantage.mean`). `version` is the policy
     version the learner trains this batch from; when given it is stamped as `prox_version` `[N']`
     (`algo.prox_logp_method=loglinear` needs it and raises without it).
     """

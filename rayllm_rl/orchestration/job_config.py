@@ -85,8 +85,10 @@ class RolloutConfig:
     turn_discount: float = 0.9
     """multi_turn: a success at turn t earns discount^(t-1)."""
     keep_top_k: int = 0
-    """Rejection sampling (TorchRL's TopKRewardSelector): keep only the k best-rewarded trajectories of
-    each group before advantages are computed (ties: the earlier row); 0 keeps every trajectory."""
+    """Rejection sampling (TorchRL's TopKRewardSelector): of each group keep at most the k best-rewarded
+    trajectories among those strictly above the group's median reward (a uniform group keeps none;
+    ties: the earlier row); 0 keeps every trajectory. With 0/1 rewards the kept rows share one reward,
+    so pair it with algo.advantage.mode=none or global rather than group advantages."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.keep_top_k <= self.group_size:
@@ -105,6 +107,10 @@ class AlgoConfig:
     """Lower ratio clip: ratios below 1 - clip_eps_low are clipped (GRPO/DAPO default 0.2)."""
     clip_eps_high: float | None = None
     """Upper ratio clip: ratios above 1 + clip_eps_high are clipped (GRPO 0.2, DAPO/CISPO 0.28)."""
+    clip_ratio_c: float | None = None
+    """Dual-clip (verl's clip_ratio_c, 3.0 there when on; None = off, must be > 1): for a negative
+    advantage the per-token loss is capped at clip_ratio_c * |A|, so tokens with ratio > clip_ratio_c
+    give no gradient. grpo, dapo, dr_grpo, ppo_decoupled and grpo_tis."""
     kl_coef: float | None = None
     """Coefficient of the KL penalty to the reference policy (0 = off)."""
     kl_estimator: str | None = None
@@ -143,6 +149,11 @@ class AlgoConfig:
     advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
     """How rewards become advantages (group/global normalisation, RLOO)."""
 
+    def __post_init__(self) -> None:
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1.0:
+            raise ValueError(f"algo.clip_ratio_c={self.clip_ratio_c}: must be > 1 (verl uses 3.0), or null to "
+                             "turn the dual-clip off")
+
     def build_loss(self, max_new_tokens: int | None = None):
         """Instantiate the named loss with the non-None fields its constructor accepts."""
         from rayllm_rl.objectives import LOSSES
@@ -150,6 +161,10 @@ class AlgoConfig:
         if self.name not in LOSSES:
             raise ValueError(f"unknown algo.name {self.name!r}; choose one of {sorted(LOSSES)}")
         params = inspect.signature(LOSSES[self.name]).parameters
+        if self.clip_ratio_c is not None and "clip_ratio_c" not in params:
+            takes = sorted(n for n, cls in LOSSES.items() if "clip_ratio_c" in inspect.signature(cls).parameters)
+            raise ValueError(f"algo.clip_ratio_c (dual-clip) applies to {takes}; algo.name={self.name} has no "
+                             "PPO clip to dual-clip: leave algo.clip_ratio_c unset")
         kwargs = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                   if f.name in params and f.name != "name" and getattr(self, f.name) is not None}
         if "max_tokens" in params and "max_tokens" not in kwargs and max_new_tokens:
