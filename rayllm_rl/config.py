@@ -199,5 +199,18 @@ def check_literals(cfg: Any, prefix: str = "") -> None:
         value, tp, key = getattr(cfg, f.name), hints.get(f.name), f"{prefix}{f.name}"
         if dataclasses.is_dataclass(value):
             check_literals(value, key + ".")
-        elif typing.get_origin(tp) is typing.Literal and value not in typing.get_args(tp):
-            raise ConfigError(f"config key {key!r}: {value!r} is not one of {typing.get_args(tp)}")
+            continue
+        allowed = _literal_values(tp)
+        if allowed is not None and value not in allowed:
+            raise ConfigError(f"config key {key!r}: {value!r} is not one of {allowed}")
+
+
+def _literal_values(tp: Any) -> tuple | None:
+    """The values a `Literal[...]` (or `Literal[...] | None`) field allows, else None."""
+    if typing.get_origin(tp) is typing.Literal:
+        return typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        inner = [_literal_values(a) for a in typing.get_args(tp) if a is not type(None)]
+        if inner and all(v is not None for v in inner):
+            return tuple(x for v in inner for x in v) + ((None,) if type(None) in typing.get_args(tp) else ())
+    return None

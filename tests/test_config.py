@@ -343,8 +343,10 @@ def test_grpo_job_config_build_sft_loss():
 def test_grpo_job_config_unknown_loss_name():
     from rayllm_rl.orchestration.job_config import GRPOJobConfig
 
-    cfg = load_config(GRPOJobConfig, ["algo.name=nope"])
-    assert cfg.algo.name == "nope"
+    with pytest.raises(ValueError, match=r"'algo.name': 'nope' is not one of \('grpo', 'dapo'"):
+        load_config(GRPOJobConfig, ["algo.name=nope"])  # at parse time, before anything is built
+    cfg = GRPOJobConfig()
+    cfg.algo.name = "nope"  # set from Python: build_loss still names the registered losses
     with pytest.raises(ValueError, match=r"unknown algo\.name 'nope'; choose one of \[.*'dapo'.*'grpo'.*\]"):
         cfg.algo.build_loss()
 

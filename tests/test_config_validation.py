@@ -57,3 +57,27 @@ def test_train_refuses_a_bad_config_before_ray_starts():
     with pytest.raises(ValueError, match="rollout.max_turns"):
         train(overrides=["rollout.workflow=rlvr", "rollout.max_turns=4"])
     assert not ray.is_initialized()
+
+
+def test_a_loss_field_the_chosen_loss_never_reads_is_an_error():
+    with pytest.raises(ValueError, match=r"algo.kl_coef=0.1 is not read by algo.name=cispo \(it is by \['dr_grpo', "
+                                         r"'grpo', 'grpo_tis', 'ppo_decoupled'\]\)"):
+        cfg_of("algo.name=cispo", "algo.kl_coef=0.1")
+    with pytest.raises(ValueError, match="algo.tis_cap=2.0 is not read by algo.name=grpo"):
+        cfg_of("algo.tis_cap=2.0")
+    cfg_of("algo.name=grpo", "algo.kl_coef=0.1", "algo.kl_reward_coef=0.01")  # both read, one outside the loss
+
+
+def test_algo_names_are_the_registered_losses_and_enums_are_checked():
+    import typing
+
+    from rayllm_rl.objectives import LOSSES
+    from rayllm_rl.orchestration.job_config import AlgoConfig
+
+    assert set(typing.get_args(typing.get_type_hints(AlgoConfig)["name"])) == set(LOSSES)
+    with pytest.raises(ConfigError, match="'algo.name': 'grpoo' is not one of"):
+        cfg_of("algo.name=grpoo")
+    cfg = GRPOJobConfig()
+    cfg.algo.kl_estimator = "k4"
+    with pytest.raises(ConfigError, match=r"'algo.kl_estimator': 'k4' is not one of \('k1', 'k2', 'k3', None\)"):
+        cfg.validate()

@@ -99,9 +99,9 @@ class RolloutConfig:
 @dataclasses.dataclass
 class AlgoConfig:
     """The loss and its hyper-parameters. A field left None takes the chosen loss's own default
-    (e.g. DAPO's clip_eps_high=0.28); fields a loss does not take are ignored by it."""
+    (e.g. DAPO's clip_eps_high=0.28); setting a field the chosen loss does not take is an error."""
 
-    name: str = "grpo"
+    name: Literal["grpo", "dapo", "dr_grpo", "cispo", "ppo_decoupled", "grpo_tis", "sft"] = "grpo"
     """Loss name: grpo, dapo, dr_grpo, cispo, ppo_decoupled, grpo_tis, sft (rayllm_rl.objectives.LOSSES)."""
     clip_eps_low: float | None = None
     """Lower ratio clip: ratios below 1 - clip_eps_low are clipped (GRPO/DAPO default 0.2)."""
@@ -113,26 +113,26 @@ class AlgoConfig:
     give no gradient. grpo, dapo, dr_grpo, ppo_decoupled and grpo_tis."""
     kl_coef: float | None = None
     """Coefficient of the KL penalty to the reference policy (0 = off)."""
-    kl_estimator: str | None = None
+    kl_estimator: Literal["k1", "k2", "k3"] | None = None
     """KL estimator: k1, k2 or k3."""
     kl_reward_coef: float = 0.0
     """KL-in-reward (KLRewardTransform): reward -= coef * sum_t (logp_behav - logp_ref) over the
     completion, with reference logprobs from a frozen reference model (0 = off)."""
     kl_behav_coef: float | None = None
     """Coefficient of the KL penalty to the inference (behaviour) policy that sampled the tokens (0 = off)."""
-    aggregation: str | None = None
+    aggregation: Literal["token-mean", "seq-mean", "seq-sum"] | None = None
     """Loss aggregation: token-mean, seq-mean or seq-sum (Dr.GRPO uses its constant normaliser)."""
-    ratio_level: str | None = None
+    ratio_level: Literal["token", "sequence"] | None = None
     """GRPO only: 'token' or 'sequence' (GSPO's sequence-level ratio)."""
     max_tokens: int | None = None
     """Dr.GRPO's constant length normaliser (None = rollout.max_new_tokens)."""
     behav_weight_cap: float | None = None
     """Decoupled PPO: cap of the behaviour weight exp(logp_prox - logp_behav) (default 5)."""
-    behav_weight_mode: str | None = None
+    behav_weight_mode: Literal["cap", "mask"] | None = None
     """Decoupled PPO: 'cap' (truncate the weight) or 'mask' (drop tokens above the cap)."""
-    tis_level: str | None = None
+    tis_level: Literal["token", "sequence"] | None = None
     """grpo_tis: truncated importance sampling at 'token' or 'sequence' level."""
-    tis_mode: str | None = None
+    tis_mode: Literal["truncate", "mask"] | None = None
     """grpo_tis: 'truncate' or 'mask' weights above tis_cap."""
     tis_cap: float | None = None
     """grpo_tis: cap of the importance weight exp(logp_prox - logp_behav)."""
@@ -154,6 +154,10 @@ class AlgoConfig:
             raise ValueError(f"algo.clip_ratio_c={self.clip_ratio_c}: must be > 1 (verl uses 3.0), or null to "
                              "turn the dual-clip off")
 
+    _NOT_LOSS_ARGS = frozenset({"name", "kl_reward_coef", "dynamic_sampling", "overlong_buffer_len",
+                                "overlong_penalty", "prox_logp_method", "advantage"})
+    """Fields read outside the loss (batch preparation, episode filter, learner)."""
+
     def build_loss(self, max_new_tokens: int | None = None):
         """Instantiate the named loss with the non-None fields its constructor accepts."""
         from rayllm_rl.objectives import LOSSES
@@ -161,10 +165,12 @@ class AlgoConfig:
         if self.name not in LOSSES:
             raise ValueError(f"unknown algo.name {self.name!r}; choose one of {sorted(LOSSES)}")
         params = inspect.signature(LOSSES[self.name]).parameters
-        if self.clip_ratio_c is not None and "clip_ratio_c" not in params:
-            takes = sorted(n for n, cls in LOSSES.items() if "clip_ratio_c" in inspect.signature(cls).parameters)
-            raise ValueError(f"algo.clip_ratio_c (dual-clip) applies to {takes}; algo.name={self.name} has no "
-                             "PPO clip to dual-clip: leave algo.clip_ratio_c unset")
+        for f in dataclasses.fields(self):  # a loss field set for a loss that never reads it: say so
+            if f.name in self._NOT_LOSS_ARGS or getattr(self, f.name) is None or f.name in params:
+                continue
+            takes = sorted(n for n, cls in LOSSES.items() if f.name in inspect.signature(cls).parameters)
+            raise ValueError(f"algo.{f.name}={getattr(self, f.name)!r} is not read by algo.name={self.name} (it is by "
+                             f"{takes}); unset it or choose one of those losses")
         kwargs = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                   if f.name in params and f.name != "name" and getattr(self, f.name) is not None}
         if "max_tokens" in params and "max_tokens" not in kwargs and max_new_tokens:
@@ -322,6 +328,7 @@ class GRPOJobConfig:
 
         check_literals(self)
         self._check_rollout_fields()
+        self.algo.build_loss(self.rollout.max_new_tokens)  # a field the loss does not read fails here
         rc = self.ray
         validate_placement(rc.num_replicas, rc.num_learners, rc.gpus_per_replica, rc.gpus_per_learner,
                            rc.tensor_parallel_size, rc.sync_timeout_s)
