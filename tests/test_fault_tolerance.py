@@ -1,6 +1,7 @@
 """A crashed role costs a restart, not the run. An env worker: Ray restarts it, the collector runs
-its in-flight episodes again and the buffer stores each episode once. A learner, replica, collector
-or buffer: the driver rolls every role back to the last checkpoint and goes on."""
+its in-flight episodes again and the buffer stores each episode once. An inference replica: Ray
+restarts it and it rejoins the weight-sync group with the current weights. A learner, collector or
+buffer: the driver rolls every role back to the last checkpoint and goes on."""
 from __future__ import annotations
 
 import json
@@ -76,8 +77,23 @@ def test_env_worker_sigkill_restarts_and_loses_no_episode(local_ray, tmp_path):
     assert summary["learner_checksums_equal_replicas"]
 
 
-@pytest.mark.parametrize("role,kind", [("learner-0", "learner"), ("inference-0", "inference"),
-                                       ("collector", "collector"), ("replay-buffer", "replay-buffer")])
+def test_replica_sigkill_rejoins_with_the_current_weights_without_a_rollback(local_ray, tmp_path):
+    """Ray restarts the replica; it refuses requests (the router waits) until the next sync, which
+    fails, re-forms the sync group with the new process and sends the current weights again."""
+    summary = run_and_kill(tmp_path, "inference-0", 3)
+    assert summary["steps"] == STEPS and summary["version"] == STEPS
+    assert summary["restarts"]["inference"] == 1 and summary["recoveries"] == []
+    records = rl_records(Path(summary["run_dir"]))
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    trained = [gid for r in records for gid in r["episode_ids"]]
+    assert len(trained) == STEPS * B and len(set(trained)) == len(trained)
+    assert summary["failed_episodes"] == 0 and summary["learner_checksums_equal_replicas"]
+    held = summary["replica_versions_held"][0]  # the new process's history: base weights, then current ones
+    assert held[0] == 0 and held[1] >= 3 and held[-1] == STEPS and held == sorted(held)
+
+
+@pytest.mark.parametrize("role,kind", [("learner-0", "learner"), ("collector", "collector"),
+                                       ("replay-buffer", "replay-buffer")])
 def test_stateful_role_sigkill_rolls_back_to_the_last_checkpoint(local_ray, tmp_path, role, kind):
     summary = run_and_kill(tmp_path, role, 3, "trainer.checkpoint_every=2")
     assert summary["steps"] == STEPS and summary["version"] == STEPS

@@ -13,7 +13,7 @@ import torch
 
 from rayllm_rl.data.replay_buffer import ReplayBuffer
 from rayllm_rl.inference.protocol import LLMRequest, LLMResponse, UpdateGroupSpec, weights_checksum
-from rayllm_rl.orchestration.router import ReplicaRouter
+from rayllm_rl.orchestration.router import ReplicaNotReady, ReplicaRouter
 
 
 class _Process:
@@ -40,6 +40,9 @@ class InferenceReplica(_Process):
         torch.set_num_threads(num_threads)
         self.engine = build_engine(engine_kind, model_path, seed=seed, dtype=dtype, vllm_options=vllm_options)
         self.versions_held = [self.engine.version]  # every version this replica ever generated with
+        self.serving = not ray.get_runtime_context().was_current_actor_reconstructed
+        """False in a process Ray restarted after a crash, until the current weights arrive: it refuses
+        requests (the router waits or goes elsewhere) instead of generating with the checkpoint's weights."""
 
     async def ready(self) -> int:
         """Start the engine (vLLM spawns its engine core here) on the actor's event loop."""
@@ -48,6 +51,8 @@ class InferenceReplica(_Process):
         return self.engine.version
 
     async def agenerate(self, request: LLMRequest) -> LLMResponse:
+        if not self.serving:
+            raise ReplicaNotReady("this replica was restarted and has not received the current weights yet")
         return await self.engine.agenerate(request)
 
     def version(self) -> int:
@@ -64,7 +69,12 @@ class InferenceReplica(_Process):
         """Receive while generating, then apply between two decode steps (the engine's sink)."""
         out = await self.engine.receive_update()
         self.versions_held.append(int(out["version"]))
+        self.serving = True
         return out
+
+    async def leave_update_group(self) -> None:
+        """Leave the weight-sync group (it is formed again after a replica restarted)."""
+        await self.engine.close_update_group()
 
     def version_history(self) -> list[int]:
         return list(self.versions_held)

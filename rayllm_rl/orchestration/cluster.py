@@ -47,6 +47,8 @@ class Cluster:
     sync_timeout_s: float
     transport: str = "gloo"
     placement: Placement | None = None
+    replica_pids: list[int] = dataclasses.field(default_factory=list)
+    """Each replica's process id when the weight-sync group last formed (a restart changes it)."""
 
     def get(self, refs, timeout_s: float | None = None):
         """ray.get with the job's timeout: a hang becomes a GetTimeoutError naming the wait."""
@@ -139,7 +141,10 @@ def build_cluster(cfg: GRPOJobConfig, model_path: str, task, workflow_factory) -
                     "enable_prefix_caching": inf.enable_prefix_caching, "max_num_seqs": inf.max_num_seqs,
                     "tensor_parallel_size": rc.tensor_parallel_size}
     ns = rc.namespace  # every named actor lives here: `ray.get_actor("env-0", namespace=...)` from any driver
-    replicas = [InferenceReplica.options(name=f"inference-{i}", namespace=ns, **placement.replica_options[i]).remote(
+    # A replica Ray restarts refuses requests until the driver re-forms the sync group and sends it the
+    # current weights (RayBackend.sync_weights).
+    replicas = [InferenceReplica.options(name=f"inference-{i}", namespace=ns, max_restarts=rc.replica_restarts,
+                                         **placement.replica_options[i]).remote(
         inf.engine, model_path, seed + i, threads, cfg.model.dtype, vllm_options) for i in range(rc.num_replicas)]
     batch = cfg.rollout.prompts_per_step
     capacity = rc.buffer_episodes or 2 * (cfg.rollout.max_staleness + 1) * batch
@@ -163,7 +168,14 @@ def build_cluster(cfg: GRPOJobConfig, model_path: str, task, workflow_factory) -
     cluster.learner_call("setup", model_path, cfg.optim, cfg.algo, cfg.rollout.temperature, seed, host, port,
                          cfg.rollout.max_new_tokens, cfg.model.dtype, rc.gpus_per_learner > 0)
     cluster.get([r.ready.remote() for r in replicas])  # vLLM: engine cores up before the group forms
-    # Weight-sync group: learner rank 0 (rank 0 of the group) + every replica, beside FSDP's group.
+    cluster.replica_pids = cluster.get([r.pid.remote() for r in replicas])
+    form_sync_group(cluster, cfg)
+    return cluster
+
+
+def form_sync_group(cluster: Cluster, cfg: GRPOJobConfig) -> None:
+    """Weight-sync group: learner rank 0 (rank 0 of the group) + every replica, beside FSDP's group."""
+    rc, learners, replicas = cfg.ray, cluster.learners, cluster.replicas
     sync_host, sync_port = cluster.get(learners[0].address.remote())
     transport = _pick_transport(cfg, sync_host, set(cluster.get([r.node_ip.remote() for r in replicas])))
     cluster.transport = transport
@@ -177,4 +189,33 @@ def build_cluster(cfg: GRPOJobConfig, model_path: str, task, workflow_factory) -
                                                         rc.sync_timeout_s, segments if transport == "shm" else ()))
              for i, r in enumerate(replicas)]
     cluster.get(refs, timeout_s=rc.sync_timeout_s + 30)
-    return cluster
+
+
+def restarted_replicas(cluster: Cluster, timeout_s: float = 120.0) -> list[int]:
+    """Indices of the replicas Ray restarted since the group formed (a new process id); waits for a
+    restarting one to come back, at most `timeout_s`."""
+    import time
+
+    deadline, restarted = time.monotonic() + timeout_s, []
+    for i, r in enumerate(cluster.replicas):
+        while True:
+            try:
+                pid = ray.get(r.pid.remote(), timeout=max(deadline - time.monotonic(), 1.0))
+                break
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        if pid != cluster.replica_pids[i]:
+            restarted.append(i)
+    return restarted
+
+
+def rejoin_sync_group(cluster: Cluster, cfg: GRPOJobConfig, restarted: list[int]) -> None:
+    """After replicas were restarted: start their engines, then form the weight-sync group again
+    with every member (the old group lost a member and cannot be repaired)."""
+    cluster.get([cluster.replicas[i].ready.remote() for i in restarted])
+    cluster.get([l.close.remote() for l in cluster.learners], timeout_s=cluster.sync_timeout_s + 30)
+    cluster.get([r.leave_update_group.remote() for r in cluster.replicas], timeout_s=cluster.sync_timeout_s + 30)
+    cluster.replica_pids = cluster.get([r.pid.remote() for r in cluster.replicas])
+    form_sync_group(cluster, cfg)

@@ -270,6 +270,9 @@ class RayConfig:
     driver); two jobs on one cluster at the same time need two namespaces."""
     env_worker_restarts: int = 3
     """How many times Ray restarts a crashed env worker; its in-flight episodes are run again."""
+    replica_restarts: int = 3
+    """How many times Ray restarts a crashed inference replica; it rejoins the weight-sync group and gets the
+    current weights at the next sync (requests wait or go to another replica meanwhile)."""
 
 
 @dataclasses.dataclass
@@ -334,8 +337,9 @@ class GRPOJobConfig:
                            rc.tensor_parallel_size, rc.sync_timeout_s)
         if not rc.namespace.strip():
             raise ValueError("ray.namespace must not be empty (default 'rayllm_rl')")
-        if rc.env_worker_restarts < 0:
-            raise ValueError(f"ray.env_worker_restarts={rc.env_worker_restarts}: must be >= 0")
+        for key in ("env_worker_restarts", "replica_restarts"):
+            if getattr(rc, key) < 0:
+                raise ValueError(f"ray.{key}={getattr(rc, key)}: must be >= 0")
         for key in ("checkpoint_every", "keep_checkpoints", "max_recoveries"):
             if getattr(self.trainer, key) < 0:
                 raise ValueError(f"trainer.{key}={getattr(self.trainer, key)}: must be >= 0")

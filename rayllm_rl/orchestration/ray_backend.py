@@ -10,7 +10,7 @@ import ray
 
 from rayllm_rl.orchestration.actors import ReferenceActor
 from rayllm_rl.orchestration.backend import ROLE_KINDS, RoleCrashed
-from rayllm_rl.orchestration.cluster import Cluster, build_cluster, init_ray
+from rayllm_rl.orchestration.cluster import Cluster, build_cluster, init_ray, rejoin_sync_group, restarted_replicas
 from rayllm_rl.orchestration.factories import build_task, build_workflow
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.router import ReplicaRouter
@@ -108,7 +108,17 @@ class RayBackend:
 
     @_crash_aware
     def sync_weights(self, version: int) -> dict[str, float]:
-        return self.cluster.sync_weights(version)
+        """Stream `version` to every replica. If a replica's process died and Ray restarted it, the
+        sync fails: form the group again with the new process and send the current weights once more."""
+        try:
+            return self.cluster.sync_weights(version)
+        except (ray.exceptions.RayError, TimeoutError):
+            restarted = restarted_replicas(self.cluster)
+            if not restarted:
+                raise
+            self.restarts["inference"] += len(restarted)
+            rejoin_sync_group(self.cluster, self.cfg, restarted)
+            return self.cluster.sync_weights(version)
 
     @_crash_aware
     def set_version(self, version: int) -> None:
