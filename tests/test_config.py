@@ -352,10 +352,13 @@ def test_grpo_job_config_unknown_loss_name():
 
 
 def test_grpo_job_config_invalid_advantage_mode_fails_at_load():
+    from rayllm_rl.objectives.advantages import AdvantageConfig
     from rayllm_rl.orchestration.job_config import GRPOJobConfig
 
-    with pytest.raises(ValueError, match="unknown advantage mode 'bogus'"):
+    with pytest.raises(ValueError, match=r"'algo.advantage.mode': 'bogus' is not one of \('group', 'global', 'none'\)"):
         load_config(GRPOJobConfig, ["algo.advantage.mode=bogus"])
+    with pytest.raises(ValueError, match="unknown advantage mode 'bogus'"):  # set from Python
+        AdvantageConfig(mode="bogus")
 
 
 def test_grpo_job_config_unknown_key_lists_section_keys():

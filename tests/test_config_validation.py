@@ -81,3 +81,8 @@ def test_algo_names_are_the_registered_losses_and_enums_are_checked():
     cfg.algo.kl_estimator = "k4"
     with pytest.raises(ConfigError, match=r"'algo.kl_estimator': 'k4' is not one of \('k1', 'k2', 'k3', None\)"):
         cfg.validate()
+
+
+def test_advantage_mode_is_a_literal():
+    with pytest.raises(ConfigError, match=r"'algo.advantage.mode': 'groups' is not one of \('group', 'global', 'none'\)"):
+        cfg_of("algo.advantage.mode=groups")

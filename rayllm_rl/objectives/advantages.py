@@ -120,7 +120,7 @@ def masked_normalize(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-5
 class AdvantageConfig:
     """How rollout rewards `[N]` become advantages `[N]`."""
 
-    mode: str = "group"
+    mode: Literal["group", "global", "none"] = "group"
     """'group': relative to the prompt's group (GRPO/RLOO); 'global': relative to the batch; 'none': raw rewards."""
     mean: bool = True
     """Subtract a baseline (the group or batch mean)."""
