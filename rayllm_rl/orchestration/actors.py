@@ -6,6 +6,7 @@ Names on the dashboard: `inference-<i>`, `env-<i>`, `learner-<rank>`, `collector
 from __future__ import annotations
 
 import asyncio
+import warnings
 from typing import Any
 
 import ray
@@ -40,7 +41,9 @@ class InferenceReplica(_Process):
         torch.set_num_threads(num_threads)
         self.engine = build_engine(engine_kind, model_path, seed=seed, dtype=dtype, vllm_options=vllm_options)
         self.versions_held = [self.engine.version]  # every version this replica ever generated with
-        self.serving = not ray.get_runtime_context().was_current_actor_reconstructed
+        with warnings.catch_warnings():  # Ray's own property reads its deprecated `actor_id` inside
+            warnings.simplefilter("ignore")
+            self.serving = not ray.get_runtime_context().was_current_actor_reconstructed
         """False in a process Ray restarted after a crash, until the current weights arrive: it refuses
         requests (the router waits or goes elsewhere) instead of generating with the checkpoint's weights."""
 
