@@ -61,14 +61,17 @@ class Cluster:
         named.update({f"learner-{i}": l for i, l in enumerate(self.learners)})
         return {**named, "replay-buffer": self.buffer, "collector": self.collector}
 
-    def dead_roles(self, timeout_s: float = 10.0) -> list[str]:
-        """Names of the actors whose process is gone (a busy actor that does not answer in time is not dead)."""
-        roles = self.roles()
+    def dead_roles(self, extra: dict[str, Any] | None = None, timeout_s: float = 10.0) -> list[str]:
+        """Names of the actors (the job's, and `extra` by name) whose process is gone for good; a busy
+        actor that does not answer in time, or one Ray is restarting, is not dead."""
+        roles = {**self.roles(), **(extra or {})}
+        import time
+
         refs = {name: h.__ray_ready__.remote() for name, h in roles.items()}
-        dead = []
+        dead, deadline = [], time.monotonic() + timeout_s  # one bound for all pings, not one each
         for name, ref in refs.items():
             try:
-                ray.get(ref, timeout=timeout_s)
+                ray.get(ref, timeout=max(deadline - time.monotonic(), 0.1))
             except ray.exceptions.ActorDiedError:  # for good (a restarting actor is only unavailable)
                 dead.append(name)
             except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):

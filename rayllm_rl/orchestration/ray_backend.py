@@ -49,8 +49,8 @@ class RayBackend:
         self.liveness_s = 10.0
         """While waiting for a batch, check every this many seconds that no role died."""
         self.restarts: dict[str, int] = dict.fromkeys(ROLE_KINDS, 0)
+        """Restarts per role: env workers and replicas restarted by Ray, other roles rebuilt by `recover`."""
         self.episodes_rerun = self.episodes_lost = 0  # of collectors a rollback replaced
-        """Restarts per role: env workers restarted by Ray, other roles rebuilt by `recover`."""
         self._build()
         self._metrics = RayMetrics()
 
@@ -62,15 +62,7 @@ class RayBackend:
         self._pending_version = None  # the last set_version call, awaited at the next one
 
     def dead_roles(self) -> list[str]:
-        dead = self.cluster.dead_roles()
-        if self.reference is not None:
-            try:
-                ray.get(self.reference.__ray_ready__.remote(), timeout=10)
-            except ray.exceptions.ActorDiedError:
-                dead.append("reference")
-            except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
-                pass
-        return dead
+        return self.cluster.dead_roles({"reference": self.reference} if self.reference is not None else None)
 
     def recover(self, crash: RoleCrashed) -> None:
         """Kill what is left of the job and start every role afresh (the driver restores a checkpoint)."""
