@@ -347,7 +347,8 @@ COMPLETIONS = {  # key -> (a completion that follows every instruction, one that
 
 @pytest.fixture(scope="module")
 def ifeval_rows():
-    datasets = pytest.importorskip("datasets")
+    import datasets  # a core dependency: missing, it is a failure, not a skip
+
     ds = datasets.Dataset.from_json(str(FIXTURE))
     return list(ds)
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-pytest.importorskip("mcp")
+import mcp  # noqa: E402,F401  (a core dependency: missing, it is a failure, not a skip)
 
 from rayllm_rl.envs import ChatEnv  # noqa: E402
 from rayllm_rl.tools.mcp_tools import (  # noqa: E402
