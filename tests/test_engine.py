@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rayllm_rl.inference.protocol import LLMRequest, SamplingParams
-from rayllm_rl.inference.transformers_engine import PromptTooLongError
+from rayllm_rl.inference.transformers_engine import DecodeLock, PromptTooLongError
 
 
 def chat_ids(tok, text):
@@ -92,6 +92,32 @@ def test_bad_request_fails_only_its_caller(engine, tokenizer):
     good, bad = asyncio.run(run())
     assert isinstance(bad, PromptTooLongError)
     assert good.output_len >= 1
+
+
+def test_a_waiting_weight_writer_goes_before_the_next_decode_step():
+    """A plain Lock lets the decode loop, which takes it again microseconds after releasing it,
+    starve a writer for a whole generation; DecodeLock lets at most the running step finish."""
+    lock, steps, stop = DecodeLock(), [0], threading.Event()
+
+    def decode_loop():
+        while not stop.is_set():
+            with lock.decode_step():
+                time.sleep(0.002)  # a decode step's forward (releases the GIL, like torch)
+                steps[0] += 1
+
+    worker = threading.Thread(target=decode_loop)
+    worker.start()
+    waited = []
+    try:
+        for _ in range(20):
+            time.sleep(0.005)
+            before = steps[0]
+            with lock.writer():
+                waited.append(steps[0] - before)  # decode steps that ended while the writer waited
+    finally:
+        stop.set()
+        worker.join(timeout=10)
+    assert sorted(waited)[len(waited) // 2] <= 1, waited  # the median: a loaded machine may preempt the writer
 
 
 def test_weight_swap_lands_between_decode_steps(engine, tokenizer):

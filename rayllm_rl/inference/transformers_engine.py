@@ -14,7 +14,8 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Mapping
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -37,6 +38,41 @@ class EngineStats:
     decode_steps: int = 0
     busy_seconds: float = 0.0
     cache_rebuilds: int = 0
+
+
+class DecodeLock:
+    """The lock between decode steps and weight writers, fair to the writers.
+
+    The decode loop takes the lock again microseconds after releasing it, and a plain Lock
+    is not fair, so a writer could wait out a whole generation. Here a waiting writer holds
+    the gate, and the next decode step waits at the gate until the writer is done."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._gate = threading.Lock()
+
+    @contextmanager
+    def decode_step(self) -> Iterator[None]:
+        with self._gate:  # a writer holding the gate goes first
+            pass
+        with self._lock:
+            yield
+
+    def acquire_for_writer(self) -> None:
+        """Block until the running decode step ends; the next one waits for `release`."""
+        with self._gate:
+            self._lock.acquire()
+
+    def release(self) -> None:
+        self._lock.release()
+
+    @contextmanager
+    def writer(self) -> Iterator[None]:
+        self.acquire_for_writer()
+        try:
+            yield
+        finally:
+            self.release()
 
 
 class TransformersEngine:
@@ -70,7 +106,7 @@ class TransformersEngine:
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos)
         self._generator = torch.Generator().manual_seed(seed)
         self._version = version
-        self._weights_lock = threading.Lock()
+        self._weights_lock = DecodeLock()
         self._params = dict(self.model.named_parameters())  # what weight sync carries
         self._buffers = dict(self.model.named_buffers())
         self._receiver = self._group = None  # the weight-update group, once joined
@@ -96,7 +132,7 @@ class TransformersEngine:
         unknown = [k for k in named_tensors if k not in targets]
         if unknown:
             raise KeyError(f"update_weights: unknown parameter names {unknown[:5]} (model has e.g. {list(self._params)[:3]})")
-        with self._weights_lock, torch.no_grad():
+        with self._weights_lock.writer(), torch.no_grad():
             for name, tensor in named_tensors.items():
                 dst = targets[name]
                 if dst.shape != tensor.shape:
@@ -122,7 +158,7 @@ class TransformersEngine:
             if t.shape != self._params[name].shape or t.dtype != self._params[name].dtype:
                 raise ValueError(f"swap_weights: {name} is {tuple(t.shape)}/{t.dtype}, expected "
                                  f"{tuple(self._params[name].shape)}/{self._params[name].dtype}")
-        with self._weights_lock:  # waiting for the running decode step is not a stall: it is generating
+        with self._weights_lock.writer():  # waiting for the running decode step is not a stall: it is generating
             t0 = time.perf_counter()
             for name, t in back.items():
                 p = self._params[name]
@@ -133,12 +169,8 @@ class TransformersEngine:
 
     def set_version(self, version: int) -> None:
         """Set the version without changing weights (e.g. after a checkpoint restore)."""
-        with self._weights_lock:
+        with self._weights_lock.writer():
             self._version = int(version)
-
-    def weights_lock(self) -> threading.Lock:
-        """The lock a decode step holds; weight transports take it to swap buffers."""
-        return self._weights_lock
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         return dict(self._params)
@@ -181,7 +213,7 @@ class TransformersEngine:
     async def pause(self) -> None:
         """Hold decoding: the next decode step waits until `resume` (requests are kept)."""
         if not self._paused:
-            await asyncio.to_thread(self._weights_lock.acquire)
+            await asyncio.to_thread(self._weights_lock.acquire_for_writer)
             self._paused = True
 
     async def resume(self) -> None:
@@ -276,7 +308,7 @@ class TransformersEngine:
         cache, cache_version = None, None
         step_ids, step_pos = ids, positions
         while active:
-            with self._weights_lock:
+            with self._weights_lock.decode_step():
                 version = self._version
                 if cache is not None and cache_version != version:
                     # Weights changed since the KV cache was built: re-prefill the whole sequence
