@@ -30,7 +30,10 @@ def local_ray():
 
 def all_records(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
-    return list(map(json.loads, path.read_text().splitlines())) if path.exists() else []
+    if not path.exists():
+        return []
+    text = path.read_text()  # the run may be writing: a last line without its newline is not whole yet
+    return list(map(json.loads, text[:text.rfind("\n") + 1].splitlines()))
 
 
 def rl_records(run_dir: Path) -> list[dict]:
@@ -114,3 +117,48 @@ def test_stateful_role_sigkill_rolls_back_to_the_last_checkpoint(local_ray, tmp_
     trained = [gid for r in history for gid in r["episode_ids"]]
     assert len(trained) == STEPS * B and len(set(trained)) == len(trained), "an episode lost or trained twice"
     assert summary["learner_checksums_equal_replicas"] and summary["failed_episodes"] == 0
+
+
+def test_a_lone_replica_restarted_while_the_driver_waits_gets_the_weights_in_that_wait(local_ray):
+    """The restarted replica serves nothing until the current weights reach it, and no sync comes
+    while the driver waits for a batch that only this replica can generate: the wait's liveness
+    check must send them (else the episodes time out and the run fails)."""
+    from transformers import AutoTokenizer
+
+    from rayllm_rl.models.tiny import ensure_tiny_model
+    from rayllm_rl.orchestration.factories import build_task
+    from rayllm_rl.orchestration.ray_backend import RayBackend
+
+    cfg = load_config(GRPOJobConfig, [f"rollout.prompts_per_step={B}", "rollout.group_size=4", "rollout.max_new_tokens=6",
+                                      "rollout.max_staleness=0", "ray.num_replicas=1", "ray.call_timeout_s=30",
+                                      "ray.sync_timeout_s=30", f"ray.namespace={NS}"])
+    model_path = ensure_tiny_model()
+    backend = RayBackend(cfg, model_path, build_task(cfg), AutoTokenizer.from_pretrained(model_path))
+    try:
+        backend.liveness_s = 1.0
+        backend.sync_weights(0)
+        replica = backend.cluster.replicas[0]
+        old_pid = ray.get(replica.pid.remote(), timeout=30)
+        os.kill(old_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while True:  # until Ray has restarted it
+            try:
+                if ray.get(replica.pid.remote(), timeout=5) != old_pid:
+                    break
+            except ray.exceptions.RayActorError:
+                pass
+            assert time.monotonic() < deadline, "Ray did not restart the replica"
+            time.sleep(0.2)
+        backend.set_version(0)
+        backend.start_collector()
+        t0 = time.monotonic()
+        batch, _ = backend.next_batch(B, 0)
+        waited = time.monotonic() - t0
+        assert len(set(batch["group_id"].tolist())) == B
+        assert waited < cfg.ray.call_timeout_s, waited  # not after the episodes' timeout
+        stats = backend.summary_stats()
+        assert stats["restarts"]["inference"] == 1 and stats["failed_episodes"] == 0
+        assert stats["replica_versions_held"] == [[0, 0]]  # the new process: base weights, then the sent ones
+        assert stats["learner_checksums_equal_replicas"]
+    finally:
+        backend.shutdown()

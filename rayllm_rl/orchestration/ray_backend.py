@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from typing import Any
 
@@ -10,11 +11,15 @@ import ray
 
 from rayllm_rl.orchestration.actors import ReferenceActor
 from rayllm_rl.orchestration.backend import ROLE_KINDS, RoleCrashed
-from rayllm_rl.orchestration.cluster import Cluster, build_cluster, init_ray, rejoin_sync_group, restarted_replicas
+from rayllm_rl.orchestration.cluster import (
+    Cluster, build_cluster, init_ray, rejoin_sync_group, restarted_replicas, wait_names_free,
+)
 from rayllm_rl.orchestration.factories import build_task, build_workflow
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.router import ReplicaRouter
 from rayllm_rl.workflows.evaluation import evaluate_greedy
+
+log = logging.getLogger(__name__)
 
 
 def make_workflow(cfg: GRPOJobConfig, model_path: str):
@@ -70,10 +75,17 @@ class RayBackend:
             kind = role.split("-")[0] if role[-1].isdigit() else role
             self.restarts[kind] = self.restarts.get(kind, 0) + 1
         self._count_env_restarts()
+        self._teardown(close_timeout_s=5)
+        self._build()
+
+    def _teardown(self, close_timeout_s: float) -> None:
+        """Kill every actor of the job and wait until their names are free: a rollback, or the next
+        job in this Ray session, starts actors under the same names."""
+        ns = self.cfg.ray.namespace
         if self.reference is not None:
             ray.kill(self.reference, no_restart=True)
-        self.cluster.shutdown(close_timeout_s=5, namespace=self.cfg.ray.namespace)
-        self._build()
+            wait_names_free(["reference"], ns)
+        self.cluster.shutdown(close_timeout_s=close_timeout_s, namespace=ns)
 
     def _count_env_restarts(self) -> None:
         """Fold the collector's counters (env-worker restarts, episodes re-run or lost) into this
@@ -105,12 +117,20 @@ class RayBackend:
         try:
             return self.cluster.sync_weights(version)
         except (ray.exceptions.RayError, TimeoutError):
-            restarted = restarted_replicas(self.cluster)
-            if not restarted:
+            out = self._rejoin_restarted_replicas(version)
+            if out is None:
                 raise
-            self.restarts["inference"] += len(restarted)
-            rejoin_sync_group(self.cluster, self.cfg, restarted)
-            return self.cluster.sync_weights(version)
+            return out
+
+    def _rejoin_restarted_replicas(self, version: int) -> dict[str, float] | None:
+        """If Ray restarted replicas since the group formed, form the group again with the new
+        processes and send them `version` (they refuse requests until then); None if none were."""
+        restarted = restarted_replicas(self.cluster)
+        if not restarted:
+            return None
+        self.restarts["inference"] += len(restarted)
+        rejoin_sync_group(self.cluster, self.cfg, restarted)
+        return self.cluster.sync_weights(version)
 
     @_crash_aware
     def set_version(self, version: int) -> None:
@@ -126,8 +146,9 @@ class RayBackend:
     @_crash_aware
     def next_batch(self, n_episodes: int, version: int):
         """One awaited call: the buffer returns over-stale episodes' slots to the collector itself, and
-        fails this wait at once (naming the cause) if the collector's loop dies. While waiting, a dead
-        role (a collector or env worker cannot die silently here) ends the wait every `liveness_s`."""
+        fails this wait at once (naming the cause) if the collector's loop dies. Every `liveness_s`
+        while waiting: a dead role ends the wait, and a restarted replica gets the current weights
+        (it serves nothing until then, so with one replica the batch would never fill)."""
         c = self.cluster
         ref = c.buffer.get_batch.remote(n_episodes, version, c.timeout_s)
         deadline = time.monotonic() + c.timeout_s + 30
@@ -135,6 +156,7 @@ class RayBackend:
             dead = self.dead_roles()
             if dead:
                 raise RoleCrashed(dead, RuntimeError(f"waiting for a batch at version {version}"))
+            self._rejoin_restarted_replicas(version)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no batch of {n_episodes} episodes at version {version} in {c.timeout_s + 30:g}s")
         return self._get(ref)
@@ -211,6 +233,7 @@ class RayBackend:
         self._metrics.update(record)
 
     def shutdown(self) -> None:
-        if self.reference is not None:
-            ray.kill(self.reference, no_restart=True)
-        self.cluster.shutdown()
+        try:
+            self._teardown(close_timeout_s=60.0)
+        except TimeoutError as exc:  # the run is over and recorded; a slow name release only warns
+            log.warning("shutdown: %s", exc)
