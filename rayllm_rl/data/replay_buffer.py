@@ -222,8 +222,13 @@ class AwaitableEpisodeBuffer:
         self._failure: str | None = None
 
     def fail(self, reason: str) -> None:
-        """The producer side died: waiting and later `get_batch` calls raise with `reason`."""
+        """The producer side died: waiting and later `get_batch` calls raise with `reason` (at once
+        when called on the buffer's loop, else within a second)."""
         self._failure = reason
+        try:
+            asyncio.get_running_loop().create_task(self._notify())
+        except RuntimeError:  # no loop in this thread: the waiters re-check the flag every second
+            pass
 
     async def _notify(self) -> None:
         async with self._changed:

@@ -180,7 +180,7 @@ class ReplayBufferActor(_Process):
         """(batch of the oldest n episodes within the bound, episodes left); waits, no polling."""
         return await self.waiting.get_batch(n_episodes, current_version, timeout_s)
 
-    def fail(self, reason: str) -> None:
+    async def fail(self, reason: str) -> None:  # async: on the loop, so the waiters wake at once
         self.waiting.fail(reason)
 
     def stats(self) -> dict[str, Any]:
@@ -325,6 +325,11 @@ class RayLLMCollector(_Process):
             self.in_flight[i] += 1
             try:
                 return await asyncio.wait_for(self.env_workers[i].run_episode.remote(row), self.timeout_s)
+            except asyncio.TimeoutError as exc:
+                if isinstance(exc, ray.exceptions.RayError):
+                    raise  # a timeout inside the worker, with its own message
+                raise TimeoutError(f"episode {row.get('group_id')}: env worker {i} returned nothing within "
+                                   f"{self.timeout_s:g}s (ray.call_timeout_s)") from None
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
                 if attempt == self.max_episode_attempts:
                     self.episodes_lost += 1
