@@ -184,7 +184,7 @@ def test_timeout_then_still_works(pool, tokenizer):
     start = time.monotonic()
     out = play(env, [call("sleep", seconds=5) + call("add", a=1, b=2)])
     elapsed = time.monotonic() - start
-    assert elapsed < 2.5, elapsed
+    assert elapsed < 4.5, elapsed  # the tool sleeps 5 s: the 1 s timeout cut it (slack for a loaded machine)
     got = responses(out["next"][0]["history"].prompt.to_chat()[-1]["content"])
     assert json.loads(got[0]) == {"error": "tool 'sleep' timed out after 1s"}
     assert "too many tool calls" in json.loads(got[1])["error"]

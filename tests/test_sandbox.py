@@ -185,7 +185,7 @@ def test_infinite_loop_times_out(sb):
 def test_cpu_limit_kills_before_wall_timeout(sb):
     res = make(cpu_seconds=1).run("while True: pass", timeout=10)
     assert not res.timed_out and res.exit_code == -signal.SIGXCPU, res
-    assert res.duration_s < 5
+    assert res.duration_s < 9  # the CPU limit, not the 10 s wall timeout, ended it
     _assert_healthy(sb, res)
 
 
@@ -197,7 +197,7 @@ def test_fork_bomb_contained(sb, isolation, code):
     need(isolation, "private_uid")  # RLIMIT_NPROC counts per uid and does not apply to root
     before = _n_sandbox_uid_procs()
     res = sb.run(code, timeout=4)
-    assert res.duration_s < 4 + 3, res
+    assert res.duration_s < 4 + 6, res  # slack: the bomb loads the machine until it is killed
     assert res.timed_out or res.exit_code != 0
     _assert_healthy(sb, res)
     assert _n_sandbox_uid_procs() <= before  # the host's process count is back to normal
