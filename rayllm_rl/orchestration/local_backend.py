@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import random
-import threading
 import time
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any
 
 import torch
 
@@ -21,49 +20,13 @@ from rayllm_rl.data.replay_buffer import AwaitableEpisodeBuffer, ReplayBuffer
 from rayllm_rl.inference.protocol import weights_checksum
 from rayllm_rl.inference.transformers_engine import TransformersEngine
 from rayllm_rl.learner.learner import Learner
+from rayllm_rl.loop_thread import EventLoopThread
 from rayllm_rl.orchestration.backend import ROLE_KINDS, buffer_capacity
 from rayllm_rl.orchestration.collector import LLMCollector, run_and_store
 from rayllm_rl.orchestration.factories import build_episode_filter, build_workflow
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.staleness import StalenessController
 from rayllm_rl.workflows.evaluation import evaluate_greedy
-
-T = TypeVar("T")
-
-
-class EventLoopThread:
-    """An asyncio loop in a daemon thread; `call` runs a coroutine there and waits, bounded."""
-
-    def __init__(self, name: str = "rayllm-local-loop"):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self.thread.start()
-
-    def call(self, coro: Awaitable[T], timeout_s: float, what: str) -> T:
-        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return fut.result(timeout_s)
-        except TimeoutError:
-            fut.cancel()
-            raise TimeoutError(f"local backend: {what} did not finish within {timeout_s:g}s") from None
-
-    def run(self, fn: Callable[..., T], *args, timeout_s: float = 60.0) -> T:
-        """Call a plain function on the loop's thread (for objects that own asyncio primitives)."""
-        async def on_loop():
-            return fn(*args)
-        return self.call(on_loop(), timeout_s, getattr(fn, "__name__", "call"))
-
-    def close(self) -> None:
-        async def cancel_all():
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        try:
-            self.call(cancel_all(), 30, "cancelling the loop's tasks")
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(30)
 
 
 class LocalBackend:
@@ -83,7 +46,7 @@ class LocalBackend:
         self.episode_filter = build_episode_filter(cfg)
         self.reference = None
         self.versions_held = [self.engine.version]
-        self.loop = EventLoopThread()
+        self.loop = EventLoopThread("rayllm-local-loop")
         self.loop.run(self._build_on_loop)
         self._collector_task: asyncio.Task | None = None
 

@@ -17,7 +17,6 @@ threads; pass the pool, not configs, to transforms built per episode, and `close
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import json
 import logging
@@ -31,6 +30,7 @@ import torch
 from tensordict import TensorDictBase
 
 from rayllm_rl.envs.transforms import Transform
+from rayllm_rl.loop_thread import EventLoopThread
 
 __all__ = ["MCPServerConfig", "MCPToolSpec", "MCPClientPool", "MCPToolError", "MCPToolTimeout", "ToolCall",
            "parse_tool_calls", "system_prompt_for_tools", "MCPToolTransform"]
@@ -137,8 +137,7 @@ class MCPClientPool:
         self._server_tools: dict[str, list[Any]] = {}
         self._tasks: list[asyncio.Task] = []
         self._stop: asyncio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._runner: EventLoopThread | None = None
         self._lock = threading.Lock()
         self.tools: dict[str, MCPToolSpec] = {}
         """Exposed name -> spec; `server.tool` always resolves too (see `resolve`)."""
@@ -148,14 +147,12 @@ class MCPClientPool:
     # ------------------------------------------------------------------ lifecycle
     def connect(self) -> "MCPClientPool":
         with self._lock:
-            if self._loop is not None:
+            if self._runner is not None:
                 return self
-            self._loop = asyncio.new_event_loop()
-            self._thread = threading.Thread(target=self._loop.run_forever, name="mcp-client-pool", daemon=True)
-            self._thread.start()
+            self._runner = EventLoopThread("mcp-client-pool")
         limit = max((c.connect_timeout_s for c in self.configs.values()), default=0.0) + 15.0
         try:
-            errors = self._submit(self._connect_all(), limit)
+            errors = self._submit(self._connect_all(), limit, "connecting")
         except BaseException:
             self.close()
             raise
@@ -168,22 +165,14 @@ class MCPClientPool:
     def close(self) -> None:
         """Shut every session and server down and stop the loop thread (idempotent)."""
         with self._lock:
-            loop, thread = self._loop, self._thread
-            self._loop = self._thread = None
-        if loop is None:
+            runner, self._runner = self._runner, None
+        if runner is None:
             return
         try:
-            if loop.is_running():
-                fut = asyncio.run_coroutine_threadsafe(self._shutdown(), loop)
-                fut.result(timeout=30.0)
+            runner.close(self._shutdown(), timeout_s=30.0)
         except Exception as exc:  # noqa: BLE001 - close must not raise
             logger.warning("MCPClientPool: unclean shutdown: %r", exc)
         finally:
-            loop.call_soon_threadsafe(loop.stop)
-            if thread is not None:
-                thread.join(timeout=10.0)
-            if not loop.is_running():
-                loop.close()
             self._sessions.clear()
 
     __enter__ = connect
@@ -191,17 +180,12 @@ class MCPClientPool:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _submit(self, coro, timeout: float):
-        loop = self._loop
-        if loop is None:
+    def _submit(self, coro, timeout: float, what: str):
+        runner = self._runner
+        if runner is None:
             coro.close()
             raise MCPToolError("MCPClientPool is not connected (closed, or connect() not called)")
-        fut = asyncio.run_coroutine_threadsafe(coro, loop)
-        try:
-            return fut.result(timeout=timeout)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            raise
+        return runner.call(coro, timeout, what)
 
     # ------------------------------------------------------------------ async side (loop thread)
     async def _connect_all(self) -> list[str]:
@@ -307,7 +291,7 @@ class MCPClientPool:
 
     # ------------------------------------------------------------------ sync API
     def list_tools_sync(self, server: str, timeout: float = 30.0) -> list[Any]:
-        return self._submit(self.list_tools(server), timeout)
+        return self._submit(self.list_tools(server), timeout, f"listing {server!r}'s tools")
 
     def call_tool_sync(self, server: str, tool: str, arguments: Mapping[str, Any] | None = None,
                        timeout: float | None = None) -> str:
@@ -316,8 +300,10 @@ class MCPClientPool:
             raise MCPToolError(f"unknown MCP server {server!r}")
         limit = float(timeout if timeout is not None else self.configs[server].timeout_s)
         try:
-            return self._submit(self.call_tool(server, tool, arguments, limit), limit + 2 * _GRACE_S)
-        except concurrent.futures.TimeoutError as exc:
+            return self._submit(self.call_tool(server, tool, arguments, limit), limit + 2 * _GRACE_S, f"tool {tool!r}")
+        except MCPToolTimeout:
+            raise
+        except TimeoutError as exc:  # the call itself did not return in time
             raise MCPToolTimeout(f"tool {tool!r} timed out after {limit:g}s") from exc
 
     def _index_tools(self) -> None:
