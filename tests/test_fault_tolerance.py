@@ -97,10 +97,12 @@ def test_replica_sigkill_rejoins_with_the_current_weights_without_a_rollback(loc
     assert held[0] == 0 and held[1] >= 3 and held[-1] == STEPS and held == sorted(held)
 
 
-@pytest.mark.parametrize("role,kind", [("learner-0", "learner"), ("collector", "collector"),
-                                       ("replay-buffer", "replay-buffer")])
-def test_stateful_role_sigkill_rolls_back_to_the_last_checkpoint(local_ray, tmp_path, role, kind):
-    summary = run_and_kill(tmp_path, role, 3, "trainer.checkpoint_every=2")
+@pytest.mark.parametrize("role,kind,extra", [
+    ("learner-0", "learner", []), ("collector", "collector", []), ("replay-buffer", "replay-buffer", []),
+    ("env-0", "env", ["ray.env_worker_restarts=0"]),  # beyond its restart budget: dead for good
+])
+def test_stateful_role_sigkill_rolls_back_to_the_last_checkpoint(local_ray, tmp_path, role, kind, extra):
+    summary = run_and_kill(tmp_path, role, 3, "trainer.checkpoint_every=2", *extra)
     assert summary["steps"] == STEPS and summary["version"] == STEPS
     assert summary["restarts"][kind] == 1 and len(summary["recoveries"]) == 1
     rec = summary["recoveries"][0]
@@ -117,6 +119,8 @@ def test_stateful_role_sigkill_rolls_back_to_the_last_checkpoint(local_ray, tmp_
     trained = [gid for r in history for gid in r["episode_ids"]]
     assert len(trained) == STEPS * B and len(set(trained)) == len(trained), "an episode lost or trained twice"
     assert summary["learner_checksums_equal_replicas"] and summary["failed_episodes"] == 0
+    if kind == "env":  # the dead worker's episodes, given up after the checkpoint, were run again
+        assert summary["episodes_lost"] == 0 and summary["episodes_rerun"] >= 1
 
 
 def test_a_lone_replica_restarted_while_the_driver_waits_gets_the_weights_in_that_wait(local_ray):

@@ -383,5 +383,10 @@ class RayLLMCollector(_Process):
     def stats(self) -> dict:
         if self._task is not None and self._task.done() and self._task.exception() is not None:
             raise RuntimeError(f"collector loop died: {self._task.exception()}")
-        return {**self.collector.stats(), "env_worker_restarts": self.env_worker_restarts(),
-                "episodes_rerun": self.episodes_rerun, "episodes_lost": self.episodes_lost}
+        return {**self.collector.stats(), **self.fault_counters()}
+
+    def fault_counters(self) -> dict[str, Any]:
+        """Env-worker restarts seen, episodes re-run and lost; answers even after the loop died
+        (the driver reads them before a rollback replaces this collector)."""
+        return {"env_worker_restarts": self.env_worker_restarts(), "episodes_rerun": self.episodes_rerun,
+                "episodes_lost": self.episodes_lost}

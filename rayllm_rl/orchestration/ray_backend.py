@@ -56,6 +56,7 @@ class RayBackend:
         self.restarts: dict[str, int] = dict.fromkeys(ROLE_KINDS, 0)
         """Restarts per role: env workers and replicas restarted by Ray, other roles rebuilt by `recover`."""
         self.episodes_rerun = self.episodes_lost = 0  # of collectors a rollback replaced
+        self._lost_at_checkpoint = 0  # episodes lost in all, when the last checkpoint was taken
         self._build()
         self._metrics = RayMetrics()
 
@@ -92,12 +93,15 @@ class RayBackend:
         backend's totals before the collector is replaced."""
         try:
             n = sum(self._get(self.cluster.collector.note_pids.remote(), timeout_s=30))
-            col = self._get(self.cluster.collector.stats.remote(), timeout_s=30)
-        except ray.exceptions.RayError:
-            return  # the collector itself is gone: its counts went with it
+            col = self._get(self.cluster.collector.fault_counters.remote(), timeout_s=30)
+        except ray.exceptions.RayError:  # the collector itself is gone: its counts went with it
+            self.episodes_lost = self._lost_at_checkpoint
+            return
         self.restarts["env"] += n
-        self.episodes_rerun += col["episodes_rerun"]
-        self.episodes_lost += col["episodes_lost"]
+        # The rollback redoes every step after the checkpoint: episodes lost since then are run again.
+        lost = self.episodes_lost + col["episodes_lost"]
+        self.episodes_rerun += col["episodes_rerun"] + lost - self._lost_at_checkpoint
+        self.episodes_lost = self._lost_at_checkpoint
 
     def _get(self, refs, timeout_s: float | None = None):
         return self.cluster.get(refs, timeout_s)
@@ -187,12 +191,17 @@ class RayBackend:
     def save_checkpoint(self, path: str, step: int, version: int) -> str:
         c = self.cluster
         collector_state = self._get(c.collector.drain.remote(c.timeout_s))
+        dead = self.dead_roles()
+        if dead:  # this checkpoint would keep what the dead role cost (episodes given up): roll back instead
+            raise RoleCrashed(dead, RuntimeError(f"found dead before the checkpoint at step {step}"))
+        lost = self.episodes_lost + self._get(c.collector.fault_counters.remote())["episodes_lost"]
         extra = {"step": step, "version": version, "collector": collector_state,
                  "buffer": self._get(c.buffer.state_dict.remote())}
         c.learner_call("save_checkpoint", str(path), self.model_path, extra)
         if self.reference is not None:
             self._get(self.reference.save.remote(str(path)))
         self._get(c.collector.start.remote())
+        self._lost_at_checkpoint = lost
         return str(path)
 
     @_crash_aware
