@@ -220,13 +220,14 @@ class AwaitableEpisodeBuffer:
         self.on_dropped = on_dropped
         self._changed = asyncio.Condition()
         self._failure: str | None = None
+        self._wake_task: asyncio.Task | None = None
 
     def fail(self, reason: str) -> None:
         """The producer side died: waiting and later `get_batch` calls raise with `reason` (at once
         when called on the buffer's loop, else within a second)."""
         self._failure = reason
-        try:
-            asyncio.get_running_loop().create_task(self._notify())
+        try:  # keep a reference: the loop holds tasks only weakly
+            self._wake_task = asyncio.get_running_loop().create_task(self._notify())
         except RuntimeError:  # no loop in this thread: the waiters re-check the flag every second
             pass
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 import uuid
 from typing import Any
 
@@ -65,8 +66,6 @@ class Cluster:
         """Names of the actors (the job's, and `extra` by name) whose process is gone for good; a busy
         actor that does not answer in time, or one Ray is restarting, is not dead."""
         roles = {**self.roles(), **(extra or {})}
-        import time
-
         refs = {name: h.__ray_ready__.remote() for name, h in roles.items()}
         dead, deadline = [], time.monotonic() + timeout_s  # one bound for all pings, not one each
         for name, ref in refs.items():
@@ -109,8 +108,6 @@ class Cluster:
 def wait_names_free(names: list[str], namespace: str, timeout_s: float = 60.0) -> None:
     """Wait until no live actor holds any of `names` in `namespace` (a killed actor releases its name
     asynchronously)."""
-    import time
-
     deadline = time.monotonic() + timeout_s
     for name in names:
         while True:
@@ -197,8 +194,6 @@ def form_sync_group(cluster: Cluster, cfg: GRPOJobConfig) -> None:
 def restarted_replicas(cluster: Cluster, timeout_s: float = 120.0) -> list[int]:
     """Indices of the replicas Ray restarted since the group formed (a new process id); waits for a
     restarting one to come back, at most `timeout_s`."""
-    import time
-
     deadline, restarted = time.monotonic() + timeout_s, []
     for i, r in enumerate(cluster.replicas):
         while True:
