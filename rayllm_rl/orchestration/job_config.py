@@ -14,7 +14,10 @@ class ModelConfig:
     """Which HF model directory to train."""
 
     path: str = ""
-    """Local HF model directory (from_pretrained); empty = build the offline tiny Qwen2."""
+    """A local HF model directory or a hub id ("Qwen/Qwen2.5-0.5B-Instruct"), resolved through the HF cache
+    (HF_HOME, HF_HUB_OFFLINE honoured) for every role; empty = build the offline tiny Qwen2."""
+    revision: str = ""
+    """Hub revision (branch, tag or commit) of a hub-id `path`; empty = "main". Ignored for a local directory."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Weights of the learner and the inference engine (bfloat16 on GPUs; float32 gives exact logprobs on CPU)."""
 
