@@ -1,0 +1,120 @@
+"""Resolve `model.path` (a local directory or a Hugging Face hub id) to a local directory.
+
+Every role (learner, reference, both engines, tokenizer, checkpoints) loads its model through
+`resolve_model_path`, so a hub id works everywhere and each node resolves it through its own HF
+cache. The environment (HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE) is read at call time, not at import
+time, so a process that sets it late (a test, a Ray runtime_env) is honoured.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+# "org/name": one slash, hub-legal characters (letters, digits, '-', '_', '.'), no leading '.'.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+_TRUE = {"1", "on", "yes", "true"}
+
+
+class HubResolutionError(ValueError):
+    """A model path that is neither a usable local directory nor a hub id found in the cache or on the hub."""
+
+
+def hub_offline() -> bool:
+    """True when HF_HUB_OFFLINE (or the legacy TRANSFORMERS_OFFLINE) is set to a true value now."""
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(var, "").strip().lower() in _TRUE:
+            return True
+    return False
+
+
+def hub_cache_dir() -> str:
+    """The HF hub cache directory as huggingface_hub computes it, from the environment at call time."""
+    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if explicit:
+        return os.path.expanduser(os.path.expandvars(explicit))
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache")), "huggingface"
+    )
+    return os.path.join(os.path.expanduser(os.path.expandvars(home)), "hub")
+
+
+def repo_folder(repo_id: str, repo_type: str = "model") -> str:
+    """The cache folder name huggingface_hub uses for a repo: `models--org--name`."""
+    return f"{repo_type}s--" + repo_id.replace("/", "--")
+
+
+def is_hub_id(path: str) -> bool:
+    """True when `path` is not an existing local path and has the shape `org/name`."""
+    if not path or os.path.exists(os.path.expanduser(path)):
+        return False
+    if path.startswith((".", "/", "~")):
+        return False
+    return bool(_HUB_ID.match(path))
+
+
+def _where(repo_id: str, revision: str) -> str:
+    return (
+        f"hub id {repo_id!r} at revision {revision or 'main'!r}; looked for "
+        f"{os.path.join(hub_cache_dir(), repo_folder(repo_id))}/snapshots/<commit> "
+        f"(HF hub cache {hub_cache_dir()!r}; offline mode "
+        f"{'on (HF_HUB_OFFLINE)' if hub_offline() else 'off'})"
+    )
+
+
+def resolve_model_path(path: str, revision: str = "") -> str:
+    """A local model directory for `path`: the directory itself, or the hub id's snapshot in the HF cache.
+
+    Online, a hub id missing from the cache is downloaded (`snapshot_download`, which locks the
+    cache, so concurrent callers on one node are safe); offline or on a miss it raises
+    `HubResolutionError`. A local directory must hold config.json.
+    """
+    if not isinstance(path, str) or not path.strip():
+        raise HubResolutionError(f"model.path is empty ({path!r}): give a local model directory or a hub id 'org/name'")
+    local = os.path.expanduser(path)
+    if os.path.isdir(local):
+        if not os.path.isfile(os.path.join(local, "config.json")):
+            raise HubResolutionError(
+                f"model.path {path!r} is a directory without config.json: not a Hugging Face model directory"
+            )
+        return os.path.abspath(local)
+    if os.path.exists(local):
+        raise HubResolutionError(f"model.path {path!r} is a file; it must be a model directory or a hub id 'org/name'")
+    if not is_hub_id(path):
+        raise HubResolutionError(
+            f"model.path {path!r} is neither an existing local directory nor a hub id of the form 'org/name'"
+        )
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    offline = hub_offline()
+    try:
+        snapshot = snapshot_download(
+            repo_id=path,
+            revision=revision or None,
+            cache_dir=hub_cache_dir(),
+            local_files_only=offline,
+        )
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as error:
+        raise HubResolutionError(
+            f"cannot resolve model.path: {_where(path, revision)}: {type(error).__name__}: {error}"
+        ) from error
+    if not os.path.isfile(os.path.join(snapshot, "config.json")):
+        raise HubResolutionError(
+            f"model.path resolved to {snapshot!r} but it holds no config.json ({_where(path, revision)})"
+        )
+    return snapshot
+
+
+def cached_model_file(path: str, filename: str, revision: str = "") -> str | None:
+    """The local path of one file of a model (a local dir or a hub id in the HF cache), or None; never downloads."""
+    local = os.path.expanduser(path or "")
+    if os.path.isdir(local):
+        candidate = os.path.join(local, filename)
+        return candidate if os.path.isfile(candidate) else None
+    if not is_hub_id(path):
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(path, filename, cache_dir=hub_cache_dir(), revision=revision or None)
+    return found if isinstance(found, str) and os.path.isfile(found) else None
