@@ -8,12 +8,16 @@ time, so a process that sets it late (a test, a Ray runtime_env) is honoured.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import shutil
 
 # "org/name": one slash, hub-legal characters (letters, digits, '-', '_', '.'), no leading '.'.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 _TRUE = {"1", "on", "yes", "true"}
+# A snapshot directory of the HF cache: <cache>/models--org--name/snapshots/<40-hex commit>
+_SNAPSHOT = re.compile(r"(?:^|/)models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<commit>[0-9a-f]{40})/?$")
 
 
 class HubResolutionError(ValueError):
@@ -53,6 +57,12 @@ def is_hub_id(path: str) -> bool:
     return bool(_HUB_ID.match(path))
 
 
+def snapshot_identity(path: str) -> tuple[str, str] | None:
+    """(hub id, commit) when `path` is a snapshot directory of an HF cache (on any node), else None."""
+    match = _SNAPSHOT.search(path.replace(os.sep, "/")) if path else None
+    return (f"{match['org']}/{match['name']}", match["commit"]) if match else None
+
+
 def _where(repo_id: str, revision: str) -> str:
     return (
         f"hub id {repo_id!r} at revision {revision or 'main'!r}; looked for "
@@ -68,6 +78,10 @@ def resolve_model_path(path: str, revision: str = "") -> str:
     Online, a hub id missing from the cache is downloaded (`snapshot_download`, which locks the
     cache, so concurrent callers on one node are safe); offline or on a miss it raises
     `HubResolutionError`. A local directory must hold config.json.
+
+    The driver resolves once and hands the snapshot directory to every actor; an actor on another
+    node, where that directory does not exist, passes it here again and gets the same commit
+    (`snapshot_identity`) from its own node's cache.
     """
     if not isinstance(path, str) or not path.strip():
         raise HubResolutionError(f"model.path is empty ({path!r}): give a local model directory or a hub id 'org/name'")
@@ -78,7 +92,10 @@ def resolve_model_path(path: str, revision: str = "") -> str:
                 f"model.path {path!r} is a directory without config.json: not a Hugging Face model directory"
             )
         return os.path.abspath(local)
-    if os.path.exists(local):
+    pinned = snapshot_identity(path)
+    if pinned is not None:  # another node's snapshot dir: the same id at the same commit, from this node's cache
+        path, revision = pinned
+    elif os.path.exists(local):
         raise HubResolutionError(f"model.path {path!r} is a file; it must be a model directory or a hub id 'org/name'")
     if not is_hub_id(path):
         raise HubResolutionError(
@@ -118,3 +135,46 @@ def cached_model_file(path: str, filename: str, revision: str = "") -> str | Non
 
     found = try_to_load_from_cache(path, filename, cache_dir=hub_cache_dir(), revision=revision or None)
     return found if isinstance(found, str) and os.path.isfile(found) else None
+
+
+def _blob_etag(path: str, lfs: bool) -> str:
+    """The name huggingface_hub gives a file's blob: the sha256 of an LFS file, the git blob sha1 of others."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if lfs:
+        return hashlib.sha256(data).hexdigest()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def add_to_hub_cache(model_dir: str, repo_id: str, *, cache_dir: str | None = None, ref: str = "main",
+                     commit: str | None = None, repo_type: str = "model") -> str:
+    """Put the files of a local model directory into an HF hub cache as a download would leave them.
+
+    Layout (huggingface_hub's): `<cache>/models--org--name/blobs/<etag>`, `snapshots/<commit>/<file>`
+    (a relative symlink to its blob) and `refs/<ref>` holding the commit. For machines without hub
+    access (copy a model in, then use its id with HF_HUB_OFFLINE=1) and for offline tests. `commit`
+    defaults to a sha1 of the files' etags. Returns the snapshot directory.
+    """
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise HubResolutionError(f"{model_dir!r} holds no config.json: not a model directory")
+    files = sorted(os.path.relpath(os.path.join(root, name), model_dir)
+                   for root, _, names in os.walk(model_dir) for name in names)
+    etags = {f: _blob_etag(os.path.join(model_dir, f), f.endswith((".safetensors", ".bin", ".pt"))) for f in files}
+    commit = commit or hashlib.sha1("".join(f + etags[f] for f in files).encode()).hexdigest()
+    if not re.fullmatch(r"[0-9a-f]{40}", commit):
+        raise HubResolutionError(f"commit {commit!r} is not a 40-character hex commit hash")
+    storage = os.path.join(cache_dir or hub_cache_dir(), repo_folder(repo_id, repo_type))
+    snapshot = os.path.join(storage, "snapshots", commit)
+    for f in files:
+        blob = os.path.join(storage, "blobs", etags[f])
+        if not os.path.exists(blob):
+            os.makedirs(os.path.dirname(blob), exist_ok=True)
+            shutil.copyfile(os.path.join(model_dir, f), blob)
+        link = os.path.join(snapshot, f)
+        os.makedirs(os.path.dirname(link), exist_ok=True)
+        if not os.path.lexists(link):
+            os.symlink(os.path.relpath(blob, os.path.dirname(link)), link)
+    os.makedirs(os.path.join(storage, "refs"), exist_ok=True)
+    with open(os.path.join(storage, "refs", ref), "w") as f:
+        f.write(commit)
+    return snapshot
