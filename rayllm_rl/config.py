@@ -157,18 +157,30 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """The top-level mapping of a YAML config file; a missing file or another top level fails naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at top level")
+    return data
+
+
 def load_config(cls: type[T], argv: list[str] | None = None, *, config_key: str = "config") -> T:
-    """Defaults of `cls`, then the YAML file given as `config=path.yaml`, then overrides."""
+    """Defaults of `cls`, then the YAML file given as `config=path.yaml`, then overrides; last, a class
+    with a `resolve()` method (GRPOJobConfig: task presets, dtype=auto) has it called, so every field
+    the user left to a preset holds its value."""
     argv = list(argv or [])
     cfg = cls()
     files = [a.split("=", 1)[1] for a in argv if a.startswith(f"{config_key}=")]
     for f in files:
-        data = yaml.safe_load(Path(f).read_text()) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {f} must hold a mapping at top level")
-        cfg = apply_dict(cfg, data)
+        cfg = apply_dict(cfg, load_yaml(f))
     rest = [a for a in argv if not a.startswith(f"{config_key}=")]
-    return apply_dict(cfg, parse_overrides(rest))
+    cfg = apply_dict(cfg, parse_overrides(rest))
+    resolve = getattr(cfg, "resolve", None)
+    return resolve() if callable(resolve) else cfg
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -1,9 +1,16 @@
-"""Typed configuration of a GRPO-family job (YAML + `key.sub=value` overrides via rayllm_rl.config)."""
+"""Typed configuration of a GRPO-family job (YAML + `key.sub=value` overrides via rayllm_rl.config).
+
+Fields whose right value depends on the task (generation length, eval size, SFT warm start, time
+budgets, RL learning rate) default to None, "the task's preset" (`TASK_PRESETS`), and `model.dtype`
+defaults to "auto". `GRPOJobConfig.resolve()` fills both, in place, in one place; `load_config` and
+`validate()` call it, so nothing downstream ever sees None or "auto". A value set in YAML, on the
+command line or in Python is never replaced by a preset.
+"""
 from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Literal
+from typing import Any, Literal
 
 from rayllm_rl.learner.learner import OptimConfig
 from rayllm_rl.objectives import AdvantageConfig, make_loss
@@ -18,8 +25,10 @@ class ModelConfig:
     (HF_HOME, HF_HUB_OFFLINE honoured) for every role; empty = build the offline tiny Qwen2."""
     revision: str = ""
     """Hub revision (branch, tag or commit) of a hub-id `path`; empty = "main". Ignored for a local directory."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Weights of the learner and the inference engine (bfloat16 on GPUs; float32 gives exact logprobs on CPU)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Weights of the learner and the inference engine. 'auto' = bfloat16 when the learner ranks and the
+    replicas get GPUs (ray.gpus_per_learner > 0 and ray.gpus_per_replica > 0), else float32 (exact
+    logprobs on CPU); resolved before anything reads it."""
 
 
 @dataclasses.dataclass
@@ -50,8 +59,9 @@ class DataConfig:
     """Split to read from a DatasetDict folder or a hub dataset."""
     eval_path: str = ""
     """Held-out rows in the same format; empty = hold out `eval_size` rows of `path`."""
-    eval_size: int = 200
-    """Held-out prompts (never trained on) for greedy evaluation."""
+    eval_size: int | None = None
+    """Held-out prompts (never trained on) for greedy evaluation; None = the task's preset
+    (arithmetic 200, gsm8k 500, math 500, ifeval 300)."""
     max_operand: int = 29
     """Arithmetic task only: operands are drawn from 0..max_operand."""
 
@@ -64,8 +74,9 @@ class RolloutConfig:
     """Completions per prompt (GRPO group)."""
     prompts_per_step: int = 16
     """Prompts per training step; the batch holds prompts_per_step * group_size sequences."""
-    max_new_tokens: int = 10
-    """Generation budget per completion."""
+    max_new_tokens: int | None = None
+    """Generation budget per completion (training rollouts and greedy evaluation); None = the task's preset
+    (arithmetic 10, gsm8k 512, math 1024, ifeval 1024)."""
     temperature: float = 1.0
     """Sampling temperature (the learner recomputes logprobs at the same temperature)."""
     top_p: float = 1.0
@@ -191,17 +202,18 @@ class AlgoConfig:
 class SFTConfig:
     """Supervised warm start before RL (skipped when steps = 0)."""
 
-    steps: int = 250
-    """SFT optimizer steps (the demo stops the warm start while the model is still weak)."""
+    steps: int | None = None
+    """SFT optimizer steps before RL (0 = no warm start); None = the task's preset: 250 for the arithmetic
+    demo (it stops the warm start while the tiny model is still weak), 0 for gsm8k, math and ifeval."""
     batch_size: int = 64
     """Demonstrations per SFT step."""
-    lr: float = 1e-3
-    """SFT learning rate."""
+    lr: float | None = None
+    """SFT learning rate; None = the task's preset (arithmetic 1e-3 for the tiny model, else 1e-5)."""
     warmup_steps: int = 20
     """Linear learning-rate warm-up of the SFT phase."""
-    time_budget_s: float = 300.0
-    """Safety net: stop the warm start early after this many seconds (0 = no limit); long
-    demonstrations (GSM8K reasoning) on a CPU would otherwise take most of an hour."""
+    time_budget_s: float | None = None
+    """Safety net: stop the warm start early after this many seconds (0 = no limit); None = the task's
+    preset (arithmetic 300, so the CPU demo ends in minutes; else 0)."""
 
 
 @dataclasses.dataclass
@@ -210,8 +222,9 @@ class TrainerConfig:
 
     steps: int = 500
     """RL steps (one optimizer update and one weight sync each)."""
-    time_budget_s: float = 420.0
-    """Safety net: stop RL early once this many seconds of RL have elapsed (0 = no limit)."""
+    time_budget_s: float | None = None
+    """Safety net: stop RL early once this many seconds of RL have elapsed (0 = no limit); None = the
+    task's preset (arithmetic 420, so the CPU demo ends in minutes; else 0)."""
     eval_every: int = 100
     """Evaluate every N steps during RL (0 = only before and after)."""
     log_every: int = 5
@@ -279,6 +292,66 @@ class RayConfig:
 
 
 @dataclasses.dataclass
+class JobOptimConfig(OptimConfig):
+    """The learner's OptimConfig as a job sets it: the RL learning rate defaults to the task's preset."""
+
+    lr: float | None = None
+    """Peak learning rate of RL; None = the task's preset (arithmetic 5e-5 for the tiny demo model, else
+    1e-6, the GRPO learning rate of TRL and verl for 0.5B-7B models)."""
+    warmup_steps: int = 10
+    """Linear warm-up of the learning rate over this many optimizer steps."""
+
+
+TASK_PRESETS: dict[str, dict[str, Any]] = {
+    "arithmetic": {  # the CPU demo: a tiny model from scratch, answers of a few tokens, done in minutes
+        "rollout.max_new_tokens": 10, "data.eval_size": 200, "sft.steps": 250, "sft.lr": 1e-3,
+        "sft.time_budget_s": 300.0, "trainer.time_budget_s": 420.0, "optim.lr": 5e-5},
+    "gsm8k": {  # a few sentences of reasoning then '#### N': 512 tokens hold ~all of an instruct model's answers
+        "rollout.max_new_tokens": 512, "data.eval_size": 500, "sft.steps": 0, "sft.lr": 1e-5,
+        "sft.time_budget_s": 0.0, "trainer.time_budget_s": 0.0, "optim.lr": 1e-6},
+    "math": {  # competition solutions in LaTeX run longer (verl's MATH examples use 1024)
+        "rollout.max_new_tokens": 1024, "data.eval_size": 500, "sft.steps": 0, "sft.lr": 1e-5,
+        "sft.time_budget_s": 0.0, "trainer.time_budget_s": 0.0, "optim.lr": 1e-6},
+    "ifeval": {  # <think> plus a response that may be asked to run to several hundred words
+        "rollout.max_new_tokens": 1024, "data.eval_size": 300, "sft.steps": 0, "sft.lr": 1e-5,
+        "sft.time_budget_s": 0.0, "trainer.time_budget_s": 0.0, "optim.lr": 1e-6},
+}
+"""Per task, the value each task-dependent field (left None) takes at `GRPOJobConfig.resolve()`;
+the same keys for every task. docs/recipes.md says why each value."""
+
+_RESOLVED = "_preset_filled"
+"""Instance attribute (not a field) recording the values `resolve()` filled in, by dotted key."""
+
+
+def _get(cfg: Any, key: str) -> Any:
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _set(cfg: Any, key: str, value: Any) -> None:
+    *path, last = key.split(".")
+    for part in path:
+        cfg = getattr(cfg, part)
+    setattr(cfg, last, value)
+
+
+def auto_dtype(cfg: "GRPOJobConfig") -> str:
+    """What `model.dtype=auto` means for this placement: bfloat16 when the learner ranks and the replicas
+    run on GPUs (every GPU since Ampere computes in bf16), else float32 (CPU: exact logprobs)."""
+    return "bfloat16" if cfg.ray.gpus_per_learner > 0 and cfg.ray.gpus_per_replica > 0 else "float32"
+
+
+def carry_resolution(source: "GRPOJobConfig", target: "GRPOJobConfig") -> "GRPOJobConfig":
+    """Give `target` (a copy of `source` with some fields changed, e.g. by `apply_dict`) the record of
+    which values of `source` came from a preset, so `target.resolve()` can replace them for its task."""
+    filled = getattr(source, _RESOLVED, None)
+    if filled is not None and target is not source:
+        setattr(target, _RESOLVED, dict(filled))
+    return target
+
+
+@dataclasses.dataclass
 class GRPOJobConfig:
     """A whole job: model, task, rollout, algorithm, optimizer, SFT warm start, trainer."""
 
@@ -294,7 +367,7 @@ class GRPOJobConfig:
     """Rollout sampling."""
     algo: AlgoConfig = dataclasses.field(default_factory=AlgoConfig)
     """Algorithm."""
-    optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=5e-5, warmup_steps=10))
+    optim: JobOptimConfig = dataclasses.field(default_factory=JobOptimConfig)
     """Optimizer of the RL phase."""
     sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
     """SFT warm start."""
@@ -325,14 +398,38 @@ class GRPOJobConfig:
             raise ValueError("rollout.workflow=env needs a task with a ChatEnv (gsm8k, math, ifeval); task=arithmetic "
                              "has none: use rollout.workflow=rlvr or multi_turn")
 
+    def resolve(self) -> "GRPOJobConfig":
+        """Fill every field left None from `TASK_PRESETS[task]` and `model.dtype=auto` from the placement,
+        in place; returns self. Idempotent. A value filled here is recorded: if `task` or the GPU settings
+        change afterwards, the next call replaces it for the new task, while a value set by the user (YAML,
+        command line, Python) is never touched."""
+        filled = dict(getattr(self, _RESOLVED, None) or {})
+        wanted = dict(TASK_PRESETS.get(self.task, {}))  # an unknown task is reported by validate()
+        wanted["model.dtype"] = auto_dtype(self)
+        for key, value in wanted.items():
+            current = _get(self, key)
+            if current is None or current == "auto" or (key in filled and current == filled[key]):
+                _set(self, key, value)
+                filled[key] = value
+            else:
+                filled.pop(key, None)  # the user's value now: never replaced
+        setattr(self, _RESOLVED, filled)
+        return self
+
     def validate(self) -> "GRPOJobConfig":
-        """Cross-field checks, before any actor starts; each error names the keys and the allowed values."""
+        """Resolve the presets (`resolve()`), then the cross-field checks, before any actor starts; each
+        error names the keys and the allowed values. Returns self, resolved in place."""
         from rayllm_rl.inference.factory import vllm_available
         from rayllm_rl.orchestration.placement import validate as validate_placement
 
         from rayllm_rl.config import check_literals
 
+        self.resolve()
         check_literals(self)
+        unresolved = [key for key in TASK_PRESETS["arithmetic"] if _get(self, key) is None]
+        if unresolved:
+            raise ValueError(f"task={self.task!r} has no preset for {unresolved}; set them or use one of "
+                             f"{sorted(TASK_PRESETS)}")
         self._check_rollout_fields()
         self.algo.build_loss(self.rollout.max_new_tokens)  # a field the loss does not read fails here
         rc = self.ray
@@ -346,6 +443,12 @@ class GRPOJobConfig:
         for key in ("checkpoint_every", "keep_checkpoints", "max_recoveries"):
             if getattr(self.trainer, key) < 0:
                 raise ValueError(f"trainer.{key}={getattr(self.trainer, key)}: must be >= 0")
+        for key in ("data.eval_size", "sft.steps", "sft.time_budget_s", "trainer.time_budget_s"):
+            if _get(self, key) < 0:
+                raise ValueError(f"{key}={_get(self, key)}: must be >= 0 (0 = {'none' if 'size' in key or 'steps' in key else 'no limit'})")
+        for key in ("rollout.max_new_tokens", "optim.lr", "sft.lr"):
+            if not _get(self, key) > 0:
+                raise ValueError(f"{key}={_get(self, key)}: must be > 0")
         if self.inference.engine == "vllm":
             if not vllm_available():
                 raise ValueError("inference.engine=vllm but the vllm package is not installed (`make install` adds "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any, Callable
 
@@ -17,13 +18,19 @@ def sft_chats(task: Task, rows: list[dict]) -> list[list[dict]]:
 def sft_warm_start(cfg: GRPOJobConfig, task: Task, tokenizer, reporter,
                    train_step: Callable[[Any, Any], dict], reset_optimizer: Callable[[Any], Any]) -> str | None:
     """Imitate the task's demonstrations for `sft.steps` steps (or until `sft.time_budget_s`), with the
-    SFT learning rate, then give the learner(s) back the RL optimizer. Both backends: `train_step(batch,
-    loss) -> metrics` and `reset_optimizer(optim_cfg)` reach the local learner or the learner actors."""
+    SFT learning rate, then give the learner(s) back the RL optimizer. Presets: 250 steps for the
+    arithmetic demo, none for the other tasks. Both backends: `train_step(batch, loss) -> metrics`
+    and `reset_optimizer(optim_cfg)` reach the local learner or the learner actors."""
     from rayllm_rl.data.loader import PromptLoader
     from rayllm_rl.data.sft import make_sft_batch
     from rayllm_rl.objectives import SFTLoss
 
-    if cfg.sft.steps <= 0 or task.sft_target is None:
+    if cfg.sft.steps <= 0:  # the default outside the arithmetic demo (its preset asks for 250 steps)
+        return None
+    if task.sft_target is None:  # asked for, but there is nothing to imitate: say so instead of a silent no-op
+        note = f"sft.steps={cfg.sft.steps} but task={task.name} has no demonstrations: no SFT warm start"
+        reporter.log({"phase": "sft", "skipped": note})
+        logging.getLogger(__name__).warning(note)
         return None
     reset_optimizer(dataclasses.replace(cfg.optim, lr=cfg.sft.lr, warmup_steps=cfg.sft.warmup_steps))
     loader, loss, t0 = PromptLoader(task.train, seed=cfg.trainer.seed + 1), SFTLoss(), time.perf_counter()
