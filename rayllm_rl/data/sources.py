@@ -1,12 +1,18 @@
-"""Load a `datasets.Dataset` from a local file, a `save_to_disk` folder or a hub name."""
+"""Load a `datasets.Dataset` from a local file, a `save_to_disk` folder or a hub dataset (with a config).
+
+Loaded once, on the driver: env workers get rows from the collector, never a path.
+"""
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
 import re
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from rayllm_rl.hub import hub_offline
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 
@@ -16,14 +22,24 @@ RowCheck = Callable[[Mapping[str, Any]], None]
 _JSON_WS = re.compile(r"[ \t\n\r]*")
 
 
+class DatasetSourceError(ValueError):
+    """A data source that names no loadable dataset: a wrong hub id, a missing or ambiguous config,
+    a missing split, an offline cache miss. The message names the config field, the id and what was
+    looked for."""
+
+
 def load_rows(source: str, split: str = "train", *, required: Sequence[str] = (),
-              check_row: RowCheck | None = None):
+              check_row: RowCheck | None = None, default_config: str | None = None, field: str = "data.path"):
     """The rows of `source` as a `datasets.Dataset`, every row checked before it is returned.
 
     `source` is a local file (.jsonl/.json/.parquet/.arrow/.csv), a folder written by
     `Dataset.save_to_disk` (or a DatasetDict folder, then `split` picks), a folder of such files,
-    or a hub dataset name ("openai/gsm8k", "openai/gsm8k:main" for a config) when a hub is
-    reachable. A missing local path raises FileNotFoundError naming it.
+    or a hub dataset `name[:config[:split]]` ("openai/gsm8k", "openai/gsm8k:main",
+    "openai/gsm8k:main:test"; a split there overrides `split`). With no config given, a dataset
+    with several configs uses `default_config` (the task's, e.g. "main" for GSM8K) if it has it,
+    else DatasetSourceError lists the configs. A hub dataset loads through the `datasets` cache
+    (HF_HOME / HF_DATASETS_CACHE; offline with HF_HUB_OFFLINE=1 or HF_DATASETS_OFFLINE=1). A
+    missing local path raises FileNotFoundError naming it; `field` ("data.path") names the setting.
 
     A .jsonl/.json file is read line by line first (`check_json_file`), so a line that is not
     JSON, not an object, lacks a `required` field or fails `check_row` raises ValueError naming
@@ -33,7 +49,7 @@ def load_rows(source: str, split: str = "train", *, required: Sequence[str] = ()
     import datasets
 
     if not source:
-        raise ValueError("data.path is empty: give a local .jsonl/.parquet/.arrow/.csv file or a dataset name")
+        raise ValueError(f"{field} is empty: give a local .jsonl/.parquet/.arrow/.csv file or a dataset name")
     path = Path(os.path.expanduser(source))
     checked = False
     if path.is_file():
@@ -44,24 +60,109 @@ def load_rows(source: str, split: str = "train", *, required: Sequence[str] = ()
             check_json_file(path, required, check_row)
             checked = True
         dataset = _load_file(builder, path)
-    elif path.is_dir():
-        if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
-            ds = datasets.load_from_disk(str(path))
-            dataset = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
-        else:
-            for part in sorted(path.rglob("*.jsonl")):  # syntax only: the split's fields are checked below
-                check_json_file(part)
-            dataset = datasets.load_dataset(str(path), split=split)
-    elif source.startswith((".", "/", "~")) or path.suffix.lower() in FILE_BUILDERS:
-        raise FileNotFoundError(f"data file {source!r} does not exist")
+    elif path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict) and split not in ds:
+            raise DatasetSourceError(f"{field}={source!r}: no split {split!r}; splits: {sorted(ds)}")
+        dataset = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
     else:
-        name, _, config = source.partition(":")
-        dataset = datasets.load_dataset(name, config or None, split=split)
+        name, config, split = parse_source(source, split)
+        local = Path(os.path.expanduser(name))
+        if local.is_dir():  # a folder of data files, or laid out as a hub dataset repo (README configs)
+            for part in sorted(local.rglob("*.jsonl")):  # syntax only: the split's fields are checked below
+                check_json_file(part)
+            dataset = _load_named(str(local), config, split, default_config, source, field)
+        elif source.startswith((".", "/", "~")) or path.suffix.lower() in FILE_BUILDERS or name.count("/") > 1:
+            raise FileNotFoundError(f"data file {source!r} does not exist")
+        else:
+            dataset = _load_named(name, config, split, default_config, source, field)
     if len(dataset) == 0:
         raise ValueError(f"{source}: no rows (split {split!r}); a task needs at least one prompt row")
     if not checked:
         check_fields(dataset, required, source, check_row)
     return dataset
+
+
+def parse_source(source: str, split: str) -> tuple[str, str | None, str]:
+    """`name[:config[:split]]` -> (name, config or None, split); a split in `source` overrides `split`."""
+    name, config, given = (source.split(":") + ["", ""])[:3] if ":" in source else (source, "", "")
+    return name, config or None, given or split
+
+
+def datasets_cache_dir() -> str:
+    """Where `datasets` keeps prepared datasets: HF_DATASETS_CACHE, else $HF_HOME/datasets (read now)."""
+    if os.environ.get("HF_DATASETS_CACHE"):
+        return os.path.expanduser(os.environ["HF_DATASETS_CACHE"])
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache")), "huggingface")
+    return os.path.join(os.path.expanduser(home), "datasets")
+
+
+def datasets_offline() -> bool:
+    """True when `datasets` will not reach the hub: HF_DATASETS_OFFLINE or HF_HUB_OFFLINE set (now or at import)."""
+    import datasets
+
+    explicit = os.environ.get("HF_DATASETS_OFFLINE")
+    if explicit is not None:
+        return explicit.strip().upper() in {"1", "ON", "YES", "TRUE"} or bool(datasets.config.HF_HUB_OFFLINE)
+    return hub_offline() or bool(datasets.config.HF_HUB_OFFLINE)
+
+
+def _cache_folder(name: str) -> str:
+    """`<datasets cache>/<namespace>___<name>`: where `load_dataset(name, ...)` prepares a hub dataset."""
+    from datasets.naming import camelcase_to_snakecase
+
+    parts = name.split("/")
+    parts[-1] = camelcase_to_snakecase(parts[-1])
+    return os.path.join(datasets_cache_dir(), "___".join(parts))
+
+
+def cached_configs(name: str) -> list[str]:
+    """The configs of hub dataset `name` prepared in the local `datasets` cache (what offline can load)."""
+    found = set()
+    for info in glob.glob(os.path.join(_cache_folder(name), "*", "*", "*", "dataset_info.json")):
+        found.add(Path(info).parts[-4])
+    return sorted(found)
+
+
+def dataset_configs(name: str) -> list[str]:
+    """The configs of dataset `name` (a hub id or a local dataset folder): from the hub (or the folder's
+    README) when reachable, else those in the local `datasets` cache; [] when none can be found."""
+    import datasets
+
+    if not os.path.isdir(name) and datasets_offline():
+        return cached_configs(name)
+    try:
+        return list(datasets.get_dataset_config_names(name))
+    except Exception:  # noqa: BLE001 - unreachable hub, unknown id: what the cache holds is all we know
+        return cached_configs(name)
+
+
+def _load_named(name: str, config: str | None, split: str, default_config: str | None, source: str, field: str):
+    """`datasets.load_dataset(name, config, split)` for a hub id or a local dataset folder, the config
+    chosen as `load_rows` says; every failure becomes a DatasetSourceError naming `field` and `name`."""
+    import datasets
+
+    configs = dataset_configs(name)
+    where = (f"{field}={source!r}" if os.path.isdir(name) else
+             f"{field}={source!r} (hub dataset {name!r}; datasets cache {_cache_folder(name)}; "
+             f"offline mode {'on' if datasets_offline() else 'off'})")
+    if config is None and len(configs) > 1:
+        if default_config not in configs:
+            raise DatasetSourceError(
+                f"{where}: the dataset has several configs {configs} and none was given; name one, e.g. "
+                f"{field}={name}:{configs[0]}")
+        config = default_config
+        logging.getLogger(__name__).info("%s: no config given, using the task's default config %r", field, config)
+    if config is not None and configs and config not in configs:
+        raise DatasetSourceError(f"{where}: no config {config!r}; configs: {configs}")
+    try:
+        return datasets.load_dataset(name, config, split=split, cache_dir=datasets_cache_dir())
+    except ValueError as err:  # several configs, an unknown split, a config missing from the cache
+        raise DatasetSourceError(f"{where}, config {config!r}, split {split!r}: {err}") from err
+    except OSError as err:  # offline miss, unreachable hub, wrong id (DatasetNotFoundError), no data files
+        raise DatasetSourceError(f"{where}, config {config!r}, split {split!r}: cannot load it "
+                                 f"({type(err).__name__}: {err})") from err
 
 
 def _load_file(builder: str, path: Path):

@@ -3,8 +3,9 @@
 `DatasetChatEnv` = ChatEnv + DataLoadingPrimer (rows from any `datasets` source, each prompt
 repeated `repeats` times for group sampling) + RewardTransform (+ IncrementalTokenizer in
 history mode), as TorchRL's DatasetChatEnv. `GSM8KEnv`, `MATHEnv` and `IFEvalEnv` fix the prompt
-format and the reward of their dataset. In the Ray pipeline the collector picks the rows and an
-env worker runs one of these envs per episode through `ChatEnvWorkflow`.
+format and the reward of their dataset. In the pipeline the collector picks the rows and an env
+worker runs one of these envs per episode through `ChatEnvWorkflow`, built with `dataset=None`:
+the env then holds no dataset and takes the row each reset carries (`RowFedPrimer`).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any, Callable, Mapping
 
 from rayllm_rl.data.sources import RowCheck, check_fields, load_rows
 from rayllm_rl.envs.chat_env import ChatEnv
-from rayllm_rl.envs.transforms import DataLoadingPrimer, RewardTransform
+from rayllm_rl.envs.transforms import DataLoadingPrimer, RewardTransform, Transform
 
 THINK_ANSWER_SYSTEM = (
     "Reason step by step inside <think> </think>, then give only the final answer inside "
@@ -65,11 +66,29 @@ def check_ifeval_row(row: Mapping[str, Any]) -> None:
     normalize_kwargs(row.get("kwargs"), len(ids))
 
 
+class RowFedPrimer(DataLoadingPrimer):
+    """The primer of an env whose caller picks every row (an env worker, fed by the collector): no
+    dataset of its own, so nothing is loaded or pickled per worker. A reset must carry a `"row"`;
+    one without raises ValueError. `_prompt_of` builds the prompt chat of a given row as usual."""
+
+    def __init__(self, *, prompt_key: str | Callable[[dict], Any] = "messages", batch_size: int | None = None):
+        Transform.__init__(self)  # DataLoadingPrimer's own init needs a non-empty dataset
+        self.dataset, self.prompt_key, self.batch_size, self.repeats = (), prompt_key, batch_size, 1
+
+    def sample(self, n: int | None = None) -> list:
+        raise ValueError("this env holds no dataset (built with dataset=None): reset it with a 'row' per element, "
+                         "as ChatEnvWorkflow does with the row the collector hands it")
+
+    def __repr__(self) -> str:
+        return "RowFedPrimer()"
+
+
 class DatasetChatEnv(ChatEnv):
     """A ChatEnv whose prompts come from a dataset and whose steps are scored by `reward_fn`.
 
-    `dataset` is a `datasets.Dataset` or a source for `load_rows` (local file, save_to_disk
-    folder, hub name). `make_messages(row)` builds the prompt chat (default: the row's
+    `dataset` is a `datasets.Dataset`, a source for `load_rows` (local file, save_to_disk folder,
+    hub name), or None: then every reset must carry its row (`RowFedPrimer`), which is how env
+    workers run it (rows come from the driver's collector). `make_messages(row)` builds the prompt chat (default: the row's
     `prompt_key` field, a str or a chat). `repeats` = GRPO group size. `required_fields` and
     `check_row` (a RowCheck) are applied to every row up front, so a malformed row fails at load
     time with its file and line (or row), not mid-run. A task env sets both as class attributes.
@@ -104,7 +123,7 @@ class DatasetChatEnv(ChatEnv):
         if isinstance(dataset, str):
             dataset = load_rows(dataset, split, required=required_fields if check_rows else (),
                                 check_row=check_row if check_rows else None)
-        elif check_rows:  # a task that checked its rows once builds one env per episode with check_rows=False
+        elif dataset is not None and check_rows:  # rows given per reset were checked where they were loaded
             check_fields(dataset, required_fields, type(self).__name__, check_row)
         self.dataset = dataset
         self.reward_fn = reward_fn
@@ -112,8 +131,8 @@ class DatasetChatEnv(ChatEnv):
         super().__init__(tokenizer, input_mode=input_mode, system_prompt=system_prompt, batch_size=batch_size,
                          with_tokenizer=False)
         key: Any = make_messages if make_messages is not None else prompt_key
-        self.primer = DataLoadingPrimer(dataset, prompt_key=key, batch_size=batch_size, repeats=repeats,
-                                        shuffle=shuffle, seed=seed)
+        self.primer = RowFedPrimer(prompt_key=key, batch_size=batch_size) if dataset is None else DataLoadingPrimer(
+            dataset, prompt_key=key, batch_size=batch_size, repeats=repeats, shuffle=shuffle, seed=seed)
         self.append_transform(self.primer)
         self.reward_transform = None
         if reward_fn is not None:

@@ -14,49 +14,85 @@ class Task:
 
     name: str
     train: Any
-    """`datasets.Dataset` of prompt rows (a `messages` field plus reward fields)."""
+    """`datasets.Dataset` of prompt rows (a `messages` field plus reward fields); None in an env worker's
+    task (`make_worker_task`), which gets its rows one per episode."""
     eval: Any
-    """Held-out `datasets.Dataset` (never trained on)."""
+    """Held-out `datasets.Dataset` (never trained on); None in an env worker's task."""
     reward_fn: Callable[..., Any]
     """AReaL signature: reward_fn(prompt, completions, prompt_ids, completion_ids, **row) -> float or
     {"reward": float, **components}."""
     sft_target: Callable[[dict], str] | None = None
     """Row -> assistant demonstration text for the SFT warm start (None: no warm start)."""
     make_env: Callable[..., Any] | None = None
-    """`make_env(tokenizer, seed=...)` -> the task's DatasetChatEnv (batch 1), for the env workflow."""
+    """`make_env(tokenizer, seed=...)` -> the task's DatasetChatEnv (batch 1, no dataset: each reset
+    carries the episode's row), for the env workflow."""
 
 
-def _dataset_task(name: str, data_cfg: Any, seed: int) -> Task:
-    """gsm8k / math / ifeval: rows from `data_cfg.path` (+ `eval_path` or a held-out slice).
+DEFAULT_CONFIGS: dict[str, str | None] = {"gsm8k": "main", "math": "default", "ifeval": None}
+"""Config used when `data.path` names a hub dataset with several configs and none: GSM8K's "main"
+(openai/gsm8k: main, socratic); "default", the all-subjects config of DigitalLearningGmbH/MATH-lighteval
+(EleutherAI/hendrycks_math has only per-subject configs: the error lists them); google/IFEval has one."""
 
-    Every row of both files is checked here, on the driver before any actor starts, against the
-    task env's `required_fields` and `check_row`: a malformed file raises ValueError naming the
-    file and line (see `load_rows`)."""
-    from rayllm_rl.data.sources import add_messages, load_rows, split_held_out
+KNOWN_DATASETS = {"gsm8k": "openai/gsm8k", "math": "DigitalLearningGmbH/MATH-lighteval", "ifeval": "google/IFEval"}
+"""The hub dataset each task's format follows, suggested when `data.path` is empty."""
+
+
+def _task_parts(name: str):
+    """(env class, prompt builder, reward fn, SFT target) of a dataset task."""
     from rayllm_rl.envs import dataset_envs
 
-    if not data_cfg.path:
-        raise ValueError(f"task={name} reads its prompts from data.path (a local .jsonl/.parquet file or a "
-                         "dataset name); none was given")
-    env_cls = dataset_envs.ENVS[name]
     make_messages, reward_fn, sft_target = {
         "gsm8k": lambda: (dataset_envs.gsm8k_messages, _gsm8k_reward(), _gsm8k_sft()),
         "math": lambda: (dataset_envs.math_prompt, _math_reward(), None),
         "ifeval": lambda: (dataset_envs.ifeval_prompt, _ifeval_reward(), None),
     }[name]()
-    checks = {"required": env_cls.required_fields, "check_row": env_cls.check_row}
-    rows = load_rows(data_cfg.path, data_cfg.split, **checks)
-    held = load_rows(data_cfg.eval_path, data_cfg.split, **checks) if data_cfg.eval_path else None
-    train, eval_ = split_held_out(rows, data_cfg.eval_size, seed, held)
+    return dataset_envs.ENVS[name], make_messages, reward_fn, sft_target
+
+
+def _row_fed_env_factory(env_cls, reward_fn):
+    """`make_env(tokenizer, seed=...)`: a batch-1 env fed the row of each episode by its caller (no dataset)."""
     from rayllm_rl.workflows.rewards import RewardCaller
 
-    make_env = functools.partial(_make_env, env_cls, train, RewardCaller(reward_fn))  # one caller: shared counters
+    return functools.partial(_make_env, env_cls, RewardCaller(reward_fn))  # one caller: shared counters
+
+
+def _dataset_task(name: str, data_cfg: Any, seed: int) -> Task:
+    """gsm8k / math / ifeval: rows from `data_cfg.path` (+ `eval_path` or a held-out slice).
+
+    Every row of both sources is checked here, on the driver before any actor starts, against the
+    task env's `required_fields` and `check_row`: a malformed file raises ValueError naming the
+    file and line (see `load_rows`); a hub dataset with several configs and none given uses the
+    task's DEFAULT_CONFIGS entry if it has it, else the error lists its configs."""
+    from rayllm_rl.data.sources import add_messages, load_rows, split_held_out
+
+    if not data_cfg.path:
+        raise ValueError(f"task={name} reads its prompts from data.path (a local .jsonl/.json/.parquet file, a "
+                         f"dataset folder or a hub dataset, e.g. data.path={KNOWN_DATASETS[name]}); none was given")
+    env_cls, make_messages, reward_fn, sft_target = _task_parts(name)
+    checks = {"required": env_cls.required_fields, "check_row": env_cls.check_row,
+              "default_config": DEFAULT_CONFIGS[name]}
+    rows = load_rows(data_cfg.path, data_cfg.split, **checks)
+    held = load_rows(data_cfg.eval_path, data_cfg.split, field="data.eval_path", **checks) if data_cfg.eval_path else None
+    train, eval_ = split_held_out(rows, data_cfg.eval_size, seed, held)
     return Task(name, add_messages(train, make_messages), add_messages(eval_, make_messages) if len(eval_) else eval_,
-                reward_fn, sft_target, make_env)
+                reward_fn, sft_target, _row_fed_env_factory(env_cls, reward_fn))
 
 
-def _make_env(env_cls, dataset, reward_fn, tokenizer, seed: int = 0):
-    return env_cls(dataset, tokenizer, reward_fn=reward_fn, seed=seed, check_rows=False)  # checked in _dataset_task
+def make_worker_task(name: str) -> Task:
+    """The part of a task an env worker needs: its reward fn and env factory, no dataset (`train` and
+    `eval` are None). The driver loads and checks the rows once; workers get each row per episode."""
+    if name == "arithmetic":
+        from rayllm_rl.envs.arithmetic import arithmetic_reward, sft_target
+
+        return Task("arithmetic", None, None, arithmetic_reward, sft_target)
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; available: {list(TASKS)}")
+    env_cls, _, reward_fn, sft_target = _task_parts(name)
+    return Task(name, None, None, reward_fn, sft_target, _row_fed_env_factory(env_cls, reward_fn))
+
+
+def _make_env(env_cls, reward_fn, tokenizer, seed: int = 0):
+    return env_cls(None, tokenizer, reward_fn=reward_fn, seed=seed)  # rows come with each reset
 
 
 def _gsm8k_reward():

@@ -13,8 +13,17 @@ def vllm_available() -> bool:
 
 
 def build_engine(kind: str, model_path: str, *, seed: int = 0, dtype: str = "float32", version: int = 0,
-                 vllm_options: dict[str, Any] | None = None):
-    """A `TransformersEngine` or a `VLLMEngine` (call `await engine.start()` on the loop that serves it)."""
+                 vllm_options: dict[str, Any] | None = None, revision: str = ""):
+    """A `TransformersEngine` or a `VLLMEngine` (call `await engine.start()` on the loop that serves it).
+
+    `model_path` (a local directory, a hub id, or the driver's snapshot directory) is resolved on this
+    node first (`resolve_model_path`), so both engines, and the vLLM weight sink that lists the
+    directory's *.safetensors, get a local directory."""
+    from rayllm_rl.hub import resolve_model_path
+
+    if kind not in ENGINES:
+        raise ValueError(f"inference.engine must be one of {ENGINES}, got {kind!r}")
+    model_path = resolve_model_path(model_path, revision)
     if kind == "transformers":
         import torch
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from rayllm_rl.data.replay_buffer import batch_staleness_stats
+from rayllm_rl.hub import resolve_model_path
 from rayllm_rl.models.tiny import ensure_tiny_model
 from rayllm_rl.learner.checkpoint import prune_checkpoints
 from rayllm_rl.orchestration.backend import Backend, RoleCrashed
@@ -42,7 +43,8 @@ def train(cfg: GRPOJobConfig) -> dict:
 
     t_start = time.perf_counter()
     reporter = RunReporter(cfg.trainer.run_dir, config=dataclasses.asdict(cfg))
-    model_path = cfg.model.path or ensure_tiny_model()
+    # a hub id resolves to its snapshot in this node's HF cache before any actor starts (a miss fails here)
+    model_path = resolve_model_path(cfg.model.path, cfg.model.revision) if cfg.model.path else ensure_tiny_model()
     task, tokenizer = build_task(cfg), AutoTokenizer.from_pretrained(model_path)
     backend = open_backend(cfg, model_path, task, tokenizer)
     run = RunState(t_start=t_start, checkpoint=cfg.resume or None)

@@ -8,14 +8,20 @@ import typing
 import torch
 
 from rayllm_rl.data.selectors import uniform_group_mask
-from rayllm_rl.envs.task import Task, make_task
+from rayllm_rl.envs.task import Task, make_task, make_worker_task
 from rayllm_rl.inference.protocol import SamplingParams
 from rayllm_rl.orchestration.job_config import GRPOJobConfig, RolloutConfig
 from rayllm_rl.workflows.rlvr import RLVRWorkflow
 
 
 def build_task(cfg: GRPOJobConfig) -> Task:
+    """The job's task with its rows, loaded and checked once, on the driver (a bad source fails here)."""
     return make_task(cfg.task, cfg.data, seed=cfg.trainer.seed)
+
+
+def build_worker_task(cfg: GRPOJobConfig) -> Task:
+    """The task as an env worker needs it: reward fn and env factory, no dataset (rows come per episode)."""
+    return make_worker_task(cfg.task)
 
 
 def build_sampling(cfg: GRPOJobConfig) -> SamplingParams:

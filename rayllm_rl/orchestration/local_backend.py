@@ -17,6 +17,7 @@ import torch
 
 from rayllm_rl.data.loader import PromptLoader
 from rayllm_rl.data.replay_buffer import AwaitableEpisodeBuffer, ReplayBuffer
+from rayllm_rl.hub import resolve_model_path
 from rayllm_rl.inference.protocol import weights_checksum
 from rayllm_rl.inference.transformers_engine import TransformersEngine
 from rayllm_rl.learner.learner import Learner
@@ -37,6 +38,7 @@ class LocalBackend:
         torch.manual_seed(cfg.trainer.seed)
         if cfg.trainer.num_threads > 0:
             torch.set_num_threads(cfg.trainer.num_threads)
+        model_path = resolve_model_path(model_path, cfg.model.revision)  # a hub id -> its local snapshot
         self.cfg, self.model_path, self.task, self.tokenizer = cfg, model_path, task, tokenizer
         self.timeout_s = cfg.ray.call_timeout_s
         self.engine = TransformersEngine(model_path, seed=cfg.trainer.seed)

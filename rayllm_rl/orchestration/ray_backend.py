@@ -14,7 +14,8 @@ from rayllm_rl.orchestration.backend import ROLE_KINDS, RoleCrashed
 from rayllm_rl.orchestration.cluster import (
     Cluster, build_cluster, init_ray, rejoin_sync_group, restarted_replicas, wait_names_free,
 )
-from rayllm_rl.orchestration.factories import build_task, build_workflow
+from rayllm_rl.hub import resolve_model_path
+from rayllm_rl.orchestration.factories import build_worker_task, build_workflow
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.router import ReplicaRouter
 from rayllm_rl.workflows.evaluation import evaluate_greedy
@@ -23,10 +24,12 @@ log = logging.getLogger(__name__)
 
 
 def make_workflow(cfg: GRPOJobConfig, model_path: str):
-    """Top-level (picklable) factory run inside each EnvWorker."""
+    """Top-level (picklable) factory run inside each EnvWorker: the task's reward and env, no dataset (the
+    collector hands each episode its row), and the tokenizer from `model_path` resolved on this node."""
     from transformers import AutoTokenizer
 
-    return build_workflow(cfg, build_task(cfg), AutoTokenizer.from_pretrained(model_path))
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model_path, cfg.model.revision))
+    return build_workflow(cfg, build_worker_task(cfg), tokenizer)
 
 
 def _crash_aware(method):
