@@ -90,11 +90,17 @@ class VLLMEngine:
             self._start_lock = asyncio.Lock()
         async with self._start_lock:
             if self._llm is None:
-                self._llm = await asyncio.to_thread(self._build)
+                await asyncio.to_thread(self._build)
                 await self._llm.update_weight_version(str(self._version))
         return self
 
-    def _build(self):
+    def _build(self) -> None:
+        """Build the AsyncLLM into `self._llm` on a worker thread. It is stored here, not returned:
+        vLLM imported on this thread keeps an import error's traceback (torchcodec's, in
+        `vllm.multimodal.media.audio`) whose frames reach this thread's frames for the process's
+        life, so a returned AsyncLLM (a local and a future's result there) would outlive `aclose`
+        and its `__del__` would run at interpreter exit, when vLLM's globals are gone
+        ("Exception ignored in AsyncLLM.__del__ ... 'NoneType' object is not callable")."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -111,22 +117,25 @@ class VLLMEngine:
             **({"kv_cache_memory_bytes": int(o.kv_cache_mb) << 20} if on_cpu
                else {"gpu_memory_utilization": o.gpu_memory_utilization}),
         )
-        return AsyncLLM.from_engine_args(args)
+        self._llm = AsyncLLM.from_engine_args(args)
 
     async def aclose(self) -> None:
         """Stop vLLM from the loop that serves it: the output handler first, then the engine core
-        (the other order makes the handler see a dead engine and log an error)."""
+        (the other order makes the handler see a dead engine and log an error). Idempotent; the
+        AsyncLLM is shut down even if cancelling its handler fails, and no reference to it is kept."""
         llm, self._llm = self._llm, None
         if llm is None:
             return
-        handler = getattr(llm, "output_handler", None)
-        if handler is not None and not handler.done():
-            handler.cancel()
-            await asyncio.gather(handler, return_exceptions=True)
-        llm.shutdown()
+        try:
+            handler = getattr(llm, "output_handler", None)
+            if handler is not None and not handler.done():
+                handler.cancel()
+                await asyncio.gather(handler, return_exceptions=True)
+        finally:
+            llm.shutdown()
 
     def shutdown(self) -> None:
-        """Stop vLLM from outside its loop (prefer `aclose`)."""
+        """Stop vLLM from outside its loop (prefer `aclose`); idempotent."""
         llm, self._llm = self._llm, None
         if llm is not None:
             llm.shutdown()
