@@ -147,15 +147,16 @@ def _load_named(name: str, config: str | None, split: str, default_config: str |
     where = (f"{field}={source!r}" if os.path.isdir(name) else
              f"{field}={source!r} (hub dataset {name!r}; datasets cache {_cache_folder(name)}; "
              f"offline mode {'on' if datasets_offline() else 'off'})")
+    known = "" if os.path.isdir(name) or not datasets_offline() else " (those in the local datasets cache)"
     if config is None and len(configs) > 1:
         if default_config not in configs:
             raise DatasetSourceError(
-                f"{where}: the dataset has several configs {configs} and none was given; name one, e.g. "
+                f"{where}: the dataset has several configs {configs}{known} and none was given; name one, e.g. "
                 f"{field}={name}:{configs[0]}")
         config = default_config
         logging.getLogger(__name__).info("%s: no config given, using the task's default config %r", field, config)
     if config is not None and configs and config not in configs:
-        raise DatasetSourceError(f"{where}: no config {config!r}; configs: {configs}")
+        raise DatasetSourceError(f"{where}: no config {config!r}; configs: {configs}{known}")
     try:
         return datasets.load_dataset(name, config, split=split, cache_dir=datasets_cache_dir())
     except ValueError as err:  # several configs, an unknown split, a config missing from the cache
