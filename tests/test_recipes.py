@@ -1,0 +1,206 @@
+"""Every recipe in recipes/ validates and `jobs/grpo.py ... --dry-run` plans it, offline, without starting
+anything: GPU counts per actor and in total, engine, weight transport, and memory estimates checked
+against numbers computed here from the real architectures of the models the recipes name."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+GiB = float(1 << 30)
+
+# config.json of the models the recipes name: the architecture numbers of the published checkpoints.
+QWEN_COMMON = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+               "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "rms_norm_eps": 1e-06,
+               "rope_theta": 1000000.0, "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False,
+               "max_position_embeddings": 32768}
+HUB_CONFIGS = {
+    "Qwen/Qwen2.5-0.5B-Instruct": {**QWEN_COMMON, "hidden_size": 896, "intermediate_size": 4864,
+                                   "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+                                   "max_window_layers": 21, "sliding_window": 32768, "tie_word_embeddings": True,
+                                   "vocab_size": 151936},
+    "Qwen/Qwen2.5-7B-Instruct": {**QWEN_COMMON, "hidden_size": 3584, "intermediate_size": 18944,
+                                 "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                                 "max_window_layers": 28, "sliding_window": 131072, "tie_word_embeddings": False,
+                                 "vocab_size": 152064},
+}
+PUBLISHED_PARAMS = {"Qwen/Qwen2.5-0.5B-Instruct": 494_032_768, "Qwen/Qwen2.5-7B-Instruct": 7_615_616_512}
+"""Parameter counts of the safetensors checkpoints on the hub."""
+GPU_MEMORY_GIB = 80
+"""The largest GPU any recipe names (A100 80GB / H100)."""
+
+
+def recipe(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+def lay_out_hub_cache(hub: Path, repo_id: str, config: dict, sha: str = "0123456789abcdef0123456789abcdef01234567"):
+    """The layout huggingface_hub writes: models--org--name/{refs/main, snapshots/<sha>/config.json}."""
+    repo = hub / ("models--" + repo_id.replace("/", "--"))
+    (repo / "snapshots" / sha).mkdir(parents=True)
+    (repo / "snapshots" / sha / "config.json").write_text(json.dumps(config))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(sha)
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    """HF_HOME with only the config.json of each recipe's model, offline; the tiny model's cache empty."""
+    hub = tmp_path / "hf" / "hub"
+    for repo_id, config in HUB_CONFIGS.items():
+        lay_out_hub_cache(hub, repo_id, config)
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("RAYLLM_RL_CACHE", str(tmp_path / "tiny-cache"))  # the plan must not build the tiny model
+    return tmp_path
+
+
+def grpo_main():
+    spec = importlib.util.spec_from_file_location("grpo_job", ROOT / "jobs" / "grpo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def dry_run_json(capsys, *argv: str) -> dict:
+    grpo_main()([*argv, "--dry-run", "--json"])
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_the_four_recipes_exist_and_name_their_hardware():
+    names = {p.name for p in RECIPES}
+    assert {"cpu_demo.yaml", "gsm8k_qwen2.5-0.5b_1gpu.yaml", "math_qwen2.5-7b_8gpu.yaml",
+            "math_qwen2.5-7b_2nodes.yaml"} <= names
+    for p in RECIPES:
+        first = p.read_text().splitlines()[0]
+        assert first.startswith("# Hardware:"), (p.name, first)
+    models = {recipe(p).get("model", {}).get("path", "") for p in RECIPES}
+    assert models - {""} <= set(HUB_CONFIGS), "a recipe names a model this test has no config.json for"
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_every_recipe_passes_the_dry_run(path, offline_hub, capsys):
+    import ray
+
+    r = recipe(path)
+    rc = r.get("ray", {})
+    replicas, learners = rc.get("num_replicas", 1), rc.get("num_learners", 1)
+    replica_gpus, learner_gpus = float(rc.get("gpus_per_replica", 0)), float(rc.get("gpus_per_learner", 0))
+    plan = dry_run_json(capsys, f"config={path}", f"trainer.run_dir={offline_hub / 'runs'}")
+
+    # nothing started: no Ray, no run directory, no tiny model built
+    assert not ray.is_initialized()
+    assert not (offline_hub / "runs").exists() and not (offline_hub / "tiny-cache").exists()
+
+    assert plan["engine"]["name"] == r["inference"]["engine"]
+    assert plan["total_gpus"] == replicas * replica_gpus + learners * learner_gpus
+    actors = {a["name"]: a for a in plan["actors"]}
+    assert [actors[f"inference-{i}"]["num_gpus"] for i in range(replicas)] == [replica_gpus] * replicas
+    assert [actors[f"learner-{k}"]["num_gpus"] for k in range(learners)] == [learner_gpus] * learners
+    assert sum(a["num_gpus"] for a in plan["actors"]) == plan["total_gpus"]
+    assert {"replay-buffer", "collector", "env-0"} <= set(actors)
+    gpu_job = plan["total_gpus"] > 0
+    assert plan["placement"]["placement_group"] is gpu_job
+    assert len(plan["placement"]["bundles"]) == (replicas + learners if gpu_job else 0)
+    both_gpu = replica_gpus > 0 and learner_gpus > 0
+    assert plan["model"]["dtype"] == ("bfloat16" if both_gpu else "float32")  # dtype=auto, resolved
+    assert plan["weight_transport"]["same_node"] == ("nccl" if both_gpu else "shm")
+
+    arch, memory = plan["model"]["architecture"], plan["memory"]
+    model = r["model"]["path"]
+    if model:
+        assert arch["params"] == PUBLISHED_PARAMS[model]
+        assert plan["model"]["config_source"].startswith(str(offline_hub / "hf" / "hub"))
+    else:
+        assert arch["hidden_size"] == 128 and arch["num_layers"] == 3  # the tiny model's spec
+    # learner: params + grads + 2 AdamW moments in model.dtype, sharded over the ranks (FSDP2)
+    b = 2 if plan["model"]["dtype"] == "bfloat16" else 4
+    lm = memory["learner_per_rank"]
+    states = 4 * arch["params"] * b / learners
+    assert abs(lm["bytes"]["params"] + lm["bytes"]["grads"] + lm["bytes"]["adamw_state"] - states) <= 4
+    assert lm["total_bytes"] > states and lm["bytes"]["activations"] > 0 and lm["bytes"]["logits"] > 0
+    if learner_gpus > 0:
+        assert lm["total_bytes"] < GPU_MEMORY_GIB * GiB, f"{path.name}: {lm['total_bytes'] / GiB:.1f} GiB per rank"
+    # KV cache: 2 (K, V) x layers x kv heads x head dim x dtype bytes per token
+    kv = memory["kv_cache_per_replica"]
+    assert kv["bytes_per_token"] == 2 * arch["num_layers"] * arch["num_key_value_heads"] * arch["head_dim"] * b
+    if replica_gpus > 0:
+        weights_gib = arch["params"] * b / rc.get("tensor_parallel_size", 1) / GiB
+        assert f"{weights_gib:.2f} GiB of weights" in kv["budget"]
+        assert weights_gib + kv["needed_bytes"] / GiB < 0.85 * GPU_MEMORY_GIB  # the step's sequences fit
+
+
+def test_hub_model_numbers_in_the_plan(offline_hub, capsys):
+    """Spot values of the one-GPU and the 8-GPU plans, worked out by hand."""
+    one = dry_run_json(capsys, f"config={ROOT / 'recipes' / 'gsm8k_qwen2.5-0.5b_1gpu.yaml'}")
+    assert one["total_gpus"] == 1.0 and one["model"]["dtype"] == "float32"
+    kv = one["memory"]["kv_cache_per_replica"]
+    assert kv["bytes_per_token"] == 2 * 24 * 2 * 64 * 4  # 24 layers, 2 KV heads of 64, float32
+    assert kv["sequence_tokens"] == 160 + 512 and kv["concurrent_sequences"] == 256  # min(max_num_seqs, 2 x 32 x 8)
+    eight = dry_run_json(capsys, f"config={ROOT / 'recipes' / 'math_qwen2.5-7b_8gpu.yaml'}")
+    lm = eight["memory"]["learner_per_rank"]
+    assert lm["bytes"]["params"] == int(7_615_616_512 * 2 / 4)  # bf16, 4 ranks: 3.55 GiB each
+    assert lm["assumed"]["micro_batch_tokens"] == 2 * (200 + 1024)
+    assert 10 * GiB < lm["total_bytes"] < 60 * GiB
+
+
+def test_dry_run_text_shows_the_plan_from_the_command_line(offline_hub):
+    """The real command, in its own process: human-readable plan, nothing started."""
+    env = {**os.environ, "RAY_ADDRESS": "127.0.0.1:1"}  # a Ray start would fail on this address
+    out = subprocess.run([sys.executable, str(ROOT / "jobs" / "grpo.py"),
+                          f"config={ROOT / 'recipes' / 'gsm8k_qwen2.5-0.5b_1gpu.yaml'}", "--dry-run"],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=offline_hub)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "DRY RUN: nothing started" in text
+    assert "1 GPU(s) in total" in text and "bundle 0: GPU=1 <- inference-0" in text
+    assert "0.494B parameters" in text and "engine: vllm x 1 replica(s)" in text
+    assert "weight transport: shm when every replica shares the learner's node, else gloo" in text
+
+
+def test_uncached_hub_model_is_unknown_online_and_an_error_offline(offline_hub, capsys, monkeypatch):
+    from rayllm_rl.orchestration.plan import PlanError
+
+    argv = ("model.path=acme/not-in-cache", "task=gsm8k")
+    with pytest.raises(PlanError, match=r"model.path 'acme/not-in-cache' .*not in the HF cache.*HF_HUB_OFFLINE"):
+        dry_run_json(capsys, *argv)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    plan = dry_run_json(capsys, *argv)
+    assert plan["memory"] == {"unknown": "unknown: config.json not in the cache"}
+    assert plan["rollout"]["max_new_tokens"] == 512  # the rest of the plan is still there
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(PlanError, match="neither an existing local directory nor a hub id"):
+        dry_run_json(capsys, "model.path=./no/such/dir")
+
+
+def test_a_bad_recipe_value_fails_the_dry_run_naming_the_key(offline_hub, capsys):
+    path = ROOT / "recipes" / "math_qwen2.5-7b_8gpu.yaml"
+    with pytest.raises(ValueError, match="ray.gpus_per_learner must be a whole number"):
+        dry_run_json(capsys, f"config={path}", "ray.gpus_per_learner=0.5")
+    with pytest.raises(ValueError, match="rollout.max_new_tokens=0: must be > 0"):
+        dry_run_json(capsys, f"config={path}", "rollout.max_new_tokens=0")
+
+
+def test_the_dry_run_plans_a_vllm_job_on_a_machine_without_vllm(offline_hub, capsys, monkeypatch):
+    """The plan is for the job's machines; the run itself still refuses a missing vllm before starting."""
+    import rayllm_rl.inference.factory as factory
+    from rayllm_rl.config import load_config
+    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+
+    monkeypatch.setattr(factory, "vllm_available", lambda: False)
+    path = ROOT / "recipes" / "math_qwen2.5-7b_8gpu.yaml"
+    plan = dry_run_json(capsys, f"config={path}")
+    assert plan["engine"] == {"name": "vllm", "replicas": 4, "tensor_parallel_size": 1, "installed_here": False}
+    assert plan["total_gpus"] == 8
+    with pytest.raises(ValueError, match="inference.engine=vllm but the vllm package is not installed"):
+        load_config(GRPOJobConfig, [f"config={path}"]).validate()
