@@ -297,7 +297,7 @@ class JobOptimConfig(OptimConfig):
 
     lr: float | None = None
     """Peak learning rate of RL; None = the task's preset (arithmetic 5e-5 for the tiny demo model, else
-    1e-6, the GRPO learning rate of TRL and verl for 0.5B-7B models)."""
+    1e-6, TRL's GRPOConfig default and verl's actor default)."""
     warmup_steps: int = 10
     """Linear warm-up of the learning rate over this many optimizer steps."""
 
@@ -306,10 +306,10 @@ TASK_PRESETS: dict[str, dict[str, Any]] = {
     "arithmetic": {  # the CPU demo: a tiny model from scratch, answers of a few tokens, done in minutes
         "rollout.max_new_tokens": 10, "data.eval_size": 200, "sft.steps": 250, "sft.lr": 1e-3,
         "sft.time_budget_s": 300.0, "trainer.time_budget_s": 420.0, "optim.lr": 5e-5},
-    "gsm8k": {  # a few sentences of reasoning then '#### N': 512 tokens hold ~all of an instruct model's answers
+    "gsm8k": {  # a few sentences of reasoning then the number: 512 tokens hold the long ones too
         "rollout.max_new_tokens": 512, "data.eval_size": 500, "sft.steps": 0, "sft.lr": 1e-5,
         "sft.time_budget_s": 0.0, "trainer.time_budget_s": 0.0, "optim.lr": 1e-6},
-    "math": {  # competition solutions in LaTeX run longer (verl's MATH examples use 1024)
+    "math": {  # competition solutions in LaTeX run longer
         "rollout.max_new_tokens": 1024, "data.eval_size": 500, "sft.steps": 0, "sft.lr": 1e-5,
         "sft.time_budget_s": 0.0, "trainer.time_budget_s": 0.0, "optim.lr": 1e-6},
     "ifeval": {  # <think> plus a response that may be asked to run to several hundred words
