@@ -78,7 +78,8 @@ def format_plan(plan: dict) -> str:
     t = plan["weight_transport"]
     how = t["same_node"] if t["same_node"] == t["across_nodes"] else \
         f"{t['same_node']} when every replica shares the learner's node, else {t['across_nodes']}"
-    out.append(f"weight transport: {how} (ray.sync_transport={t['setting']})")
+    where = "trainer.backend=local" if t["setting"] == "in-process" else f"ray.sync_transport={t['setting']}"
+    out.append(f"weight transport: {how} ({where})")
     mem = plan["memory"]
     if "unknown" in mem:
         out.append(f"memory estimate: {mem['unknown']} (model {m['path']})")

@@ -204,3 +204,11 @@ def test_the_dry_run_plans_a_vllm_job_on_a_machine_without_vllm(offline_hub, cap
     assert plan["total_gpus"] == 8
     with pytest.raises(ValueError, match="inference.engine=vllm but the vllm package is not installed"):
         load_config(GRPOJobConfig, [f"config={path}"]).validate()
+
+
+def test_the_local_backend_plans_one_process(offline_hub, capsys):
+    plan = dry_run_json(capsys, "trainer.backend=local", "ray.num_learners=2", "ray.num_replicas=3")
+    assert plan["actors"] == [] and plan["total_gpus"] == 0 and plan["engine"]["replicas"] == 1
+    arch = plan["model"]["architecture"]
+    assert plan["memory"]["learner_per_rank"]["bytes"]["params"] == arch["params"] * 4  # one float32 learner
+    assert plan["weight_transport"]["same_node"] == "in-process"

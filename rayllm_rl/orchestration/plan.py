@@ -118,10 +118,15 @@ def _optim(cfg: GRPOJobConfig, name: str, default: Any) -> Any:
     return getattr(cfg.optim, name, default)
 
 
+def _ranks(cfg: GRPOJobConfig) -> tuple[int, int]:
+    """(replicas, learner ranks): the `ray.*` counts, or one of each in the local backend's one process."""
+    return (cfg.ray.num_replicas, cfg.ray.num_learners) if cfg.trainer.backend == "ray" else (1, 1)
+
+
 def learner_memory(cfg: GRPOJobConfig, arch: dict) -> dict[str, Any]:
     """Estimated bytes held by one learner rank during a train step (see the module docstring)."""
     b = DTYPE_BYTES[cfg.model.dtype]
-    P, W = arch["params"], cfg.ray.num_learners
+    P, W = arch["params"], _ranks(cfg)[1]
     H, I, L, V = arch["hidden_size"], arch["intermediate_size"], arch["num_layers"], arch["vocab_size"]
     kv_dim = arch["num_key_value_heads"] * arch["head_dim"]
     seq = PROMPT_TOKENS_ESTIMATE.get(cfg.task, 128) + cfg.rollout.max_new_tokens
@@ -155,7 +160,7 @@ def kv_cache_memory(cfg: GRPOJobConfig, arch: dict) -> dict[str, Any]:
     per_token = 2 * arch["num_layers"] * arch["num_key_value_heads"] * arch["head_dim"] * b
     seq = PROMPT_TOKENS_ESTIMATE.get(cfg.task, 128) + cfg.rollout.max_new_tokens
     in_flight = math.ceil(cfg.rollout.prompts_per_step * cfg.rollout.group_size * (cfg.rollout.max_staleness + 1)
-                          / cfg.ray.num_replicas)
+                          / _ranks(cfg)[0])
     inf, rc = cfg.inference, cfg.ray
     out: dict[str, Any] = {"bytes_per_token": per_token, "sequence_tokens": seq}
     if inf.engine == "vllm":
@@ -251,7 +256,7 @@ def job_plan(cfg: GRPOJobConfig) -> dict[str, Any]:
         "task": cfg.task, "backend": cfg.trainer.backend, "algo": cfg.algo.name,
         "model": {"path": cfg.model.path or "(built-in tiny Qwen2)", "revision": cfg.model.revision or "main",
                   "dtype": cfg.model.dtype},
-        "engine": {"name": cfg.inference.engine, "replicas": cfg.ray.num_replicas,
+        "engine": {"name": cfg.inference.engine, "replicas": _ranks(cfg)[0],
                    "tensor_parallel_size": cfg.ray.tensor_parallel_size, "installed_here": _engine_installed(cfg)},
         "rollout": {"prompts_per_step": cfg.rollout.prompts_per_step, "group_size": cfg.rollout.group_size,
                     "max_new_tokens": cfg.rollout.max_new_tokens, "max_staleness": cfg.rollout.max_staleness},
