@@ -186,6 +186,35 @@ def test_yaml_file_must_hold_a_mapping(tmp_path):
         load_config(Job, [f"config={path}"])
 
 
+def test_missing_yaml_file_names_it(tmp_path):
+    with pytest.raises(ConfigError, match=r"config file '.*no-such\.yaml' does not exist"):
+        load_config(Job, [f"config={tmp_path / 'no-such.yaml'}"])
+
+
+@dataclasses.dataclass
+class WithPreset:
+    """A config whose `size` defaults to a value derived from `kind` (as the job's task presets)."""
+
+    kind: Literal["small", "large"] = "small"
+    """Which preset."""
+    size: Optional[int] = None
+    """None = the kind's preset."""
+
+    def resolve(self) -> "WithPreset":
+        if self.size is None:
+            self.size = {"small": 1, "large": 100}[self.kind]
+        return self
+
+
+def test_load_config_resolves_after_file_and_overrides(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("kind: large\n")
+    assert load_config(WithPreset, [f"config={path}"]).size == 100  # the file's kind, not the default's
+    assert load_config(WithPreset, [f"config={path}", "size=7"]).size == 7  # a value given wins
+    assert load_config(WithPreset, []).size == 1
+    assert load_config(Job, []) == Job()  # a class without resolve() is returned as built
+
+
 def test_unknown_key_in_yaml_file_names_it(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("optim:\n  lrr: 0.1\n")
