@@ -148,8 +148,12 @@ def test_the_python_api_resolves_after_its_overrides(tmp_path, monkeypatch):
             train(config, [*overrides, "trainer.backend=local", "model.path=acme/not-cached", f"trainer.run_dir={run_root}"])
         return json.loads(next(run_root.glob("*/config.json")).read_text())
 
-    saved = recorded(GRPOJobConfig(), ["task=gsm8k", "rollout.max_new_tokens=256"])
+    base = GRPOJobConfig()
+    saved = recorded(base, ["task=gsm8k", "rollout.max_new_tokens=256"])
     assert (saved["rollout"]["max_new_tokens"], saved["sft"]["steps"], saved["trainer"]["time_budget_s"]) == (256, 0, 0.0)
+    assert dataclasses.asdict(base) == dataclasses.asdict(GRPOJobConfig())  # the caller's config is left alone
+    saved = recorded(base, [])  # so reusing it runs the demo's preset, not the gsm8k run's values
+    assert (saved["sft"]["steps"], saved["rollout"]["max_new_tokens"]) == (250, 10)
     saved = recorded(load_config(GRPOJobConfig, []), ["task=math"])  # a config resolved for the demo first
     assert (saved["sft"]["steps"], saved["rollout"]["max_new_tokens"], saved["optim"]["lr"]) == (0, 1024, 1e-6)
 

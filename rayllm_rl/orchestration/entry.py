@@ -4,6 +4,8 @@ Runs the backend `trainer.backend` names and returns the same JSON-able summary 
 """
 from __future__ import annotations
 
+import copy
+
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 
 
@@ -11,15 +13,18 @@ def train(config: GRPOJobConfig | None = None, overrides: list[str] | None = Non
     """Validate the config (before any actor starts), run it, return the summary.
 
     `overrides` are `key.sub=value` strings applied on top of `config` (or of the defaults).
-    Fields left None take the task's preset (`GRPOJobConfig.resolve`, run by `validate`): values set
-    in `config` or `overrides` win, and a `config` already resolved for another task (or other
-    GPUs) gets the presets of the new one. With the Ray backend a local Ray started here is shut
-    down at the end; a Ray the caller had already initialised (or `ray.address`) is left running.
+    Fields left None take the task's preset (`GRPOJobConfig.resolve`, run by `validate` on a copy:
+    `config` itself is left as it was): values set in `config` or `overrides` win, and a `config`
+    already resolved for another task (or other GPUs) gets the presets of the new one. With the Ray
+    backend a local Ray started here is shut down at the end; a Ray the caller had already
+    initialised (or `ray.address`) is left running.
     """
     from rayllm_rl.config import apply_dict, parse_overrides
     from rayllm_rl.orchestration.job_config import carry_resolution
 
-    cfg = config if config is not None else GRPOJobConfig()
+    # a copy: resolution fills sections in place, and a replace() shares the untouched sections with
+    # `config`, so the caller's object would otherwise come back filled with this run's presets
+    cfg = copy.deepcopy(config) if config is not None else GRPOJobConfig()
     if overrides:
         cfg = carry_resolution(cfg, apply_dict(cfg, parse_overrides(list(overrides))))
     cfg = cfg.validate()  # resolves the presets in place: everything below reads filled values
