@@ -53,7 +53,7 @@ def format_plan(plan: dict) -> str:
            "rollout: {prompts_per_step} prompts x {group_size} samples per step, max_new_tokens={max_new_tokens}, "
            "max_staleness={max_staleness}".format(**plan["rollout"]),
            "schedule: sft.steps={sft_steps}, trainer.steps={rl_steps}, optim.lr={optim_lr:g}, "
-           "trainer.time_budget_s={trainer_time_budget_s:g}, data.eval_size={eval_size}".format(**plan["schedule"])]
+           "trainer.time_budget_s={trainer_time_budget_s:g}; eval: {eval}".format(**plan["schedule"])]
     if plan.get("note"):
         out.append(plan["note"])
     if plan["actors"]:

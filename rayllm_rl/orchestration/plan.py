@@ -261,7 +261,8 @@ def job_plan(cfg: GRPOJobConfig) -> dict[str, Any]:
         "rollout": {"prompts_per_step": cfg.rollout.prompts_per_step, "group_size": cfg.rollout.group_size,
                     "max_new_tokens": cfg.rollout.max_new_tokens, "max_staleness": cfg.rollout.max_staleness},
         "schedule": {"sft_steps": cfg.sft.steps, "rl_steps": cfg.trainer.steps, "optim_lr": cfg.optim.lr,
-                     "trainer_time_budget_s": cfg.trainer.time_budget_s, "eval_size": cfg.data.eval_size},
+                     "trainer_time_budget_s": cfg.trainer.time_budget_s,
+                     "eval": cfg.data.eval_path or f"{cfg.data.eval_size} prompts held out of the training rows"},
     }
     if cfg.trainer.backend == "local":
         plan.update(actors=[], placement={"placement_group": False, "strategy": None, "bundles": [],
