@@ -7,8 +7,10 @@ capability is really absent (checked by an actual sandbox run, not by guessing).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -531,42 +533,149 @@ def test_kill_uid_helper():
             p.wait()
 
 
+_HOST = ("import sys\nfrom rayllm_rl.tools import sandbox\norig = sandbox._acquire_uid\n"
+         "def spy():\n    uid = orig()\n    print(uid, flush=True)\n    return uid\n"
+         "sandbox._acquire_uid = spy\n"
+         "sandbox.PythonSandbox(python=sys.argv[1]).run(open(sys.argv[2]).read(), timeout=300)\n")
+_DEATH_TIMEOUT_S = 60.0  # tells "late" (a loaded machine) from "never" (a containment hole)
+
+
+def _start_host(tmp_path: Path, code: str) -> tuple[subprocess.Popen, int]:
+    """A host process (as a Ray actor would be) running ``code`` in a sandbox; returns it and the run's uid."""
+    (tmp_path / "host.py").write_text(_HOST)
+    (tmp_path / "code.py").write_text(code)
+    host = subprocess.Popen([sys.executable, str(tmp_path / "host.py"), PYTHON, str(tmp_path / "code.py")],
+                            stdout=subprocess.PIPE, text=True, cwd=str(REPO))
+    return host, int(host.stdout.readline())
+
+
+def _run_processes(host_pid: int, uid: int) -> list[int]:
+    """Live processes of a run: its uid's, plus (root, before the uid is taken) launcher-image ones of this host."""
+    marker, pids = f'"ppid": {host_pid},'.encode(), set(_pids_of_uid(uid))
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{name}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if b"_sandbox_launcher.py" in cmd and marker in cmd and state not in ("Z", "X"):
+            pids.add(int(name))
+    return sorted(pids)
+
+
+def _cmdlines(uid: int) -> list[bytes]:
+    out = []
+    for pid in _pids_of_uid(uid):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+            out.append(f.read())
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            kids += [int(k) for k in f.read().split()]
+    return kids
+
+
+def _cleanup_dead_host_run(host: subprocess.Popen, uid: int) -> None:
+    host.kill()
+    host.wait()
+    host.stdout.close()
+    for pid in _run_processes(host.pid, uid):  # only if the test failed: do not leave them running
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    _kill_uid(uid)
+    for d in Path(tempfile.gettempdir()).glob("rayllm-sandbox-*"):  # the dead host could not delete it
+        if d.stat().st_uid == uid:
+            shutil.rmtree(d)
+
+
 def test_host_crash_takes_the_sandbox_down(sb, isolation, tmp_path):
-    """The host (e.g. a Ray actor) is SIGKILLed mid-run: PDEATHSIG + PID namespace end every sandbox process."""
+    """The host (e.g. a Ray actor) is SIGKILLed mid-run while the code hides from the usual kills (setsid, double
+    fork, child subreaper, SIGTERM/SIGHUP ignored, its own PDEATHSIG cleared): every process of the run dies.
+
+    Waits on the deaths themselves (pidfds of the launcher, init and the code's processes; init's fires only once
+    the kernel has killed and reaped its whole PID namespace), not a fixed window: a loaded machine may make them
+    late (measured in docs/tools.md: tens of ms, 0.2 s at worst), a hole would make them never come; then asserts
+    that nothing of the run is left."""
     need(isolation, "private_uid")
-    script = tmp_path / "host.py"
-    script.write_text(
-        "from rayllm_rl.tools import sandbox\n"
-        "orig = sandbox._acquire_uid\n"
-        "def spy():\n    uid = orig()\n    print(uid, flush=True)\n    return uid\n"
-        "sandbox._acquire_uid = spy\n"
-        f"sandbox.PythonSandbox(python={PYTHON!r}).run(\"import subprocess, time\\n"
-        "subprocess.Popen(['sleep', '300'], start_new_session=True)\\nprint('up', flush=True)\\ntime.sleep(300)\", "
-        "timeout=300)\n")
-    host = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=str(REPO))
-    uid = None
+    if not hasattr(os, "pidfd_open"):
+        pytest.skip("needs os.pidfd_open (Linux >= 5.3)")
+    code = textwrap.dedent("""
+        import ctypes, os, signal, subprocess, time
+        for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            signal.signal(s, signal.SIG_IGN)
+        libc = ctypes.CDLL(None)
+        libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans below come back to us
+        libc.prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG 0: no death signal of our own
+        subprocess.Popen(['sleep', '300'], start_new_session=True)
+        if os.fork() == 0:  # double fork into a new session
+            os.setsid()
+            if os.fork() == 0:
+                os.execvp('sleep', ['sleep', '301'])
+            os._exit(0)
+        time.sleep(300)
+    """)
+    host, uid = _start_host(tmp_path, code)
+    fds: list[int] = []
     try:
-        uid = int(host.stdout.readline())
-        for _ in range(200):  # wait until the sandboxed code and its detached child are running
-            if len(_pids_of_uid(uid)) >= 2:
-                break
-            time.sleep(0.02)
-        assert len(_pids_of_uid(uid)) >= 2
+        deadline = time.monotonic() + _DEATH_TIMEOUT_S
+        hidden = {b"sleep\x00300\x00", b"sleep\x00301\x00"}
+        while not hidden <= set(_cmdlines(uid)) and time.monotonic() < deadline:
+            time.sleep(0.02)  # both hidden children started (the code itself runs before it starts them)
+        (launcher,) = _children(host.pid)
+        before = _run_processes(host.pid, uid)
+        assert len(_pids_of_uid(uid)) >= 3 and launcher in before and len(before) >= 5, before  # + launcher, init
+        for pid in before:
+            with contextlib.suppress(ProcessLookupError):  # a short-lived one (the double fork's middle) may be gone
+                fds.append(os.pidfd_open(pid))
         host.kill()
+        t0 = time.monotonic()
         host.wait()
-        for _ in range(100):
-            if not _pids_of_uid(uid):
-                break
-            time.sleep(0.02)
-        assert _pids_of_uid(uid) == [], "sandbox processes outlived their host"
+        poll = select.poll()
+        for fd in fds:
+            poll.register(fd, select.POLLIN)
+        alive = set(fds)
+        while alive and time.monotonic() < t0 + _DEATH_TIMEOUT_S:  # readable = that process has exited
+            for fd, _ in poll.poll(100):
+                alive.discard(fd)
+                poll.unregister(fd)
+        took = time.monotonic() - t0
+        if not isolation["pid_namespace"]:  # the fallback's uid kill runs in a forked helper: give it time too
+            while _pids_of_uid(uid) and time.monotonic() < t0 + _DEATH_TIMEOUT_S:
+                time.sleep(0.02)
+        left = _run_processes(host.pid, uid)  # also any process started after `before` was taken
+        assert not alive and not left, (f"sandbox processes outlived their host: {len(alive)} of {len(before)} "
+                                        f"still alive after {took:.1f} s, left: {left}")
+        print(f"host-crash: {len(before)} processes of the run gone {took * 1000:.0f} ms after the host's SIGKILL")
     finally:
-        host.kill()
-        host.wait()
-        if uid is not None:
-            _kill_uid(uid)
-            for d in Path(tempfile.gettempdir()).glob("rayllm-sandbox-*"):  # the dead host could not delete it
-                if d.stat().st_uid == uid:
-                    shutil.rmtree(d)
+        for fd in fds:
+            os.close(fd)
+        _cleanup_dead_host_run(host, uid)
+
+
+@pytest.mark.slow
+def test_host_killed_during_setup_leaves_nothing(sb, isolation, tmp_path):
+    """The host dies at moments spread over the sandbox's start (launcher before its PDEATHSIG, init before its
+    own, the user process before it drops root, the code running): nothing of the run may survive it."""
+    need(isolation, "private_uid")
+    for delay_ms in (0, 30, 60, 100, 150, 220, 320):
+        host, uid = _start_host(tmp_path, "import time\ntime.sleep(300)")
+        try:
+            time.sleep(delay_ms / 1000)
+            host.kill()
+            t0 = time.monotonic()
+            host.wait()
+            time.sleep(0.5)  # a launcher still starting up is not visible yet; its getppid() check ends it
+            while _run_processes(host.pid, uid) and time.monotonic() < t0 + _DEATH_TIMEOUT_S:
+                time.sleep(0.02)
+            assert _run_processes(host.pid, uid) == [], f"killed {delay_ms} ms into the run"
+        finally:
+            _cleanup_dead_host_run(host, uid)
 
 
 def test_host_ignoring_sigchld(sb):

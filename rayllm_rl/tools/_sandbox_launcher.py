@@ -8,6 +8,13 @@ host: it forks, and forking a multithreaded host (e.g. a Ray actor) is unsafe, h
            `- user code: rlimits, no_new_privs, private uid/gid, exec(python -I main.py) with a clean environment
 
 When init exits, the kernel SIGKILLs everything left in its PID namespace, so no background process outlives a run.
+The host's death takes the run down without any user-space code having to run: the launcher's PDEATHSIG is
+SIGKILL, and so is init's in a PID namespace (forced into a namespace init because it comes from the parent
+namespace); init's exit then kills and reaps every member. Each link sets PDEATHSIG first and then checks that its
+parent is still the one it was forked by (launcher: ``getppid``; init: EOF on a pipe only the launcher holds open;
+user code: ``getppid``), so a parent that died before the PDEATHSIG was armed is noticed instead of leaving an
+orphan that nothing would ever stop. Without a PID namespace, init's PDEATHSIG is SIGTERM and its handler kills the
+run by process group and uid before exiting.
 Every isolation step degrades independently when not permitted. What was active, the pids the host needs to kill the
 run on timeout, and finally the user process's exit code are JSON lines on the inherited ``status_fd``. Dropping
 privileges fails closed: if the private uid cannot be assumed, the user code is not run (exit 126, reason on stderr).
@@ -180,11 +187,18 @@ def _set_limits(limits: dict) -> None:
         resource.setrlimit(res, (soft, hard))
 
 
-def _exec_user(cfg: dict, work: str, uid: int | None, net_hook: bool) -> None:
+def _die_with_parent(sig: int, parent: int) -> None:
+    """Arm PDEATHSIG, then exit if the parent already died (we were re-parented before it was armed)."""
+    _check(_libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0), "pdeathsig")
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _exec_user(cfg: dict, work: str, uid: int | None, net_hook: bool, init_pid: int) -> None:
     """In the forked user process: limits, privilege drop (fail closed), exec. Never returns."""
     try:
         os.setpgid(0, 0)
-        _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")  # init died: die too
+        _die_with_parent(signal.SIGKILL, init_pid)  # init died: die too (without PID namespace nothing else would)
         for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
         _set_limits(cfg["limits"])  # before setuid: as root the hard limits can still be raised
@@ -195,7 +209,7 @@ def _exec_user(cfg: dict, work: str, uid: int | None, net_hook: bool) -> None:
             os.setresuid(uid, uid, uid)
             if os.getresuid() != (uid,) * 3 or os.getresgid() != (uid,) * 3:
                 raise OSError(f"could not switch to uid {uid}")
-            _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")  # reset by setuid
+            _die_with_parent(signal.SIGKILL, init_pid)  # setuid cleared it: arm again, re-check the parent
             bad = [p for p in cfg["expose"] if not os.access(p, os.R_OK | os.X_OK)]
             if bad:
                 raise OSError(f"interpreter paths not accessible to the sandbox uid (no mount namespace to "
@@ -208,19 +222,32 @@ def _exec_user(cfg: dict, work: str, uid: int | None, net_hook: bool) -> None:
     os._exit(126)
 
 
-def _init(cfg: dict, sfd: int, wfd: int, iso: dict, notes: list) -> None:
-    """PID 1 of the sandbox, or without PID namespace a child subreaper that reaps the run's orphans. No return."""
+def _init(cfg: dict, sfd: int, wfd: int, lifeline: int, iso: dict, notes: list) -> None:
+    """PID 1 of the sandbox, or without PID namespace a child subreaper that reaps the run's orphans. No return.
+
+    ``lifeline``: read end of a pipe whose only write end the launcher holds; EOF means the launcher is gone."""
     pidns, user = iso["pid_namespace"], [0]
 
-    def on_launcher_death(*_):  # the host died: end the whole run (a PID namespace would die with us anyway)
+    def on_launcher_death(*_):  # no PID namespace: nothing kills the run for us, so kill it by group and uid
         with contextlib.suppress(OSError):
             if user[0]:
                 os.killpg(user[0], signal.SIGKILL)
+        with contextlib.suppress(OSError):  # even when the group is already gone (its leader exited)
             if cfg["uid"] is not None and os.fork() == 0:
                 _kill_uid(cfg["uid"])  # also processes that left the process group (setsid)
         os._exit(1)
-    signal.signal(signal.SIGTERM, on_launcher_death)
-    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if pidns:  # our death is the run's death (the kernel kills the namespace): no handler needs to run
+        _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
+    else:
+        signal.signal(signal.SIGTERM, on_launcher_death)
+        _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0), "pdeathsig")
+    os.set_blocking(lifeline, False)
+    try:  # the launcher died before PDEATHSIG was armed: we were re-parented and would never get it
+        if os.read(lifeline, 1) == b"":
+            os._exit(1)
+    except BlockingIOError:
+        pass  # the launcher is alive; from now on its death reaches us as PDEATHSIG
+    os.close(lifeline)
     if not pidns:  # orphans come back to us instead of to the host's PID 1 (which may never reap them)
         _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     os.fchdir(wfd)  # keeps the host workdir reachable even if the private /tmp below fails
@@ -234,10 +261,11 @@ def _init(cfg: dict, sfd: int, wfd: int, iso: dict, notes: list) -> None:
     iso["private_uid"] = cfg["uid"] is not None
     iso["net_audit_hook"] = net_hook = not cfg["network"] and not iso["net_namespace"]
     _send(sfd, {"isolation": iso, "notes": notes})
+    me = os.getpid()  # 1 in a PID namespace
     child = os.fork()
     if child == 0:
         os.close(sfd)
-        _exec_user(cfg, work, cfg["uid"], net_hook)
+        _exec_user(cfg, work, cfg["uid"], net_hook, me)
     with contextlib.suppress(OSError):  # (also done by the child) the user code gets its own process group
         os.setpgid(child, child)
     user[0] = child
@@ -296,10 +324,12 @@ def main(argv: list[str]) -> int:
             for key, flag in wanted.items():
                 iso[key] = _libc.unshare(flag) == 0
     wfd = os.open(cfg["workdir"], os.O_RDONLY | os.O_DIRECTORY)  # after unshare: must be a mount of the new ns
+    life_r, life_w = os.pipe()  # we hold the write end until we die; init checks it (see _init)
     pid = os.fork()
     if pid == 0:
         try:
-            _init(cfg, sfd, wfd, iso, notes)
+            os.close(life_w)
+            _init(cfg, sfd, wfd, life_r, iso, notes)
         except BaseException as e:  # noqa: BLE001
             os.write(2, f"sandbox launcher: setup failed: {e!r}\n".encode())
         os._exit(125)
@@ -307,6 +337,7 @@ def main(argv: list[str]) -> int:
         _send(sfd, {"init_pid": pid})  # the host kills init on timeout: the kernel then kills the namespace
     os.close(sfd)
     os.close(wfd)
+    os.close(life_r)
     os.waitpid(pid, 0)
     return 0
 

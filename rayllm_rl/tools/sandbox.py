@@ -11,9 +11,10 @@ Protections (``SandboxResult.isolation`` records which were active for the run):
   (PATH, HOME=workdir, LANG, PYTHONHASHSEED only), a wall-clock timeout that SIGKILLs the whole run, and
   stdout/stderr capped at ``max_output_bytes`` each (drained beyond the cap so the child never blocks).
 * host is root and namespaces are permitted (the usual container case): new network namespace (loopback down),
-  PID namespace (everything dies with the run; a private /proc shows only the run), mount namespace with private
-  size-capped tmpfs over /tmp, /var/tmp, /dev/shm, the workdir a copy of the staged inputs at /tmp/work inside
-  that tmpfs (writes never reach the host disk) and every other mount read-only (/ and any volume), plus a
+  PID namespace (everything dies with the run, and with the host: a SIGKILLed host takes the launcher and the
+  namespace's init down through PDEATHSIG, and the kernel then kills and reaps every process of the run; a private
+  /proc shows only the run), mount namespace with private size-capped tmpfs over /tmp, /var/tmp, /dev/shm, the
+  workdir a copy of the staged inputs at /tmp/work inside that tmpfs (writes never reach the host disk) and every other mount read-only (/ and any volume), plus a
   per-run unique unprivileged uid/gid (runs cannot read each other's or root's private files or signal host
   processes, and RLIMIT_NPROC, which counts per uid, contains fork bombs). Code never runs as root: if the
   private uid cannot be used (e.g. the interpreter is not reachable for it and no mount namespace can expose it)
