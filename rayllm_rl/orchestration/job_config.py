@@ -54,7 +54,8 @@ class DataConfig:
 
     path: str = ""
     """Training rows: a local .jsonl/.json/.parquet/.arrow/.csv file, a save_to_disk folder, or a hub
-    dataset name ("openai/gsm8k:main"). Ignored by the built-in arithmetic task."""
+    dataset `name[:config[:split]]` ("openai/gsm8k:main"); with no config the task's default is used
+    (gsm8k: main), or the error lists the configs. Loaded once, on the driver. Ignored by the arithmetic task."""
     split: str = "train"
     """Split to read from a DatasetDict folder or a hub dataset."""
     eval_path: str = ""
