@@ -1,0 +1,144 @@
+"""The console: one progress bar with every other line printed whole above it, constructor
+arguments of restartable actors that Ray keeps in the creation task, and a clean exit after vLLM."""
+from __future__ import annotations
+
+import functools
+import io
+import logging
+import re
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from rayllm_rl.orchestration.reporting import RunReporter
+
+
+def shown_lines(text: str) -> list[str]:
+    """What a terminal shows of each line: the text after its last carriage return."""
+    return [seg.rsplit("\r", 1)[-1] for seg in text.split("\n")]
+
+
+@pytest.fixture()
+def console(monkeypatch):
+    """A function that makes (stdout, stderr) StringIOs and a driver logger whose handler writes to that
+    stderr (as `logging.basicConfig(stream=sys.stderr)` makes it: the stream is fixed when the handler is
+    made). Called in the test's body: pytest sets its own sys.stdout/sys.stderr at each test phase."""
+    logger = logging.getLogger("rayllm_rl.test_console")
+    monkeypatch.setattr(logger, "propagate", False)
+    handlers = []
+
+    def take():
+        out, err = io.StringIO(), io.StringIO()
+        monkeypatch.setattr(sys, "stdout", out)
+        monkeypatch.setattr(sys, "stderr", err)
+        handler = logging.StreamHandler(err)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+        logger.addHandler(handler)
+        handlers.append(handler)
+        return out, err, logger, handler
+
+    yield take
+    for handler in handlers:
+        logger.removeHandler(handler)
+
+
+def test_log_lines_print_whole_above_the_live_bar(console, tmp_path):
+    out, err, logger, handler = console()
+    reporter = RunReporter(str(tmp_path))
+    bar = reporter.progress(total=4, desc="grpo")
+    forwarded = threading.Thread(target=lambda: [print(f"(EnvWorker pid=7) actor line {i}", file=sys.stderr)
+                                                 for i in range(40)])  # Ray forwards actor output on a thread
+    forwarded.start()
+    for step in range(1, 5):
+        bar.update(1, reward=0.5)
+        bar.bar.refresh()  # draw now (the bar redraws at most once a second)
+        reporter.log({"phase": "rl", "step": step, "reward": 0.25}, show=True)
+        logger.warning("driver warning %d", step)
+        print(f"(InferenceReplica pid=8) stderr {step}", file=sys.stderr, end="")  # a line written in two parts
+        print(" continued", file=sys.stderr)
+        print(f"stdout line {step}")
+    forwarded.join(30)
+    bar.close()
+
+    shown = shown_lines(err.getvalue())
+    expected = [f"(EnvWorker pid=7) actor line {i}" for i in range(40)]
+    for step in range(1, 5):
+        expected += [f"phase=rl step={step} reward=0.25", f"WARNING driver warning {step}",
+                     f"(InferenceReplica pid=8) stderr {step} continued"]
+    reporter_prefix = re.compile(r"^\[ *[0-9.]+s\] ")  # RunReporter's elapsed-time stamp
+    whole = sorted(reporter_prefix.sub("", s) for s in shown if s and not s.startswith("grpo"))
+    assert whole == sorted(expected)  # every line once, whole, nothing glued to the bar
+    bars = [s for s in shown if s.startswith("grpo")]
+    assert len(bars) == 1 and "4/4" in bars[0], bars  # one bar, left at its last state when closed
+    assert out.getvalue().splitlines() == [f"stdout line {i}" for i in range(1, 5)]
+    assert sys.stderr is err and sys.stdout is out and handler.stream is err  # the console given back
+
+
+def test_one_bar_at_a_time_and_close_gives_the_console_back(console, tmp_path):
+    out, err, logger, handler = console()
+    from tqdm import tqdm
+
+    reporter = RunReporter(str(tmp_path))
+    first = reporter.progress(total=3, desc="first")
+    first.update(1)
+    second = reporter.progress(total=3, desc="second")  # a rollback starts the loop again: the old bar goes
+    assert first.closed and not second.closed
+    assert [b.desc for b in tqdm._instances] == ["second"]
+    assert sys.stderr is not err and handler.stream is not err
+    reporter.close()
+    reporter.close()  # idempotent
+    assert second.closed and sys.stderr is err and sys.stdout is out and handler.stream is err
+    reporter.say("after the bar")
+    assert shown_lines(err.getvalue())[-2] == "after the bar"
+
+
+def test_restartable_actor_arguments_must_be_inlined(tiny_model_path):
+    from ray import cloudpickle
+
+    from rayllm_rl.config import load_config
+    from rayllm_rl.orchestration.cluster import INLINE_LIMIT_BYTES, check_inlined
+    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+    from rayllm_rl.orchestration.ray_backend import make_workflow
+
+    cfg = load_config(GRPOJobConfig, [])
+    factory = functools.partial(make_workflow, cfg, tiny_model_path)
+    assert len(cloudpickle.dumps(factory)) < INLINE_LIMIT_BYTES // 4  # the env worker's factory: well inside
+    check_inlined("env worker", (factory, ["inference-0"], "replay-buffer", "ns", None, 60.0, 1))
+    with pytest.raises(ValueError, match=r"env worker: constructor argument 1 \(bytes\) pickles to 2000\d\d bytes"):
+        check_inlined("env worker", (factory, b"x" * 200_000))
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_engine_process_exits_clean(tiny_model_path, tmp_path):
+    """An engine closed with `aclose` leaves no AsyncLLM for interpreter shutdown, whose `__del__`
+    would then fail ("Exception ignored in AsyncLLM.__del__ ... 'NoneType' object is not callable")."""
+    script = tmp_path / "engine_exit.py"
+    script.write_text(textwrap.dedent(f"""
+        import asyncio, gc, weakref
+        from rayllm_rl.inference.protocol import LLMRequest, SamplingParams
+        from rayllm_rl.inference.vllm_engine import VLLMEngine, VLLMOptions
+
+        async def main():
+            engine = VLLMEngine({tiny_model_path!r}, options=VLLMOptions(kv_cache_mb=64))
+            await engine.start()
+            out = await engine.agenerate(LLMRequest(input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=4, ignore_eos=True)))
+            llm = weakref.ref(engine._llm)
+            await engine.aclose()
+            await engine.aclose()  # idempotent
+            engine.shutdown()
+            gc.collect()
+            print("generated", out.output_len, "alive", llm() is not None)
+
+        if __name__ == "__main__":
+            asyncio.run(main())
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "generated 4 alive False" in proc.stdout, proc.stdout[-2000:]
+    assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
