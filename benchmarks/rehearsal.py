@@ -4,7 +4,8 @@ GSM8K-format rows (question + worked answer ending in `#### N`), a Qwen2 of the 
 vLLM replicas, `rollout.max_new_tokens=256`, KL to a frozen reference, a periodic checkpoint,
 then a second run resumed from the first run's last checkpoint. Everything goes through
 `jobs/grpo.py`'s own config path (`train(GRPOJobConfig(), overrides)`), with the job's
-defaults and the gsm8k task's preset: nothing demo-sized is set here but the step counts.
+defaults and the gsm8k task's preset, plus step counts, small batches and a short SFT warm
+start asked for explicitly so that a random-init model gets the answer format and the RL steps train.
 
     .venv/bin/python benchmarks/rehearsal.py [--steps 6] [--resume-steps 3] [--engine vllm]
 
@@ -107,6 +108,10 @@ def phase_figures(summary: dict, peak_mib: float) -> dict:
             "collector_tokens_per_s_median": round(statistics.median(rates), 1) if rates else None,
             "mean_completion_tokens": round(gen / max(1, sum(r["seqs"] for r in recs)), 1),
             "train_s_median": round(statistics.median(r["train_s"] for r in recs), 3) if recs else None,
+            "reward_mean": round(statistics.mean(r["reward"] for r in recs), 4) if recs else None,
+            "advantage_abs_mean": round(statistics.mean(r["advantage_abs_mean"] for r in recs), 4) if recs else None,
+            "grad_norm_median": round(statistics.median(r["grad_norm"] for r in recs if "grad_norm" in r), 4)
+            if any("grad_norm" in r for r in recs) else None,
             "learner_peak_rss_mib": round(peak_mib, 1), "failed_episodes": summary["failed_episodes"],
             "eval_reward_before": summary["eval_reward_before"], "eval_reward_after": summary["eval_reward_after"],
             "learner_checksums_equal_replicas": summary["learner_checksums_equal_replicas"],
@@ -121,6 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--engine", default="vllm", choices=["vllm", "transformers"])
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--rows", type=int, default=256, help="GSM8K-format rows written for the run")
+    p.add_argument("--sft-steps", type=int, default=40, help="warm start of the first run (format only)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "rehearsal.json"))
     args = p.parse_args(argv)
 
@@ -135,11 +141,15 @@ def main(argv: list[str] | None = None) -> dict:
     common = [f"model.path={model}", "task=gsm8k", f"data.path={data}", f"inference.engine={args.engine}",
               f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.group_size=4", "rollout.prompts_per_step=4",
               "data.eval_size=16", "trainer.eval_every=0", "algo.kl_coef=0.01",
+              # asked for explicitly (the gsm8k preset has none): a short warm start on the worked answers
+              # gives a random-init model the <think>/<answer> format, so rewards vary and the RL steps
+              # train (non-zero advantages and KL) instead of passing zero gradients through
+              f"sft.steps={args.sft_steps}", "sft.batch_size=16", "sft.lr=1e-3", "optim.lr=1e-5",
               f"trainer.checkpoint_every={max(1, args.steps // 2)}", f"trainer.run_dir={work / 'runs'}",
               f"ray.temp_dir={work / 'ray'}"]
     t0 = time.perf_counter()
     first, first_mem = run_phase(common + [f"trainer.steps={args.steps}"])
-    resumed, resumed_mem = run_phase(common + [f"trainer.steps={args.steps + args.resume_steps}",
+    resumed, resumed_mem = run_phase(common + [f"trainer.steps={args.steps + args.resume_steps}", "sft.steps=0",
                                                f"resume={first['checkpoint']}"])
     a, b = phase_figures(first, first_mem), phase_figures(resumed, resumed_mem)
     checks = {
@@ -148,6 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
         "resume_continues_at_saved_step": b["steps"] == [args.steps + 1, args.steps + args.resume_steps],
         "resume_version_continues": b["version"] == args.steps + args.resume_steps,
         "no_failed_episodes": a["failed_episodes"] == 0 and b["failed_episodes"] == 0,
+        "rl_steps_trained": bool(a["advantage_abs_mean"]) and bool(a["grad_norm_median"]),
         "weights_equal_after_sync": bool(a["learner_checksums_equal_replicas"])
         and bool(b["learner_checksums_equal_replicas"]),
     }
