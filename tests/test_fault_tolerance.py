@@ -71,6 +71,65 @@ def run_and_kill(tmp_path, role: str, after_step: int, *extra: str) -> dict:
     return out["summary"]
 
 
+def test_env_worker_restarts_after_the_driver_dropped_its_constructor_arguments(local_ray, tmp_path, capfd):
+    """Ray re-runs a restarted actor's constructor with the arguments of its creation task; an
+    argument kept in the object store is gone once the driver drops it, and the restart then fails
+    (ray-project/ray#53727). The env worker takes names and small inlined arguments only, so after the
+    driver has dropped everything it passed, a SIGKILLed worker comes back and runs episodes again."""
+    import functools
+    import gc
+
+    from rayllm_rl.models.tiny import ensure_tiny_model
+    from rayllm_rl.orchestration.cluster import build_cluster, check_inlined
+    from rayllm_rl.orchestration.factories import build_task
+    from rayllm_rl.orchestration.ray_backend import make_workflow
+
+    ns = f"{NS}_args"
+    cfg = load_config(GRPOJobConfig, [f"rollout.prompts_per_step={B}", "rollout.group_size=4", "rollout.max_new_tokens=6",
+                                      "rollout.max_staleness=1", "ray.num_replicas=1", "ray.num_env_workers=1",
+                                      "ray.call_timeout_s=120", "ray.sync_timeout_s=60", f"ray.namespace={ns}"])
+    model_path = ensure_tiny_model()
+    factory, task = functools.partial(make_workflow, cfg, model_path), build_task(cfg)
+    cluster = build_cluster(cfg, model_path, task, factory)
+    try:
+        del factory, task  # the driver keeps nothing it passed to a constructor (it holds no ObjectRef either)
+        gc.collect()
+        with pytest.raises(TypeError, match=r"argument 1 holds a Ray reference \(ActorHandle\)"):  # handles are refused up front
+            check_inlined("env worker", (None, [None, cluster.replicas[0]]))
+        c, worker = cluster, cluster.env_workers[0]
+        c.get(c.collector.set_version.remote(0))
+        c.get(c.collector.start.remote())  # eta=1: 2B episodes admitted at version 0
+        first = c.get(c.buffer.get_batch.remote(B, 0, 120), timeout_s=150)[0]
+        old_pid = c.get(worker.pid.remote())
+        os.kill(old_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while True:  # until Ray has restarted it: its constructor ran again, with nothing from the driver
+            try:
+                if ray.get(worker.pid.remote(), timeout=5) != old_pid:
+                    break
+            except ray.exceptions.ActorDiedError as exc:  # its restart failed (e.g. a constructor argument was lost)
+                pytest.fail(f"the env worker did not come back: {exc}")
+            except ray.exceptions.RayActorError:
+                pass
+            assert time.monotonic() < deadline, "Ray did not restart the env worker"
+            time.sleep(0.2)
+        c.get(c.collector.set_version.remote(1))  # B more episodes admitted: only the new process can run them
+        rest = [c.get(c.buffer.get_batch.remote(B, 1, 120), timeout_s=150)[0] for _ in range(2)]
+        ids = [gid for b in [first, *rest] for gid in sorted(set(b["group_id"].tolist()))]
+        assert len(ids) == 3 * B and len(set(ids)) == 3 * B, f"episodes lost or stored twice: {ids}"
+        assert c.get(worker.stats.remote())["episodes"] >= B  # counted in the restarted process
+        counters = c.get(c.collector.fault_counters.remote())
+        assert c.get(c.collector.note_pids.remote()) == [1] and counters["episodes_lost"] == 0
+    finally:
+        cluster.shutdown(namespace=ns)
+    time.sleep(2)  # Ray forwards actor output to the driver asynchronously
+    out = capfd.readouterr()
+    console = out.out + out.err
+    # Ray logs this once per process: the check bites when this test is the process's first to start a job
+    assert "constructor arguments in the object store" not in console
+    assert "Loading weights" not in console, "an HF progress bar reached the driver's console from an actor"
+
+
 def test_env_worker_sigkill_restarts_and_loses_no_episode(local_ray, tmp_path):
     summary = run_and_kill(tmp_path, "env-0", 2)
     steps = STEPS

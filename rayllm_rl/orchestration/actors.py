@@ -2,10 +2,17 @@
 
 Names on the dashboard: `inference-<i>`, `env-<i>`, `learner-<rank>`, `collector`, `replay-buffer`,
 `reference` (only with a reference-KL term).
+
+Every actor process starts with `ACTOR_ENV_VARS` (no HF progress bars: Ray forwards actor output to
+the driver's console). A restartable actor (env worker, inference replica) takes only small
+arguments that Ray inlines in its creation task, and looks other actors up by name: Ray re-runs
+the constructor with the same arguments on a restart, and arguments held in the object store may
+be gone by then (ray-project/ray#53727).
 """
 from __future__ import annotations
 
 import asyncio
+import time
 import warnings
 from typing import Any
 
@@ -17,6 +24,17 @@ from rayllm_rl.inference.protocol import LLMRequest, LLMResponse, UpdateGroupSpe
 from rayllm_rl.orchestration.router import ReplicaNotReady, ReplicaRouter
 
 
+ACTOR_ENV_VARS = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+"""Environment of every actor process, merged with the job's: HF_HUB_DISABLE_PROGRESS_BARS turns off
+huggingface_hub's and transformers' progress bars (checkpoint "Writing model shards", "Loading
+weights"), which Ray would forward to the driver's console under its progress bar."""
+
+
+def _actor(cls):
+    """`@ray.remote` for the job's actor classes: no CPU reserved (placement decides), `ACTOR_ENV_VARS`."""
+    return ray.remote(num_cpus=0, runtime_env={"env_vars": ACTOR_ENV_VARS})(cls)
+
+
 class _Process:
     """Mixed into every actor: its process id, for fault-injection tests and operators."""
 
@@ -26,7 +44,7 @@ class _Process:
         return os.getpid()
 
 
-@ray.remote(num_cpus=0)
+@_actor
 class InferenceReplica(_Process):
     """`inference-<i>`: an engine (Transformers or vLLM) and the weight sink it owns.
 
@@ -91,17 +109,21 @@ class InferenceReplica(_Process):
             await self.engine.aclose()
 
 
-@ray.remote(num_cpus=0)
+@_actor
 class EnvWorker(_Process):
     """Runs many workflow episodes concurrently against the replicas and puts each finished episode
     straight into the replay buffer (the collector only admits work; it never carries episodes)."""
 
-    def __init__(self, workflow_factory, replicas: list, buffer, episode_filter=None,
-                 timeout_s: float = 300.0, num_threads: int = 1):
+    def __init__(self, workflow_factory, replica_names: list[str], buffer_name: str, namespace: str,
+                 episode_filter=None, timeout_s: float = 300.0, num_threads: int = 1):
+        """Names, not handles: Ray re-runs this constructor on a restart with the creation task's
+        arguments, and counts an actor handle among them as an object-store reference (it logs an
+        error for it at creation). `workflow_factory` is a small picklable callable that builds the
+        episode workflow here."""
         torch.set_num_threads(num_threads)
         self.workflow = workflow_factory()
-        self.router = ReplicaRouter(replicas, timeout_s=timeout_s)
-        self.buffer = buffer
+        self.router = ReplicaRouter([ray.get_actor(n, namespace=namespace) for n in replica_names], timeout_s=timeout_s)
+        self.buffer = ray.get_actor(buffer_name, namespace=namespace)
         self.episode_filter = episode_filter
         self.timeout_s = timeout_s
         self.episodes = 0
@@ -117,14 +139,12 @@ class EnvWorker(_Process):
         episode_id = int(td["group_id"][0])  # the collector's id of this episode (all rows share it)
         await asyncio.wait_for(self.buffer.put.remote(td, self.timeout_s, episode_id), self.timeout_s + 30)
 
-
-
     def stats(self) -> dict[str, Any]:
         reward = getattr(self.workflow, "reward", None)
         return {"episodes": self.episodes, **(reward.counters() if reward is not None else {})}
 
 
-@ray.remote(num_cpus=0)
+@_actor
 class ReferenceActor(_Process):
     """`reference` on the dashboard: a frozen ReferenceModel serving reference logprobs for KL."""
 
@@ -144,7 +164,7 @@ class ReferenceActor(_Process):
         return self.model.save(checkpoint_dir)
 
 
-@ray.remote(num_cpus=0)
+@_actor
 class ReplayBufferActor(_Process):
     """`replay-buffer`: bounded, version-aware episode buffer; env workers put, the driver awaits batches."""
 
@@ -193,7 +213,7 @@ class ReplayBufferActor(_Process):
         self.buffer.load_state_dict(state)
 
 
-@ray.remote(num_cpus=0)
+@_actor
 class LearnerWorker(_Process):
     """One FSDP rank of the learner; rank 0 also streams weights to the replicas."""
 
@@ -292,7 +312,7 @@ class LearnerWorker(_Process):
         return load_checkpoint(self.learner, path)
 
 
-@ray.remote(num_cpus=0)
+@_actor
 class RayLLMCollector(_Process):
     """`collector`, the actor shell of `LLMCollector`: admits episodes under the staleness bound and spreads them over the env workers,
     which put them straight into the buffer; a collector loop that dies fails the buffer's waiters."""
@@ -335,10 +355,24 @@ class RayLLMCollector(_Process):
                     self.episodes_lost += 1
                     raise RuntimeError(f"episode {row.get('group_id')}: its env worker died {attempt} times") from exc
                 self.episodes_rerun += 1
-                await asyncio.sleep(0.5 * attempt)  # give Ray time to restart the worker
+                await self._wait_while_restarting(i)
                 await self._note_pid(i)
             finally:
                 self.in_flight[i] -= 1
+
+    async def _wait_while_restarting(self, i: int) -> None:
+        """Wait until env worker i answers again, is dead for good, or `timeout_s` passed: calls made
+        while Ray restarts it fail at once, and a restart (a new process, imports, the workflow
+        built again) takes seconds; without this wait they would use up the episode's attempts."""
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            try:
+                await asyncio.wait_for(self.env_workers[i].pid.remote(), max(deadline - time.monotonic(), 0.1))
+                return
+            except ray.exceptions.ActorDiedError:  # for good: the next attempt goes elsewhere or fails
+                return
+            except (ray.exceptions.RayActorError, asyncio.TimeoutError):  # unavailable: restarting
+                await asyncio.sleep(0.5)
 
     async def _note_pid(self, i: int) -> None:
         """Record env worker i's current process id (a new one means Ray restarted it)."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 import uuid
@@ -120,6 +121,48 @@ def wait_names_free(names: list[str], namespace: str, timeout_s: float = 60.0) -
             time.sleep(0.2)
 
 
+INLINE_LIMIT_BYTES = int(os.environ.get("RAY_max_direct_call_object_size", 100 * 1024))
+"""Ray inlines a task argument smaller than this in the task itself (its `max_direct_call_object_size`,
+100 KiB by default); a larger one goes to the object store, owned by the caller."""
+
+
+def check_inlined(role: str, args: tuple) -> None:
+    """A restartable actor's constructor arguments must be small enough for Ray to inline them: Ray
+    re-runs the constructor on a restart with the same arguments, and one kept in the object store
+    is gone once the driver drops its reference (the restart then fails). Also no ObjectRef or
+    actor handle among them (pass a name the actor looks up)."""
+    from ray import cloudpickle
+
+    for i, arg in enumerate(args):
+        ref = _first_ref(arg)
+        if ref is not None:
+            raise TypeError(f"{role}: constructor argument {i} holds a Ray reference ({type(ref).__name__}); a "
+                            f"restart would depend on it staying in scope: pass a name the actor looks up instead")
+        size = len(cloudpickle.dumps(arg))
+        if size >= INLINE_LIMIT_BYTES:
+            raise ValueError(f"{role}: constructor argument {i} ({type(arg).__name__}) pickles to {size} bytes, "
+                             f">= {INLINE_LIMIT_BYTES} (Ray's max_direct_call_object_size): Ray would keep it in the "
+                             f"object store and a restart of this actor would fail once it is released; pass a "
+                             f"path or a name the actor looks up instead")
+
+
+def _first_ref(obj, depth: int = 0):
+    """The first ObjectRef or actor handle in `obj`, looking into lists, tuples, dicts and partials."""
+    if isinstance(obj, (ray.ObjectRef, ray.actor.ActorHandle)):
+        return obj
+    if depth > 4:
+        return None
+    if isinstance(obj, functools.partial):
+        items = [obj.func, *obj.args, *obj.keywords.values()]
+    elif isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple, set)):
+        items = list(obj)
+    else:
+        return None
+    return next((r for r in (_first_ref(x, depth + 1) for x in items) if r is not None), None)
+
+
 def _pick_transport(cfg: GRPOJobConfig, learner_ip: str, replica_ips: set[str]) -> str:
     """`ray.sync_transport`; 'auto': NCCL between GPUs, else shm on one node, else gloo."""
     rc = cfg.ray
@@ -143,19 +186,26 @@ def build_cluster(cfg: GRPOJobConfig, model_path: str, task, workflow_factory) -
     ns = rc.namespace  # every named actor lives here: `ray.get_actor("env-0", namespace=...)` from any driver
     # A replica Ray restarts refuses requests until the driver re-forms the sync group and sends it the
     # current weights (RayBackend.sync_weights).
+    replica_args = [(inf.engine, model_path, seed + i, threads, cfg.model.dtype, vllm_options)
+                    for i in range(rc.num_replicas)]
+    check_inlined("inference replica", replica_args[0])
     replicas = [InferenceReplica.options(name=f"inference-{i}", namespace=ns, max_restarts=rc.replica_restarts,
-                                         **placement.replica_options[i]).remote(
-        inf.engine, model_path, seed + i, threads, cfg.model.dtype, vllm_options) for i in range(rc.num_replicas)]
+                                         **placement.replica_options[i]).remote(*replica_args[i])
+                for i in range(rc.num_replicas)]
     batch = cfg.rollout.prompts_per_step
     capacity = rc.buffer_episodes or 2 * (cfg.rollout.max_staleness + 1) * batch
     buffer = ReplayBufferActor.options(name="replay-buffer", namespace=ns, max_concurrency=1000).remote(
         capacity, cfg.rollout.max_staleness)
     # An env worker holds no state a restart loses: Ray restarts a dead one, and the collector runs
-    # the episodes it had in flight again (the buffer stores each episode id once).
+    # the episodes it had in flight again (the buffer stores each episode id once). Its constructor
+    # takes names, not handles, and small inlined arguments only, so a restart never depends on an
+    # object-store argument the driver may have dropped.
+    env_args = (workflow_factory, [f"inference-{i}" for i in range(rc.num_replicas)], "replay-buffer", ns,
+                build_episode_filter(cfg), rc.call_timeout_s, 1)
+    check_inlined("env worker", env_args)
     env_workers = [EnvWorker.options(name=f"env-{i}", namespace=ns, max_concurrency=1000,
-                                     max_restarts=rc.env_worker_restarts).remote(
-        workflow_factory, replicas, buffer, build_episode_filter(cfg), rc.call_timeout_s, 1)
-        for i in range(rc.num_env_workers)]
+                                     max_restarts=rc.env_worker_restarts).remote(*env_args)
+                   for i in range(rc.num_env_workers)]
     learners = [LearnerWorker.options(name=f"learner-{r}", namespace=ns, **placement.learner_options[r]).remote(
         r, rc.num_learners, threads) for r in range(rc.num_learners)]
     collector = RayLLMCollector.options(name="collector", namespace=ns, max_concurrency=1000).remote(
