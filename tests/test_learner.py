@@ -60,12 +60,16 @@ def test_grpo_step_raises_logprob_of_positive_advantage_sequences(engine, tokeni
 def test_micro_batching_gives_the_same_gradient(engine, tokenizer, tiny_model_path):
     batch = rollout_batch(engine, tokenizer, by_length, n=16)
     grads = []
-    for mbs in (16, 3):
-        learner = Learner(tiny_model_path, OptimConfig(lr=0.0, micro_batch_size=mbs, grad_clip=0.0))
+    # one micro-batch with full-vocabulary logits, vs token-budget micro-batches (a few rows each) with
+    # the LM head in chunks of 3 positions, vs a row cap of 3
+    for optim in (dict(logprob_chunk_size=0), dict(max_tokens_per_micro_batch=40, logprob_chunk_size=3),
+                  dict(micro_batch_size=3)):
+        learner = Learner(tiny_model_path, OptimConfig(lr=0.0, grad_clip=0.0, **optim))
         learner.train_step(batch, GRPOLoss(aggregation="token-mean"))
         grads.append(torch.cat([p.grad.flatten() for p in learner.model.parameters()]))
     assert grads[0].abs().max() > 0
-    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+    for g in grads[1:]:
+        torch.testing.assert_close(g, grads[0], atol=1e-6, rtol=1e-4)
 
 
 def test_sft_steps_lower_the_nll(tokenizer, tiny_model_path):
@@ -80,10 +84,10 @@ def test_sft_steps_lower_the_nll(tokenizer, tiny_model_path):
 
 def test_learner_reports_true_policy_entropy(engine, tokenizer, tiny_model_path):
     """The learner's `entropy` metric is the mean full-distribution entropy over trained tokens."""
-    from rayllm_rl.learner import learner as learner_mod
-
     batch = rollout_batch(engine, tokenizer, by_length, n=8)
-    learner = Learner(tiny_model_path, OptimConfig(lr=0.0, micro_batch_size=3, grad_clip=0.0))
+    # several micro-batches, the LM head in chunks of 2 positions
+    learner = Learner(tiny_model_path, OptimConfig(lr=0.0, max_tokens_per_micro_batch=40, logprob_chunk_size=2,
+                                                   grad_clip=0.0))
     with torch.no_grad():
         logits = learner.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.double()
     p = torch.softmax(logits[:, :-1], -1)
@@ -91,11 +95,6 @@ def test_learner_reports_true_policy_entropy(engine, tokenizer, tiny_model_path)
     mask = batch["loss_mask"][:, 1:]
     want = float((ent * mask).sum() / mask.sum())
     assert 0.1 < want < 10.0
-    old_chunk = learner_mod.ENTROPY_CHUNK
-    learner_mod.ENTROPY_CHUNK = 2  # the chunked path must give the same number
-    try:
-        metrics = learner.train_step(batch, GRPOLoss())
-    finally:
-        learner_mod.ENTROPY_CHUNK = old_chunk
+    metrics = learner.train_step(batch, GRPOLoss())
     assert metrics["entropy"] == pytest.approx(want, rel=1e-4)
     assert abs(metrics["entropy"] - metrics["entropy_proxy"]) > 1e-3  # not the sampled-token proxy

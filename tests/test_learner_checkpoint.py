@@ -10,7 +10,9 @@ from rayllm_rl.learner.learner import Learner, OptimConfig
 from rayllm_rl.objectives import GRPOLoss
 
 # Two minibatches and two epochs per step: the seeded permutation must resume too; warm-up: the step count.
-OPTIM = OptimConfig(lr=1e-3, micro_batch_size=3, num_minibatches=2, epochs=2, warmup_steps=6, weight_decay=0.01)
+# Token-budget micro-batches (rows of ~25-30 tokens, two per micro-batch) and a chunked LM head.
+OPTIM = OptimConfig(lr=1e-3, max_tokens_per_micro_batch=64, logprob_chunk_size=8, num_minibatches=2, epochs=2,
+                    warmup_steps=6, weight_decay=0.01)
 
 
 @pytest.fixture(autouse=True)

@@ -1,10 +1,14 @@
-"""The real Learner's gradient does not depend on how a batch is cut into micro-batches, for every
-aggregation and both std conventions, on a batch with rows that have no trained token; and a
-non-finite loss or gradient skips the optimizer step without touching the weights.
+"""The real Learner's gradient does not depend on how a batch is cut into micro-batches (row caps,
+token budgets, any grouping the length sort makes) nor on how the LM head is chunked or whether
+activations are checkpointed, for every aggregation and both std conventions, on a batch with
+rows that have no trained token; and a non-finite loss or gradient skips the optimizer step
+without touching the weights.
 
-Everything runs in float64 (a tiny Qwen2 in float64, the learner keeps float64 logprobs), so a
-1e-6 relative tolerance is far above rounding and far below any weighting error: weighting
-micro-batches by rows instead of non-empty rows moves the seq-mean gradient by tens of percent.
+Everything runs in float64 (a tiny Qwen2 in float64, the learner keeps float64 logprobs). The
+reference is one micro-batch through the full-vocabulary path (`[B, T, V]` logits, the learner's
+computation before chunking). Observed differences are ~1e-15 relative; the 1e-10 bound is far
+above float64 rounding and far below any weighting error: weighting micro-batches by rows instead
+of non-empty rows moves the seq-mean gradient by tens of percent.
 """
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tensordict import TensorDict
 
 from rayllm_rl.learner.learner import Learner, OptimConfig
@@ -19,33 +25,50 @@ from rayllm_rl.objectives import AdvantageConfig, GRPOLoss, Loss, compute_advant
 
 F64 = torch.float64
 VOCAB, T = 32, 8
+TOL = 1e-10
 # 7 rows, groups of 3 and 4. Every row has a 2-token prompt; LENGTHS are the completion lengths
 # (0 = an empty completion: the row has no trained token). Rows are right-padded to T.
 GROUPS = [0, 0, 0, 1, 1, 1, 1]
 LENGTHS = [4, 0, 6, 3, 0, 5, 1]
 REWARDS = [1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.0]
-MICRO_BATCH_SIZES = (1, 2, 3)  # uneven splits of 7 rows; 7 (the full batch) is the reference
+FULL = dict(max_tokens_per_micro_batch=10**6, logprob_chunk_size=0)  # one micro-batch, [B, T, V] logits
+SPLITS = [  # row lengths are 6, 2, 8, 5, 2, 7, 3 tokens
+    dict(micro_batch_size=1), dict(micro_batch_size=2), dict(micro_batch_size=3),  # row caps: uneven splits of 7
+    dict(max_tokens_per_micro_batch=8, logprob_chunk_size=1),  # {8} {7} {6} {5} {3, 2} {2}: by length, not order
+    dict(max_tokens_per_micro_batch=15, logprob_chunk_size=3),  # {8} {7, 6} {5, 3, 2} {2}
+    dict(max_tokens_per_micro_batch=16, logprob_chunk_size=1024, activation_checkpointing=True),
+]
 
 
-def tiny_model() -> torch.nn.Module:
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matmuls: one thread is ~50x faster on a busy 2-core box (no spin-waiting)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_model(tie: bool = False) -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-                      tie_word_embeddings=False, attn_implementation="eager")
+                      tie_word_embeddings=tie, attn_implementation="eager")
     return Qwen2ForCausalLM(cfg).to(F64)
 
 
-def make_batch(model: torch.nn.Module, std_estimator: str = "population") -> TensorDict:
+def make_batch(model: torch.nn.Module, std_estimator: str = "population", lengths: list[int] = LENGTHS,
+               advantages: list[float] | None = None) -> TensorDict:
     """Rollout-like batch: behaviour logprobs = the model's own plus noise (ratios away from 1, some
-    clipped), reference logprobs = the model's own minus noise, advantages from REWARDS."""
+    clipped), reference logprobs = the model's own minus noise, advantages from REWARDS (or given)."""
     g = torch.Generator().manual_seed(1)
-    n = len(LENGTHS)
+    n = len(lengths)
     input_ids = torch.randint(0, VOCAB, (n, T), generator=g)
     attention = torch.zeros(n, T, dtype=torch.bool)
     loss_mask = torch.zeros(n, T, dtype=torch.bool)
-    for i, length in enumerate(LENGTHS):
+    for i, length in enumerate(lengths):
         attention[i, :2 + length] = True
         loss_mask[i, 2:2 + length] = True
     input_ids = torch.where(attention, input_ids, torch.zeros_like(input_ids))
@@ -58,30 +81,38 @@ def make_batch(model: torch.nn.Module, std_estimator: str = "population") -> Ten
     noise = 0.4 * torch.randn(n, T, generator=g, dtype=F64)
     td["logprobs"] = torch.where(loss_mask, own + noise, torch.zeros_like(own))
     td["ref_logprobs"] = torch.where(loss_mask, own - noise.abs(), torch.zeros_like(own))
+    if advantages is not None:
+        td["advantages"] = torch.tensor(advantages, dtype=F64)
+        return td
     rewards, groups = torch.tensor(REWARDS, dtype=F64), torch.tensor(GROUPS)
     td["rewards"], td["group_id"] = rewards, groups
     td["advantages"] = compute_advantages(rewards, groups, AdvantageConfig(std_estimator=std_estimator))
     return td
 
 
-def gradient(model: torch.nn.Module, td: TensorDict, loss: Loss, micro_batch_size: int) -> torch.Tensor:
-    """The flat gradient of one train_step (lr 0, no clipping) with this micro-batch size."""
-    learner = Learner("", OptimConfig(lr=0.0, grad_clip=0.0, micro_batch_size=micro_batch_size),
-                      model=copy.deepcopy(model))
+def gradient(model: torch.nn.Module, td: TensorDict, loss: Loss, **optim) -> tuple[torch.Tensor, float]:
+    """The flat gradient and the entropy metric of one train_step (lr 0, no clipping) with these
+    batching options."""
+    learner = Learner("", OptimConfig(lr=0.0, grad_clip=0.0, **optim), model=copy.deepcopy(model))
     metrics = learner.train_step(td, loss)
     assert metrics["skipped_nonfinite_steps"] == 0.0
-    return torch.cat([p.grad.flatten() for p in learner.model.parameters() if p.grad is not None])
+    return torch.cat([p.grad.flatten() for p in learner.model.parameters() if p.grad is not None]), metrics["entropy"]
+
+
+def rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
 
 
 def assert_micro_batching_exact(loss: Loss, std_estimator: str = "population") -> None:
     model = tiny_model()
     td = make_batch(model, std_estimator)
     assert not td["loss_mask"].any(-1).all()  # the batch has rows with no trained token
-    full = gradient(model, td, loss, micro_batch_size=len(LENGTHS))
+    full, full_ent = gradient(model, td, loss, **FULL)
     assert full.dtype == F64 and full.abs().max() > 1e-4
-    for mbs in MICRO_BATCH_SIZES:
-        rel = float((gradient(model, td, loss, mbs) - full).abs().max() / full.abs().max())
-        assert rel <= 1e-6, (mbs, rel)
+    for split in SPLITS:
+        got, ent = gradient(model, td, loss, **split)
+        assert rel_diff(got, full) <= TOL, (split, rel_diff(got, full))
+        assert ent == pytest.approx(full_ent, rel=TOL, abs=0), split
 
 
 @pytest.mark.parametrize("std_estimator", ["population", "unbiased"])
@@ -103,8 +134,36 @@ def test_micro_batched_gradient_equals_full_batch_for_every_loss(name, kwargs):
     assert_micro_batching_exact(make_loss(name, **kwargs))
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.lists(st.tuples(st.integers(0, T - 2), st.floats(-2.0, 2.0)), min_size=1, max_size=8),
+    budget=st.integers(1, 4 * T),
+    row_cap=st.integers(0, 4),
+    chunk=st.integers(1, 6),
+    checkpointing=st.booleans(),
+    tie=st.booleans(),
+    aggregation=st.sampled_from(["token-mean", "seq-mean", "seq-sum"]),
+)
+def test_any_token_budget_and_head_chunking_gives_the_full_batch_gradient(rows, budget, row_cap, chunk,
+                                                                          checkpointing, tie, aggregation):
+    """Property: for any batch (empty completions included), token budget, row cap, LM-head chunk,
+    tied or untied head, with or without activation checkpointing, the gradient and the entropy
+    metric equal the single full-vocabulary micro-batch's."""
+    model = tiny_model(tie)
+    td = make_batch(model, lengths=[n for n, _ in rows], advantages=[a for _, a in rows])
+    loss = GRPOLoss(aggregation=aggregation, kl_coef=0.05)
+    full, full_ent = gradient(model, td, loss, **FULL)
+    got, ent = gradient(model, td, loss, max_tokens_per_micro_batch=budget, micro_batch_size=row_cap,
+                        logprob_chunk_size=chunk, activation_checkpointing=checkpointing)
+    if full.abs().max() == 0:  # no trained token (or all advantages 0 and no KL): nothing to compare
+        assert got.abs().max() == 0
+        return
+    assert rel_diff(got, full) <= TOL
+    assert ent == pytest.approx(full_ent, rel=TOL, abs=1e-12)
+
+
 def test_weighting_by_rows_would_be_wrong_on_this_batch():
-    """Sanity check of the batch: the old weighting (rows / total rows) misses by far more than 1e-6."""
+    """Sanity check of the batch: the old weighting (rows / total rows) misses by far more than TOL."""
 
     class RowWeighted(GRPOLoss):
         def normalizer(self, mask):
@@ -112,9 +171,9 @@ def test_weighting_by_rows_would_be_wrong_on_this_batch():
 
     model = tiny_model()
     td = make_batch(model)
-    full = gradient(model, td, RowWeighted(aggregation="seq-mean"), micro_batch_size=len(LENGTHS))
-    rel = float((gradient(model, td, RowWeighted(aggregation="seq-mean"), 2) - full).abs().max() / full.abs().max())
-    assert rel > 0.05
+    full, _ = gradient(model, td, RowWeighted(aggregation="seq-mean"), **FULL)
+    for split in (dict(micro_batch_size=2), dict(max_tokens_per_micro_batch=15)):
+        assert rel_diff(gradient(model, td, RowWeighted(aggregation="seq-mean"), **split)[0], full) > 0.05
 
 
 # ---------------------------------------------------------------- non-finite steps

@@ -10,7 +10,8 @@ from rayllm_rl.learner.distributed import (
     launch_local,
     shard_model,
 )
-from rayllm_rl.learner.learner import Learner, OptimConfig, token_logprobs
+from rayllm_rl.learner.learner import Learner, OptimConfig
+from rayllm_rl.learner.logprobs import token_budget_micro_batches, token_logprobs
 
 __all__ = [
     "DistConfig",
@@ -23,5 +24,6 @@ __all__ = [
     "load_checkpoint",
     "save_checkpoint",
     "shard_model",
+    "token_budget_micro_batches",
     "token_logprobs",
 ]

@@ -19,12 +19,16 @@ minibatch's GLOBAL `loss.normalizer` (the tokens or non-empty rows the loss aver
 gradients SUMmed over ranks, so the update equals the single-process one on the same batch (up
 to float summation order).
 
-Micro-batches: micro-batch k's loss is weighted by `loss.normalizer(mask_k) / loss.normalizer(mask)`,
-so the accumulated gradient equals the full-batch gradient for every aggregation, rows with no
-trained token included. A step whose loss or gradient is not finite is skipped (weights and
-optimizer state untouched) and counted in `skipped_nonfinite_steps`. Every public method
-that touches the model (`compute_logprobs`, `train_step`, `named_tensors`, `iter_named_tensors`,
-checkpointing) is a collective: all ranks must call it, in the same order, with the same batch.
+Micro-batches are bounded by padded tokens (`OptimConfig.max_tokens_per_micro_batch`): rows sorted
+longest first, grouped greedily, each group cut to its longest row (`logprobs.micro_batches`).
+Logprobs go through the LM head in chunks of positions (`logprobs.token_logprobs`), and only at the
+trained tokens (`loss_mask`), so no `[B, T, V]` tensor exists. Micro-batch k's loss is weighted by
+`loss.normalizer(mask_k) / loss.normalizer(mask)`, so the accumulated gradient equals the
+full-batch gradient for every aggregation and every grouping, rows with no trained token included.
+A step whose loss or gradient is not finite is skipped (weights and optimizer state untouched)
+and counted in `skipped_nonfinite_steps`. Every public method that touches the model
+(`compute_logprobs`, `train_step`, `named_tensors`, `iter_named_tensors`, checkpointing) is a
+collective: all ranks must call it, in the same order, with the same batch.
 """
 from __future__ import annotations
 
@@ -45,6 +49,14 @@ from rayllm_rl.learner.distributed import (
     shard_model,
     to_local_scalar,
 )
+from rayllm_rl.learner.logprobs import (
+    batched_token_logprobs,
+    check_chunked_head,
+    micro_batches,
+    row_lengths,
+    token_budget_micro_batches,
+    token_logprobs,
+)
 from rayllm_rl.objectives.base import Loss
 from rayllm_rl.objectives.ppo_decoupled import loglinear_prox_logp
 
@@ -63,8 +75,20 @@ class OptimConfig:
     """AdamW beta2."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (<= 0 disables)."""
-    micro_batch_size: int = 256
-    """Sequences per forward/backward; gradients accumulate over micro-batches."""
+    max_tokens_per_micro_batch: int = 16384
+    """Padded tokens (rows x longest row) per forward/backward; gradients accumulate over micro-batches.
+    Rows are sorted by length, so padding stays small. 16384 keeps a ~1.5B model's activations in a few
+    GB of GPU memory, and the LM head never holds more than `logprob_chunk_size` positions of logits.
+    A row longer than this is a micro-batch of its own."""
+    micro_batch_size: int = 0
+    """Optional cap on rows per micro-batch on top of the token budget (0 = no row cap)."""
+    logprob_chunk_size: int = 1024
+    """Positions per LM-head chunk when computing logprobs and entropy: at most one `[chunk, V]` float32
+    block of logits lives at a time (0.62 GB at 1024 x 151,936). 0 = full-vocabulary logits (only for
+    models whose logits are post-processed, e.g. soft-capped)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward (HF gradient checkpointing, non-reentrant):
+    less memory for long sequences, about one more forward of compute."""
     num_minibatches: int = 1
     """Optimizer steps per epoch over a rollout batch (1 = fully on-policy)."""
     epochs: int = 1
@@ -72,67 +96,46 @@ class OptimConfig:
     warmup_steps: int = 0
     """Linear warm-up of the learning rate over this many optimizer steps."""
 
+    def __post_init__(self) -> None:
+        if self.max_tokens_per_micro_batch < 1:
+            raise ValueError(f"optim.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch}: must be >= 1")
+        if self.micro_batch_size < 0:
+            raise ValueError(f"optim.micro_batch_size={self.micro_batch_size}: must be >= 0 (0 = no row cap)")
+        if self.logprob_chunk_size < 0:
+            raise ValueError(f"optim.logprob_chunk_size={self.logprob_chunk_size}: must be >= 0 "
+                             "(0 = full-vocabulary logits)")
+
 
 COUNTED_METRICS = frozenset({"skipped_nonfinite_steps"})
 """train_step metrics summed over its optimizer steps (counts), not averaged."""
 
-ENTROPY_CHUNK = 512
-"""Positions per chunk when the learner computes the policy entropy metric."""
+
+def set_activation_checkpointing(model: torch.nn.Module, on: bool) -> None:
+    """Turn HF gradient checkpointing (non-reentrant) of the decoder layers on or off; a no-op if
+    already so. Works on an FSDP2-sharded model (the recompute re-runs the layer's all-gather)."""
+    if bool(getattr(model, "is_gradient_checkpointing", False)) == on:
+        return
+    if on:
+        if not getattr(model, "supports_gradient_checkpointing", False):
+            raise ValueError(f"optim.activation_checkpointing=true: {type(model).__name__} does not support "
+                             "gradient checkpointing (transformers models built of GradientCheckpointingLayer do)")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
 
 
-def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   temperature: float = 1.0, *, with_entropy: bool = False):
-    """Token-aligned log pi(x_t | x_<t) `[B, T]` for right-padded input; column 0 is 0.
+def reshard(model: torch.nn.Module) -> None:
+    """Free the unsharded parameters every FSDP2 module still holds (a no-op without FSDP).
 
-    Computed in float32, or float64 for a float64 model (never below float32).
-
-    With `with_entropy`, also the detached entropy of the full next-token distribution at each
-    position, `[B, T]` aligned the same way (column 0 is 0): `(logp, entropy)`.
+    The root module keeps its parameters (embeddings, final norm, LM head) gathered after a
+    forward without backward (`torch.no_grad`): that wastes their full size, and an optimizer
+    built then would hold the gathered tensors instead of the sharded parameters.
     """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask.long()).logits[:, :-1]
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    if temperature != 1.0:
-        logits = logits / temperature
-    log_probs = torch.log_softmax(logits, dim=-1)
-    logp = log_probs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    logp = torch.nn.functional.pad(logp, (1, 0), value=0.0)
-    if not with_entropy:
-        return logp
-    with torch.no_grad():  # chunked over positions: one [B, chunk, V] temporary at a time
-        ent = torch.cat([-(lp.exp() * lp).sum(-1) for lp in log_probs.split(ENTROPY_CHUNK, dim=1)], dim=1)
-    return logp, torch.nn.functional.pad(ent, (1, 0), value=0.0)
+    from torch.distributed.fsdp import FSDPModule
 
-
-@torch.no_grad()
-def batched_token_logprobs(model: torch.nn.Module, td: TensorDict, micro_batch_size: int, temperature: float = 1.0,
-                           device: torch.device | str = "cpu") -> torch.Tensor:
-    """`token_logprobs` over `td` in micro-batches trimmed to their longest row: `[N, T]` on CPU,
-    float32 (float64 for a float64 model)."""
-    out = torch.zeros(td["input_ids"].shape, dtype=torch.float32)
-    for i in range(0, td.batch_size[0], micro_batch_size):
-        mb = td[i:i + micro_batch_size]
-        width = int(mb["attention_mask"].sum(-1).max())
-        lp = token_logprobs(
-            model, mb["input_ids"][:, :width].to(device), mb["attention_mask"][:, :width].to(device), temperature).cpu()
-        out = out.to(lp.dtype)
-        out[i:i + mb.batch_size[0], :width] = lp
-    return out
-
-
-def _trim(td: TensorDict, width: int) -> TensorDict:
-    """Cut the token keys (`[B, T, ...]`) of a batch to their first `width` columns."""
-    full = td["input_ids"].shape[-1]
-    if width >= full:
-        return td
-    if td.batch_dims >= 2:
-        return td[:, :width]
-    return td.apply(lambda x: x[:, :width] if x.dim() >= 2 and x.shape[1] == full else x)
-
-
-def _micro_batches(td: TensorDict, size: int):
-    for i in range(0, td.batch_size[0], size):
-        mb = td[i:i + size]
-        yield _trim(mb, int(mb["attention_mask"].sum(-1).max()))  # trim shared right padding
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 class Learner:
@@ -148,6 +151,8 @@ class Learner:
         self.rank, self.world_size = self.dist.rank, self.dist.world_size
         self.model = model if model is not None else AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
         self.model.train()
+        if optim.activation_checkpointing:  # before sharding: the layers' __call__ wraps FSDP's hooks
+            set_activation_checkpointing(self.model, True)
         self.mesh = None
         if self.world_size > 1:
             self.mesh = init_distributed(self.dist)
@@ -161,11 +166,14 @@ class Learner:
         self.seed = seed
         # Minibatch permutations come from this generator only: identical on every rank, checkpointable.
         self.generator = torch.Generator().manual_seed(seed)
+        check_chunked_head(self.model, optim.logprob_chunk_size)
         self.reset_optimizer(optim)
 
     def reset_optimizer(self, optim: OptimConfig) -> None:
         """Fresh AdamW state and step count (e.g. between the SFT warm start and RL)."""
         self.cfg = optim
+        set_activation_checkpointing(self.model, optim.activation_checkpointing)
+        reshard(self.model)  # AdamW must get the sharded parameters
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=optim.lr,
             betas=(optim.beta1, optim.beta2), weight_decay=optim.weight_decay,
@@ -180,7 +188,11 @@ class Learner:
         With FSDP every rank runs the forward on ALL rows (a forward-only pass, cheap next to the
         update) and returns the full `[N, T]`; the call is collective (parameter all-gathers).
         """
-        return batched_token_logprobs(self.model, td, self.cfg.micro_batch_size, self.temperature, self.device)
+        out = batched_token_logprobs(self.model, td, self.cfg.max_tokens_per_micro_batch, self.temperature,
+                                     self.device, chunk_size=self.cfg.logprob_chunk_size,
+                                     max_rows=self.cfg.micro_batch_size)
+        reshard(self.model)
+        return out
 
     # ------------------------------------------------------------------ update
     def _lr_scale(self) -> float:
@@ -237,17 +249,24 @@ class Learner:
         # Micro-batch k's loss averages over normalizer(mask_k) units (tokens, non-empty rows, rows):
         # weighting it by normalizer(mask_k) / normalizer(mask) makes the sum the full-batch loss.
         total_units = float(loss_fn.normalizer(td["loss_mask"]))
-        shard = td[self.rank * n // self.world_size:(self.rank + 1) * n // self.world_size]
-        mbs = list(_micro_batches(shard, self.cfg.micro_batch_size))
-        # FSDP: every rank must run as many forward/backward passes as the rank with the largest shard.
-        passes = max(1, math.ceil(math.ceil(n / self.world_size) / self.cfg.micro_batch_size))
+        budget, rows = self.cfg.max_tokens_per_micro_batch, self.cfg.micro_batch_size
+        chunk = self.cfg.logprob_chunk_size
+        bounds = [(r * n // self.world_size, (r + 1) * n // self.world_size) for r in range(self.world_size)]
+        shard = td[bounds[self.rank][0]:bounds[self.rank][1]]
+        mbs = [mb for _, mb in micro_batches(shard, budget, rows)]
+        # FSDP: every rank must run as many forward/backward passes as the rank with the most micro-batches;
+        # every rank holds the full minibatch, so each plans every rank's micro-batches without a collective.
+        lengths = row_lengths(td)
+        passes = max(len(token_budget_micro_batches(lengths[lo:hi], budget, rows)) for lo, hi in bounds)
         self.optimizer.zero_grad(set_to_none=True)
         metrics: dict[str, float] = {}
         nonfinite_loss = False
         for mb in mbs:
             mask = mb["loss_mask"]
+            # logprobs only where the loss reads them: the gradient is the same, the LM head does less
             logp, entropy = token_logprobs(self.model, mb["input_ids"].to(self.device),
-                                           mb["attention_mask"].to(self.device), self.temperature, with_entropy=True)
+                                           mb["attention_mask"].to(self.device), self.temperature,
+                                           with_entropy=True, positions=(mask != 0).to(self.device), chunk_size=chunk)
             if self.device.type != "cpu":
                 mb = mb.to(self.device)
             # true policy entropy over the trained tokens (the loss only sees sampled-token logprobs)
@@ -266,9 +285,9 @@ class Learner:
                     metrics[k] = metrics.get(k, 0.0) + float(v) * weight
         if self.world_size > 1:
             for _ in range(passes - len(mbs)):  # zero-weight pass: joins the all-gathers / reduce-scatters
-                dummy = next(_micro_batches(td[:1], 1))
-                token_logprobs(self.model, dummy["input_ids"].to(self.device),
-                               dummy["attention_mask"].to(self.device), self.temperature).sum().mul(0.0).backward()
+                dummy = micro_batches(td[:1], budget)[0][1]
+                token_logprobs(self.model, dummy["input_ids"].to(self.device), dummy["attention_mask"].to(self.device),
+                               self.temperature, chunk_size=chunk).sum().mul(0.0).backward()
             summed: dict[str, float] = {}  # weights are global fractions, so the rank sum is the global mean
             parts = all_gather_objects((metrics, nonfinite_loss))
             for part, bad in parts:

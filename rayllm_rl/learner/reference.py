@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from rayllm_rl.learner.learner import batched_token_logprobs
+from rayllm_rl.learner.logprobs import DEFAULT_CHUNK, batched_token_logprobs, check_chunked_head
 
 
 REFERENCE_FILE = "reference.safetensors"
@@ -29,12 +29,15 @@ class ReferenceModel:
     """Loads a model with `from_pretrained` (or takes a copy of given weights) and never trains it.
 
     `compute_logprobs(td)` returns `[N, T]` token-aligned log pi_ref (column 0 and padding 0) at
-    the same temperature as the learner, micro-batched to bound memory. In the Ray backend it runs
-    inside a reference actor (orchestration.actors.ReferenceActor).
+    the same temperature as the learner, batched like the learner: micro-batches of at most
+    `max_tokens_per_micro_batch` padded tokens, the LM head in chunks of `logprob_chunk_size`
+    positions (see `OptimConfig`). In the Ray backend it runs inside a reference actor
+    (orchestration.actors.ReferenceActor).
     """
 
-    def __init__(self, model_path: str, *, temperature: float = 1.0, micro_batch_size: int = 16,
-                 dtype: torch.dtype = torch.float32, named_tensors: dict[str, torch.Tensor] | None = None):
+    def __init__(self, model_path: str, *, temperature: float = 1.0, max_tokens_per_micro_batch: int = 16384,
+                 logprob_chunk_size: int = DEFAULT_CHUNK, dtype: torch.dtype = torch.float32,
+                 named_tensors: dict[str, torch.Tensor] | None = None):
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
@@ -42,7 +45,12 @@ class ReferenceModel:
             self.load_weights(named_tensors)
         self.model.eval().requires_grad_(False)
         self.temperature = temperature
-        self.micro_batch_size = micro_batch_size
+        if max_tokens_per_micro_batch < 1 or logprob_chunk_size < 0:
+            raise ValueError(f"ReferenceModel needs max_tokens_per_micro_batch >= 1 and logprob_chunk_size >= 0, got "
+                             f"{max_tokens_per_micro_batch} and {logprob_chunk_size}")
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
+        self.logprob_chunk_size = logprob_chunk_size
+        check_chunked_head(self.model, logprob_chunk_size)
 
     def load_weights(self, named: dict[str, torch.Tensor]) -> None:
         """Replace the reference weights (e.g. with the policy right after its SFT warm start)."""
@@ -63,4 +71,5 @@ class ReferenceModel:
         return path
 
     def compute_logprobs(self, td: TensorDict) -> torch.Tensor:
-        return batched_token_logprobs(self.model, td, self.micro_batch_size, self.temperature)
+        return batched_token_logprobs(self.model, td, self.max_tokens_per_micro_batch, self.temperature,
+                                      chunk_size=self.logprob_chunk_size)

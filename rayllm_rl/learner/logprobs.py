@@ -1,0 +1,282 @@
+"""Token logprobs and entropy of a causal LM without materialising `[B, T, V]` logits.
+
+The model's own forward runs with its output head (`get_output_embeddings()`, a Linear) swapped,
+for that call only, for a function that takes the final hidden states `[B, T, H]`, keeps the
+positions whose logprob is wanted (`positions`: the loss mask in training, every real token
+otherwise) and pushes them through the head `chunk_size` positions at a time
+(`ChunkedHeadLogprobs`): forward and backward each hold one `[chunk, V]` float32 block at a time
+(two while the entropy is computed), and backward recomputes a chunk's logits instead of keeping
+them. Because the swap happens inside the model's forward, an FSDP2-wrapped model all-gathers
+and reduce-scatters the head (tied or not) exactly as in a plain forward; the decoder is reached
+through the model's forward, whatever its attribute names.
+
+Micro-batches are bounded by padded tokens (`token_budget_micro_batches`): rows sorted longest
+first and grouped greedily so that rows x longest row <= the budget, each cut to its longest row.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+from tensordict import TensorDict
+
+DEFAULT_CHUNK = 1024
+"""Positions per LM-head chunk: a `[1024, 151936]` float32 block is 0.62 GB (Qwen2.5's vocabulary)."""
+
+ENTROPY_CHUNK = 512
+"""Positions per entropy chunk on the full-vocabulary path (`full_token_logprobs`)."""
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32, or float64 for a float64 model (logprobs are never computed below float32)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
+                  acc: torch.dtype) -> torch.Tensor:
+    """`[c, V]` logits / temperature in `acc` dtype for hidden states `h` `[c, H]`."""
+    z = torch.nn.functional.linear(h, weight, bias).to(acc)
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+class ChunkedHeadLogprobs(torch.autograd.Function):
+    """`log softmax(h W^T + b) / T)[target]` and the entropy of that distribution, `[N]` each,
+    computed `chunk` rows at a time; backward recomputes each chunk's logits.
+
+    Inputs: hidden `[N, H]`, weight `[V, H]`, bias `[V]` or None, targets `[N]` (long).
+    The entropy output is detached (a metric, no gradient). Gradients of the weight accumulate
+    over chunks in float32 (float64 for a float64 weight), then take the weight's dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk: int, with_entropy: bool):
+        acc = _acc_dtype(hidden.dtype)
+        n = hidden.shape[0]
+        logp = hidden.new_empty(n, dtype=acc)
+        lse = hidden.new_empty(n, dtype=acc)
+        ent = hidden.new_zeros(n if with_entropy else 0, dtype=acc)
+        for s in range(0, n, chunk):
+            z = _chunk_logits(hidden[s:s + chunk], weight, bias, temperature, acc)
+            lse_c = torch.logsumexp(z, dim=-1)
+            lse[s:s + chunk] = lse_c
+            logp[s:s + chunk] = z.gather(1, targets[s:s + chunk, None]).squeeze(1) - lse_c
+            if with_entropy:  # H = lse - sum_v p_v z_v, the dot product as a bmm (no third block)
+                p = (z - lse_c[:, None]).exp_()
+                ent[s:s + chunk] = lse_c - torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(-1)
+                del p
+            del z
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_ent):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        acc = lse.dtype
+        w_acc = _acc_dtype(weight.dtype)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=w_acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=w_acc, device=bias.device) if need_b and bias is not None else None
+        t, chunk = ctx.temperature, ctx.chunk
+        for s in range(0, hidden.shape[0], chunk):
+            h = hidden[s:s + chunk]
+            g = grad_logp[s:s + chunk].to(acc)
+            # d logp / d z = onehot(target) - softmax(z); z = logits / T, so d/d logits has a 1/T
+            dz = _chunk_logits(h, weight, bias, t, acc).sub_(lse[s:s + chunk, None]).exp_()
+            dz.mul_(-g[:, None])
+            dz.scatter_add_(1, targets[s:s + chunk, None], g[:, None])
+            if t != 1.0:
+                dz.div_(t)
+            dz_w = dz.to(weight.dtype)
+            del dz
+            if need_h:
+                grad_h[s:s + chunk] = (dz_w @ weight).to(hidden.dtype)
+            if need_w:
+                grad_w.add_(dz_w.t() @ h.to(weight.dtype))
+            if grad_b is not None:
+                grad_b.add_(dz_w.sum(0))
+            del dz_w
+        return (grad_h, grad_w.to(weight.dtype) if grad_w is not None else None,
+                grad_b.to(bias.dtype) if grad_b is not None else None, None, None, None, None)
+
+
+def chunked_head_logprobs(hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor, temperature: float = 1.0,
+                          chunk_size: int = DEFAULT_CHUNK, with_entropy: bool = False):
+    """`(logp [N], entropy [N] or empty)` of `targets` under `head(hidden) / temperature`, hidden `[N, H]`."""
+    return ChunkedHeadLogprobs.apply(hidden, head.weight, head.bias, targets, float(temperature), int(chunk_size),
+                                     bool(with_entropy))
+
+
+def linear_head(model: torch.nn.Module) -> torch.nn.Linear | None:
+    """The model's output head if the chunked path can use it (a `Linear` from `get_output_embeddings()`)."""
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    return head if isinstance(head, torch.nn.Linear) else None
+
+
+@contextlib.contextmanager
+def _head_forward(head: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]):
+    """Within the block, `head(x)` calls `fn(x)` (an instance attribute shadowing the class forward)."""
+    had = "forward" in head.__dict__
+    saved = head.__dict__.get("forward")
+    head.forward = fn
+    try:
+        yield
+    finally:
+        if had:
+            head.forward = saved
+        else:
+            del head.forward
+
+
+def full_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        temperature: float = 1.0, *, with_entropy: bool = False):
+    """The full-vocabulary path: `[B, T, V]` logits, float32 log_softmax (the learner's path before
+    chunking). For models without a Linear output head or with post-processed logits
+    (`logprob_chunk_size=0`). Same outputs as `token_logprobs`, at every position."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask.long()).logits[:, :-1]
+    logits = logits.to(_acc_dtype(logits.dtype))
+    if temperature != 1.0:
+        logits = logits / temperature
+    log_probs = torch.log_softmax(logits, dim=-1)
+    logp = log_probs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    logp = torch.nn.functional.pad(logp, (1, 0), value=0.0)
+    if not with_entropy:
+        return logp
+    with torch.no_grad():  # chunked over positions: one [B, chunk, V] temporary at a time
+        ent = torch.cat([-(lp.exp() * lp).sum(-1) for lp in log_probs.split(ENTROPY_CHUNK, dim=1)], dim=1)
+    return logp, torch.nn.functional.pad(ent, (1, 0), value=0.0)
+
+
+def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   temperature: float = 1.0, *, with_entropy: bool = False, positions: torch.Tensor | None = None,
+                   chunk_size: int = DEFAULT_CHUNK):
+    """Token-aligned log pi(x_t | x_<t) `[B, T]` for right-padded input; column 0 is 0.
+
+    Only the tokens in `positions` (`[B, T]` bool; default `attention_mask`) are computed, chunk
+    by chunk through the LM head; the others are 0 (the losses read logp on their mask only).
+    float32, or float64 for a float64 model. With `with_entropy`, also the detached entropy of
+    the full next-token distribution at the same positions: `(logp, entropy)`, both `[B, T]`.
+    `chunk_size <= 0`, or a model without a Linear output head, takes `full_token_logprobs`.
+    """
+    head = linear_head(model) if chunk_size > 0 else None
+    if head is None:
+        out = full_token_logprobs(model, input_ids, attention_mask, temperature, with_entropy=with_entropy)
+        if positions is None:
+            return out
+        keep = positions.to(torch.bool)
+        return tuple(torch.where(keep, x, torch.zeros_like(x)) for x in out) if with_entropy else \
+            torch.where(keep, out, torch.zeros_like(out))
+    b, t = input_ids.shape
+    sel = (attention_mask if positions is None else positions).to(torch.bool)[:, 1:]  # position t-1 predicts t
+    targets = input_ids[:, 1:][sel]
+    side: dict[str, torch.Tensor] = {}
+
+    def head_logprobs(hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[:2] != (b, t):
+            raise RuntimeError(f"{type(model).__name__} called its output head on hidden states of shape "
+                               f"{tuple(hidden.shape)}, not [B, T, H] = [{b}, {t}, H]; use logprob_chunk_size=0")
+        logp, ent = chunked_head_logprobs(hidden[:, :-1][sel], head, targets, temperature, chunk_size, with_entropy)
+        zeros = hidden.new_zeros(b, t - 1, dtype=logp.dtype)
+        side["entropy"] = torch.nn.functional.pad(zeros.masked_scatter(sel, ent), (1, 0)) if with_entropy else None
+        return torch.nn.functional.pad(zeros.masked_scatter(sel, logp), (1, 0))
+
+    with _head_forward(head, head_logprobs):
+        # The returned "logits" are the [B, T] logprobs (FSDP2 hooks its backward on them).
+        logp = model(input_ids=input_ids, attention_mask=attention_mask.long(), use_cache=False).logits
+    if logp.shape != (b, t):
+        raise RuntimeError(f"{type(model).__name__} post-processed its head output (shape {tuple(logp.shape)}); "
+                           "use logprob_chunk_size=0")
+    return (logp, side["entropy"]) if with_entropy else logp
+
+
+@torch.no_grad()
+def check_chunked_head(model: torch.nn.Module, chunk_size: int = DEFAULT_CHUNK, tokens: int = 8) -> None:
+    """Raise ValueError unless the chunked path reproduces the model's own logits on a short input.
+
+    Catches heads whose output the model post-processes (logit soft-capping, scaling), which the
+    chunked path would skip. One short forward of each path, in eval mode; collective under FSDP.
+    """
+    head = linear_head(model)
+    if chunk_size <= 0 or head is None:
+        return
+    device = next(model.parameters()).device
+    vocab = int(head.weight.shape[0])
+    ids = (torch.arange(tokens, device=device) * 7919 + 11).remainder(vocab)[None]
+    am = torch.ones_like(ids, dtype=torch.bool)
+    was_training = model.training
+    model.eval()
+    try:
+        want = full_token_logprobs(model, ids, am)
+        got = token_logprobs(model, ids, am, chunk_size=max(1, min(chunk_size, 3)))
+    finally:
+        model.train(was_training)
+    diff = float((want - got).abs().max())
+    tol = 1e-3 if head.weight.dtype in (torch.float32, torch.float64) else 5e-2
+    if not diff <= tol:
+        raise ValueError(f"{type(model).__name__}: the chunked LM-head logprobs differ from the model's own by "
+                         f"{diff:.3g} "
+                         "(it post-processes its logits, e.g. soft-capping); set optim.logprob_chunk_size=0 for "
+                         "the full-vocabulary path")
+
+
+def token_budget_micro_batches(lengths: torch.Tensor, max_tokens: int, max_rows: int = 0) -> list[torch.Tensor]:
+    """Row indices of each micro-batch for rows of `lengths` `[N]`: longest first, grouped greedily
+    so that rows x longest row <= `max_tokens` (a row longer than the budget goes alone) and, if
+    `max_rows` > 0, at most `max_rows` rows. Deterministic (a stable sort)."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    order = torch.argsort(lengths.cpu(), descending=True, stable=True).tolist()
+    lens = lengths.cpu().tolist()
+    groups: list[list[int]] = []
+    width = 0
+    for i in order:
+        cur = groups[-1] if groups else None
+        if cur is None or (len(cur) + 1) * width > max_tokens or 0 < max_rows <= len(cur):
+            groups.append([i])
+            width = max(int(lens[i]), 1)
+        else:
+            cur.append(i)
+    return [torch.tensor(g, dtype=torch.long) for g in groups]
+
+
+def row_lengths(td: TensorDict) -> torch.Tensor:
+    """Tokens per right-padded row `[N]` (the attention mask's row sums)."""
+    return td["attention_mask"].sum(-1)
+
+
+def trim(td: TensorDict, width: int) -> TensorDict:
+    """Cut the token keys (`[B, T, ...]`) of a batch to their first `width` columns."""
+    full = td["input_ids"].shape[-1]
+    if width >= full:
+        return td
+    if td.batch_dims >= 2:
+        return td[:, :width]
+    return td.apply(lambda x: x[:, :width] if x.dim() >= 2 and x.shape[1] == full else x)
+
+
+def micro_batches(td: TensorDict, max_tokens: int, max_rows: int = 0) -> list[tuple[torch.Tensor, TensorDict]]:
+    """`(row indices, rows cut to their longest)` per token-budget micro-batch of `td`."""
+    lengths = row_lengths(td)
+    return [(idx, trim(td[idx], max(1, int(lengths[idx].max())))) for idx in
+            token_budget_micro_batches(lengths, max_tokens, max_rows)]
+
+
+@torch.no_grad()
+def batched_token_logprobs(model: torch.nn.Module, td: TensorDict, max_tokens: int, temperature: float = 1.0,
+                           device: torch.device | str = "cpu", *, chunk_size: int = DEFAULT_CHUNK,
+                           max_rows: int = 0) -> torch.Tensor:
+    """`token_logprobs` at every real token of `td`, in token-budget micro-batches: `[N, T]` on CPU
+    in the original row order, float32 (float64 for a float64 model), 0 at padding."""
+    n, t = td["input_ids"].shape
+    out: torch.Tensor | None = None
+    for idx, mb in micro_batches(td, max_tokens, max_rows):
+        lp = token_logprobs(model, mb["input_ids"].to(device), mb["attention_mask"].to(device), temperature,
+                            chunk_size=chunk_size).cpu()
+        if out is None:
+            out = torch.zeros(n, t, dtype=lp.dtype)
+        out[idx, :lp.shape[1]] = lp
+    return out if out is not None else torch.zeros(n, t)
