@@ -112,6 +112,7 @@ class VLLMEngine:
             enforce_eager=o.enforce_eager, max_num_seqs=o.max_num_seqs, logprobs_mode="processed_logprobs",
             tensor_parallel_size=o.tensor_parallel_size, worker_extension_cls=WORKER_EXTENSION,
             weight_transfer_config={"backend": "rayllm"}, disable_log_stats=True,
+            use_tqdm_on_load=False,  # no loading bar: Ray forwards it to the driver's console
             # One worker inside the engine-core process on CPU; vLLM's own choice on GPUs.
             distributed_executor_backend="uni" if o.tensor_parallel_size == 1 else None,
             **({"kv_cache_memory_bytes": int(o.kv_cache_mb) << 20} if on_cpu
@@ -163,8 +164,10 @@ class VLLMEngine:
         await self.start()
         t0 = time.perf_counter()
         final = None
-        async for out in self._llm.generate(TokensPrompt(prompt_token_ids=list(request.input_ids)),
-                                            self._sampling(request), request_id=f"{request.rid}-{uuid.uuid4().hex[:8]}"):
+        # vLLM's renderer turns the token ids into its engine input (a raw prompt is deprecated and warned about)
+        (prompt,) = await self._llm.renderer.render_cmpl_async([TokensPrompt(prompt_token_ids=list(request.input_ids))])
+        async for out in self._llm.generate(prompt, self._sampling(request),
+                                            request_id=f"{request.rid}-{uuid.uuid4().hex[:8]}"):
             final = out
         comp = final.outputs[0]
         tokens = list(comp.token_ids)
