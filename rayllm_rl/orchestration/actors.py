@@ -20,6 +20,7 @@ import ray
 import torch
 
 from rayllm_rl.data.replay_buffer import ReplayBuffer
+from rayllm_rl.hub import resolve_model_path
 from rayllm_rl.inference.protocol import LLMRequest, LLMResponse, UpdateGroupSpec, weights_checksum
 from rayllm_rl.orchestration.router import ReplicaNotReady, ReplicaRouter
 
@@ -155,7 +156,8 @@ class ReferenceActor(_Process):
 
         torch.set_num_threads(num_threads)
         named = load_reference_weights(weights) if isinstance(weights, str) else weights
-        self.model = ReferenceModel(model_path, temperature=temperature, named_tensors=named)
+        # this node's copy of the driver's snapshot (multi-node: each node has its own HF cache)
+        self.model = ReferenceModel(resolve_model_path(model_path), temperature=temperature, named_tensors=named)
 
     def compute_logprobs(self, batch) -> torch.Tensor:
         return self.model.compute_logprobs(batch)
@@ -238,7 +240,7 @@ class LearnerWorker(_Process):
         backend = "nccl" if use_gpu else "gloo"
         dist = DistConfig(rank=self.rank, world_size=self.world_size, master_addr=master_addr,
                           master_port=master_port, backend=backend) if self.world_size > 1 or use_gpu else None
-        self.learner = Learner(model_path, optim, temperature=temperature, seed=seed, dist=dist,
+        self.learner = Learner(resolve_model_path(model_path), optim, temperature=temperature, seed=seed, dist=dist,
                                dtype=getattr(torch, dtype))
         self.loss = algo.build_loss(max_new_tokens)
         return True
@@ -302,7 +304,8 @@ class LearnerWorker(_Process):
 
         from rayllm_rl.learner.checkpoint import save_checkpoint
 
-        tok = AutoTokenizer.from_pretrained(tokenizer_path) if tokenizer_path and self.rank == 0 else None
+        tok = (AutoTokenizer.from_pretrained(resolve_model_path(tokenizer_path))
+               if tokenizer_path and self.rank == 0 else None)
         save_checkpoint(self.learner, path, tokenizer=tok, extra=extra)
         return path
 

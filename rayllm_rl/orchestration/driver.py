@@ -60,6 +60,7 @@ def train(cfg: GRPOJobConfig) -> dict:
                 backend.recover(crash)
                 cfg = dataclasses.replace(cfg, resume=run.checkpoint)
     finally:
+        reporter.close()  # a failed run gives the console back before its traceback prints (idempotent)
         backend.shutdown()
 
 
