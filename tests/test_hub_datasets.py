@@ -117,3 +117,37 @@ def test_env_worker_task_holds_no_dataset_and_its_env_takes_the_given_row(tokeni
     assert row["question"] in env.messages_of(row)[-1]["content"]
     with pytest.raises(ValueError, match="holds no dataset"):
         env.reset()
+
+
+@pytest.mark.parametrize("source", ["hub", "file"])
+def test_task_datasets_pickle_their_rows_not_cache_paths(gsm8k_hub, tmp_path, source):
+    """Ray pickles `task.train` for the collector, maybe on another node: the pickle must carry the rows.
+    A dataset backed by arrow files in the driver's `datasets` cache pickles as their paths only."""
+    import pickle
+    import shutil
+
+    from fixtures.hub_cache import GSM8K_FIXTURE
+
+    path = "openai/gsm8k" if source == "hub" else str(GSM8K_FIXTURE)
+    task = build_task(tmp_path, "task=gsm8k", f"data.path={path}", "data.eval_size=1")
+    cache = tmp_path / "hf_home" / "datasets"
+    rows = {"train": task.train.to_list(), "eval": task.eval.to_list()}
+    assert len(rows["train"]) == (3 if source == "hub" else 4) and len(rows["eval"]) == 1
+    blobs = {k: pickle.dumps(getattr(task, k)) for k in rows}
+    assert cache.is_dir() and all(str(cache).encode() not in b for b in blobs.values())
+    shutil.rmtree(cache)  # what another node's collector sees: no such cache
+    for k, blob in blobs.items():
+        back = pickle.loads(blob)
+        assert back.to_list() == rows[k]
+        assert back[0]["messages"][-1]["content"].endswith(rows[k][0]["question"])
+
+
+def test_an_empty_eval_split_pickles_without_cache_paths(tmp_path, monkeypatch):
+    import pickle
+
+    from fixtures.hub_cache import GSM8K_FIXTURE
+
+    home = go_offline(tmp_path, monkeypatch)
+    task = build_task(tmp_path, "task=gsm8k", f"data.path={GSM8K_FIXTURE}", "data.eval_size=0")
+    assert len(task.train) == 5 and len(task.eval) == 0 and task.eval.column_names == ["question", "answer"]
+    assert str(home).encode() not in pickle.dumps(task.eval) + pickle.dumps(task.train)

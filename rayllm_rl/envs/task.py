@@ -74,8 +74,21 @@ def _dataset_task(name: str, data_cfg: Any, seed: int) -> Task:
     rows = load_rows(data_cfg.path, data_cfg.split, **checks)
     held = load_rows(data_cfg.eval_path, data_cfg.split, field="data.eval_path", **checks) if data_cfg.eval_path else None
     train, eval_ = split_held_out(rows, data_cfg.eval_size, seed, held)
-    return Task(name, add_messages(train, make_messages), add_messages(eval_, make_messages) if len(eval_) else eval_,
-                reward_fn, sft_target, _row_fed_env_factory(env_cls, reward_fn))
+    train, eval_ = add_messages(train, make_messages), add_messages(eval_, make_messages) if len(eval_) else eval_
+    return Task(name, in_memory(train), in_memory(eval_), reward_fn, sft_target, _row_fed_env_factory(env_cls, reward_fn))
+
+
+def in_memory(dataset):
+    """`dataset` with its rows held in memory (an InMemoryTable, no indices mapping), so that pickling it
+    (Ray sending `task.train` to the collector, on any node) carries the rows. A dataset read by
+    `load_dataset`, `.map` or `train_test_split` is backed by arrow files in this machine's `datasets`
+    cache, and its pickle holds only their paths, which another node does not have. GSM8K's 7.5k rows
+    with their `messages` column pickle to about 8 MB."""
+    if len(dataset) == 0:  # flatten_indices maps no batch and keeps the file-backed table
+        from datasets import Dataset
+
+        return Dataset.from_dict({c: [] for c in dataset.column_names}, features=dataset.features)
+    return dataset.flatten_indices(keep_in_memory=True)
 
 
 def make_worker_task(name: str) -> Task:
