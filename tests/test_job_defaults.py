@@ -158,6 +158,59 @@ def test_the_python_api_resolves_after_its_overrides(tmp_path, monkeypatch):
     assert (saved["sft"]["steps"], saved["rollout"]["max_new_tokens"], saved["optim"]["lr"]) == (0, 1024, 1e-6)
 
 
+@pytest.fixture
+def recorded(tmp_path, monkeypatch):
+    """`recorded(config, overrides)`: the config.json a `train(config, overrides)` job writes; the job stops
+    at its first real step (an offline hub id that is not cached), before Ray or any actor starts."""
+    from rayllm_rl import train
+
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def run(config, overrides, backend="local"):
+        run_root = tmp_path / f"runs{len(list(tmp_path.glob('runs*')))}"
+        with pytest.raises(ValueError, match="acme/not-cached"):
+            train(config, [*overrides, f"trainer.backend={backend}", "model.path=acme/not-cached",
+                           f"trainer.run_dir={run_root}"])
+        return json.loads(next(run_root.glob("*/config.json")).read_text())
+    return run
+
+
+def test_a_train_override_equal_to_an_earlier_preset_is_the_users(recorded):
+    """The demo's preset filled 10 tokens and 250 SFT steps; overriding them with those same values while
+    moving to gsm8k keeps them (they were not taken for leftovers of the demo)."""
+    demo = load_config(GRPOJobConfig, [])
+    saved = recorded(demo, ["task=gsm8k", "rollout.max_new_tokens=10", "sft.steps=250"])
+    assert (saved["rollout"]["max_new_tokens"], saved["sft"]["steps"]) == (10, 250)
+    # the keys not overridden still move to gsm8k's presets, in touched and untouched sections alike
+    assert (saved["sft"]["lr"], saved["sft"]["time_budget_s"], saved["optim"]["lr"]) == (1e-5, 0.0, 1e-6)
+    saved = recorded(demo, ["task=gsm8k", "rollout.temperature=0.7", "optim.warmup_steps=3"])
+    assert (saved["rollout"]["max_new_tokens"], saved["optim"]["lr"], saved["rollout"]["temperature"]) == (512, 1e-6, 0.7)
+    assert (demo.task, demo.rollout.max_new_tokens, demo.optim.lr) == ("arithmetic", 10, 5e-5)  # caller's untouched
+
+
+def test_an_explicit_dtype_equal_to_the_cpu_auto_value_wins_on_gpus(recorded):
+    cpu = load_config(GRPOJobConfig, [])  # dtype auto -> float32 filled
+    gpus = ["inference.engine=vllm", "ray.gpus_per_replica=1", "ray.gpus_per_learner=1"]
+    assert recorded(cpu, [*gpus, "model.dtype=float32"], backend="ray")["model"]["dtype"] == "float32"
+    assert recorded(cpu, gpus, backend="ray")["model"]["dtype"] == "bfloat16"  # left to auto: follows the GPUs
+
+
+def test_a_python_assignment_equal_to_the_preset_is_the_users(recorded):
+    cfg = load_config(GRPOJobConfig, [])  # resolved for the demo: optim.lr 5e-5 filled
+    cfg.optim.lr = 5e-5  # the user's now, though the same number
+    saved = recorded(cfg, ["task=gsm8k", "optim.warmup_steps=3"])  # the optim section is rebuilt by the override
+    assert (saved["optim"]["lr"], saved["optim"]["warmup_steps"], saved["rollout"]["max_new_tokens"]) == (5e-5, 3, 512)
+    cfg.task = "gsm8k"
+    cfg.validate()
+    assert (cfg.optim.lr, cfg.sft.steps, cfg.rollout.max_new_tokens) == (5e-5, 0, 512)
+    cfg.rollout.max_new_tokens = None  # None hands a field back to the preset
+    cfg.task = "math"
+    assert (cfg.validate().rollout.max_new_tokens, cfg.optim.lr) == (1024, 5e-5)
+
+
 @pytest.mark.parametrize("argv, dtype", [
     ([], "float32"),
     (["inference.engine=vllm"], "float32"),  # vLLM's CPU build

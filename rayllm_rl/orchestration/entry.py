@@ -14,8 +14,9 @@ def train(config: GRPOJobConfig | None = None, overrides: list[str] | None = Non
 
     `overrides` are `key.sub=value` strings applied on top of `config` (or of the defaults).
     Fields left None take the task's preset (`GRPOJobConfig.resolve`, run by `validate` on a copy:
-    `config` itself is left as it was): values set in `config` or `overrides` win, and a `config`
-    already resolved for another task (or other GPUs) gets the presets of the new one. With the Ray
+    `config` itself is left as it was): values set in `config` (YAML, command line, Python assignment)
+    or `overrides` win, even one equal to a preset, and a `config` already resolved for another task
+    (or other GPUs) gets the presets of the new one where it still holds the old ones. With the Ray
     backend a local Ray started here is shut down at the end; a Ray the caller had already
     initialised (or `ray.address`) is left running.
     """
@@ -25,8 +26,9 @@ def train(config: GRPOJobConfig | None = None, overrides: list[str] | None = Non
     # a copy: resolution fills sections in place, and a replace() shares the untouched sections with
     # `config`, so the caller's object would otherwise come back filled with this run's presets
     cfg = copy.deepcopy(config) if config is not None else GRPOJobConfig()
-    if overrides:
-        cfg = carry_resolution(cfg, apply_dict(cfg, parse_overrides(list(overrides))))
+    if overrides:  # an overridden key is the user's even where it equals a preset filled earlier
+        values = parse_overrides(list(overrides))
+        cfg = carry_resolution(cfg, apply_dict(cfg, values), values)
     cfg = cfg.validate()  # resolves the presets in place: everything below reads filled values
     from rayllm_rl.orchestration.driver import train as run_driver
 

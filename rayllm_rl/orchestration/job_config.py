@@ -4,7 +4,8 @@ Fields whose right value depends on the task (generation length, eval size, SFT 
 budgets, RL learning rate) default to None, "the task's preset" (`TASK_PRESETS`), and `model.dtype`
 defaults to "auto". `GRPOJobConfig.resolve()` fills both, in place, in one place; `load_config` and
 `validate()` call it, so nothing downstream ever sees None or "auto". A value set in YAML, on the
-command line or in Python is never replaced by a preset.
+command line, in `train()`'s overrides or by a Python assignment is never replaced by a preset, even
+one equal to the preset a previous resolution filled (each section records what was filled there).
 """
 from __future__ import annotations
 
@@ -15,9 +16,29 @@ from typing import Any, Literal
 from rayllm_rl.learner.learner import OptimConfig
 from rayllm_rl.objectives import AdvantageConfig, make_loss
 
+_FILLED = "_preset_filled"
+"""Instance attribute (not a field) of a section: {field: value} of the fields `resolve()` filled there."""
+
+
+class _TracksPresets:
+    """Mixin of the sections that hold task-dependent fields. `resolve()` records on the section each
+    field it filled and the value; any other assignment (the user's Python, even of the same value)
+    drops the field from that record, so the next `resolve()` treats it as the user's and keeps it."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        filled = self.__dict__.get(_FILLED)
+        if filled:
+            filled.pop(name, None)
+        object.__setattr__(self, name, value)
+
+
+def _filled(section: Any) -> dict[str, Any]:
+    """The {field: value} that `resolve()` filled on `section` and nobody has assigned since."""
+    return section.__dict__.setdefault(_FILLED, {})
+
 
 @dataclasses.dataclass
-class ModelConfig:
+class ModelConfig(_TracksPresets):
     """Which HF model directory to train."""
 
     path: str = ""
@@ -49,7 +70,7 @@ class InferenceConfig:
 
 
 @dataclasses.dataclass
-class DataConfig:
+class DataConfig(_TracksPresets):
     """Where the task's prompts come from and which of them are held out for evaluation."""
 
     path: str = ""
@@ -68,7 +89,7 @@ class DataConfig:
 
 
 @dataclasses.dataclass
-class RolloutConfig:
+class RolloutConfig(_TracksPresets):
     """Sampling and grouping of rollouts."""
 
     group_size: int = 8
@@ -200,7 +221,7 @@ class AlgoConfig:
 
 
 @dataclasses.dataclass
-class SFTConfig:
+class SFTConfig(_TracksPresets):
     """Supervised warm start before RL (skipped when steps = 0)."""
 
     steps: int | None = None
@@ -218,7 +239,7 @@ class SFTConfig:
 
 
 @dataclasses.dataclass
-class TrainerConfig:
+class TrainerConfig(_TracksPresets):
     """Loop length, logging and outputs."""
 
     steps: int = 500
@@ -293,7 +314,7 @@ class RayConfig:
 
 
 @dataclasses.dataclass
-class JobOptimConfig(OptimConfig):
+class JobOptimConfig(_TracksPresets, OptimConfig):
     """The learner's OptimConfig as a job sets it: the RL learning rate defaults to the task's preset."""
 
     lr: float | None = None
@@ -320,21 +341,17 @@ TASK_PRESETS: dict[str, dict[str, Any]] = {
 """Per task, the value each task-dependent field (left None) takes at `GRPOJobConfig.resolve()`;
 the same keys for every task. docs/recipes.md says why each value."""
 
-_RESOLVED = "_preset_filled"
-"""Instance attribute (not a field) recording the values `resolve()` filled in, by dotted key."""
-
-
-def _get(cfg: Any, key: str) -> Any:
-    for part in key.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
-
-
-def _set(cfg: Any, key: str, value: Any) -> None:
+def _section(cfg: Any, key: str) -> tuple[Any, str]:
+    """(section object, field name) of a dotted key such as "rollout.max_new_tokens"."""
     *path, last = key.split(".")
     for part in path:
         cfg = getattr(cfg, part)
-    setattr(cfg, last, value)
+    return cfg, last
+
+
+def _get(cfg: Any, key: str) -> Any:
+    section, field = _section(cfg, key)
+    return getattr(section, field)
 
 
 def auto_dtype(cfg: "GRPOJobConfig") -> str:
@@ -343,12 +360,28 @@ def auto_dtype(cfg: "GRPOJobConfig") -> str:
     return "bfloat16" if cfg.ray.gpus_per_learner > 0 and cfg.ray.gpus_per_replica > 0 else "float32"
 
 
-def carry_resolution(source: "GRPOJobConfig", target: "GRPOJobConfig") -> "GRPOJobConfig":
-    """Give `target` (a copy of `source` with some fields changed, e.g. by `apply_dict`) the record of
-    which values of `source` came from a preset, so `target.resolve()` can replace them for its task."""
-    filled = getattr(source, _RESOLVED, None)
-    if filled is not None and target is not source:
-        setattr(target, _RESOLVED, dict(filled))
+def _dotted_keys(values: dict[str, Any], prefix: str = "") -> set[str]:
+    """{"a": {"b": 1}, "c": 2} -> {"a.b", "c"}: the keys an override dict (`parse_overrides`) sets."""
+    keys: set[str] = set()
+    for k, v in values.items():
+        keys |= _dotted_keys(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}"}
+    return keys
+
+
+def carry_resolution(source: "GRPOJobConfig", target: "GRPOJobConfig",
+                     overrides: dict[str, Any] | None = None) -> "GRPOJobConfig":
+    """Give `target` = `apply_dict(source, overrides)` the record of which of `source`'s values a preset
+    filled, so `target.resolve()` replaces them for its own task and placement. A key `overrides` sets
+    is the user's, whatever its value (`rollout.max_new_tokens=10` stays 10 even though the demo's preset
+    filled 10 before); apply_dict rebuilds the sections it touches, so their record is copied here."""
+    given = _dotted_keys(overrides or {})
+    for key in TASK_PRESETS["arithmetic"].keys() | {"model.dtype"}:
+        (src, field), (tgt, _) = _section(source, key), _section(target, key)
+        if tgt is src:  # a section apply_dict left untouched: it is shared and carries its record
+            continue
+        was = src.__dict__.get(_FILLED, {})
+        if key not in given and field in was and getattr(tgt, field) == was[field]:
+            _filled(tgt)[field] = was[field]
     return target
 
 
@@ -401,20 +434,21 @@ class GRPOJobConfig:
 
     def resolve(self) -> "GRPOJobConfig":
         """Fill every field left None from `TASK_PRESETS[task]` and `model.dtype=auto` from the placement,
-        in place; returns self. Idempotent. A value filled here is recorded: if `task` or the GPU settings
-        change afterwards, the next call replaces it for the new task, while a value set by the user (YAML,
-        command line, Python) is never touched."""
-        filled = dict(getattr(self, _RESOLVED, None) or {})
+        in place; returns self. Idempotent. A value filled here is recorded on its section: if `task` or
+        the GPU settings change afterwards, the next call replaces it for the new task, while a value set
+        by the user (YAML, command line, `train()` overrides, Python assignment, even one equal to the
+        preset it replaces) is never touched. Replacing a whole section (`dataclasses.replace`) makes all
+        its values the user's; set a field to None to hand it back to the preset."""
         wanted = dict(TASK_PRESETS.get(self.task, {}))  # an unknown task is reported by validate()
         wanted["model.dtype"] = auto_dtype(self)
         for key, value in wanted.items():
-            current = _get(self, key)
-            if current is None or current == "auto" or (key in filled and current == filled[key]):
-                _set(self, key, value)
-                filled[key] = value
+            section, field = _section(self, key)
+            current, filled = getattr(section, field), _filled(section)
+            if current is None or current == "auto" or (field in filled and current == filled[field]):
+                object.__setattr__(section, field, value)  # not the user's assignment: the record stays
+                filled[field] = value
             else:
-                filled.pop(key, None)  # the user's value now: never replaced
-        setattr(self, _RESOLVED, filled)
+                filled.pop(field, None)  # the user's value now: never replaced
         return self
 
     def validate(self, *, environment: bool = True) -> "GRPOJobConfig":
