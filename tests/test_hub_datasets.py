@@ -151,3 +151,28 @@ def test_an_empty_eval_split_pickles_without_cache_paths(tmp_path, monkeypatch):
     task = build_task(tmp_path, "task=gsm8k", f"data.path={GSM8K_FIXTURE}", "data.eval_size=0")
     assert len(task.train) == 5 and len(task.eval) == 0 and task.eval.column_names == ["question", "answer"]
     assert str(home).encode() not in pickle.dumps(task.eval) + pickle.dumps(task.train)
+
+
+def test_an_eval_source_naming_no_split_reads_the_test_split(gsm8k_hub, tmp_path):
+    task = build_task(tmp_path, "task=gsm8k", "data.path=openai/gsm8k", "data.eval_path=openai/gsm8k")
+    assert task.eval["question"] == [gsm8k_hub[4]["question"]]  # main:test, 1 row (main:train has 4)
+    assert len(task.train) == 4
+    task = build_task(tmp_path, "task=gsm8k", "data.path=openai/gsm8k", "data.eval_path=openai/gsm8k:socratic")
+    assert task.eval["question"] == [r["question"] for r in socratic(gsm8k_hub[3:])]  # socratic:test
+
+
+@pytest.mark.parametrize("path, eval_path", [
+    ("openai/gsm8k", "openai/gsm8k:main:train"),  # the task's default config is main: the same rows
+    ("openai/gsm8k:main:test", "openai/gsm8k"),  # trains on test, and eval reads test
+    ("openai/gsm8k:socratic", "openai/gsm8k:socratic:train"),
+    ("FILE", "FILE"),
+])
+def test_an_eval_source_with_the_training_rows_is_refused(gsm8k_hub, tmp_path, path, eval_path):
+    from fixtures.hub_cache import GSM8K_FIXTURE
+
+    path, eval_path = (str(GSM8K_FIXTURE) if p == "FILE" else p for p in (path, eval_path))
+    with pytest.raises(ValueError, match=rf"data.eval_path='{eval_path}' and data.path='{path}' .*same rows.*"
+                       r"training rows"):
+        build_task(tmp_path, "task=gsm8k", f"data.path={path}", f"data.eval_path={eval_path}")
+    # another config or split is fine
+    build_task(tmp_path, "task=gsm8k", "data.path=openai/gsm8k", "data.eval_path=openai/gsm8k:socratic:train")

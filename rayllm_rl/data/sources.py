@@ -89,6 +89,25 @@ def parse_source(source: str, split: str) -> tuple[str, str | None, str]:
     return name, config or None, given or split
 
 
+EVAL_SPLIT = "test"
+"""The split `data.eval_path` reads when it names none (a hub dataset, a DatasetDict folder): evaluating
+on `data.split` ("train") would score the policy on rows it trains on."""
+
+
+def source_identity(source: str, split: str, dataset) -> tuple[str, str | None, str | None]:
+    """(where, config, split) of `dataset`, loaded by `load_rows(source, split)`: two sources with the same
+    identity hold the same rows. `where` is a resolved local path or the hub id; config and split are
+    None where the source has none (a single file, a plain `save_to_disk` Dataset)."""
+    path = Path(os.path.expanduser(source))
+    if path.is_file():
+        return str(path.resolve()), None, None
+    if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
+        return str(path.resolve()), None, split if (path / "dataset_dict.json").exists() else None
+    name, _, split = parse_source(source, split)
+    local = Path(os.path.expanduser(name))
+    return (str(local.resolve()) if local.is_dir() else name), dataset.info.config_name, split
+
+
 def datasets_cache_dir() -> str:
     """Where `datasets` keeps prepared datasets: HF_DATASETS_CACHE, else $HF_HOME/datasets (read now)."""
     if os.environ.get("HF_DATASETS_CACHE"):

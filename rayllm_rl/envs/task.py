@@ -59,11 +59,14 @@ def _row_fed_env_factory(env_cls, reward_fn):
 def _dataset_task(name: str, data_cfg: Any, seed: int) -> Task:
     """gsm8k / math / ifeval: rows from `data_cfg.path` (+ `eval_path` or a held-out slice).
 
+    `eval_path` naming no split reads its "test" split (`EVAL_SPLIT`); an `eval_path` that is the same
+    rows as `path` (same file, or same dataset, config and split) is refused with a ValueError.
+
     Every row of both sources is checked here, on the driver before any actor starts, against the
     task env's `required_fields` and `check_row`: a malformed file raises ValueError naming the
     file and line (see `load_rows`); a hub dataset with several configs and none given uses the
     task's DEFAULT_CONFIGS entry if it has it, else the error lists its configs."""
-    from rayllm_rl.data.sources import add_messages, load_rows, split_held_out
+    from rayllm_rl.data.sources import EVAL_SPLIT, add_messages, load_rows, source_identity, split_held_out
 
     if not data_cfg.path:
         raise ValueError(f"task={name} reads its prompts from data.path (a local .jsonl/.json/.parquet file, a "
@@ -72,7 +75,17 @@ def _dataset_task(name: str, data_cfg: Any, seed: int) -> Task:
     checks = {"required": env_cls.required_fields, "check_row": env_cls.check_row,
               "default_config": DEFAULT_CONFIGS[name]}
     rows = load_rows(data_cfg.path, data_cfg.split, **checks)
-    held = load_rows(data_cfg.eval_path, data_cfg.split, field="data.eval_path", **checks) if data_cfg.eval_path else None
+    held = None
+    if data_cfg.eval_path:  # with no split named, its "test" split: never data.split's training rows
+        held = load_rows(data_cfg.eval_path, EVAL_SPLIT, field="data.eval_path", **checks)
+        trained = source_identity(data_cfg.path, data_cfg.split, rows)
+        if source_identity(data_cfg.eval_path, EVAL_SPLIT, held) == trained:
+            where, config, split = trained
+            raise ValueError(
+                f"data.eval_path={data_cfg.eval_path!r} and data.path={data_cfg.path!r} (with data.split="
+                f"{data_cfg.split!r}) are the same rows ({where}, config {config}, split {split}): the evaluation "
+                "would score the policy on its training rows; point data.eval_path at a held-out split or "
+                "file, or leave it empty to hold out data.eval_size rows of data.path")
     train, eval_ = split_held_out(rows, data_cfg.eval_size, seed, held)
     train, eval_ = add_messages(train, make_messages), add_messages(eval_, make_messages) if len(eval_) else eval_
     return Task(name, in_memory(train), in_memory(eval_), reward_fn, sft_target, _row_fed_env_factory(env_cls, reward_fn))

@@ -80,7 +80,9 @@ class DataConfig(_TracksPresets):
     split: str = "train"
     """Split to read from a DatasetDict folder or a hub dataset."""
     eval_path: str = ""
-    """Held-out rows in the same format; empty = hold out `eval_size` rows of `path`."""
+    """Held-out rows, in the forms `path` takes; a hub dataset or DatasetDict folder naming no split reads
+    its "test" split (not `split`), and the same rows as `path` are refused. Empty = hold out `eval_size`
+    rows of `path`."""
     eval_size: int | None = None
     """Held-out prompts (never trained on) for greedy evaluation; None = the task's preset
     (arithmetic 200, gsm8k 500, math 500, ifeval 300)."""
