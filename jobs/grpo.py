@@ -130,10 +130,7 @@ def main(argv: list[str]) -> dict:
         return dry_run(cfg.validate(environment=False), "--json" in flags)
     cfg.validate()  # cross-field mistakes fail before any actor starts
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    from rayllm_rl.orchestration.entry import train
+    from rayllm_rl.orchestration.entry import train  # turns the HF libraries' progress bars off for the run
 
     summary = train(cfg)
     sys.stdout.write(json.dumps(summary, default=str) + "\n")

@@ -96,6 +96,101 @@ def test_one_bar_at_a_time_and_close_gives_the_console_back(console, tmp_path):
     assert shown_lines(err.getvalue())[-2] == "after the bar"
 
 
+def screen(text: str) -> list[str]:
+    """The lines a terminal shows after `text`: characters overwrite, "\r" goes to column 0, "\n" to the
+    next line (column 0, as a tty's onlcr does), ESC[A one line up (tqdm moves between nested bars so)."""
+    rows, r, c, i = [[]], 0, 0, 0
+    while i < len(text):
+        if text.startswith("\x1b[A", i):
+            r, i = max(0, r - 1), i + 3
+            continue
+        ch, i = text[i], i + 1
+        if ch == "\n":
+            r, c = r + 1, 0
+            rows += [[] for _ in range(r + 1 - len(rows))]
+        elif ch == "\r":
+            c = 0
+        else:
+            row = rows[r]
+            row.extend(" " * (c + 1 - len(row)))
+            row[c], c = ch, c + 1
+    return [line for line in ("".join(row).rstrip() for row in rows) if line]
+
+
+def test_a_library_bar_made_while_ours_is_live_draws_below_it_not_line_by_line(console, tmp_path):
+    """A tqdm bar made while ours is live (datasets' "Map", a checkpoint's shards) writes to sys.stderr,
+    our wrapper: every frame was printed as a line of its own above our bar."""
+    from tqdm import tqdm
+
+    out, err, logger, handler = console()
+    reporter = RunReporter(str(tmp_path))
+    bar = reporter.progress(total=4, desc="grpo")
+    bar.update(1)
+    inner = tqdm(total=30, desc="lib-map", mininterval=0)  # file=None: sys.stderr, i.e. our wrapper
+    for i in range(30):
+        inner.update(1)
+        if i % 10 == 9:
+            logger.warning("driver warning %d", i)
+    inner.close()
+    reporter.log({"phase": "rl", "step": 2, "reward": 0.5}, show=True)
+    bar.update(3)
+    bar.close()
+    shown = screen(err.getvalue())
+    assert len([s for s in shown if s.startswith("lib-map")]) == 1, shown  # its last state, left as tqdm leaves it
+    assert "30/30" in next(s for s in shown if s.startswith("lib-map"))
+    assert [s for s in shown if s.startswith("WARNING")] == [f"WARNING driver warning {i}" for i in (9, 19, 29)]
+    assert [s for s in shown if s.startswith("grpo")] == [next(s for s in shown if "4/4" in s)]  # one bar, at 4/4
+    assert len(shown) == 6, shown  # 3 warnings, the reporter's line, the library's bar, ours
+    assert sys.stderr is err and handler.stream is err
+
+
+@pytest.mark.parametrize("first_closed", ["a", "b"])
+def test_two_live_reporters_give_the_real_console_back(console, tmp_path, first_closed):
+    """A second reporter's bar and streams wrap the real console, not the first one's wrapper, and
+    both closed in either order leave sys.stderr, sys.stdout and the handler on the real streams."""
+    out, err, logger, handler = console()
+    a, b = RunReporter(str(tmp_path / "a")), RunReporter(str(tmp_path / "b"))
+    pa = a.progress(total=2, desc="first")
+    pb = b.progress(total=2, desc="second")
+    assert pb.bar.fp._wrapped is err and sys.stderr.stream is err and handler.stream.stream is err
+    logger.warning("while both are live")
+    print("stdout while both are live")
+    pa.update(2)
+    pb.update(2)
+    for r in ((a, b) if first_closed == "a" else (b, a)):
+        r.close()
+    assert sys.stderr is err and sys.stdout is out and handler.stream is err, (sys.stderr, handler.stream)
+    shown = screen(err.getvalue())
+    assert shown.count("WARNING while both are live") == 1 and pa.bar.fp._wrapped is err
+    assert out.getvalue() == "stdout while both are live\n"
+
+
+def test_train_turns_the_hf_progress_bars_off_and_back_on(tmp_path, monkeypatch, capsys):
+    """A gsm8k job's task build runs datasets' "Map" and "Flattening the indices" on the driver: no bar
+    on the console from them. The job stops at loading the model (a directory with only config.json)."""
+    import datasets
+    import huggingface_hub.utils as hub_utils
+
+    from fixtures.hub_cache import GSM8K_FIXTURE, go_offline
+    from rayllm_rl import train
+
+    go_offline(tmp_path, monkeypatch)  # a fresh datasets cache: the maps run, not read from an old cache
+    model = tmp_path / "config-only"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, '
+                                       '"num_hidden_layers": 2, "num_attention_heads": 4, '
+                                       '"num_key_value_heads": 2, "vocab_size": 1000}')
+    datasets.enable_progress_bars()
+    hub_utils.enable_progress_bars()
+    with pytest.raises(OSError, match="config-only"):
+        train(None, ["task=gsm8k", f"data.path={GSM8K_FIXTURE}", f"model.path={model}", "trainer.backend=local",
+                     f"trainer.run_dir={tmp_path / 'runs'}"])
+    err = capsys.readouterr().err
+    assert list((tmp_path / "hf_home" / "datasets").rglob("cache-*.arrow"))  # the task was built: .map ran
+    assert "examples/s" not in err and "Map" not in err and "Flattening" not in err, err[-2000:]
+    assert datasets.is_progress_bar_enabled() and not hub_utils.are_progress_bars_disabled()  # put back
+
+
 def test_restartable_actor_arguments_must_be_inlined(tiny_model_path):
     from ray import cloudpickle
 

@@ -18,7 +18,8 @@ def train(config: GRPOJobConfig | None = None, overrides: list[str] | None = Non
     or `overrides` win, even one equal to a preset, and a `config` already resolved for another task
     (or other GPUs) gets the presets of the new one where it still holds the old ones. With the Ray
     backend a local Ray started here is shut down at the end; a Ray the caller had already
-    initialised (or `ray.address`) is left running.
+    initialised (or `ray.address`) is left running. The HF libraries' progress bars are off during the
+    run (the job's console holds one bar) and put back as they were.
     """
     from rayllm_rl.config import apply_dict, parse_overrides
     from rayllm_rl.orchestration.job_config import carry_resolution
@@ -31,14 +32,18 @@ def train(config: GRPOJobConfig | None = None, overrides: list[str] | None = Non
         cfg = carry_resolution(cfg, apply_dict(cfg, values), values)
     cfg = cfg.validate()  # resolves the presets in place: everything below reads filled values
     from rayllm_rl.orchestration.driver import train as run_driver
+    from rayllm_rl.orchestration.reporting import hf_progress_bars_off
 
-    if cfg.trainer.backend == "local":
-        return run_driver(cfg)
-    import ray
+    # the job's console holds one bar: no "Map"/"Flattening"/download/"Loading weights" bars from the HF
+    # libraries in this process (actors start with HF_HUB_DISABLE_PROGRESS_BARS=1); put back after the run
+    with hf_progress_bars_off():
+        if cfg.trainer.backend == "local":
+            return run_driver(cfg)
+        import ray
 
-    started_here = not ray.is_initialized()
-    try:
-        return run_driver(cfg)
-    finally:
-        if started_here:
-            ray.shutdown()  # flushes actor logs before the caller prints the summary
+        started_here = not ray.is_initialized()
+        try:
+            return run_driver(cfg)
+        finally:
+            if started_here:
+                ray.shutdown()  # flushes actor logs before the caller prints the summary

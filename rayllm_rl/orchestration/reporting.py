@@ -2,18 +2,21 @@
 
 The console holds one progress bar; while it is live, every line written to sys.stdout or sys.stderr
 (the reporter's own lines, Python logging, actor output Ray forwards to the driver) is printed whole
-above it: the bar is cleared, the line written, the bar drawn again.
+above it: the bars are cleared, the line written, the bars drawn again. Another tqdm bar made meanwhile
+(a library's) draws below ours as tqdm nests bars; `hf_progress_bars_off` keeps the HF libraries' off.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 
 SUMMARY_KEYS = frozenset({
@@ -25,21 +28,24 @@ SUMMARY_KEYS = frozenset({
 
 
 class _AboveTheBar:
-    """A text stream that writes whole lines above a live tqdm bar: clear the bar, write, redraw.
+    """A text stream that writes whole lines above the live tqdm bars: clear them, write, redraw.
 
     Installed as sys.stdout/sys.stderr (and as the stream of logging handlers that wrote to them)
-    while the bar is live; a partial line waits for its newline. Once detached it writes straight
-    through, so a reference someone kept stays usable."""
+    while our bar is live; a partial line waits for its newline. A tqdm bar made meanwhile (its file
+    defaults to sys.stderr, so this stream) is drawn as tqdm draws nested bars: its writes, cursor
+    moves included, go straight to the real stream. Once detached it writes straight through, so a
+    reference someone kept stays usable."""
 
     def __init__(self, stream, bar):
-        self.stream, self.bar = stream, bar
+        self.stream, self.bar = _unwrap(stream), bar
         self._partial = ""
         self._lock = threading.RLock()  # Ray forwards actor output from its own thread
 
     def write(self, text: str) -> int:
+        # a tqdm bar draws under tqdm's lock: taking ours too would order the locks against write_lines
+        if self.bar is None or _from_tqdm(sys._getframe(1)):
+            return self.stream.write(text)
         with self._lock:
-            if self.bar is None:
-                return self.stream.write(text)
             self._partial += text
             if "\n" in self._partial:
                 lines, _, self._partial = self._partial.rpartition("\n")
@@ -47,18 +53,22 @@ class _AboveTheBar:
         return len(text)
 
     def write_lines(self, text: str) -> None:
-        """Write `text` (whole lines) above the bar."""
+        """Write `text` (whole lines) above the bars drawn on this console."""
+        from tqdm import tqdm
+
         with self._lock:
-            bar = self.bar
-            if bar is None:
+            if self.bar is None:
                 self.stream.write(text)
                 self.stream.flush()
                 return
-            with bar.get_lock():
-                bar.clear(nolock=True)
+            with tqdm.get_lock():
+                bars = [b for b in list(tqdm._instances) if not b.disable and _unwrap(b.fp) is self.stream]
+                for b in bars:
+                    b.clear(nolock=True)
                 self.stream.write(text)
                 self.stream.flush()
-                bar.refresh(nolock=True)
+                for b in bars:
+                    b.refresh(nolock=True)
 
     def flush(self) -> None:
         self.stream.flush()
@@ -76,9 +86,63 @@ class _AboveTheBar:
         return getattr(self.stream, name)
 
 
+def _unwrap(stream):
+    """The real stream under tqdm's file wrapper and any `_AboveTheBar` (a second reporter's bar, or a
+    tqdm bar made while ours is live, gets the console's own stream, not a wrapper of it)."""
+    while True:
+        inner = getattr(stream, "_wrapped", None) if type(stream).__module__.startswith("tqdm") else None
+        if isinstance(stream, _AboveTheBar):
+            inner = stream.stream
+        if inner is None:
+            return stream
+        stream = inner
+
+
+def _from_tqdm(frame) -> bool:
+    """True when the write comes from tqdm (a bar drawing itself: its file wrapper lives in tqdm.utils)."""
+    return str(frame.f_globals.get("__name__", "")).startswith("tqdm")
+
+
+def _given_back(stream):
+    """What to put back in place of our wrapper: `stream`, or what a detached wrapper passes through to."""
+    while isinstance(stream, _AboveTheBar) and stream.bar is None:
+        stream = stream.stream
+    return stream
+
+
 def _console_loggers() -> list[logging.Logger]:
-    return [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values()
-                                   if isinstance(lg, logging.Logger))]
+    loggers = list(logging.Logger.manager.loggerDict.values())  # a copy: other threads add loggers
+    return [logging.getLogger(), *(lg for lg in loggers if isinstance(lg, logging.Logger))]
+
+
+@contextlib.contextmanager
+def hf_progress_bars_off() -> Iterator[None]:
+    """Turn off the progress bars of huggingface_hub, transformers and datasets (download, "Loading
+    weights", "Map", "Flattening the indices" on the driver's console) for the block; puts back those
+    that were on. An environment variable forcing them on (HF_HUB_DISABLE_PROGRESS_BARS=0, ...) wins."""
+    import datasets
+    import huggingface_hub.utils as hub_utils
+    from transformers.utils import logging as hf_logging
+
+    on = {"hub": not hub_utils.are_progress_bars_disabled(), "transformers": hf_logging.is_progress_bar_enabled(),
+          "datasets": datasets.is_progress_bar_enabled()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Cannot disable progress bars: environment variable ... has priority"
+        hf_logging.disable_progress_bar()  # and huggingface_hub's
+        datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if on["transformers"]:
+                hf_logging.enable_progress_bar()
+            if on["hub"]:
+                hub_utils.enable_progress_bars()
+            elif on["transformers"]:
+                hub_utils.disable_progress_bars()  # transformers' switch turned the hub's on too
+            if on["datasets"]:
+                datasets.enable_progress_bars()
 
 
 class _Progress:
@@ -88,23 +152,23 @@ class _Progress:
     def __init__(self, total: int, desc: str):
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
+        self.bar = tqdm(total=total, desc=desc, file=_unwrap(sys.stderr), dynamic_ncols=True, mininterval=1.0)
         self._streams: list[tuple[str, Any, _AboveTheBar]] = []
         self._handlers: list[tuple[logging.StreamHandler, Any, _AboveTheBar]] = []
-        by_stream: dict[int, _AboveTheBar] = {}
+        by_stream: dict[int, _AboveTheBar] = {}  # by the real stream: a live wrapper of it is replaced too
         for name in ("stdout", "stderr"):
             stream = getattr(sys, name)
             proxy = _AboveTheBar(stream, self.bar)
-            by_stream[id(stream)] = proxy
+            by_stream[id(proxy.stream)] = proxy
             self._streams.append((name, stream, proxy))
             setattr(sys, name, proxy)
         for logger in _console_loggers():  # handlers hold the stream they were given when made
             for handler in logger.handlers:
-                proxy = by_stream.get(id(getattr(handler, "stream", None)))
+                proxy = by_stream.get(id(_unwrap(getattr(handler, "stream", None))))
                 if proxy is not None and isinstance(handler, logging.StreamHandler):
                     self._handlers.append((handler, handler.stream, proxy))
                     handler.setStream(proxy)
-        self.stderr = by_stream[id(self._streams[1][1])]
+        self.stderr = self._streams[1][2]
         """Lines written here appear above the bar."""
 
     def update(self, n: int, **postfix: float) -> None:
@@ -126,13 +190,14 @@ class _Progress:
             return
         self.bar.leave = leave
         self.bar.close()
+        for _, _, proxy in self._streams:
+            proxy.detach()
         for handler, stream, proxy in self._handlers:
             if handler.stream is proxy:
-                handler.setStream(stream)
+                handler.setStream(_given_back(stream))
         for name, stream, proxy in self._streams:
-            proxy.detach()
             if getattr(sys, name) is proxy:  # else someone replaced it since: leave theirs
-                setattr(sys, name, stream)
+                setattr(sys, name, _given_back(stream))
         self._handlers, self._streams = [], []
 
 
