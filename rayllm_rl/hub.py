@@ -20,6 +20,43 @@ _TRUE = {"1", "on", "yes", "true"}
 _SNAPSHOT = re.compile(r"(?:^|/)models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<commit>[0-9a-f]{40})/?$")
 
 
+MODEL_FILES = ("*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja", "*.py")
+"""What transformers and vLLM load from a model repo, as `snapshot_download` allow_patterns: config,
+generation and tokenizer json (and the safetensors index), safetensors weights, sentencepiece
+(`tokenizer.model`) and tiktoken vocabularies, vocab/merges .txt, chat templates (.jinja), and the
+.py files of a trust_remote_code model. Not: .gguf, .onnx, TF/Flax/Rust weights, README and images."""
+NOT_MODEL_FILES = ("original/*", "consolidated*")
+"""Second copies of the weights in another format, skipped even where MODEL_FILES matches: Llama's
+`original/` (consolidated .pth, params.json, tokenizer.model) and Mistral's `consolidated.safetensors`."""
+BIN_WEIGHTS = ("pytorch_model*.bin",)
+"""Weights of a repo that has no safetensors (older models): added to MODEL_FILES only then, so a
+repo that ships both formats downloads one."""
+
+
+def model_file_patterns(repo_files: list[str] | None) -> list[str]:
+    """allow_patterns for a model repo: MODEL_FILES, plus BIN_WEIGHTS when `repo_files` (the repo's
+    listing, when the hub answered) has no .safetensors file outside NOT_MODEL_FILES. Offline (no
+    listing) the snapshot in the cache is what an online call left: MODEL_FILES alone lets
+    huggingface_hub's completeness check accept it, with or without .bin weights."""
+    if repo_files is None:
+        return list(MODEL_FILES)
+    from huggingface_hub.utils import filter_repo_objects
+
+    weights = filter_repo_objects(repo_files, allow_patterns=["*.safetensors"], ignore_patterns=list(NOT_MODEL_FILES))
+    return list(MODEL_FILES) + ([] if any(True for _ in weights) else list(BIN_WEIGHTS))
+
+
+def _repo_files(repo_id: str, revision: str) -> list[str] | None:
+    """The files of `repo_id` at `revision` from the hub, or None when it cannot answer (then
+    snapshot_download falls back to the cache or raises its own error, which names the cause)."""
+    from huggingface_hub import HfApi
+
+    try:
+        return HfApi().list_repo_files(repo_id, revision=revision or None)
+    except Exception:  # noqa: BLE001 - unreachable hub, unknown id, gated repo: snapshot_download reports it
+        return None
+
+
 class HubResolutionError(ValueError):
     """A model path that is neither a usable local directory nor a hub id found in the cache or on the hub."""
 
@@ -76,8 +113,9 @@ def resolve_model_path(path: str, revision: str = "") -> str:
     """A local model directory for `path`: the directory itself, or the hub id's snapshot in the HF cache.
 
     Online, a hub id missing from the cache is downloaded (`snapshot_download`, which locks the
-    cache, so concurrent callers on one node are safe); offline or on a miss it raises
-    `HubResolutionError`. A local directory must hold config.json.
+    cache, so concurrent callers on one node are safe), only the files a model needs
+    (`model_file_patterns`, minus NOT_MODEL_FILES: no .gguf, .pth or second weight formats); offline
+    or on a miss it raises `HubResolutionError`. A local directory must hold config.json.
 
     The driver resolves once and hands the snapshot directory to every actor; an actor on another
     node, where that directory does not exist, passes it here again and gets the same commit
@@ -111,6 +149,8 @@ def resolve_model_path(path: str, revision: str = "") -> str:
             revision=revision or None,
             cache_dir=hub_cache_dir(),
             local_files_only=offline,
+            allow_patterns=model_file_patterns(None if offline else _repo_files(path, revision)),
+            ignore_patterns=list(NOT_MODEL_FILES),
         )
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as error:
         raise HubResolutionError(

@@ -71,6 +71,61 @@ def test_hub_id_resolves_by_ref_and_commit_from_the_cache_layout(hub_model, tiny
     assert abs(hub_model.main_sum - hub_model.v1_sum) > 1.0
 
 
+LLAMA_LIKE = {  # a Llama-3-style repo: HF shards plus the original/ copy; sizes in MB
+    "config.json": 0, "generation_config.json": 0, "model-00001-of-00002.safetensors": 4976,
+    "model-00002-of-00002.safetensors": 3050, "model.safetensors.index.json": 0, "special_tokens_map.json": 0,
+    "tokenizer.json": 9, "tokenizer_config.json": 0, "original/consolidated.00.pth": 8030,
+    "original/params.json": 0, "original/tokenizer.model": 2, "LICENSE": 0, "README.md": 0, ".gitattributes": 0}
+OLD_STYLE = {  # a repo from before safetensors: one weight file per framework
+    "config.json": 0, "pytorch_model.bin": 548, "tf_model.h5": 498, "flax_model.msgpack": 498,
+    "rust_model.ot": 703, "onnx/decoder_model.onnx": 653, "vocab.json": 1, "merges.txt": 0, "README.md": 0}
+MIXED = {  # safetensors next to .bin, gguf and Mistral's consolidated copy; a remote-code model with a chat template
+    "config.json": 0, "model.safetensors": 988, "pytorch_model.bin": 988, "consolidated.safetensors": 988,
+    "model-q4_k_m.gguf": 400, "tokenizer.model": 1, "qwen.tiktoken": 2, "chat_template.jinja": 0,
+    "modeling_custom.py": 0, "configuration_custom.py": 0, "images/logo.png": 0}
+
+
+@pytest.mark.parametrize("listing, kept, megabytes", [
+    (LLAMA_LIKE, {"config.json", "generation_config.json", "model-00001-of-00002.safetensors",
+                  "model-00002-of-00002.safetensors", "model.safetensors.index.json", "special_tokens_map.json",
+                  "tokenizer.json", "tokenizer_config.json"}, 8035),  # of 16067: no original/*.pth
+    (OLD_STYLE, {"config.json", "pytorch_model.bin", "vocab.json", "merges.txt"}, 549),  # of 2901: .bin, no TF/Flax/ONNX
+    (MIXED, {"config.json", "model.safetensors", "tokenizer.model", "qwen.tiktoken", "chat_template.jinja",
+             "modeling_custom.py", "configuration_custom.py"}, 991),  # of 3367: one weight format
+])
+def test_a_hub_model_downloads_only_what_a_model_loads(listing, kept, megabytes):
+    """The files snapshot_download keeps with resolve_model_path's patterns (huggingface_hub's own filter)."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    from rayllm_rl.hub import NOT_MODEL_FILES, model_file_patterns
+
+    chosen = set(filter_repo_objects(list(listing), allow_patterns=model_file_patterns(list(listing)),
+                                     ignore_patterns=list(NOT_MODEL_FILES)))
+    assert chosen == kept
+    assert sum(listing[f] for f in chosen) == megabytes
+
+
+def test_a_snapshot_downloaded_with_the_patterns_resolves_offline(hub_model, tmp_path):
+    """An online download with the patterns leaves huggingface_hub's tree listing of the whole repo next to a
+    snapshot without the skipped files; offline, resolution must ask for the same patterns, or
+    huggingface_hub calls the snapshot incomplete."""
+    import json
+
+    storage = Path(os.environ["HF_HUB_CACHE"]) / "models--tiny-org--tiny-qwen2"
+    commit = Path(hub_model.main).name
+    files = {f: {"size": os.path.getsize(Path(hub_model.main) / f), "blob_id": "0" * 40}
+             for f in os.listdir(hub_model.main)}
+    files.update({"original/consolidated.00.pth": {"size": 10, "blob_id": "1" * 40},
+                  "tiny-q4.gguf": {"size": 10, "blob_id": "2" * 40}, "README.md": {"size": 10, "blob_id": "3" * 40}})
+    (storage / "trees").mkdir()
+    (storage / "trees" / f"{commit}.json").write_text(json.dumps({"format_version": 1, "files": files}))
+    assert resolve_model_path(REPO) == hub_model.main
+    assert resolve_model_path(REPO, commit) == hub_model.main
+    os.remove(Path(hub_model.main) / "model.safetensors")  # a weight the patterns ask for is missing: incomplete
+    with pytest.raises(HubResolutionError, match=r"tiny-org/tiny-qwen2.*incomplete.*model.safetensors"):
+        resolve_model_path(REPO)
+
+
 def test_resolution_errors_name_the_id_revision_cache_and_offline_mode(hub_model, tmp_path):
     with pytest.raises(HubResolutionError, match=r"'wrong-org/no-such-model' at revision 'main'.*"
                        r"models--wrong-org--no-such-model/snapshots.*offline mode on"):
