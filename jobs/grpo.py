@@ -8,9 +8,10 @@ line always wins. Ready-made configs: recipes/*.yaml. Under `ray job submit --wo
 python jobs/grpo.py` it joins that cluster. `trainer.backend=local` runs everything in one process.
 The last stdout line is a JSON summary.
 
---dry-run validates the config and prints the plan (actors, CPUs/GPUs, placement, weight
-transport, engine, learner and KV-cache memory estimates) without starting Ray or loading any
-weights; --json prints it as one JSON object instead.
+--dry-run validates the config and prints the plan (data sources, actors, CPUs/GPUs, placement,
+weight transport, engine, learner and KV-cache memory estimates) without starting Ray or loading any
+weights or rows; a data path that does not exist (or, offline, a hub dataset not in the cache) fails
+it; --json prints it as one JSON object instead.
 """
 from __future__ import annotations
 
@@ -54,6 +55,14 @@ def format_plan(plan: dict) -> str:
            "max_staleness={max_staleness}".format(**plan["rollout"]),
            "schedule: sft.steps={sft_steps}, trainer.steps={rl_steps}, optim.lr={optim_lr:g}, "
            "trainer.time_budget_s={trainer_time_budget_s:g}; eval: {eval}".format(**plan["schedule"])]
+    for role, key in (("train", "data.path"), ("eval", "data.eval_path")):
+        src = (plan.get("data") or {}).get(role)
+        if src and src["kind"] == "hub":
+            out.append(f"data ({role}): {key}={src['source']} (hub dataset {src['name']}, config "
+                       f"{src['config'] or '(chosen at start)'}, split {src['split']}): {src['status']}")
+        elif src:
+            out.append(f"data ({role}): {key}={src['source']}: {src['status']}"
+                       + (f", split {src['split']}" if "split" in src else ""))
     if plan.get("note"):
         out.append(plan["note"])
     if plan["actors"]:

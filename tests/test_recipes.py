@@ -51,12 +51,34 @@ def lay_out_hub_cache(hub: Path, repo_id: str, config: dict, sha: str = "0123456
     (repo / "refs" / "main").write_text(sha)
 
 
+HUB_DATASETS = {"openai/gsm8k": {"main": ["train", "test"], "socratic": ["train", "test"]},
+                "DigitalLearningGmbH/MATH-lighteval": {"default": ["train", "test"]},
+                "HuggingFaceH4/MATH-500": {"default": ["test"]}}
+"""Configs and splits of the hub datasets the recipes name."""
+
+
+def lay_out_datasets_cache(datasets_dir: Path, name: str, configs: dict[str, list[str]]) -> None:
+    """What an online `load_dataset(name, config)` leaves, as far as a dry run reads it (no rows):
+    `<org>___<name>/<config>/<version>/<hash>/dataset_info.json` naming the prepared splits."""
+    from datasets.naming import camelcase_to_snakecase
+
+    org, short = name.split("/")
+    for config, splits in configs.items():
+        d = datasets_dir / f"{org}___{camelcase_to_snakecase(short)}" / config / "0.0.0" / "0123456789abcdef"
+        d.mkdir(parents=True)
+        (d / "dataset_info.json").write_text(json.dumps({"config_name": config, "splits": {s: {} for s in splits}}))
+
+
 @pytest.fixture
 def offline_hub(tmp_path, monkeypatch):
-    """HF_HOME with only the config.json of each recipe's model, offline; the tiny model's cache empty."""
+    """HF_HOME with only the config.json of each recipe's model and the cache entries of its datasets,
+    offline; the tiny model's cache empty."""
     hub = tmp_path / "hf" / "hub"
     for repo_id, config in HUB_CONFIGS.items():
         lay_out_hub_cache(hub, repo_id, config)
+    for name, configs in HUB_DATASETS.items():
+        lay_out_datasets_cache(tmp_path / "hf" / "datasets", name, configs)
+    monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
     for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
@@ -166,12 +188,15 @@ def test_dry_run_text_shows_the_plan_from_the_command_line(offline_hub):
     assert "1 GPU(s) in total" in text and "bundle 0: GPU=1 <- inference-0" in text
     assert "0.494B parameters" in text and "engine: vllm x 1 replica(s)" in text
     assert "weight transport: shm when every replica shares the learner's node, else gloo" in text
+    assert ("data (train): data.path=openai/gsm8k:main (hub dataset openai/gsm8k, config main, split train): cached\n"
+            "data (eval): data.path=openai/gsm8k:main:test (hub dataset openai/gsm8k, config main, split test): cached"
+            .replace("data.path=openai/gsm8k:main:test", "data.eval_path=openai/gsm8k:main:test")) in text
 
 
 def test_uncached_hub_model_is_unknown_online_and_an_error_offline(offline_hub, capsys, monkeypatch):
     from rayllm_rl.orchestration.plan import PlanError
 
-    argv = ("model.path=acme/not-in-cache", "task=gsm8k")
+    argv = ("model.path=acme/not-in-cache", "task=gsm8k", "data.path=openai/gsm8k")
     with pytest.raises(PlanError, match=r"model.path 'acme/not-in-cache' .*not in the HF cache.*HF_HUB_OFFLINE"):
         dry_run_json(capsys, *argv)
     monkeypatch.delenv("HF_HUB_OFFLINE")
@@ -212,3 +237,53 @@ def test_the_local_backend_plans_one_process(offline_hub, capsys):
     arch = plan["model"]["architecture"]
     assert plan["memory"]["learner_per_rank"]["bytes"]["params"] == arch["params"] * 4  # one float32 learner
     assert plan["weight_transport"]["same_node"] == "in-process"
+
+
+FIXTURE_ROWS = ROOT / "tests" / "fixtures" / "gsm8k.jsonl"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["data.path=/no/such/file.jsonl"], r"data.path='/no/such/file.jsonl': no such file or folder"),
+    ([f"data.path={FIXTURE_ROWS}", "data.eval_path=./held/out.parquet"], r"data.eval_path='./held/out.parquet': no such"),
+    (["data.path=openai/gsm8k:nope"], r"data.path='openai/gsm8k:nope'.*config 'nope' is not cached \(cached: "
+                                       r"\['main', 'socratic'\]\).*offline mode is on"),
+    (["data.path=openai/gsm8k:main:validation"], r"split 'validation' of config 'main' is not cached \(cached: "
+                                                  r"\['test', 'train'\]\)"),
+    (["data.path=acme/absent"], r"data.path='acme/absent' \(hub dataset 'acme/absent'.*not cached.*offline mode is on"),
+    (["task=math", "data.path=openai/gsm8k"], r"cached configs are \['main', 'socratic'\] and none was given"),
+    (["data.path=openai/gsm8k", "data.eval_path=openai/gsm8k:main:train"], r"the same rows"),
+    ([f"data.path={FIXTURE_ROWS}", f"data.eval_path={FIXTURE_ROWS}"], r"the same rows"),
+    (["data.path="], r"task=gsm8k reads its prompts from data.path"),
+])
+def test_the_dry_run_checks_the_data_sources(offline_hub, capsys, argv, message):
+    """A data source the job could not read fails the dry run (exit != 0), naming the key; no rows are loaded."""
+    from rayllm_rl.orchestration.plan import PlanError
+
+    with pytest.raises(PlanError, match=message):
+        dry_run_json(capsys, "task=gsm8k", *argv)
+
+
+def test_the_dry_run_shows_what_the_data_sources_resolve_to(offline_hub, capsys, monkeypatch):
+    plan = dry_run_json(capsys, "task=gsm8k", "data.path=openai/gsm8k", "data.eval_path=openai/gsm8k")
+    assert plan["data"]["train"] == {"source": "openai/gsm8k", "kind": "hub", "name": "openai/gsm8k", "config": "main",
+                                     "split": "train", "cached_configs": ["main", "socratic"], "status": "cached"}
+    assert (plan["data"]["eval"]["config"], plan["data"]["eval"]["split"]) == ("main", "test")  # eval reads test
+    plan = dry_run_json(capsys, "task=gsm8k", f"data.path={FIXTURE_ROWS}")
+    assert plan["data"] == {"train": {"source": str(FIXTURE_ROWS), "kind": "file", "status": "local file"}, "eval": None}
+    assert dry_run_json(capsys, "task=arithmetic")["data"] is None  # built in
+    monkeypatch.delenv("HF_HUB_OFFLINE")  # online: a miss is not an error, the job downloads it at start
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    plan = dry_run_json(capsys, "task=gsm8k", "data.path=acme/absent:cfg", "data.eval_path=openai/gsm8k:main:validation")
+    assert plan["data"]["train"]["status"] == "config 'cfg' is not cached (cached: []): will download at start"
+    assert plan["data"]["eval"]["status"] == ("split 'validation' of config 'main' is not cached (cached: ['test', "
+                                              "'train']): will download at start")
+
+
+def test_the_dry_run_of_a_missing_data_file_exits_non_zero(offline_hub):
+    """The command itself: `jobs/grpo.py task=gsm8k data.path=/no/such/file.jsonl --dry-run` exited 0."""
+    out = subprocess.run([sys.executable, str(ROOT / "jobs" / "grpo.py"), "task=gsm8k", "data.path=/no/such/file.jsonl",
+                          "--dry-run"], capture_output=True, text=True, timeout=300, cwd=offline_hub)
+    assert out.returncode == 1 and "data.path='/no/such/file.jsonl': no such file or folder" in out.stderr
+    assert "DRY RUN" not in out.stdout

@@ -52,7 +52,8 @@ def load_rows(source: str, split: str = "train", *, required: Sequence[str] = ()
         raise ValueError(f"{field} is empty: give a local .jsonl/.parquet/.arrow/.csv file or a dataset name")
     path = Path(os.path.expanduser(source))
     checked = False
-    if path.is_file():
+    kind = source_kind(source)
+    if kind == "file":
         builder = FILE_BUILDERS.get(path.suffix.lower())
         if builder is None:
             raise ValueError(f"{source}: unknown file type {path.suffix!r}; use one of {sorted(FILE_BUILDERS)}")
@@ -60,7 +61,7 @@ def load_rows(source: str, split: str = "train", *, required: Sequence[str] = ()
             check_json_file(path, required, check_row)
             checked = True
         dataset = _load_file(builder, path)
-    elif path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
+    elif kind == "disk":
         ds = datasets.load_from_disk(str(path))
         if isinstance(ds, datasets.DatasetDict) and split not in ds:
             raise DatasetSourceError(f"{field}={source!r}: no split {split!r}; splits: {sorted(ds)}")
@@ -68,11 +69,11 @@ def load_rows(source: str, split: str = "train", *, required: Sequence[str] = ()
     else:
         name, config, split = parse_source(source, split)
         local = Path(os.path.expanduser(name))
-        if local.is_dir():  # a folder of data files, or laid out as a hub dataset repo (README configs)
+        if kind == "folder":  # a folder of data files, or laid out as a hub dataset repo (README configs)
             for part in sorted(local.rglob("*.jsonl")):  # syntax only: the split's fields are checked below
                 check_json_file(part)
             dataset = _load_named(str(local), config, split, default_config, source, field)
-        elif source.startswith((".", "/", "~")) or path.suffix.lower() in FILE_BUILDERS or name.count("/") > 1:
+        elif kind == "missing":
             raise FileNotFoundError(f"data file {source!r} does not exist")
         else:
             dataset = _load_named(name, config, split, default_config, source, field)
@@ -81,6 +82,23 @@ def load_rows(source: str, split: str = "train", *, required: Sequence[str] = ()
     if not checked:
         check_fields(dataset, required, source, check_row)
     return dataset
+
+
+def source_kind(source: str) -> str:
+    """How `load_rows` reads `source`: "file" (a local file), "disk" (a `save_to_disk` folder), "folder"
+    (a local folder of data files, `folder[:config[:split]]`), "hub" (a hub dataset id), or "missing"
+    (it names a local path, by a leading ./, / or ~, a data-file suffix or several slashes, that does not exist)."""
+    path = Path(os.path.expanduser(source))
+    if path.is_file():
+        return "file"
+    if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
+        return "disk"
+    name = parse_source(source, "")[0]
+    if Path(os.path.expanduser(name)).is_dir():
+        return "folder"
+    if source.startswith((".", "/", "~")) or path.suffix.lower() in FILE_BUILDERS or name.count("/") > 1:
+        return "missing"
+    return "hub"
 
 
 def parse_source(source: str, split: str) -> tuple[str, str | None, str]:
@@ -141,6 +159,18 @@ def cached_configs(name: str) -> list[str]:
     found = set()
     for info in glob.glob(os.path.join(_cache_folder(name), "*", "*", "*", "dataset_info.json")):
         found.add(Path(info).parts[-4])
+    return sorted(found)
+
+
+def cached_splits(name: str, config: str) -> list[str]:
+    """The splits of hub dataset `name`, config `config`, prepared in the local `datasets` cache."""
+    found: set[str] = set()
+    for info in glob.glob(os.path.join(_cache_folder(name), config, "*", "*", "dataset_info.json")):
+        try:
+            with open(info) as f:
+                found.update(json.load(f).get("splits") or {})
+        except (OSError, ValueError):
+            continue
     return sorted(found)
 
 

@@ -1,11 +1,12 @@
 """The dry-run plan of a job: what `jobs/grpo.py ... --dry-run` prints, computed without starting anything.
 
-`job_plan(cfg)` takes a validated `GRPOJobConfig` and returns a JSON-able dict: the actors the Ray
-backend would create (names, Ray CPU/GPU requests, torch threads, placement bundle), the placement
-group (bundles and strategy, from `orchestration.placement`'s own checks and bundle shape), the weight
-transport (`cluster._pick_transport`), the engine, and a memory estimate of each learner rank and of
-each replica's KV cache from the model's config.json (read from the HF cache, never downloaded;
-no weights are loaded, no Ray is started).
+`job_plan(cfg)` takes a validated `GRPOJobConfig` and returns a JSON-able dict: the data sources (a
+local path must exist; a hub dataset's config and split are looked up in the local datasets cache,
+rows never loaded), the actors the Ray backend would create (names, Ray CPU/GPU requests, torch
+threads, placement bundle), the placement group (bundles and strategy, from `orchestration.placement`'s
+own checks and bundle shape), the weight transport (`cluster._pick_transport`), the engine, and a
+memory estimate of each learner rank and of each replica's KV cache from the model's config.json
+(read from the HF cache, never downloaded; no weights are loaded, no Ray is started).
 
 Memory model (bytes, per learner rank, `b` = bytes of model.dtype, P = parameters, W = learner ranks):
 params, grads and the two AdamW moments are each P*b/W (FSDP2 shards them; the learner keeps them in
@@ -72,6 +73,67 @@ def read_model_config(cfg: GRPOJobConfig) -> tuple[dict | None, str]:
         raise PlanError(f"model.path {path!r} is neither an existing local directory nor a hub id 'org/name'")
     with open(found) as f:
         return json.load(f), found
+
+
+def _source_plan(source: str, split: str, field: str, default_config: str | None) -> dict[str, Any]:
+    """What the job will read for one data source, checked without loading rows: a local path must exist;
+    a hub dataset's config and split are checked against the local `datasets` cache. Offline (where the
+    job could never fetch it) a miss raises PlanError naming `field`; online it is "not cached"."""
+    from rayllm_rl.data.sources import (
+        _cache_folder, cached_configs, cached_splits, datasets_offline, parse_source, source_kind)
+
+    kind = source_kind(source)
+    if kind == "missing":
+        raise PlanError(f"{field}={source!r}: no such file or folder")
+    out: dict[str, Any] = {"source": source, "kind": kind}
+    if kind == "file":
+        return {**out, "status": "local file"}
+    if kind in ("disk", "folder"):
+        return {**out, "split": split, "status": "local dataset folder"}
+    name, config, split = parse_source(source, split)
+    offline, configs = datasets_offline(), cached_configs(name)
+    where = f"{field}={source!r} (hub dataset {name!r}, datasets cache {_cache_folder(name)})"
+    if config is None and len(configs) == 1:
+        config = configs[0]
+    elif config is None and configs:
+        config = default_config if default_config in configs else None
+        if config is None and offline:
+            raise PlanError(f"{where}: the cached configs are {configs} and none was given; name one, e.g. "
+                            f"{field}={name}:{configs[0]}")
+    splits = cached_splits(name, config) if config else []
+    out.update(name=name, config=config, split=split, cached_configs=configs)
+    if config is not None and config in configs and split in splits:
+        return {**out, "status": "cached"}
+    missing = (f"config {config!r} is not cached (cached: {configs})" if config and config not in configs else
+               f"split {split!r} of config {config!r} is not cached (cached: {splits})" if config else
+               "not cached")
+    if offline:
+        raise PlanError(f"{where}: {missing}, and offline mode is on (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE), so the "
+                        "job cannot load it")
+    return {**out, "status": f"{missing}: will download at start"}
+
+
+def data_plan(cfg: GRPOJobConfig) -> dict[str, Any] | None:
+    """The data sources of a dataset task (train, eval), each checked by `_source_plan`; None for arithmetic
+    (built in). An eval source naming no split reads "test"; the same source for both is a PlanError."""
+    from rayllm_rl.data.sources import EVAL_SPLIT
+    from rayllm_rl.envs.task import DEFAULT_CONFIGS, KNOWN_DATASETS
+
+    if cfg.task == "arithmetic":
+        return None
+    if not cfg.data.path:
+        raise PlanError(f"task={cfg.task} reads its prompts from data.path (e.g. data.path={KNOWN_DATASETS[cfg.task]}); "
+                        "none was given")
+    default = DEFAULT_CONFIGS.get(cfg.task)
+    plan = {"train": _source_plan(cfg.data.path, cfg.data.split, "data.path", default), "eval": None}
+    if cfg.data.eval_path:
+        plan["eval"] = _source_plan(cfg.data.eval_path, EVAL_SPLIT, "data.eval_path", default)
+        same = ("name", "config", "split") if plan["train"]["kind"] == "hub" else ("source",)
+        a, b = plan["train"], plan["eval"]
+        if a["kind"] == b["kind"] and all(a.get(k) is not None and a.get(k) == b.get(k) for k in same):
+            raise PlanError(f"data.eval_path={cfg.data.eval_path!r} and data.path={cfg.data.path!r} are the same rows: "
+                            "the evaluation would score the policy on its training rows")
+    return plan
 
 
 def _tiny_model_config() -> tuple[dict, str]:
@@ -275,6 +337,7 @@ def job_plan(cfg: GRPOJobConfig) -> dict[str, Any]:
         plan.update(actors=actors_plan(cfg, placement), placement=placement, weight_transport=transport_plan(cfg))
     plan["total_gpus"] = plan["placement"]["total_gpus"]
     config, source = read_model_config(cfg)
+    plan["data"] = data_plan(cfg)
     plan["model"]["config_source"] = source
     if config is None:
         plan["memory"] = {"unknown": source}
