@@ -104,7 +104,8 @@ def _source_plan(source: str, split: str, field: str, default_config: str | None
     out.update(name=name, config=config, split=split, cached_configs=configs)
     if config is not None and config in configs and split in splits:
         return {**out, "status": "cached"}
-    missing = (f"config {config!r} is not cached (cached: {configs})" if config and config not in configs else
+    missing = ("not cached" if not configs else
+               f"config {config!r} is not cached (cached: {configs})" if config and config not in configs else
                f"split {split!r} of config {config!r} is not cached (cached: {splits})" if config else
                "not cached")
     if offline:
