@@ -50,6 +50,7 @@ from rayllm_rl.learner.distributed import (
     to_local_scalar,
 )
 from rayllm_rl.learner.logprobs import (
+    DEFAULT_CHUNK,
     batched_token_logprobs,
     check_chunked_head,
     micro_batches,
@@ -77,15 +78,17 @@ class OptimConfig:
     """Clip the global gradient norm to this value (<= 0 disables)."""
     max_tokens_per_micro_batch: int = 16384
     """Padded tokens (rows x longest row) per forward/backward; gradients accumulate over micro-batches.
-    Rows are sorted by length, so padding stays small. 16384 keeps a ~1.5B model's activations in a few
-    GB of GPU memory, and the LM head never holds more than `logprob_chunk_size` positions of logits.
-    A row longer than this is a micro-batch of its own."""
+    Rows are sorted by length, so padding stays small. 16384 (8 rows of 2k, or 4 of 4k) keeps the
+    activations of a ~1.5B model within a few GB of GPU memory (less with `activation_checkpointing`),
+    since the LM head never holds more than `logprob_chunk_size` positions of logits; a row longer than
+    this is a micro-batch of its own."""
     micro_batch_size: int = 0
     """Optional cap on rows per micro-batch on top of the token budget (0 = no row cap)."""
-    logprob_chunk_size: int = 1024
-    """Positions per LM-head chunk when computing logprobs and entropy: at most one `[chunk, V]` float32
-    block of logits lives at a time (0.62 GB at 1024 x 151,936). 0 = full-vocabulary logits (only for
-    models whose logits are post-processed, e.g. soft-capped)."""
+    logprob_chunk_size: int = DEFAULT_CHUNK
+    """Positions per LM-head chunk when computing logprobs and entropy: one `[chunk, V]` float32 block of
+    logits lives at a time (0.31 GB at 512 x 151,936, Qwen2.5's vocabulary), while each chunk's
+    `[chunk, H] x [H, V]` matmul stays large enough to run at full speed. 0 = full-vocabulary logits
+    (only for models whose logits are post-processed, e.g. soft-capped)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward (HF gradient checkpointing, non-reentrant):
     less memory for long sequences, about one more forward of compute."""

@@ -4,14 +4,19 @@ The model's own forward runs with its output head (`get_output_embeddings()`, a 
 for that call only, for a function that takes the final hidden states `[B, T, H]`, keeps the
 positions whose logprob is wanted (`positions`: the loss mask in training, every real token
 otherwise) and pushes them through the head `chunk_size` positions at a time
-(`ChunkedHeadLogprobs`): forward and backward each hold one `[chunk, V]` float32 block at a time
-(two while the entropy is computed), and backward recomputes a chunk's logits instead of keeping
-them. Because the swap happens inside the model's forward, an FSDP2-wrapped model all-gathers
-and reduce-scatters the head (tied or not) exactly as in a plain forward; the decoder is reached
-through the model's forward, whatever its attribute names.
+(`ChunkedHeadLogprobs`): forward and backward each hold one `[chunk, V]` float32 block (plus a
+`[32, V]` scratch), and backward recomputes a chunk's logits instead of keeping them. Because the
+swap happens inside the model's forward, an FSDP2-wrapped model all-gathers and reduce-scatters
+the head (tied or not) exactly as in a plain forward; the decoder is reached through the model's
+forward, whatever its attribute names. `check_chunked_head` refuses a model that post-processes
+its logits (soft-capping), which this path would skip.
 
 Micro-batches are bounded by padded tokens (`token_budget_micro_batches`): rows sorted longest
 first and grouped greedily so that rows x longest row <= the budget, each cut to its longest row.
+Packing rows into one sequence (transformers' position_ids detection in `masking_utils`) would
+remove the remaining padding, but with sdpa/eager it builds a dense block-diagonal `[L, L]` mask
+and attends over the whole packed row, more work than length-sorted padding leaves; it pays off
+only with varlen kernels (flash-attention), so it is not used here.
 """
 from __future__ import annotations
 
@@ -21,8 +26,8 @@ from typing import Callable
 import torch
 from tensordict import TensorDict
 
-DEFAULT_CHUNK = 1024
-"""Positions per LM-head chunk: a `[1024, 151936]` float32 block is 0.62 GB (Qwen2.5's vocabulary)."""
+DEFAULT_CHUNK = 512
+"""Positions per LM-head chunk (`OptimConfig.logprob_chunk_size`): a `[512, 151936]` float32 block is 0.31 GB."""
 
 ENTROPY_CHUNK = 512
 """Positions per entropy chunk on the full-vocabulary path (`full_token_logprobs`)."""
@@ -34,10 +39,16 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
-                  acc: torch.dtype) -> torch.Tensor:
-    """`[c, V]` logits / temperature in `acc` dtype for hidden states `h` `[c, H]`."""
-    z = torch.nn.functional.linear(h, weight, bias).to(acc)
-    return z.div_(temperature) if temperature != 1.0 else z
+                  out: torch.Tensor) -> torch.Tensor:
+    """`[c, V]` logits / temperature of hidden states `h` `[c, H]`, written into `out` (`[c, V]`, float32
+    or float64: one reused block, so a CPU run does not page-fault a fresh block per chunk)."""
+    if weight.dtype == out.dtype:
+        torch.mm(h, weight.t(), out=out)
+        if bias is not None:
+            out.add_(bias)
+    else:  # low-precision head: the matmul in its dtype, then upcast
+        out.copy_(torch.nn.functional.linear(h, weight, bias))
+    return out.div_(temperature) if temperature != 1.0 else out
 
 
 class ChunkedHeadLogprobs(torch.autograd.Function):
@@ -45,27 +56,43 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
     computed `chunk` rows at a time; backward recomputes each chunk's logits.
 
     Inputs: hidden `[N, H]`, weight `[V, H]`, bias `[V]` or None, targets `[N]` (long).
-    The entropy output is detached (a metric, no gradient). Gradients of the weight accumulate
-    over chunks in float32 (float64 for a float64 weight), then take the weight's dtype.
+    The entropy output is detached (a metric, no gradient). Each chunk's `[chunk, V]` block is
+    worked on in place, with exponentials taken `SLICE` rows at a time, so one block (plus a
+    `[SLICE, V]` scratch) lives at a time. Gradients of the weight accumulate over chunks in
+    float32 (float64 for a float64 weight), then take the weight's dtype.
     """
+
+    SLICE = 32
+    """Rows per `[SLICE, V]` scratch exponential inside a chunk."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk: int, with_entropy: bool):
         acc = _acc_dtype(hidden.dtype)
-        n = hidden.shape[0]
+        n, step, vocab = hidden.shape[0], ChunkedHeadLogprobs.SLICE, weight.shape[0]
         logp = hidden.new_empty(n, dtype=acc)
         lse = hidden.new_empty(n, dtype=acc)
         ent = hidden.new_zeros(n if with_entropy else 0, dtype=acc)
+        block = hidden.new_empty(min(chunk, n), vocab, dtype=acc)
+        scratch = hidden.new_empty(min(step, n), vocab, dtype=acc)
+        sums = hidden.new_empty(min(chunk, n), dtype=acc)
         for s in range(0, n, chunk):
-            z = _chunk_logits(hidden[s:s + chunk], weight, bias, temperature, acc)
-            lse_c = torch.logsumexp(z, dim=-1)
-            lse[s:s + chunk] = lse_c
-            logp[s:s + chunk] = z.gather(1, targets[s:s + chunk, None]).squeeze(1) - lse_c
-            if with_entropy:  # H = lse - sum_v p_v z_v, the dot product as a bmm (no third block)
-                p = (z - lse_c[:, None]).exp_()
-                ent[s:s + chunk] = lse_c - torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(-1)
-                del p
-            del z
+            c = min(chunk, n - s)
+            z = _chunk_logits(hidden[s:s + c], weight, bias, temperature, block[:c])
+            target_z = z.gather(1, targets[s:s + c, None]).squeeze(1)
+            top = z.amax(dim=-1)
+            z.sub_(top[:, None])
+            for r in range(0, c, step):
+                e = torch.exp(z[r:r + step], out=scratch[:min(step, c - r)])
+                torch.sum(e, dim=-1, out=sums[r:r + e.shape[0]])
+            log_sum = sums[:c].log()
+            lse[s:s + c] = top + log_sum
+            logp[s:s + c] = target_z - lse[s:s + c]
+            if with_entropy:  # z becomes log p; H = -sum_v p_v log p_v
+                z.sub_(log_sum[:, None])
+                for r in range(0, c, step):
+                    p = torch.exp(z[r:r + step], out=scratch[:min(step, c - r)])
+                    ent[s + r:s + r + p.shape[0]] = -torch.bmm(p.unsqueeze(1), z[r:r + step].unsqueeze(2)).view(-1)
+        del block, scratch
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.mark_non_differentiable(ent)
@@ -76,29 +103,34 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         acc = lse.dtype
-        w_acc = _acc_dtype(weight.dtype)
+        n, w_acc = hidden.shape[0], _acc_dtype(weight.dtype)
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=w_acc, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=w_acc, device=bias.device) if need_b and bias is not None else None
         t, chunk = ctx.temperature, ctx.chunk
-        for s in range(0, hidden.shape[0], chunk):
-            h = hidden[s:s + chunk]
-            g = grad_logp[s:s + chunk].to(acc)
+        block = hidden.new_empty(min(chunk, n), weight.shape[0], dtype=acc)
+        for s in range(0, n, chunk):
+            c = min(chunk, n - s)
+            h = hidden[s:s + c]
+            g = grad_logp[s:s + c].to(acc)
             # d logp / d z = onehot(target) - softmax(z); z = logits / T, so d/d logits has a 1/T
-            dz = _chunk_logits(h, weight, bias, t, acc).sub_(lse[s:s + chunk, None]).exp_()
+            dz = _chunk_logits(h, weight, bias, t, block[:c]).sub_(lse[s:s + c, None]).exp_()
             dz.mul_(-g[:, None])
-            dz.scatter_add_(1, targets[s:s + chunk, None], g[:, None])
+            dz.scatter_add_(1, targets[s:s + c, None], g[:, None])
             if t != 1.0:
                 dz.div_(t)
-            dz_w = dz.to(weight.dtype)
-            del dz
+            dz_w = dz.to(weight.dtype)  # the same block when the weight is float32 / float64
             if need_h:
-                grad_h[s:s + chunk] = (dz_w @ weight).to(hidden.dtype)
+                grad_h[s:s + c] = (dz_w @ weight).to(hidden.dtype)
             if need_w:
-                grad_w.add_(dz_w.t() @ h.to(weight.dtype))
+                if grad_w.dtype == dz_w.dtype == h.dtype:
+                    grad_w.addmm_(dz_w.t(), h)
+                else:
+                    grad_w.add_(dz_w.t() @ h.to(weight.dtype))
             if grad_b is not None:
                 grad_b.add_(dz_w.sum(0))
             del dz_w
+        del block
         return (grad_h, grad_w.to(weight.dtype) if grad_w is not None else None,
                 grad_b.to(bias.dtype) if grad_b is not None else None, None, None, None, None)
 
@@ -165,9 +197,7 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     head = linear_head(model) if chunk_size > 0 else None
     if head is None:
         out = full_token_logprobs(model, input_ids, attention_mask, temperature, with_entropy=with_entropy)
-        if positions is None:
-            return out
-        keep = positions.to(torch.bool)
+        keep = (attention_mask if positions is None else positions).to(torch.bool)
         return tuple(torch.where(keep, x, torch.zeros_like(x)) for x in out) if with_entropy else \
             torch.where(keep, out, torch.zeros_like(out))
     b, t = input_ids.shape
@@ -184,9 +214,11 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
         side["entropy"] = torch.nn.functional.pad(zeros.masked_scatter(sel, ent), (1, 0)) if with_entropy else None
         return torch.nn.functional.pad(zeros.masked_scatter(sel, logp), (1, 0))
 
+    # a transformers model would otherwise build a KV cache it never reads
+    extra = {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}
     with _head_forward(head, head_logprobs):
         # The returned "logits" are the [B, T] logprobs (FSDP2 hooks its backward on them).
-        logp = model(input_ids=input_ids, attention_mask=attention_mask.long(), use_cache=False).logits
+        logp = model(input_ids=input_ids, attention_mask=attention_mask.long(), **extra).logits
     if logp.shape != (b, t):
         raise RuntimeError(f"{type(model).__name__} post-processed its head output (shape {tuple(logp.shape)}); "
                            "use logprob_chunk_size=0")

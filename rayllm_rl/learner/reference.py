@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from rayllm_rl.learner.logprobs import DEFAULT_CHUNK, batched_token_logprobs, check_chunked_head
+from rayllm_rl.learner.learner import OptimConfig
+from rayllm_rl.learner.logprobs import batched_token_logprobs, check_chunked_head
 
 
 REFERENCE_FILE = "reference.safetensors"
@@ -35,8 +36,9 @@ class ReferenceModel:
     (orchestration.actors.ReferenceActor).
     """
 
-    def __init__(self, model_path: str, *, temperature: float = 1.0, max_tokens_per_micro_batch: int = 16384,
-                 logprob_chunk_size: int = DEFAULT_CHUNK, dtype: torch.dtype = torch.float32,
+    def __init__(self, model_path: str, *, temperature: float = 1.0,
+                 max_tokens_per_micro_batch: int = OptimConfig.max_tokens_per_micro_batch,
+                 logprob_chunk_size: int = OptimConfig.logprob_chunk_size, dtype: torch.dtype = torch.float32,
                  named_tensors: dict[str, torch.Tensor] | None = None):
         from transformers import AutoModelForCausalLM
 
