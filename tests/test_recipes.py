@@ -287,3 +287,23 @@ def test_the_dry_run_of_a_missing_data_file_exits_non_zero(offline_hub):
                           "--dry-run"], capture_output=True, text=True, timeout=300, cwd=offline_hub)
     assert out.returncode == 1 and "data.path='/no/such/file.jsonl': no such file or folder" in out.stderr
     assert "DRY RUN" not in out.stdout
+
+
+def test_the_one_gpu_recipe_says_it_is_slow_and_its_two_gpu_command_plans_a_gpu_learner(offline_hub, capsys):
+    """The comment warns that the learner runs on the CPU until issue K, and the 2-GPU command it gives
+    plans one GPU for the replica and one for a bf16 learner, with NCCL sync."""
+    path = ROOT / "recipes" / "gsm8k_qwen2.5-0.5b_1gpu.yaml"
+    comment = " ".join(line.lstrip("# ") for line in path.read_text().splitlines() if line.startswith("#"))
+    assert "SLOW until issue K" in comment and "on the CPU" in comment and "2 GPUs" in comment
+    one = dry_run_json(capsys, f"config={path}")
+    learner = next(a for a in one["actors"] if a["name"] == "learner-0")
+    assert (learner["num_gpus"], one["model"]["dtype"]) == (0, "float32")  # what the recipe itself runs
+    command = next(line for line in path.read_text().splitlines() if "python jobs/grpo.py" in line
+                   and "--dry-run" not in line)
+    args = command.split("python jobs/grpo.py", 1)[1].split()
+    assert args[0] == "config=recipes/gsm8k_qwen2.5-0.5b_1gpu.yaml"
+    two = dry_run_json(capsys, f"config={path}", *args[1:])
+    actors = {a["name"]: a["num_gpus"] for a in two["actors"]}
+    assert (actors["inference-0"], actors["learner-0"], two["total_gpus"]) == (1, 1, 2)
+    assert two["model"]["dtype"] == "bfloat16" and two["weight_transport"]["same_node"] == "nccl"
+    assert two["memory"]["learner_per_rank"]["assumed"]["micro_batch_rows"] > 4  # the token budget, not 4 rows
