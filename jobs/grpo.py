@@ -50,7 +50,7 @@ def format_plan(plan: dict) -> str:
     out = [f"DRY RUN: nothing started. task={plan['task']} algo={plan['algo']} backend={plan['backend']}",
            f"model: {m['path']} (revision {m['revision']}), dtype {m['dtype']}; config.json: {source}",
            f"engine: {e['name']} x {e['replicas']} replica(s), tensor_parallel_size={e['tensor_parallel_size']}"
-           + ("" if e["installed_here"] else f" ({e['name']} is not installed on this machine; the job's need it)"),
+           + ("" if e["installed_here"] else f" ({e['name']} is not installed on this machine; the job's machines need it)"),
            "rollout: {prompts_per_step} prompts x {group_size} samples per step, max_new_tokens={max_new_tokens}, "
            "max_staleness={max_staleness}".format(**plan["rollout"]),
            "schedule: sft.steps={sft_steps}, trainer.steps={rl_steps}, optim.lr={optim_lr:g}, "

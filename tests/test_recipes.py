@@ -229,6 +229,9 @@ def test_the_dry_run_plans_a_vllm_job_on_a_machine_without_vllm(offline_hub, cap
     assert plan["total_gpus"] == 8
     with pytest.raises(ValueError, match="inference.engine=vllm but the vllm package is not installed"):
         load_config(GRPOJobConfig, [f"config={path}"]).validate()
+    grpo_main()([f"config={path}", "--dry-run"])  # the text plan says so in words
+    assert ("engine: vllm x 4 replica(s), tensor_parallel_size=1 (vllm is not installed on this machine; the job's "
+            "machines need it)") in capsys.readouterr().out
 
 
 def test_the_local_backend_plans_one_process(offline_hub, capsys):
