@@ -144,6 +144,26 @@ def test_a_library_bar_made_while_ours_is_live_draws_below_it_not_line_by_line(c
     assert sys.stderr is err and handler.stream is err
 
 
+def test_a_handler_that_follows_sys_stderr_is_left_alone(console, tmp_path):
+    """dill (imported by datasets) logs through logging's _StderrHandler, whose `stream` is a property that
+    reads sys.stderr at each record: it cannot be given a stream (setStream raised AttributeError when
+    every gsm8k job started its bar) and needs none, as it writes to our wrapper while the bar is live."""
+    import datasets  # noqa: F401 - imports dill, which adds the handler
+
+    dill_logger = logging.getLogger("dill")
+    assert any(type(h).__name__ == "_StderrHandler" for h in dill_logger.handlers)
+    out, err, logger, handler = console()
+    reporter = RunReporter(str(tmp_path))
+    bar = reporter.progress(total=2, desc="grpo")
+    bar.update(1)
+    dill_logger.warning("from dill")
+    bar.update(1)
+    reporter.close()
+    shown = screen(err.getvalue())
+    assert shown.count("from dill") == 1 and [s for s in shown if s.startswith("grpo")] == [shown[-1]]
+    assert sys.stderr is err and handler.stream is err
+
+
 @pytest.mark.parametrize("first_closed", ["a", "b"])
 def test_two_live_reporters_give_the_real_console_back(console, tmp_path, first_closed):
     """A second reporter's bar and streams wrap the real console, not the first one's wrapper, and

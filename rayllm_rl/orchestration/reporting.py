@@ -164,8 +164,10 @@ class _Progress:
             setattr(sys, name, proxy)
         for logger in _console_loggers():  # handlers hold the stream they were given when made
             for handler in logger.handlers:
-                proxy = by_stream.get(id(_unwrap(getattr(handler, "stream", None))))
-                if proxy is not None and isinstance(handler, logging.StreamHandler):
+                if not isinstance(handler, logging.StreamHandler) or "stream" not in vars(handler):
+                    continue  # e.g. logging's _StderrHandler: its stream property reads sys.stderr, ours now
+                proxy = by_stream.get(id(_unwrap(handler.stream)))
+                if proxy is not None:
                     self._handlers.append((handler, handler.stream, proxy))
                     handler.setStream(proxy)
         self.stderr = self._streams[1][2]
