@@ -219,3 +219,22 @@ def test_loglinear_without_prox_version_raises():
     del batch["prox_version"]
     with pytest.raises(ValueError, match="prox_version"):
         _learner(UniformLM()).train_step(batch, RecordingPPO(prox_logp_method="loglinear"))
+
+
+# ---------------------------------------------------------------- optim.* batching reaches the reference
+def test_the_reference_model_takes_the_learners_token_budget_and_chunk(tiny_model_path):
+    """optim.max_tokens_per_micro_batch / optim.logprob_chunk_size reach the frozen reference too (it
+    used to get ReferenceModel's defaults whatever the job said)."""
+    from transformers import AutoTokenizer
+
+    from rayllm_rl.orchestration.factories import build_task
+    from rayllm_rl.orchestration.local_backend import LocalBackend
+
+    cfg = _job("trainer.backend=local", "optim.max_tokens_per_micro_batch=777", "optim.logprob_chunk_size=33",
+               "algo.kl_coef=0.1", "data.eval_size=8").validate()
+    backend = LocalBackend(cfg, tiny_model_path, build_task(cfg), AutoTokenizer.from_pretrained(tiny_model_path))
+    try:
+        backend.start_reference(None)
+        assert (backend.reference.max_tokens_per_micro_batch, backend.reference.logprob_chunk_size) == (777, 33)
+    finally:
+        backend.shutdown()

@@ -150,14 +150,19 @@ class ReferenceActor(_Process):
     """`reference` on the dashboard: a frozen ReferenceModel serving reference logprobs for KL."""
 
     def __init__(self, model_path: str, temperature: float, weights: dict[str, torch.Tensor] | str,
-                 num_threads: int = 1):
-        """`weights`: the policy's tensors, or a checkpoint directory holding `reference.safetensors`."""
+                 num_threads: int = 1, max_tokens_per_micro_batch: int | None = None,
+                 logprob_chunk_size: int | None = None):
+        """`weights`: the policy's tensors, or a checkpoint directory holding `reference.safetensors`;
+        the batching knobs are the learner's (`optim.*`; None = ReferenceModel's defaults)."""
         from rayllm_rl.learner.reference import ReferenceModel, load_reference_weights
 
         torch.set_num_threads(num_threads)
         named = load_reference_weights(weights) if isinstance(weights, str) else weights
         # this node's copy of the driver's snapshot (multi-node: each node has its own HF cache)
-        self.model = ReferenceModel(resolve_model_path(model_path), temperature=temperature, named_tensors=named)
+        batching = {k: v for k, v in (("max_tokens_per_micro_batch", max_tokens_per_micro_batch),
+                                      ("logprob_chunk_size", logprob_chunk_size)) if v is not None}
+        self.model = ReferenceModel(resolve_model_path(model_path), temperature=temperature, named_tensors=named,
+                                    **batching)
 
     def compute_logprobs(self, batch) -> torch.Tensor:
         return self.model.compute_logprobs(batch)

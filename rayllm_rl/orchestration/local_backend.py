@@ -111,7 +111,9 @@ class LocalBackend:
 
         weights = load_reference_weights(checkpoint) if checkpoint else self.learner.named_tensors()
         self.reference = ReferenceModel(self.model_path, temperature=self.cfg.rollout.temperature,
-                                        named_tensors=weights)
+                                        named_tensors=weights,
+                                        max_tokens_per_micro_batch=self.cfg.optim.max_tokens_per_micro_batch,
+                                        logprob_chunk_size=self.cfg.optim.logprob_chunk_size)
         return self.reference.compute_logprobs
 
     def evaluate(self) -> dict[str, Any]:
