@@ -5,8 +5,9 @@ and 64 seeded rows of mixed lengths up to 2,048 tokens, each a prompt part and a
 with only the completion trained (an RL batch). Two paths run one after the other, each in its own
 subprocess so each peak is its own:
 
-- "today": the learner before chunking (kept here verbatim: `today_token_logprobs` and
-  `TodayLearner._optimizer_step`): `[B, T, V]` logits cast to float32, a full log_softmax, the
+- "today": the learner before chunking (`TodayLearner._optimizer_step` kept here verbatim, its
+  logprobs the library's unchanged full-vocabulary path `full_token_logprobs`): `[B, T, V]`
+  logits cast to float32, a full log_softmax, the
   entropy at every position, micro-batches of `--today-micro-batch-size` rows in batch order.
 - "chunked": `rayllm_rl.learner.Learner`: the LM head in chunks of `--chunk` positions at the
   trained tokens only, micro-batches of at most `--max-tokens` padded tokens with rows sorted by
@@ -39,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from rayllm_rl.learner.learner import Learner, OptimConfig  # noqa: E402
+from rayllm_rl.learner.logprobs import full_token_logprobs  # noqa: E402
 from rayllm_rl.objectives import GRPOLoss  # noqa: E402
 from rayllm_rl.objectives.base import Loss  # noqa: E402
 
@@ -46,25 +48,10 @@ TARGETS = {"peak_memory_ratio_max": 0.25, "tokens_per_s_ratio_min": 1.3, "grad_r
 """Issue J, deliverable 3: chunked peak <= 1/4 of today's, tokens/s >= 1.3x, gradients equal to 1e-5."""
 
 
-# ---------------------------------------------------------------- today's path, verbatim
-ENTROPY_CHUNK = 512
-
-
-def today_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                         temperature: float = 1.0, *, with_entropy: bool = False):
-    """The learner's `token_logprobs` before chunking: `[B, T, V]` logits in float32, full log_softmax."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask.long()).logits[:, :-1]
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    if temperature != 1.0:
-        logits = logits / temperature
-    log_probs = torch.log_softmax(logits, dim=-1)
-    logp = log_probs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    logp = torch.nn.functional.pad(logp, (1, 0), value=0.0)
-    if not with_entropy:
-        return logp
-    with torch.no_grad():  # chunked over positions: one [B, chunk, V] temporary at a time
-        ent = torch.cat([-(lp.exp() * lp).sum(-1) for lp in log_probs.split(ENTROPY_CHUNK, dim=1)], dim=1)
-    return logp, torch.nn.functional.pad(ent, (1, 0), value=0.0)
+# ---------------------------------------------------------------- today's path
+# The learner's logprobs before chunking are kept, line for line, as the full-vocabulary path
+# (`optim.logprob_chunk_size=0`): `[B, T, V]` logits in float32, full log_softmax.
+today_token_logprobs = full_token_logprobs
 
 
 def _today_micro_batches(td, size: int):

@@ -40,3 +40,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "vllm" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture()
+def one_torch_thread():
+    """Tiny matmuls: one torch thread is far faster on a busy 2-core box (no spin-waiting) and matches
+    the FSDP ranks'. Use with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

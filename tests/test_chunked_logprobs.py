@@ -20,13 +20,8 @@ F64 = torch.float64
 TOL = 1e-12
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls: one thread is far faster on a busy 2-core box (no spin-waiting)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 
 def qwen2(vocab: int = 50, tie: bool = False, hidden: int = 16, dtype: torch.dtype = F64) -> torch.nn.Module:

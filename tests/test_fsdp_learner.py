@@ -47,13 +47,8 @@ CASES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls: one thread is faster (no spin-waiting on a busy 2-core box) and matches the ranks'."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 
 def make_batches(path: str, rows: int = 8):

@@ -15,13 +15,8 @@ OPTIM = OptimConfig(lr=1e-3, max_tokens_per_micro_batch=64, logprob_chunk_size=8
                     warmup_steps=6, weight_decay=0.01)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls: one thread is faster (no spin-waiting on a busy 2-core box) and matches the ranks'."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 
 def make_batches(path: str, n: int = 4, rows: int = 6):

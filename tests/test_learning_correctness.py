@@ -40,13 +40,8 @@ SPLITS = [  # row lengths are 6, 2, 8, 5, 2, 7, 3 tokens
 ]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls: one thread is ~50x faster on a busy 2-core box (no spin-waiting)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 
 def tiny_model(tie: bool = False) -> torch.nn.Module:
