@@ -69,15 +69,20 @@ def hub_offline() -> bool:
     return False
 
 
+def hf_home() -> str:
+    """HF_HOME as the HF libraries compute it (else $XDG_CACHE_HOME/huggingface), read at call time."""
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache")), "huggingface"
+    )
+    return os.path.expanduser(os.path.expandvars(home))
+
+
 def hub_cache_dir() -> str:
     """The HF hub cache directory as huggingface_hub computes it, from the environment at call time."""
     explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
     if explicit:
         return os.path.expanduser(os.path.expandvars(explicit))
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache")), "huggingface"
-    )
-    return os.path.join(os.path.expanduser(os.path.expandvars(home)), "hub")
+    return os.path.join(hf_home(), "hub")
 
 
 def repo_folder(repo_id: str, repo_type: str = "model") -> str:

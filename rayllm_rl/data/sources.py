@@ -128,11 +128,11 @@ def source_identity(source: str, split: str, dataset) -> tuple[str, str | None, 
 
 def datasets_cache_dir() -> str:
     """Where `datasets` keeps prepared datasets: HF_DATASETS_CACHE, else $HF_HOME/datasets (read now)."""
+    from rayllm_rl.hub import hf_home
+
     if os.environ.get("HF_DATASETS_CACHE"):
         return os.path.expanduser(os.environ["HF_DATASETS_CACHE"])
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache")), "huggingface")
-    return os.path.join(os.path.expanduser(home), "datasets")
+    return os.path.join(hf_home(), "datasets")
 
 
 def datasets_offline() -> bool:
