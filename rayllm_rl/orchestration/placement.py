@@ -99,9 +99,24 @@ def validate(num_replicas: int, num_learners: int, gpus_per_replica: float, gpus
     return replica_gpus, learner_gpus
 
 
+STRATEGY = "PACK"
+"""The placement group's strategy (see the module docstring)."""
+
+
 def _bundle(gpus: float) -> dict[str, float]:
     """The bundle of one actor asking for `gpus` GPUs."""
     return {"GPU": gpus} if gpus > 0 else {"CPU": CPU_ONLY_BUNDLE_CPUS}
+
+
+def plan_bundles(num_replicas: int, num_learners: int, replica_gpus: float,
+                 learner_gpus: float) -> list[dict[str, float]]:
+    """The group's bundles, without Ray: replica i is bundle i, learner rank r is `learner_bundle(r)`."""
+    return [_bundle(replica_gpus) for _ in range(num_replicas)] + [_bundle(learner_gpus) for _ in range(num_learners)]
+
+
+def learner_bundle(num_replicas: int, rank: int) -> int:
+    """The bundle index of learner rank `rank` (after the replicas')."""
+    return num_replicas + rank
 
 
 def _actor_options(pg: PlacementGroup, index: int, gpus: float) -> dict[str, Any]:
@@ -123,8 +138,8 @@ def plan_placement(num_replicas: int, num_learners: int, gpus_per_replica: float
     if replica_gpus == 0 and learner_gpus == 0:
         return Placement([{"num_cpus": 0} for _ in range(num_replicas)],
                          [{"num_cpus": 0} for _ in range(num_learners)])
-    bundles = [_bundle(replica_gpus) for _ in range(num_replicas)] + [_bundle(learner_gpus) for _ in range(num_learners)]
-    pg = placement_group(bundles, strategy="PACK")
+    bundles = plan_bundles(num_replicas, num_learners, replica_gpus, learner_gpus)
+    pg = placement_group(bundles, strategy=STRATEGY)
     try:
         ray.get(pg.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError as exc:
@@ -140,7 +155,7 @@ def plan_placement(num_replicas: int, num_learners: int, gpus_per_replica: float
         remove_placement_group(pg)
         raise
     return Placement([_actor_options(pg, i, replica_gpus) for i in range(num_replicas)],
-                     [_actor_options(pg, num_replicas + r, learner_gpus) for r in range(num_learners)],
+                     [_actor_options(pg, learner_bundle(num_replicas, r), learner_gpus) for r in range(num_learners)],
                      pg)
 
 

@@ -33,8 +33,6 @@ GiB = float(1 << 30)
 PROMPT_TOKENS_ESTIMATE = {"arithmetic": 24, "gsm8k": 160, "math": 200, "ifeval": 160}
 """Typical prompt length in tokens (chat template included) of each task, for the memory estimate only."""
 
-PLACEMENT_STRATEGY = "PACK"
-"""The strategy `placement.plan_placement` reserves its group with."""
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -256,7 +254,7 @@ def _actor(name: str, role: str, gpus: float, threads: int, bundle: int | None, 
 def placement_plan(cfg: GRPOJobConfig) -> dict[str, Any]:
     """The placement group `plan_placement` would reserve: bundles (replicas first, then learner ranks)
     and strategy, or none when no GPU is asked for."""
-    from rayllm_rl.orchestration.placement import _bundle, validate
+    from rayllm_rl.orchestration.placement import STRATEGY, plan_bundles, validate
 
     rc = cfg.ray
     replica_gpus, learner_gpus = validate(rc.num_replicas, rc.num_learners, rc.gpus_per_replica, rc.gpus_per_learner,
@@ -264,9 +262,10 @@ def placement_plan(cfg: GRPOJobConfig) -> dict[str, Any]:
     if replica_gpus == 0 and learner_gpus == 0:
         return {"placement_group": False, "strategy": None, "bundles": [], "total_gpus": 0.0,
                 "replica_gpus": 0.0, "learner_gpus": 0.0}
-    bundles = ([{"for": f"inference-{i}", **_bundle(replica_gpus)} for i in range(rc.num_replicas)]
-               + [{"for": f"learner-{r}", **_bundle(learner_gpus)} for r in range(rc.num_learners)])
-    return {"placement_group": True, "strategy": PLACEMENT_STRATEGY, "bundles": bundles,
+    names = [f"inference-{i}" for i in range(rc.num_replicas)] + [f"learner-{r}" for r in range(rc.num_learners)]
+    bundles = [{"for": name, **bundle} for name, bundle in
+               zip(names, plan_bundles(rc.num_replicas, rc.num_learners, replica_gpus, learner_gpus))]
+    return {"placement_group": True, "strategy": STRATEGY, "bundles": bundles,
             "total_gpus": sum(b.get("GPU", 0.0) for b in bundles), "replica_gpus": replica_gpus,
             "learner_gpus": learner_gpus}
 
@@ -274,6 +273,7 @@ def placement_plan(cfg: GRPOJobConfig) -> dict[str, Any]:
 def actors_plan(cfg: GRPOJobConfig, placement: dict[str, Any]) -> list[dict[str, Any]]:
     """Every actor the Ray backend creates (cluster.build_cluster, the reference and tool services)."""
     from rayllm_rl.orchestration.factories import needs_reference
+    from rayllm_rl.orchestration.placement import learner_bundle
 
     rc, t = cfg.ray, cfg.ray.threads_per_actor
     pg = placement["placement_group"]
@@ -281,7 +281,7 @@ def actors_plan(cfg: GRPOJobConfig, placement: dict[str, Any]) -> list[dict[str,
     actors = [_actor(f"inference-{i}", f"inference replica ({cfg.inference.engine})", placement["replica_gpus"], t,
                      i if pg else None, tp) for i in range(rc.num_replicas)]
     actors += [_actor(f"learner-{r}", "FSDP learner rank", placement["learner_gpus"], t,
-                      rc.num_replicas + r if pg else None) for r in range(rc.num_learners)]
+                      learner_bundle(rc.num_replicas, r) if pg else None) for r in range(rc.num_learners)]
     actors += [_actor(f"env-{i}", "env worker (rollout workflows, rewards)", 0.0, 1, None)
                for i in range(rc.num_env_workers)]
     actors += [_actor("replay-buffer", "replay buffer", 0.0, 1, None), _actor("collector", "collector", 0.0, 1, None)]
