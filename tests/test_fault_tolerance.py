@@ -178,8 +178,9 @@ def test_stateful_role_sigkill_rolls_back_to_the_last_checkpoint(local_ray, tmp_
     trained = [gid for r in history for gid in r["episode_ids"]]
     assert len(trained) == STEPS * B and len(set(trained)) == len(trained), "an episode lost or trained twice"
     assert summary["learner_checksums_equal_replicas"] and summary["failed_episodes"] == 0
-    if kind == "env":  # the dead worker's episodes, given up after the checkpoint, were run again
-        assert summary["episodes_lost"] == 0 and summary["episodes_rerun"] >= 1
+    if kind == "env":  # no episode is lost in the end: any the dead worker held were run again after the rollback
+        # (it may hold none: killed while the collector waited at the staleness bound, the liveness check finds it)
+        assert summary["episodes_lost"] == 0
 
 
 def test_a_lone_replica_restarted_while_the_driver_waits_gets_the_weights_in_that_wait(local_ray):
