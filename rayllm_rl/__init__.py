@@ -3,8 +3,8 @@
     from rayllm_rl import GRPOJobConfig, train
     summary = train(GRPOJobConfig(), ["trainer.steps=50", "rollout.max_staleness=1"])
 
-Names are resolved lazily, so `import rayllm_rl.data` (or any other core module) does not
-import Ray.
+Names are resolved lazily, so importing `rayllm_rl.data` (or any other core module) does not
+import Ray: only `rayllm_rl.orchestration.ray` (and the Ray weight transports) do.
 """
 from __future__ import annotations
 

@@ -463,7 +463,7 @@ def test_python_api_is_lazy_and_validates_before_starting():
 
     code = ("import sys, rayllm_rl; from rayllm_rl import GRPOJobConfig, train; "
             "assert 'ray' not in sys.modules, 'importing the API must not import ray'; "
-            "import rayllm_rl.data.replay_buffer; assert 'ray' not in sys.modules")
+            "import rayllm_rl.rollout.replay_buffer; assert 'ray' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     from rayllm_rl import GRPOJobConfig, train
 

@@ -215,9 +215,9 @@ def test_restartable_actor_arguments_must_be_inlined(tiny_model_path):
     from ray import cloudpickle
 
     from rayllm_rl.config import load_config
-    from rayllm_rl.orchestration.cluster import INLINE_LIMIT_BYTES, check_inlined
+    from rayllm_rl.orchestration.ray.cluster import INLINE_LIMIT_BYTES, check_inlined
     from rayllm_rl.orchestration.job_config import GRPOJobConfig
-    from rayllm_rl.orchestration.ray_backend import make_workflow
+    from rayllm_rl.orchestration.ray.backend import make_workflow
 
     cfg = load_config(GRPOJobConfig, [])
     factory = functools.partial(make_workflow, cfg, tiny_model_path)

@@ -9,9 +9,9 @@ import pytest
 from datasets import Dataset
 
 from rayllm_rl.data.loader import PromptLoader
-from rayllm_rl.data.replay_buffer import AwaitableEpisodeBuffer, ReplayBuffer
-from rayllm_rl.orchestration.collector import EpisodeOutcome, LLMCollector
-from rayllm_rl.orchestration.staleness import StalenessController
+from rayllm_rl.rollout.replay_buffer import AwaitableEpisodeBuffer, ReplayBuffer
+from rayllm_rl.rollout.collector import EpisodeOutcome, LLMCollector
+from rayllm_rl.rollout.staleness import StalenessController
 from test_staleness import _episode
 
 

@@ -6,11 +6,11 @@ import asyncio
 from datasets import Dataset
 
 from rayllm_rl.data.loader import PromptLoader
-from rayllm_rl.data.replay_buffer import ReplayBuffer
+from rayllm_rl.rollout.replay_buffer import ReplayBuffer
 from rayllm_rl.inference.protocol import SamplingParams
 from rayllm_rl.orchestration.factories import has_reward_variance
-from rayllm_rl.orchestration.collector import LLMCollector, collect_batch, run_and_store
-from rayllm_rl.orchestration.staleness import StalenessController
+from rayllm_rl.rollout.collector import LLMCollector, collect_batch, run_and_store
+from rayllm_rl.rollout.staleness import StalenessController
 from rayllm_rl.workflows.rlvr import RLVRWorkflow
 
 ROWS = [{"messages": [{"role": "user", "content": f"{kind} {i}"}], "kind": kind}

@@ -80,9 +80,9 @@ def test_env_worker_restarts_after_the_driver_dropped_its_constructor_arguments(
     import gc
 
     from rayllm_rl.models.tiny import ensure_tiny_model
-    from rayllm_rl.orchestration.cluster import build_cluster, check_inlined
+    from rayllm_rl.orchestration.ray.cluster import build_cluster, check_inlined
     from rayllm_rl.orchestration.factories import build_task
-    from rayllm_rl.orchestration.ray_backend import make_workflow
+    from rayllm_rl.orchestration.ray.backend import make_workflow
 
     ns = f"{NS}_args"
     cfg = load_config(GRPOJobConfig, [f"rollout.prompts_per_step={B}", "rollout.group_size=4", "rollout.max_new_tokens=6",
@@ -191,7 +191,7 @@ def test_a_lone_replica_restarted_while_the_driver_waits_gets_the_weights_in_tha
 
     from rayllm_rl.models.tiny import ensure_tiny_model
     from rayllm_rl.orchestration.factories import build_task
-    from rayllm_rl.orchestration.ray_backend import RayBackend
+    from rayllm_rl.orchestration.ray.backend import RayBackend
 
     cfg = load_config(GRPOJobConfig, [f"rollout.prompts_per_step={B}", "rollout.group_size=4", "rollout.max_new_tokens=6",
                                       "rollout.max_staleness=0", "ray.num_replicas=1", "ray.call_timeout_s=30",

@@ -16,7 +16,7 @@ import pytest
 
 import ray  # noqa: E402  (a core dependency: missing ray is a failure, not a skip)
 
-from rayllm_rl.orchestration.placement import (  # noqa: E402
+from rayllm_rl.orchestration.ray.placement import (  # noqa: E402
     Placement,
     PlacementError,
     plan_placement,

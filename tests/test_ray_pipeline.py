@@ -41,8 +41,8 @@ def rl_records(summary) -> list[dict]:
 def test_sync_makes_replica_weights_equal(local_ray, tmp_path, transport):
     from rayllm_rl.models.tiny import ensure_tiny_model
     from rayllm_rl.orchestration.factories import build_task
-    from rayllm_rl.orchestration.cluster import build_cluster
-    from rayllm_rl.orchestration.ray_backend import make_workflow
+    from rayllm_rl.orchestration.ray.cluster import build_cluster
+    from rayllm_rl.orchestration.ray.backend import make_workflow
 
     import functools
 

@@ -42,8 +42,8 @@ def test_vllm_replica_logprobs_equal_learner_after_sync(local_ray, tmp_path, tra
     from rayllm_rl.models.tiny import ensure_tiny_model
     from rayllm_rl.objectives import SFTLoss
     from rayllm_rl.orchestration.factories import build_task
-    from rayllm_rl.orchestration.cluster import build_cluster
-    from rayllm_rl.orchestration.ray_backend import make_workflow
+    from rayllm_rl.orchestration.ray.cluster import build_cluster
+    from rayllm_rl.orchestration.ray.backend import make_workflow
 
     cfg = vllm_cfg(tmp_path, f"ray.sync_transport={transport}")
     path = ensure_tiny_model()

@@ -15,14 +15,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rayllm_rl.data.replay_buffer import (
+from rayllm_rl.rollout.replay_buffer import (
     ReplayBuffer,
     batch_staleness_stats,
     episode_staleness,
     min_generated_version,
 )
 from rayllm_rl.data.trajectory import concat_padded, make_trajectory
-from rayllm_rl.orchestration.staleness import StalenessController
+from rayllm_rl.rollout.staleness import StalenessController
 
 
 # ------------------------------------------------------------------ helpers

@@ -139,7 +139,7 @@ def local_ray():
 
 
 def test_python_executor_service_is_shared(local_ray):
-    from rayllm_rl.orchestration.tool_services import RemoteExecutor, python_executor_service
+    from rayllm_rl.orchestration.ray.tool_services import RemoteExecutor, python_executor_service
 
     a = python_executor_service(max_parallel=2)
     b = python_executor_service()  # the same named actor
@@ -148,9 +148,9 @@ def test_python_executor_service_is_shared(local_ray):
     assert local_ray.get(b.stats.remote())["runs"] == 3
     slow = RemoteExecutor(a).run("while True: pass", timeout=1)
     assert slow.timed_out or slow.exit_code != 0
-    # the python_tool job workflow, built inside a Ray worker, uses this same service
-    from rayllm_rl.orchestration.factories import _python_tools
+    # the Ray backend hands this tool factory to the python_tool workflow: it uses this same service
+    from rayllm_rl.orchestration.ray.tool_services import ray_python_tools
 
-    (interp,) = _python_tools()
+    (interp,) = ray_python_tools()
     assert isinstance(interp.executor, RemoteExecutor) and interp.executor.run("print(1)").stdout == "1\n"
     assert local_ray.get(b.stats.remote())["runs"] == 5

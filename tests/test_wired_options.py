@@ -228,7 +228,7 @@ def test_the_reference_model_takes_the_learners_token_budget_and_chunk(tiny_mode
     from transformers import AutoTokenizer
 
     from rayllm_rl.orchestration.factories import build_task
-    from rayllm_rl.orchestration.local_backend import LocalBackend
+    from rayllm_rl.orchestration.local.backend import LocalBackend
 
     cfg = _job("trainer.backend=local", "optim.max_tokens_per_micro_batch=777", "optim.logprob_chunk_size=33",
                "algo.kl_coef=0.1", "data.eval_size=8").validate()

@@ -33,7 +33,7 @@ class ReferenceModel:
     the same temperature as the learner, batched like the learner: micro-batches of at most
     `max_tokens_per_micro_batch` padded tokens, the LM head in chunks of `logprob_chunk_size`
     positions (see `OptimConfig`). In the Ray backend it runs inside a reference actor
-    (orchestration.actors.ReferenceActor).
+    (orchestration.ray.actors.ReferenceActor).
     """
 
     def __init__(self, model_path: str, *, temperature: float = 1.0,

@@ -1,6 +1,6 @@
 """What the driver needs of a job's roles, whichever backend runs them.
 
-`RayBackend` (ray_backend.py) reaches actors; `LocalBackend` (local_backend.py) reaches the
+`RayBackend` (ray/backend.py) reaches actors; `LocalBackend` (local/backend.py) reaches the
 same plain classes in this process. The driver (driver.py) is one loop over either: same
 SFT warm start, resume, periodic checkpoints, weight syncs and summary. The driver owns the
 policy version and passes it in; no backend keeps a version counter of its own.

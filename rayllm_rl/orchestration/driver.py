@@ -15,7 +15,7 @@ import dataclasses
 import time
 from pathlib import Path
 
-from rayllm_rl.data.replay_buffer import batch_staleness_stats
+from rayllm_rl.rollout.replay_buffer import batch_staleness_stats
 from rayllm_rl.hub import resolve_model_path
 from rayllm_rl.models.tiny import ensure_tiny_model
 from rayllm_rl.learner.checkpoint import prune_checkpoints
@@ -29,10 +29,10 @@ from rayllm_rl.orchestration.sft_warmup import sft_warm_start
 
 def open_backend(cfg: GRPOJobConfig, model_path: str, task, tokenizer) -> Backend:
     if cfg.trainer.backend == "local":
-        from rayllm_rl.orchestration.local_backend import LocalBackend
+        from rayllm_rl.orchestration.local.backend import LocalBackend
 
         return LocalBackend(cfg, model_path, task, tokenizer)
-    from rayllm_rl.orchestration.ray_backend import RayBackend
+    from rayllm_rl.orchestration.ray.backend import RayBackend
 
     return RayBackend(cfg, model_path, task, tokenizer)
 

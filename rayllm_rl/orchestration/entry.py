@@ -39,11 +39,7 @@ def train(config: GRPOJobConfig | None = None, overrides: list[str] | None = Non
     with hf_progress_bars_off():
         if cfg.trainer.backend == "local":
             return run_driver(cfg)
-        import ray
+        from rayllm_rl.orchestration.ray.backend import session_for_job
 
-        started_here = not ray.is_initialized()
-        try:
+        with session_for_job():
             return run_driver(cfg)
-        finally:
-            if started_here:
-                ray.shutdown()  # flushes actor logs before the caller prints the summary

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import typing
+from typing import Callable
 
 import torch
 
@@ -11,6 +12,7 @@ from rayllm_rl.data.selectors import uniform_group_mask
 from rayllm_rl.envs.task import Task, make_task, make_worker_task
 from rayllm_rl.inference.protocol import SamplingParams
 from rayllm_rl.orchestration.job_config import GRPOJobConfig, RolloutConfig
+from rayllm_rl.orchestration.object_path import import_object
 from rayllm_rl.workflows.rlvr import RLVRWorkflow
 
 
@@ -36,21 +38,19 @@ PYTHON_TOOL_PROMPT = ("You may run Python: write a ```python block and its outpu
                       "Give the final answer without a code block.")
 
 
-def import_object(path: str):
-    """`"package.module:name"` -> the object (for agent functions named in a config)."""
-    import importlib
+def local_python_tools() -> list:
+    """Per-episode tools of the python_tool workflow in one process: a PythonSandbox run here. The
+    Ray backend hands in `orchestration.ray.tool_services.ray_python_tools` instead (one shared service)."""
+    from rayllm_rl.tools.python_interpreter import PythonInterpreter
 
-    module, _, name = path.partition(":")
-    if not module or not name:
-        raise ValueError(f"expected 'package.module:function', got {path!r}")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot import {path!r}: {exc}") from exc
+    return [PythonInterpreter(done_when_no_code=True)]
 
 
-def build_workflow(cfg: GRPOJobConfig, task: Task, tokenizer):
-    """The rollout workflow named by `rollout.workflow` ('auto': the task's env if it has one)."""
+def build_workflow(cfg: GRPOJobConfig, task: Task, tokenizer, make_tools: Callable[[], list] = local_python_tools):
+    """The rollout workflow named by `rollout.workflow` ('auto': the task's env if it has one).
+
+    `make_tools()` builds one episode's tools for `python_tool`; each backend hands in its own
+    (in-process sandboxes, or the Ray tool service), so nothing here asks which backend runs."""
     r = cfg.rollout
     kind = r.workflow
     if kind not in WORKFLOWS:
@@ -74,7 +74,7 @@ def build_workflow(cfg: GRPOJobConfig, task: Task, tokenizer):
     if kind == "python_tool":
         from rayllm_rl.agents.tool_agent import ToolAgentWorkflow
 
-        return ToolAgentWorkflow(tokenizer, _python_tools, build_sampling(cfg), reward_fn=task.reward_fn,
+        return ToolAgentWorkflow(tokenizer, make_tools, build_sampling(cfg), reward_fn=task.reward_fn,
                                  system_prompt=PYTHON_TOOL_PROMPT, group_size=r.group_size,
                                  max_turns=max(r.max_turns, 1))
     if kind == "multi_turn":
@@ -85,28 +85,6 @@ def build_workflow(cfg: GRPOJobConfig, task: Task, tokenizer):
                                   turn_discount=r.turn_discount)
         return GroupedWorkflow(agent, r.group_size)
     return RLVRWorkflow(task.reward_fn, tokenizer, build_sampling(cfg), group_size=r.group_size)
-
-
-@functools.lru_cache(maxsize=4)
-def _shared_executor_service(cluster: str):
-    """The `python-executor` actor handle, looked up once per worker process and cluster (`gcs_address`)."""
-    from rayllm_rl.orchestration.tool_services import python_executor_service
-
-    return python_executor_service()
-
-
-def _python_tools():
-    """Per-episode tools of the python_tool workflow: in Ray, the shared `python-executor` service actor;
-    without Ray, a PythonSandbox in this process."""
-    import ray
-
-    from rayllm_rl.tools.python_interpreter import PythonInterpreter
-
-    if ray.is_initialized():
-        from rayllm_rl.orchestration.tool_services import RemoteExecutor
-
-        return [PythonInterpreter(RemoteExecutor(_shared_executor_service(ray.get_runtime_context().gcs_address)), done_when_no_code=True)]
-    return [PythonInterpreter(done_when_no_code=True)]
 
 
 def has_reward_variance(episode) -> bool:

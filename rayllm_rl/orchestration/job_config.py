@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from rayllm_rl.learner.learner import OptimConfig
 from rayllm_rl.objectives import AdvantageConfig, make_loss
+from rayllm_rl.orchestration.object_path import import_object
 
 _FILLED = "_preset_filled"
 """Instance attribute (not a field) of a section: {field: value} of the fields `resolve()` filled there."""
@@ -427,8 +428,6 @@ class GRPOJobConfig:
             raise ValueError("rollout.agent='package.module:async_fn' goes with rollout.workflow=openai_agent and only "
                              f"with it (got workflow={r.workflow}, agent={r.agent!r})")
         if r.workflow == "openai_agent":
-            from rayllm_rl.orchestration.factories import import_object
-
             import_object(r.agent)  # an agent that cannot be imported fails here, not in the env workers
         if r.workflow == "env" and self.task == "arithmetic":
             raise ValueError("rollout.workflow=env needs a task with a ChatEnv (gsm8k, math, ifeval); task=arithmetic "
@@ -459,7 +458,7 @@ class GRPOJobConfig:
         skips the checks of this machine (the vllm package installed), for a dry run that plans a job
         for other machines."""
         from rayllm_rl.inference.factory import vllm_available
-        from rayllm_rl.orchestration.placement import validate as validate_placement
+        from rayllm_rl.orchestration.placement_rules import validate as validate_placement
 
         from rayllm_rl.config import check_literals
 

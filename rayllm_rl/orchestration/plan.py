@@ -3,9 +3,9 @@
 `job_plan(cfg)` takes a validated `GRPOJobConfig` and returns a JSON-able dict: the data sources (a
 local path must exist; a hub dataset's config and split are looked up in the local datasets cache,
 rows never loaded), the actors the Ray backend would create (names, Ray CPU/GPU requests, torch
-threads, placement bundle), the placement group (bundles and strategy, from `orchestration.placement`'s
-own checks and bundle shape), the weight transport (`cluster._pick_transport`), the engine, and a
-memory estimate of each learner rank and of each replica's KV cache from the model's config.json
+threads, placement bundle), the placement group (bundles and strategy, from `orchestration.placement_rules`'s
+checks and bundle shape), the weight transport (`orchestration.ray.cluster._pick_transport`), the engine,
+and a memory estimate of each learner rank and of each replica's KV cache from the model's config.json
 (read from the HF cache, never downloaded; no weights are loaded, no Ray is started).
 
 Memory model (bytes, per learner rank, `b` = bytes of model.dtype, P = parameters, W = learner ranks):
@@ -254,7 +254,7 @@ def _actor(name: str, role: str, gpus: float, threads: int, bundle: int | None, 
 def placement_plan(cfg: GRPOJobConfig) -> dict[str, Any]:
     """The placement group `plan_placement` would reserve: bundles (replicas first, then learner ranks)
     and strategy, or none when no GPU is asked for."""
-    from rayllm_rl.orchestration.placement import STRATEGY, plan_bundles, validate
+    from rayllm_rl.orchestration.placement_rules import STRATEGY, plan_bundles, validate
 
     rc = cfg.ray
     replica_gpus, learner_gpus = validate(rc.num_replicas, rc.num_learners, rc.gpus_per_replica, rc.gpus_per_learner,
@@ -273,7 +273,7 @@ def placement_plan(cfg: GRPOJobConfig) -> dict[str, Any]:
 def actors_plan(cfg: GRPOJobConfig, placement: dict[str, Any]) -> list[dict[str, Any]]:
     """Every actor the Ray backend creates (cluster.build_cluster, the reference and tool services)."""
     from rayllm_rl.orchestration.factories import needs_reference
-    from rayllm_rl.orchestration.placement import learner_bundle
+    from rayllm_rl.orchestration.placement_rules import learner_bundle
 
     rc, t = cfg.ray, cfg.ray.threads_per_actor
     pg = placement["placement_group"]
@@ -294,7 +294,7 @@ def actors_plan(cfg: GRPOJobConfig, placement: dict[str, Any]) -> list[dict[str,
 
 def transport_plan(cfg: GRPOJobConfig) -> dict[str, str]:
     """`cluster._pick_transport`'s choice when every replica shares the learner's node, and when one does not."""
-    from rayllm_rl.orchestration.cluster import _pick_transport
+    from rayllm_rl.orchestration.ray.cluster import _pick_transport
 
     same, across = _pick_transport(cfg, "node-a", {"node-a"}), _pick_transport(cfg, "node-a", {"node-a", "node-b"})
     return {"setting": cfg.ray.sync_transport, "same_node": same, "across_nodes": across,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -9,18 +10,31 @@ from typing import Any
 
 import ray
 
-from rayllm_rl.orchestration.actors import ReferenceActor
+from rayllm_rl.orchestration.ray.actors import ReferenceActor
 from rayllm_rl.orchestration.backend import ROLE_KINDS, RoleCrashed
-from rayllm_rl.orchestration.cluster import (
+from rayllm_rl.orchestration.ray.cluster import (
     Cluster, build_cluster, init_ray, rejoin_sync_group, restarted_replicas, wait_names_free,
 )
 from rayllm_rl.hub import resolve_model_path
 from rayllm_rl.orchestration.factories import build_worker_task, build_workflow
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
-from rayllm_rl.orchestration.router import ReplicaRouter
+from rayllm_rl.orchestration.ray.router import ReplicaRouter
+from rayllm_rl.orchestration.ray.tool_services import ray_python_tools
 from rayllm_rl.workflows.evaluation import evaluate_greedy
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def session_for_job():
+    """Around a Ray job run by `train`: a local Ray the run starts is shut down at the end (which flushes
+    the actors' logs before the caller prints the summary); a Ray already initialised is left running."""
+    started_here = not ray.is_initialized()
+    try:
+        yield
+    finally:
+        if started_here:
+            ray.shutdown()
 
 
 def make_workflow(cfg: GRPOJobConfig, model_path: str):
@@ -29,7 +43,7 @@ def make_workflow(cfg: GRPOJobConfig, model_path: str):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model_path, cfg.model.revision))
-    return build_workflow(cfg, build_worker_task(cfg), tokenizer)
+    return build_workflow(cfg, build_worker_task(cfg), tokenizer, make_tools=ray_python_tools)
 
 
 def _crash_aware(method):
@@ -50,7 +64,7 @@ class RayBackend:
     """Replicas, env workers, learners, buffer and collector as named Ray actors (see cluster.py)."""
 
     def __init__(self, cfg: GRPOJobConfig, model_path: str, task, tokenizer):
-        from rayllm_rl.orchestration.metrics import RayMetrics
+        from rayllm_rl.orchestration.ray.metrics import RayMetrics
 
         init_ray(cfg)
         self.cfg, self.model_path, self.task, self.tokenizer = cfg, model_path, task, tokenizer

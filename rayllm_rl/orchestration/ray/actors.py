@@ -19,10 +19,10 @@ from typing import Any
 import ray
 import torch
 
-from rayllm_rl.data.replay_buffer import ReplayBuffer
+from rayllm_rl.rollout.replay_buffer import ReplayBuffer
 from rayllm_rl.hub import resolve_model_path
 from rayllm_rl.inference.protocol import LLMRequest, LLMResponse, UpdateGroupSpec, weights_checksum
-from rayllm_rl.orchestration.router import ReplicaNotReady, ReplicaRouter
+from rayllm_rl.orchestration.ray.router import ReplicaNotReady, ReplicaRouter
 
 
 ACTOR_ENV_VARS = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
@@ -131,7 +131,7 @@ class EnvWorker(_Process):
 
     async def run_episode(self, row: dict) -> Any:
         """Run one episode and store it in the buffer (unless filtered); returns its `EpisodeOutcome`."""
-        from rayllm_rl.orchestration.collector import run_and_store
+        from rayllm_rl.rollout.collector import run_and_store
 
         self.episodes += 1
         return await run_and_store(self.workflow, self.router, row, self._put, self.episode_filter)
@@ -176,7 +176,7 @@ class ReplayBufferActor(_Process):
     """`replay-buffer`: bounded, version-aware episode buffer; env workers put, the driver awaits batches."""
 
     def __init__(self, capacity_episodes: int, max_staleness: int):
-        from rayllm_rl.data.replay_buffer import AwaitableEpisodeBuffer
+        from rayllm_rl.rollout.replay_buffer import AwaitableEpisodeBuffer
 
         self.buffer = ReplayBuffer(capacity_episodes, max_staleness)
         self.waiting = AwaitableEpisodeBuffer(self.buffer, on_dropped=self._tell_collector)
@@ -328,8 +328,8 @@ class RayLLMCollector(_Process):
     def __init__(self, dataset, env_workers: list, buffer, batch_size: int, max_staleness: int,
                  seed: int = 0, episode_timeout_s: float = 600.0, max_episode_attempts: int = 3):
         from rayllm_rl.data.loader import PromptLoader
-        from rayllm_rl.orchestration.collector import LLMCollector
-        from rayllm_rl.orchestration.staleness import StalenessController
+        from rayllm_rl.rollout.collector import LLMCollector
+        from rayllm_rl.rollout.staleness import StalenessController
 
         self.env_workers = list(env_workers)
         self.in_flight = [0] * len(env_workers)

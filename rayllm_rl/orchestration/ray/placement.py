@@ -34,7 +34,6 @@ cleared, so on a GPU node a "CPU" actor still sees every GPU; code in such an ac
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
 from typing import Any
@@ -43,8 +42,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-CPU_ONLY_BUNDLE_CPUS = 0.01
-"""CPU of the bundle of a 0-GPU role inside a GPU placement group (Ray rejects all-zero bundles)."""
+from rayllm_rl.orchestration.placement_rules import STRATEGY, learner_bundle, plan_bundles, validate
 
 
 class PlacementError(RuntimeError):
@@ -67,56 +65,6 @@ class Placement:
         if self.placement_group is not None:
             remove_placement_group(self.placement_group)
             self.placement_group = None
-
-
-def _check_gpus(key: str, value: float) -> float:
-    """Return `value` as a float after checking it is a valid GPU count for config key `key`."""
-    gpus = float(value)
-    if not math.isfinite(gpus) or gpus < 0:
-        raise ValueError(f"ray.{key} must be >= 0 (got {value!r})")
-    if not gpus.is_integer():
-        raise ValueError(f"ray.{key} must be a whole number of GPUs: actors do not share a GPU "
-                         f"(got {value!r})")
-    return gpus
-
-
-def validate(num_replicas: int, num_learners: int, gpus_per_replica: float, gpus_per_learner: float,
-             tensor_parallel_size: int, timeout_s: float) -> tuple[float, float]:
-    """Check the placement settings; raise ValueError naming the `ray.*` key. Returns the GPU counts."""
-    for key, count in (("num_replicas", num_replicas), ("num_learners", num_learners)):
-        if int(count) != count or count < 1:
-            raise ValueError(f"ray.{key} must be an integer >= 1 (got {count!r})")
-    if int(tensor_parallel_size) != tensor_parallel_size or tensor_parallel_size < 1:
-        raise ValueError(f"ray.tensor_parallel_size must be an integer >= 1 (got {tensor_parallel_size!r})")
-    replica_gpus = _check_gpus("gpus_per_replica", gpus_per_replica)
-    learner_gpus = _check_gpus("gpus_per_learner", gpus_per_learner)
-    if replica_gpus > 0 and replica_gpus < tensor_parallel_size:
-        raise ValueError(f"ray.gpus_per_replica must be >= ray.tensor_parallel_size "
-                         f"({gpus_per_replica!r} < {tensor_parallel_size!r}): each replica actor "
-                         f"holds all the GPUs of its tensor-parallel group")
-    if not timeout_s > 0:
-        raise ValueError(f"placement timeout_s must be > 0 (got {timeout_s!r})")
-    return replica_gpus, learner_gpus
-
-
-STRATEGY = "PACK"
-"""The placement group's strategy (see the module docstring)."""
-
-
-def _bundle(gpus: float) -> dict[str, float]:
-    """The bundle of one actor asking for `gpus` GPUs."""
-    return {"GPU": gpus} if gpus > 0 else {"CPU": CPU_ONLY_BUNDLE_CPUS}
-
-
-def plan_bundles(num_replicas: int, num_learners: int, replica_gpus: float,
-                 learner_gpus: float) -> list[dict[str, float]]:
-    """The group's bundles, without Ray: replica i is bundle i, learner rank r is `learner_bundle(r)`."""
-    return [_bundle(replica_gpus) for _ in range(num_replicas)] + [_bundle(learner_gpus) for _ in range(num_learners)]
-
-
-def learner_bundle(num_replicas: int, rank: int) -> int:
-    """The bundle index of learner rank `rank` (after the replicas')."""
-    return num_replicas + rank
 
 
 def _actor_options(pg: PlacementGroup, index: int, gpus: float) -> dict[str, Any]:

@@ -16,17 +16,17 @@ from typing import Any
 import torch
 
 from rayllm_rl.data.loader import PromptLoader
-from rayllm_rl.data.replay_buffer import AwaitableEpisodeBuffer, ReplayBuffer
+from rayllm_rl.rollout.replay_buffer import AwaitableEpisodeBuffer, ReplayBuffer
 from rayllm_rl.hub import resolve_model_path
 from rayllm_rl.inference.protocol import weights_checksum
 from rayllm_rl.inference.transformers_engine import TransformersEngine
 from rayllm_rl.learner.learner import Learner
 from rayllm_rl.loop_thread import EventLoopThread
 from rayllm_rl.orchestration.backend import ROLE_KINDS, buffer_capacity
-from rayllm_rl.orchestration.collector import LLMCollector, run_and_store
-from rayllm_rl.orchestration.factories import build_episode_filter, build_workflow
+from rayllm_rl.rollout.collector import LLMCollector, run_and_store
+from rayllm_rl.orchestration.factories import build_episode_filter, build_workflow, local_python_tools
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
-from rayllm_rl.orchestration.staleness import StalenessController
+from rayllm_rl.rollout.staleness import StalenessController
 from rayllm_rl.workflows.evaluation import evaluate_greedy
 
 
@@ -44,7 +44,7 @@ class LocalBackend:
         self.engine = TransformersEngine(model_path, seed=cfg.trainer.seed)
         self.learner = Learner(model_path, cfg.optim, temperature=cfg.rollout.temperature, seed=cfg.trainer.seed)
         self.loss = cfg.algo.build_loss(cfg.rollout.max_new_tokens)
-        self.workflow = build_workflow(cfg, task, tokenizer)
+        self.workflow = build_workflow(cfg, task, tokenizer, make_tools=local_python_tools)
         self.episode_filter = build_episode_filter(cfg)
         self.reference = None
         self.versions_held = [self.engine.version]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 import ray
@@ -47,3 +48,18 @@ class RemoteExecutor:
 
     def run(self, code: str, timeout: float = 10.0, **kwargs: Any):
         return ray.get(self.handle.run.remote(code, timeout, **kwargs), timeout=timeout + self.grace_s)
+
+
+@functools.lru_cache(maxsize=4)
+def _shared_executor_service(cluster: str):
+    """The `python-executor` actor handle, looked up once per worker process and cluster (`gcs_address`)."""
+    return python_executor_service()
+
+
+def ray_python_tools() -> list:
+    """Per-episode tools of the python_tool workflow in an env worker: a PythonInterpreter over the shared
+    `python-executor` service actor. The Ray backend hands this to `factories.build_workflow`."""
+    from rayllm_rl.tools.python_interpreter import PythonInterpreter
+
+    service = _shared_executor_service(ray.get_runtime_context().gcs_address)
+    return [PythonInterpreter(RemoteExecutor(service), done_when_no_code=True)]

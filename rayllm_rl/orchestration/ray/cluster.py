@@ -10,7 +10,7 @@ from typing import Any
 
 import ray
 
-from rayllm_rl.orchestration.actors import (
+from rayllm_rl.orchestration.ray.actors import (
     EnvWorker,
     InferenceReplica,
     LearnerWorker,
@@ -20,7 +20,7 @@ from rayllm_rl.orchestration.actors import (
 from rayllm_rl.inference.protocol import UpdateGroupSpec
 from rayllm_rl.orchestration.factories import build_episode_filter
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
-from rayllm_rl.orchestration.placement import Placement, plan_placement
+from rayllm_rl.orchestration.ray.placement import Placement, plan_placement
 
 
 def init_ray(cfg: GRPOJobConfig) -> None:

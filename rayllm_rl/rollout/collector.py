@@ -1,7 +1,7 @@
 """LLMCollector: keeps episodes running under the staleness bound; its runners fill the buffer.
 
 Plain asyncio, no Ray. The single-process backend drives it directly; `RayLLMCollector`
-(orchestration/actors.py) is its actor shell. An *episode* is what one
+(orchestration/ray/actors.py) is its actor shell. An *episode* is what one
 `workflow.arun_episode(engine, row)` returns -- the trajectories of one prompt (a GRPO group)
 -- and it is the replay buffer's unit. The collector only admits episodes and counts them:
 the runner it is given (`run_and_store`, or an env worker running it) stores each episode in
@@ -18,7 +18,7 @@ from typing import Any, Awaitable, Callable
 from tensordict import TensorDict
 
 from rayllm_rl.data.trajectory import validate_trajectory
-from rayllm_rl.orchestration.staleness import StalenessController
+from rayllm_rl.rollout.staleness import StalenessController
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ async def collect_batch(engine, workflow, loader, n_episodes: int, *, episode_fi
     """One batch of `n_episodes` episodes from `engine` in this process (scripts, tests, evaluation
     sweeps): the collector and buffer of a run at version 0 with no staleness. Returns the batch
     (rows of every episode, padded) and the collector's stats (failed, filtered episodes...)."""
-    from rayllm_rl.data.replay_buffer import AwaitableEpisodeBuffer, ReplayBuffer
+    from rayllm_rl.rollout.replay_buffer import AwaitableEpisodeBuffer, ReplayBuffer
 
     buffer = AwaitableEpisodeBuffer(ReplayBuffer(n_episodes, 0))
     collector = LLMCollector(loader, lambda row: run_and_store(

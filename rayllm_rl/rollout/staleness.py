@@ -14,7 +14,7 @@ the buffer later discarded as over-stale, see :meth:`StalenessController.on_drop
 The admission rule alone does not bound staleness when episodes finish out of order (a
 slow episode admitted at version ``w`` can finish after the learner moved past
 ``w + η``); the replay buffer therefore also drops over-stale episodes when the learner
-samples (``rayllm_rl.data.replay_buffer``). Report those drops with ``on_dropped`` so
+samples (``rayllm_rl.rollout.replay_buffer``). Report those drops with ``on_dropped`` so
 their slots are reused; otherwise every drop permanently shrinks the asynchronous slack
 (after ``η·B`` drops training silently degrades to synchronous, and beyond that the
 collector could no longer fill a batch).

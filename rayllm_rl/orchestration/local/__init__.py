@@ -1,0 +1,1 @@
+"""The local backend: every role of a job in the driver's process, no Ray."""
