@@ -23,8 +23,8 @@ What it measures
        the older `ratio` / `ratio_async` (engine / HF, goal >= 0.9) are kept.
 
     2. Weight sync into each engine's sink (vllm, transformers) over `--transports` (gloo, shm), this
-       process acting as learner rank 0 (`StatelessGlooGroup` + `WeightSender`, or
-       `ShmWeightSender`): `--sync-repeats` updates of the HF weights + `--sync-noise` noise, each
+       process acting as learner rank 0 (both ends built by `weight_sync.registry`; the object
+       store is compared in benchmarks/weight_sync.py): `--sync-repeats` updates of the HF weights + `--sync-noise` noise, each
        while `--sync-load` requests x `--new-tokens` keep generating (closed loop: a finished
        request is replaced at once; the update starts `--sync-after` s into the load). Medians
        per engine x transport: `sync_s` (sender total), `receive_s` and `stall_s` (from the
@@ -60,12 +60,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rayllm_rl.inference.protocol import LLMRequest, SamplingParams, UpdateGroupSpec  # noqa: E402
+from rayllm_rl.inference.protocol import LLMRequest, SamplingParams  # noqa: E402
 from rayllm_rl.inference.transformers_engine import EngineStats, TransformersEngine  # noqa: E402
 from rayllm_rl.models.tiny import TinyModelSpec, ensure_tiny_model  # noqa: E402
 from rayllm_rl.weight_sync import (  # noqa: E402
-    DEFAULT_BUCKET_BYTES, ShmWeightSender, StatelessGlooGroup, WeightSender, find_free_port, metadata_of, metas_to_spec,
+    DEFAULT_BUCKET_BYTES, find_free_port, metadata_of, metas_to_spec,
 )
+from rayllm_rl.weight_sync.registry import build_sender, make_spec  # noqa: E402
 
 GOAL = 0.9
 ENGINES = ("transformers", "vllm", "hf")
@@ -181,32 +182,25 @@ def run_concurrent(engine, loop: asyncio.AbstractEventLoop, prompts, params: Sam
 
 # ---------------------------------------------------------------------------- weight sync
 def open_group(loop, engine, metas, transport: str):
-    """This process as learner rank 0 of a 2-rank update group with `engine`; returns (sender, group)."""
-    port = find_free_port()
-    prefix = f"rayllm_bench_{os.getpid()}_{port}"
-    segments = (f"{prefix}_0", f"{prefix}_1") if transport == "shm" else ()
+    """This process as learner rank 0 with `engine` as the one receiver; both ends built by the
+    transport registry. Returns the sender (`send(named, v) -> (stats, handoff)`, `close()`)."""
+    spec = make_spec(transport, metas_to_spec(metas), receivers=1, timeout_s=SYNC_TIMEOUT_S,
+                     bucket_bytes=DEFAULT_BUCKET_BYTES, host="127.0.0.1", port=find_free_port())
     box: dict = {}
 
     def serve():
         try:
-            box["group"] = StatelessGlooGroup("127.0.0.1", port, 0, 2, SYNC_TIMEOUT_S)
-            if transport == "shm":
-                box["sender"] = ShmWeightSender(box["group"], metas, name_prefix=prefix, timeout_s=SYNC_TIMEOUT_S)
-                box["group"].barrier(phase="segments created")
-            else:
-                box["sender"] = WeightSender(box["group"], metas, DEFAULT_BUCKET_BYTES)
+            box["sender"] = build_sender(spec, metas)  # a group transport waits for the receiver here
         except BaseException as exc:  # surfaced below
             box["error"] = exc
 
     t = threading.Thread(target=serve, daemon=True)
     t.start()
-    spec = UpdateGroupSpec(transport, "127.0.0.1", port, 1, 2, metas_to_spec(metas), bucket_bytes=DEFAULT_BUCKET_BYTES,
-                           timeout_s=SYNC_TIMEOUT_S, segment_names=segments)
-    loop.run_until_complete(engine.init_update_group(spec))
+    loop.run_until_complete(engine.init_update_group(spec.for_rank(1)))
     t.join(SYNC_TIMEOUT_S)
     if "error" in box or "sender" not in box:
         raise RuntimeError(f"update group ({transport}) for {type(engine).__name__} failed: {box.get('error')}")
-    return box["sender"], box["group"]
+    return box["sender"]
 
 
 async def sync_under_load(engine, sender, named, version: int, prompts, params, after_s: float) -> dict:
@@ -226,7 +220,7 @@ async def sync_under_load(engine, sender, named, version: int, prompts, params, 
     t0 = time.perf_counter()
     send = asyncio.ensure_future(asyncio.to_thread(sender.send, named, version))
     got = await engine.receive_update()
-    stats = await send
+    stats, _ = await send
     t1 = time.perf_counter()
     stop.set()
     await asyncio.gather(*workers)
@@ -254,7 +248,7 @@ def bench_weight_sync(loop, engines: dict, base: dict[str, torch.Tensor], tokeni
                     g = torch.Generator().manual_seed(args.seed * 100003 + version)
                     named = {k: t + args.sync_noise * torch.randn(t.shape, generator=g, dtype=t.dtype)
                              for k, t in base.items()}
-                    r = loop.run_until_complete(sync_under_load(engine, groups[name][0], named, version, prompts,
+                    r = loop.run_until_complete(sync_under_load(engine, groups[name], named, version, prompts,
                                                                 params, args.sync_after))
                     assert r["version"] == version and engine.version == version, \
                         f"{name}/{transport}: after the sync the engine is at {engine.version}, expected {version}"
@@ -263,11 +257,9 @@ def bench_weight_sync(loop, engines: dict, base: dict[str, torch.Tensor], tokeni
                           f"{r['receive_s'] * 1e3:8.1f} ms  stall {r['stall_s'] * 1e3:7.1f} ms  (v{version}, "
                           f"{r['load_requests_overlapping']} requests overlapping)", file=sys.stderr)
         finally:
-            for name, (sender, group) in groups.items():
+            for name, sender in groups.items():
                 loop.run_until_complete(engines[name].close_update_group())
-                if hasattr(sender, "close"):
-                    sender.close()
-                group.close()
+                sender.close()
     summary = {}
     for name in names:
         for transport in args.transports:

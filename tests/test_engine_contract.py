@@ -12,10 +12,9 @@ import threading
 import pytest
 import torch
 
-from rayllm_rl.inference.protocol import LLMRequest, PromptTooLongError, SamplingParams, UpdateGroupSpec
-from rayllm_rl.weight_sync import (
-    ShmWeightSender, StatelessGlooGroup, WeightSender, find_free_port, metadata_of, metas_to_spec,
-)
+from rayllm_rl.inference.protocol import LLMRequest, PromptTooLongError, SamplingParams
+from rayllm_rl.weight_sync import find_free_port, metadata_of
+from rayllm_rl.weight_sync.registry import TRANSPORTS, build_sender, make_spec
 
 ENGINES = ["transformers", pytest.param("vllm", marks=pytest.mark.vllm)]
 TIMEOUT_S = 300
@@ -152,44 +151,58 @@ def perturbed(hf_model, scale, seed):
 
 
 def update_over_group(loop, engine, named, version, transport):
-    """Learner rank 0 in this process: send `named` stamped `version` through the engine's own sink."""
+    """Learner rank 0 in this process: send `named` stamped `version` through the engine's own sink,
+    both ends built by the transport registry."""
     metas = metadata_of(named)
-    port = find_free_port()
-    prefix = f"rayllm_test_{port}"
-    segments = (f"{prefix}_0", f"{prefix}_1") if transport == "shm" else ()
-    group_box: dict = {}
-
-    def serve_group():
-        group_box["group"] = StatelessGlooGroup("127.0.0.1", port, 0, 2, 60.0)
-        if transport == "shm":
-            group_box["sender"] = ShmWeightSender(group_box["group"], metas, name_prefix=prefix, timeout_s=60.0)
-            group_box["group"].barrier(phase="segments created")
-        else:
-            group_box["sender"] = WeightSender(group_box["group"], metas, 1 << 16)
-
-    t = threading.Thread(target=serve_group)
+    spec = make_spec(transport, [(m.name, m.shape, str(m.dtype).removeprefix("torch.")) for m in metas],
+                     receivers=1, timeout_s=60.0, bucket_bytes=1 << 16, host="127.0.0.1", port=find_free_port())
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.setdefault("sender", build_sender(spec, metas)))  # groups wait for peers
     t.start()
-    spec = UpdateGroupSpec(transport, "127.0.0.1", port, 1, 2, metas_to_spec(metas), bucket_bytes=1 << 16,
-                           timeout_s=60.0, segment_names=segments)
-    loop.run(engine.init_update_group(spec))
+    loop.run(engine.init_update_group(spec.for_rank(1)))
     t.join(60)
-    sender = group_box["sender"]
-    out: dict = {}
-    send = threading.Thread(target=lambda: out.setdefault("stats", sender.send(named, version)))
-    send.start()
-    result = loop.run(engine.receive_update())
-    send.join(60)
-    assert out["stats"].version == version
-    return result, sender, group_box["group"]
+    sender = box["sender"]
+    if spec.info.pulls:  # publish first, then the receiver fetches what the handoff names
+        stats, handoff = sender.send(named, version)
+        result = loop.run(engine.receive_update(handoff))
+    else:  # the bytes move in a collective both ends join
+        send = threading.Thread(target=lambda: box.setdefault("sent", sender.send(named, version)))
+        send.start()
+        result = loop.run(engine.receive_update())
+        send.join(60)
+        stats = box["sent"][0]
+    assert stats.version == version and stats.bytes == sum(m.nbytes for m in metas)
+    return result, sender
 
 
-@pytest.mark.parametrize("transport", ["gloo", "shm"])
-def test_update_bumps_version_and_leaves_no_stale_kv(served, hf_model, tokenizer, tiny_model_path, transport):
+@pytest.fixture(scope="module")
+def ray_session():
+    """A local Ray for the object-store transport: this process is learner rank 0 and the replica."""
+    import os
+
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=1, include_dashboard=False, _temp_dir=f"/tmp/rayllm-contract-{os.getpid()}")
+    yield
+    if started:
+        ray.shutdown()
+
+
+CPU_TRANSPORTS = [pytest.param(name, marks=pytest.mark.ray) if info.receiver_needs_ray else name
+                  for name, info in TRANSPORTS.items() if not info.gpu_only]
+
+
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
+def test_update_bumps_version_and_leaves_no_stale_kv(served, hf_model, tokenizer, tiny_model_path, transport, request):
     """Versions are constant before a sync and v+1 after; tokens after it equal a fresh model with
     the new weights (prefix cache and KV of the old weights are not reused)."""
     from transformers import AutoModelForCausalLM
 
     kind, engine, loop = served
+    if TRANSPORTS[transport].receiver_needs_ray:
+        request.getfixturevalue("ray_session")
     p = chat_ids(tokenizer, "What is 3+4?")
     sp = SamplingParams(max_new_tokens=8, greedy=True, ignore_eos=True)
     v = engine.version
@@ -199,7 +212,7 @@ def test_update_bumps_version_and_leaves_no_stale_kv(served, hf_model, tokenizer
     new = perturbed(hf_model, 0.05, seed=v + 1)
     fresh = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     fresh.load_state_dict(new, strict=False)
-    result, sender, group = update_over_group(loop, engine, new, v + 1, transport)
+    result, sender = update_over_group(loop, engine, new, v + 1, transport)
     try:
         assert result["version"] == v + 1 and engine.version == v + 1
         assert result["stall_s"] >= 0 and result["receive_s"] >= 0
@@ -215,9 +228,7 @@ def test_update_bumps_version_and_leaves_no_stale_kv(served, hf_model, tokenizer
         engine._test_reference = fresh  # later tests compare against the weights the engine now holds
     finally:
         loop.run(engine.close_update_group())
-        if hasattr(sender, "close"):
-            sender.close()
-        group.close()
+        sender.close()
 
 
 def _checksum(named):

@@ -136,7 +136,7 @@ def test_every_recipe_passes_the_dry_run(path, offline_hub, capsys):
     assert len(plan["placement"]["bundles"]) == (replicas + learners if gpu_job else 0)
     both_gpu = replica_gpus > 0 and learner_gpus > 0
     assert plan["model"]["dtype"] == ("bfloat16" if both_gpu else "float32")  # dtype=auto, resolved
-    assert plan["weight_transport"]["same_node"] == ("nccl" if both_gpu else "shm")
+    assert plan["weight_transport"]["same_node"] == ("nccl" if both_gpu else "object_store")
 
     arch, memory = plan["model"]["architecture"], plan["memory"]
     model = r["model"]["path"]
@@ -187,7 +187,7 @@ def test_dry_run_text_shows_the_plan_from_the_command_line(offline_hub):
     assert "DRY RUN: nothing started" in text
     assert "1 GPU(s) in total" in text and "bundle 0: GPU=1 <- inference-0" in text
     assert "0.494B parameters" in text and "engine: vllm x 1 replica(s)" in text
-    assert "weight transport: shm when every replica shares the learner's node, else gloo" in text
+    assert "weight transport: object_store (ray.sync_transport=auto)" in text
     assert ("data (train): data.path=openai/gsm8k:main (hub dataset openai/gsm8k, config main, split train): cached\n"
             "data (eval): data.path=openai/gsm8k:main:test (hub dataset openai/gsm8k, config main, split test): cached"
             .replace("data.path=openai/gsm8k:main:test", "data.eval_path=openai/gsm8k:main:test")) in text

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from typing import Any, Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from rayllm_rl.weight_sync.registry import SyncSpec
 
 
 @dataclasses.dataclass
@@ -90,27 +93,6 @@ def check_request(req: LLMRequest, max_positions: int) -> None:
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class UpdateGroupSpec:
-    """How a replica joins the weight-update group of learner rank 0 (picklable; crosses processes).
-
-    `metas` are the sender's tensors as `(name, shape, dtype name)` in send order: HF
-    parameter names of the unsharded model, whatever layout the engine keeps internally.
-    """
-
-    transport: str
-    """'gloo' (TCP buckets), 'shm' (shared-memory double buffer, same node) or 'nccl' (GPU)."""
-    host: str
-    port: int
-    rank: int
-    world_size: int
-    metas: tuple[tuple[str, tuple[int, ...], str], ...]
-    bucket_bytes: int = 16 << 20
-    timeout_s: float = 120.0
-    segment_names: tuple[str, ...] = ()
-    """shm only: the learner's two segment names."""
-
-
 @runtime_checkable
 class InferenceEngine(Protocol):
     """The generation side an inference replica offers to rollouts."""
@@ -118,6 +100,14 @@ class InferenceEngine(Protocol):
     @property
     def version(self) -> int:
         """Policy version of the weights that generate the next token."""
+        ...
+
+    async def start(self) -> "InferenceEngine":
+        """Start serving, on the event loop that will serve requests (vLLM spawns its engine core)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Stop serving and release what the engine started (idempotent)."""
         ...
 
     async def agenerate(self, request: LLMRequest) -> LLMResponse:
@@ -138,13 +128,19 @@ class WeightSink(Protocol):
         """`(HF name, full shape, dtype name)` of every weight an update may carry."""
         ...
 
-    async def init_update_group(self, spec: UpdateGroupSpec) -> None:
-        """Join learner rank 0's update group (checks `spec.metas` against `weight_metadata`)."""
+    def receiving_processes(self, transport: str) -> int:
+        """How many of this engine's processes receive over `transport` (each takes a rank)."""
         ...
 
-    async def receive_update(self) -> dict[str, float]:
-        """Receive the next update from the group while generating, then apply it between decode
-        steps; returns `{"version", "receive_s", "stall_s"}` (stall: time generation was held)."""
+    async def init_update_group(self, spec: SyncSpec) -> None:
+        """Build this engine's receiving end(s) through the transport registry
+        (`weight_sync.registry.build_receiver`); checks `spec.metas` against `weight_metadata`."""
+        ...
+
+    async def receive_update(self, handoff: Any = None) -> dict[str, float]:
+        """Receive the next update while generating (`handoff`: what the sender published, for a
+        transport that pulls), then apply it between decode steps; returns `{"version", "receive_s",
+        "stall_s"}` (stall: time generation was held)."""
         ...
 
     async def load_weights(self, named_tensors: Mapping[str, Any], version: int) -> int:

@@ -20,9 +20,10 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from rayllm_rl.inference.protocol import (
-    LLMRequest, LLMResponse, PromptTooLongError, UpdateGroupSpec, check_request, weights_checksum,
+    LLMRequest, LLMResponse, PromptTooLongError, check_request, weights_checksum,
 )
 from rayllm_rl.inference.sampling import RowSampler
+from rayllm_rl.weight_sync.registry import SyncSpec
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ class TransformersEngine:
         self._weights_lock = DecodeLock()
         self._params = dict(self.model.named_parameters())  # what weight sync carries
         self._buffers = dict(self.model.named_buffers())
-        self._receiver = self._group = None  # the weight-update group, once joined
+        self._receiver = None  # this engine's end of the weight sync, once built
         self._borrowed: set[str] = set()  # parameters whose storage came from a transport
         self._paused = False
         self._pending: list[tuple[LLMRequest, asyncio.Future]] = []
@@ -179,32 +180,28 @@ class TransformersEngine:
     def weight_metadata(self) -> list[tuple[str, tuple[int, ...], str]]:
         return [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in self._params.items()]
 
-    async def init_update_group(self, spec: UpdateGroupSpec) -> None:
-        """Join the group; shm: zero-copy views of the learner's segments, gloo/nccl: a back buffer."""
-        from rayllm_rl.weight_sync import DoubleBufferReceiver, ShmWeightReceiver, WeightReceiver, make_group
-        from rayllm_rl.weight_sync.buckets import metas_from_spec
+    def receiving_processes(self, transport: str) -> int:
+        """This engine receives in its own process: one rank whatever the transport."""
+        return 1
 
-        metas = metas_from_spec(spec.metas)
+    async def init_update_group(self, spec: SyncSpec) -> None:
+        """Build this engine's end of the weight sync (the registry picks how bytes arrive)."""
+        from rayllm_rl.weight_sync.registry import build_receiver
+
         mine = {m[0]: m for m in self.weight_metadata()}
-        for m in metas:
-            if m.name not in mine or tuple(mine[m.name][1]) != m.shape:
-                raise KeyError(f"init_update_group: the learner sends {m.name} {m.shape}, this engine has "
-                               f"{mine.get(m.name, 'no such weight')}")
+        for name, shape, _ in spec.metas:
+            if name not in mine or tuple(mine[name][1]) != tuple(shape):
+                raise KeyError(f"init_update_group: the learner sends {name} {tuple(shape)}, this engine has "
+                               f"{mine.get(name, 'no such weight')}")
         await self.close_update_group()
-        group = await asyncio.to_thread(make_group, spec.transport, spec.host, spec.port, spec.rank,
-                                        spec.world_size, spec.timeout_s)
-        if spec.transport == "shm":
-            await asyncio.to_thread(group.barrier, phase="segments created")
-            self._receiver = ShmWeightReceiver(self, group, metas, spec.segment_names, spec.timeout_s)
-        else:
-            self._receiver = DoubleBufferReceiver(self, WeightReceiver(group, metas, spec.bucket_bytes))
-        self._group = group
+        self._receiver = await asyncio.to_thread(build_receiver, spec, self)
 
-    async def receive_update(self) -> dict[str, float]:
-        """Receive into the back buffer in a thread while decoding goes on, then swap in O(1)."""
+    async def receive_update(self, handoff: Any = None) -> dict[str, float]:
+        """Receive into the back buffer in a thread while decoding goes on, then swap in O(1).
+        `handoff`: what the sender published (the object store's references), if the transport pulls."""
         if self._receiver is None:
             raise RuntimeError("receive_update: init_update_group was not called on this engine")
-        out = await asyncio.to_thread(self._receiver.receive_and_swap)
+        out = await asyncio.to_thread(self._receiver.receive_and_swap, handoff)
         return {"version": out["version"], "receive_s": out["receive_s"], "stall_s": out["stall_s"]}
 
     async def load_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> int:
@@ -225,12 +222,25 @@ class TransformersEngine:
         return weights_checksum(self._params)
 
     async def close_update_group(self) -> None:
-        receiver, group = self._receiver, self._group
-        self._receiver = self._group = None
-        if receiver is not None and hasattr(receiver, "close"):
+        receiver, self._receiver = self._receiver, None
+        if receiver is not None:
             receiver.close()
-        if group is not None:
-            group.close()
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self) -> "TransformersEngine":
+        """Nothing to start: the model is loaded and the batching worker starts with the first request."""
+        return self
+
+    async def aclose(self) -> None:
+        """Stop the batching worker (requests still queued fail with CancelledError); idempotent."""
+        worker, self._worker = self._worker, None
+        if worker is not None and not worker.done():
+            worker.cancel()
+            await asyncio.gather(worker, return_exceptions=True)
+        for _, fut in self._pending:
+            if not fut.done():
+                fut.cancel()
+        self._pending.clear()
 
     # ---------------------------------------------------------------- serving
     async def agenerate(self, request: LLMRequest) -> LLMResponse:

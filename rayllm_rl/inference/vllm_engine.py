@@ -24,7 +24,8 @@ from typing import Any, Mapping
 
 import torch
 
-from rayllm_rl.inference.protocol import LLMRequest, LLMResponse, UpdateGroupSpec, check_request, weights_checksum
+from rayllm_rl.inference.protocol import LLMRequest, LLMResponse, check_request, weights_checksum
+from rayllm_rl.weight_sync.registry import SyncSpec
 
 WORKER_EXTENSION = "rayllm_rl.inference.vllm_worker.RayllmWorkerExtension"
 
@@ -79,6 +80,7 @@ class VLLMEngine:
         self._llm = None
         self._start_lock: asyncio.Lock | None = None
         self._sync_timeout_s: float | None = None  # set when the update group is joined
+        self._receiver = self._staging = None  # this actor's receiving end and staging segment, if any
         self.stats = {"requests": 0, "generated_tokens": 0, "updates": 0, "last_stall_s": 0.0, "last_receive_s": 0.0}
 
     # ---------------------------------------------------------------- lifecycle
@@ -198,7 +200,17 @@ class VLLMEngine:
                     out.append((name, tuple(st.get_slice(name).get_shape()), dtype))
         return out
 
-    async def init_update_group(self, spec: UpdateGroupSpec) -> None:
+    def receiving_processes(self, transport: str) -> int:
+        """Ranks this replica takes: one per worker (tensor parallelism) where the workers receive
+        themselves, one where this actor receives for them."""
+        from rayllm_rl.weight_sync.registry import transport_info
+
+        return 1 if transport_info(transport).receiver_needs_ray else self.options.tensor_parallel_size
+
+    async def init_update_group(self, spec: SyncSpec) -> None:
+        """Where the transport's receiver can run in vLLM's worker, every worker builds its own end
+        (rank: the replica's first rank plus its tensor-parallel rank); where it needs Ray (the
+        object store), this actor receives and stages the bytes for the workers (staging.py)."""
         mine = {m[0]: tuple(m[1]) for m in self.weight_metadata()}
         bad = [(n, tuple(s), mine.get(n)) for n, s, _ in spec.metas if mine.get(n) != tuple(s)]
         if bad:
@@ -206,22 +218,39 @@ class VLLMEngine:
                            f"shapes (name, sent, checkpoint): {bad[:5]}")
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
+        from rayllm_rl.weight_sync.buckets import metas_from_spec, metas_to_spec
+        from rayllm_rl.weight_sync.registry import build_receiver
+
         await self.start()
-        info = {"transport": spec.transport, "host": spec.host, "port": spec.port, "rank": spec.rank,
-                "world_size": spec.world_size, "metas": [list(m) for m in spec.metas],
-                "bucket_bytes": spec.bucket_bytes, "timeout_s": spec.timeout_s,
-                "segment_names": list(spec.segment_names)}
+        await self.close_update_group()
         self._sync_timeout_s = spec.timeout_s
+        if spec.info.receiver_needs_ray:
+            from rayllm_rl.inference.staging import StagingWriter
+
+            # The worker loads in the engine's dtype: stage in that dtype (the receiver converts).
+            dtype = _torch_dtype_name(self.options.dtype)
+            metas = metas_from_spec([(n, s, dtype) for n, s, _ in spec.metas])
+            self._staging = StagingWriter(metas)
+            self._receiver = build_receiver(spec, self._staging)
+            info = {"staging": {"segment": self._staging.name, "metas": [list(m) for m in metas_to_spec(metas)],
+                                "timeout_s": spec.timeout_s}}
+        else:
+            info = {"spec": spec.as_dict()}
         await asyncio.wait_for(self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info)),
                                spec.timeout_s + 30)
 
-    async def receive_update(self, header_timeout_s: float | None = None) -> dict[str, float]:
-        """Bytes arrive on vLLM's worker thread while decoding goes on; then a short paused load."""
+    async def receive_update(self, handoff: Any = None, header_timeout_s: float | None = None) -> dict[str, float]:
+        """Bytes arrive while decoding goes on (on vLLM's worker thread, or fetched and staged by
+        this actor); then a short paused load."""
         timeout = self._sync_timeout_s
         if timeout is None:
             raise RuntimeError("receive_update: init_update_group was not called on this engine")
         t0 = time.perf_counter()
-        await self._rpc("rayllm_begin_receive", header_timeout_s or timeout)
+        staged = None
+        if self._receiver is not None:  # fetch here, then stage for the worker (vLLM keeps generating)
+            staged = await asyncio.to_thread(self._receiver.receive, handoff)
+            await asyncio.to_thread(self._receiver.swap, staged)
+        await self._rpc("rayllm_begin_receive", header_timeout_s or timeout, staged)
         deadline = time.monotonic() + (header_timeout_s or timeout) + timeout
         while True:  # a short RPC between engine steps, not a wait inside one
             state = await self._rpc("rayllm_receive_state")
@@ -293,8 +322,13 @@ class VLLMEngine:
         return weights_checksum(named)
 
     async def close_update_group(self) -> None:
+        receiver, staging, self._receiver, self._staging = self._receiver, self._staging, None, None
         if self._llm is not None:
             await self._llm.shutdown_weight_transfer_engine()
+        if receiver is not None:
+            receiver.close()
+        if staging is not None:
+            staging.close()
 
     async def _rpc(self, method: str, *args):
         results = await self._llm.collective_rpc(method, timeout=self._sync_timeout_s or 120.0, args=args)

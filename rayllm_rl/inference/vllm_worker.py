@@ -5,9 +5,11 @@ vLLM keeps its weights in a worker process it spawns itself, fused and possibly 
 receiving end of a weight update lives here:
 
 * :class:`RayllmWeightTransfer` is a vLLM weight-transfer backend (registered as ``"rayllm"``
-  when vLLM imports this module as the worker extension). It joins learner rank 0's update
-  group with our own transports (gloo buckets, the shared-memory double buffer, or NCCL) and
-  loads what arrives through ``model.load_weights``, which takes HF names and fuses them.
+  when vLLM imports this module as the worker extension). It builds this worker's receiving end
+  through the transport registry (a group transport: its rank is the replica's first rank plus
+  its tensor-parallel rank) or, where the receiver needs Ray (the object store), maps the staging
+  segment the replica actor fills (:mod:`rayllm_rl.inference.staging`). It loads what arrives
+  through ``model.load_weights``, which takes HF names and fuses them.
 * :class:`RayllmWorkerExtension` (vLLM's ``worker_extension_cls``) adds the calls the actor
   makes through ``collective_rpc``: start receiving in a background thread while the engine
   keeps generating, ask whether the bytes are in, and a weight checksum.
@@ -36,24 +38,20 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from rayllm_rl.inference.protocol import weights_checksum
-from rayllm_rl.weight_sync import DoubleBufferReceiver, ShmWeightReceiver, WeightReceiver, make_group, metas_from_spec
+from rayllm_rl.weight_sync import metas_from_spec
+from rayllm_rl.weight_sync.registry import SyncSpec, build_receiver
 
 BACKEND = "rayllm"
 
 
 @dataclasses.dataclass
 class RayllmInitInfo(WeightTransferInitInfo):
-    """:class:`~rayllm_rl.inference.protocol.UpdateGroupSpec` as plain fields (crosses into the worker)."""
+    """One of: `spec`, a :class:`~rayllm_rl.weight_sync.registry.SyncSpec` as a dict (this worker
+    joins the transport itself), or `staging`, `{"segment", "metas", "timeout_s"}` (the replica actor
+    receives and stages the bytes for this worker)."""
 
-    transport: str
-    host: str
-    port: int
-    rank: int
-    world_size: int
-    metas: list
-    bucket_bytes: int
-    timeout_s: float
-    segment_names: list = dataclasses.field(default_factory=list)
+    spec: dict | None = None
+    staging: dict | None = None
 
 
 @dataclasses.dataclass
@@ -142,7 +140,6 @@ class RayllmWeightTransfer(WeightTransferEngine[RayllmInitInfo, RayllmUpdateInfo
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.group = None
         self.receiver: Any = None
         self.timeout_s = 120.0
         self._thread: threading.Thread | None = None
@@ -154,22 +151,23 @@ class RayllmWeightTransfer(WeightTransferEngine[RayllmInitInfo, RayllmUpdateInfo
 
     def init_transfer_engine(self, init_info: RayllmInitInfo) -> None:
         self.shutdown()
-        metas = metas_from_spec(init_info.metas)
-        self.timeout_s = float(init_info.timeout_s)
-        group = make_group(init_info.transport, init_info.host, init_info.port, init_info.rank,
-                           init_info.world_size, self.timeout_s)
-        target = _LoadTarget(self.model, metas)
-        if init_info.transport == "shm":
-            group.barrier(phase="segments created")
-            self.receiver = ShmWeightReceiver(target, group, metas, list(init_info.segment_names), self.timeout_s)
-        else:
-            back = {m.name: torch.empty(m.shape, dtype=m.dtype, device=group.device) for m in metas}
-            self.receiver = DoubleBufferReceiver(target, WeightReceiver(group, metas, init_info.bucket_bytes), back)
-        self.group = group
+        if init_info.staging is not None:
+            from rayllm_rl.inference.staging import StagingReader
+
+            staging = init_info.staging
+            self.timeout_s = float(staging["timeout_s"])
+            self.receiver = _StagedReceiver(_LoadTarget(self.model, metas_from_spec(staging["metas"])),
+                                            StagingReader(staging["segment"], metas_from_spec(staging["metas"])))
+            return
+        spec = SyncSpec.from_dict(init_info.spec)
+        self.timeout_s = spec.timeout_s
+        rank = spec.rank + _tensor_parallel_rank()  # each worker of a replica is a rank of its own
+        self.receiver = build_receiver(spec.for_rank(rank), _LoadTarget(self.model, metas_from_spec(spec.metas)))
 
     # ------------------------------------------------------------------ receive while generating
-    def begin_receive(self, header_timeout_s: float) -> None:
-        """Start receiving the next update on a background thread (the engine keeps stepping)."""
+    def begin_receive(self, header_timeout_s: float, staged_version: int | None = None) -> None:
+        """Start receiving the next update on a background thread (the engine keeps stepping);
+        `staged_version`: the replica actor staged that version's bytes (nothing to wait for)."""
         if self.receiver is None:
             raise RuntimeError("rayllm weight transfer: init_weight_transfer_engine was not called")
         if self._thread is not None and self._thread.is_alive():
@@ -179,7 +177,7 @@ class RayllmWeightTransfer(WeightTransferEngine[RayllmInitInfo, RayllmUpdateInfo
         def run():
             t0 = time.perf_counter()
             try:
-                self._received = self.receiver.receive(header_timeout_s=header_timeout_s)
+                self._received = self.receiver.receive(staged_version, header_timeout_s=header_timeout_s)
             except BaseException as exc:  # reported to the actor by receive_state / receive_weights
                 self._error = exc
             self.receive_s = time.perf_counter() - t0
@@ -226,12 +224,36 @@ class RayllmWeightTransfer(WeightTransferEngine[RayllmInitInfo, RayllmUpdateInfo
         self.receiver.swap(int(update_info.version))
 
     def shutdown(self) -> None:
-        receiver, group = self.receiver, self.group
-        self.receiver = self.group = None
-        if receiver is not None and hasattr(receiver, "close"):
+        receiver, self.receiver = self.receiver, None
+        if receiver is not None:
             receiver.close()
-        if group is not None:
-            group.close()
+
+
+def _tensor_parallel_rank() -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
+class _StagedReceiver:
+    """The receiving end over the replica's staging segment: the handoff is the staged version."""
+
+    def __init__(self, target: _LoadTarget, reader):
+        self.target, self.reader = target, reader
+        self._version: int | None = None
+
+    def receive(self, handoff: int, *, header_timeout_s: float | None = None) -> int:
+        self._version = int(handoff)
+        return self._version
+
+    def swap(self, version: int | None = None) -> float:
+        if self._version is None:
+            raise RuntimeError("staged weights: nothing staged since the last update")
+        self._version = None
+        return self.target.swap_weights(self.reader.views(), version)
+
+    def close(self) -> None:
+        self._version = None
 
 
 class RayllmWorkerExtension:
@@ -243,8 +265,8 @@ class RayllmWorkerExtension:
             raise RuntimeError(f"vLLM was not started with weight_transfer_config backend '{BACKEND}'")
         return engine
 
-    def rayllm_begin_receive(self, header_timeout_s: float) -> None:
-        self._rayllm().begin_receive(header_timeout_s)
+    def rayllm_begin_receive(self, header_timeout_s: float, staged_version: int | None = None) -> None:
+        self._rayllm().begin_receive(header_timeout_s, staged_version)
 
     def rayllm_receive_state(self) -> dict[str, Any]:
         return self._rayllm().receive_state()

@@ -290,10 +290,11 @@ class RayConfig:
     """torch intra-op threads of each actor."""
     buffer_episodes: int = 0
     """Replay buffer capacity in episodes (0 = 2 * (max_staleness + 1) * prompts_per_step)."""
-    sync_transport: Literal["auto", "shm", "gloo", "nccl"] = "auto"
-    """Weight transport: 'shm' (shared-memory double buffer, same node), 'gloo' (TCP buckets), 'nccl' (GPU
-    broadcast over a stateless NCCL group), 'auto' (nccl with GPUs, else shm when every replica shares the
-    learner's node, else gloo)."""
+    sync_transport: Literal["auto", "object_store", "shm", "gloo", "nccl"] = "auto"
+    """Weight transport (weight_sync/registry.py): 'object_store' (learner rank 0 puts buckets in Ray's object
+    store, replicas fetch them: zero-copy on its node, Ray's transfer across nodes), 'shm' (shared-memory double
+    buffer, same node), 'gloo' (TCP buckets), 'nccl' (GPU broadcast over a stateless NCCL group), 'auto'
+    (nccl with GPUs on both sides, else object_store)."""
     sync_bucket_mb: float = 16.0
     """Weight-sync bucket size in MiB."""
     sync_timeout_s: float = 120.0
@@ -314,6 +315,14 @@ class RayConfig:
     replica_restarts: int = 3
     """How many times Ray restarts a crashed inference replica; it rejoins the weight-sync group and gets the
     current weights at the next sync (requests wait or go to another replica meanwhile)."""
+    replica_node_labels: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Ray node labels a node must carry to host an inference replica (the actor's `label_selector`), e.g.
+    `{rayllm-role: inference}` for nodes started with `ray start --labels=rayllm-role=inference`; a value may
+    be `!v`, `in(a, b)` or `!in(a, b)`. A replica Ray restarts goes to a node that carries them. {} = any node."""
+    learner_node_labels: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Ray node labels a node must carry to host a learner rank (same form as replica_node_labels). {} = any node."""
+    env_worker_node_labels: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Ray node labels a node must carry to host an env worker (same form as replica_node_labels). {} = any node."""
 
 
 @dataclasses.dataclass
@@ -458,6 +467,7 @@ class GRPOJobConfig:
         skips the checks of this machine (the vllm package installed), for a dry run that plans a job
         for other machines."""
         from rayllm_rl.inference.factory import vllm_available
+        from rayllm_rl.orchestration.placement_rules import NODE_LABEL_KEYS, check_node_labels
         from rayllm_rl.orchestration.placement_rules import validate as validate_placement
 
         from rayllm_rl.config import check_literals
@@ -473,6 +483,8 @@ class GRPOJobConfig:
         rc = self.ray
         validate_placement(rc.num_replicas, rc.num_learners, rc.gpus_per_replica, rc.gpus_per_learner,
                            rc.tensor_parallel_size, rc.sync_timeout_s)
+        for key in NODE_LABEL_KEYS:
+            check_node_labels(key, getattr(rc, key))
         if not rc.namespace.strip():
             raise ValueError("ray.namespace must not be empty (default 'rayllm_rl')")
         for key in ("env_worker_restarts", "replica_restarts"):
@@ -499,9 +511,11 @@ class GRPOJobConfig:
                                  "which the learner does not recompute; use top_p=1.0 and top_k=0")
         elif rc.gpus_per_replica > 0:
             raise ValueError("ray.gpus_per_replica > 0 needs inference.engine=vllm (TransformersEngine runs on CPU)")
-        if rc.sync_transport == "nccl" and (rc.gpus_per_learner <= 0 or rc.gpus_per_replica <= 0):
-            raise ValueError("ray.sync_transport=nccl needs GPUs on both sides: ray.gpus_per_learner > 0 and "
-                             "ray.gpus_per_replica > 0")
+        from rayllm_rl.weight_sync.registry import plan_transport
+
+        # what can be checked before any actor starts (the nodes are known only then)
+        plan_transport(rc.sync_transport, learner_gpus=rc.gpus_per_learner > 0, replica_gpus=rc.gpus_per_replica > 0,
+                       learner_node="", replica_nodes=[""])
         if self.algo.prox_logp_method != "recompute":
             self.algo.build_loss(self.rollout.max_new_tokens)  # raises for a loss without proximal logprobs
         if self.model.dtype == "bfloat16" and self.inference.engine == "transformers":

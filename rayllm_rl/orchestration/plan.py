@@ -4,7 +4,7 @@
 local path must exist; a hub dataset's config and split are looked up in the local datasets cache,
 rows never loaded), the actors the Ray backend would create (names, Ray CPU/GPU requests, torch
 threads, placement bundle), the placement group (bundles and strategy, from `orchestration.placement_rules`'s
-checks and bundle shape), the weight transport (`orchestration.ray.cluster._pick_transport`), the engine,
+checks and bundle shape), the weight transport (`weight_sync.registry.plan_transport`), the engine,
 and a memory estimate of each learner rank and of each replica's KV cache from the model's config.json
 (read from the HF cache, never downloaded; no weights are loaded, no Ray is started).
 
@@ -293,10 +293,19 @@ def actors_plan(cfg: GRPOJobConfig, placement: dict[str, Any]) -> list[dict[str,
 
 
 def transport_plan(cfg: GRPOJobConfig) -> dict[str, str]:
-    """`cluster._pick_transport`'s choice when every replica shares the learner's node, and when one does not."""
-    from rayllm_rl.orchestration.ray.cluster import _pick_transport
+    """The registry's choice (`weight_sync.registry.plan_transport`) when every replica shares the
+    learner's node, and when one does not (a transport that cannot cross nodes: the error)."""
+    from rayllm_rl.weight_sync.registry import plan_transport
 
-    same, across = _pick_transport(cfg, "node-a", {"node-a"}), _pick_transport(cfg, "node-a", {"node-a", "node-b"})
+    def pick(nodes: set[str]) -> str:
+        rc = cfg.ray
+        try:
+            return plan_transport(rc.sync_transport, learner_gpus=rc.gpus_per_learner > 0,
+                                  replica_gpus=rc.gpus_per_replica > 0, learner_node="node-a", replica_nodes=nodes)
+        except ValueError as exc:
+            return f"refused: {exc}"
+
+    same, across = pick({"node-a"}), pick({"node-a", "node-b"})
     return {"setting": cfg.ray.sync_transport, "same_node": same, "across_nodes": across,
             "bucket_mb": cfg.ray.sync_bucket_mb}
 

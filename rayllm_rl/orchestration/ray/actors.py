@@ -21,7 +21,7 @@ import torch
 
 from rayllm_rl.rollout.replay_buffer import ReplayBuffer
 from rayllm_rl.hub import resolve_model_path
-from rayllm_rl.inference.protocol import LLMRequest, LLMResponse, UpdateGroupSpec, weights_checksum
+from rayllm_rl.inference.protocol import LLMRequest, LLMResponse, weights_checksum
 from rayllm_rl.orchestration.ray.router import ReplicaNotReady, ReplicaRouter
 
 
@@ -68,8 +68,7 @@ class InferenceReplica(_Process):
 
     async def ready(self) -> int:
         """Start the engine (vLLM spawns its engine core here) on the actor's event loop."""
-        if hasattr(self.engine, "start"):
-            await self.engine.start()
+        await self.engine.start()
         return self.engine.version
 
     async def agenerate(self, request: LLMRequest) -> LLMResponse:
@@ -83,13 +82,20 @@ class InferenceReplica(_Process):
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
 
-    async def init_update_group(self, spec: UpdateGroupSpec) -> bool:
+    def receiving_processes(self, transport) -> int:
+        """How many processes of this replica receive over `transport` (the ranks it takes)."""
+        return self.engine.receiving_processes(transport)
+
+    async def init_update_group(self, spec) -> bool:
+        """Build the engine's receiving end(s) of the weight sync (`weight_sync.registry.SyncSpec`)."""
         await self.engine.init_update_group(spec)
         return True
 
-    async def receive_weights(self) -> dict[str, float]:
-        """Receive while generating, then apply between two decode steps (the engine's sink)."""
-        out = await self.engine.receive_update()
+    async def receive_weights(self, published: dict | None = None) -> dict[str, float]:
+        """Receive while generating, then apply between two decode steps (the engine's sink).
+        `published`: learner rank 0's `sync_weights` result, for a transport whose receivers fetch
+        what it published (Ray resolved the reference the driver passed; it holds references only)."""
+        out = await self.engine.receive_update(None if published is None else published["handoff"])
         self.versions_held.append(int(out["version"]))
         self.serving = True
         return out
@@ -106,8 +112,7 @@ class InferenceReplica(_Process):
 
     async def close(self) -> None:
         await self.engine.close_update_group()
-        if hasattr(self.engine, "aclose"):
-            await self.engine.aclose()
+        await self.engine.aclose()
 
 
 @_actor
@@ -260,21 +265,13 @@ class LearnerWorker(_Process):
     def reset_optimizer(self, optim) -> None:
         self.learner.reset_optimizer(optim)
 
-    def init_weight_sender(self, transport: str, host: str, port: int, world_size: int, bucket_bytes: int,
-                           timeout_s: float, segment_prefix: str | None = None) -> list[str] | None:
-        """Every rank computes the same metadata; rank 0 hosts the sync group (and the shm segments)."""
-        from rayllm_rl.weight_sync import ShmWeightSender, WeightSender, make_group
+    def init_weight_sender(self, spec) -> None:
+        """Rank 0 builds the sending end of `spec` (`weight_sync.registry.SyncSpec`); a group
+        transport waits here for every receiver to join."""
+        from rayllm_rl.weight_sync.registry import build_sender
 
-        metas = self.learner.weight_metas()
-        if self.rank != 0:
-            return None
-        group = make_group(transport, host, port, 0, world_size, timeout_s)
-        if transport == "shm":
-            self.sender = ShmWeightSender(group, metas, name_prefix=segment_prefix, timeout_s=timeout_s)
-            group.barrier(phase="segments created")  # receivers attach only after this
-        else:
-            self.sender = WeightSender(group, metas, bucket_bytes)
-        return None
+        if self.rank == 0:
+            self.sender = build_sender(spec, self.learner.weight_metas())
 
     def weight_metadata(self) -> tuple:
         """`(name, shape, dtype)` of every tensor a sync sends, in send order (no gather needed)."""
@@ -283,20 +280,22 @@ class LearnerWorker(_Process):
         return metas_to_spec(self.learner.weight_metas())
 
     def close(self) -> None:
-        """Release the sync group and unlink shared segments (before the actor is killed)."""
-        if self.sender is not None and hasattr(self.sender, "close"):
+        """Release the sending end: its group, segments or published objects (before the actor is killed)."""
+        if self.sender is not None:
             self.sender.close()
         self.sender = None
 
-    def sync_weights(self, version: int) -> dict[str, float]:
-        """Every rank gathers full tensors in step; rank 0 streams them to the replicas."""
+    def sync_weights(self, version: int) -> dict[str, Any]:
+        """Every rank gathers full tensors in step; rank 0 sends them. Its result carries the
+        transport's handoff (references, or None), which the driver passes to the replicas."""
         tensors = self.learner.iter_named_tensors()
         if self.rank != 0:
             for _ in tensors:
                 pass
             return {}
-        stats = self.sender.send(tensors, version)
-        return {"sync_bytes": stats.bytes, "sync_s": stats.seconds, "sync_bytes_per_s": stats.bytes_per_s}
+        stats, handoff = self.sender.send(tensors, version)
+        return {"sync_bytes": stats.bytes, "sync_s": stats.seconds, "sync_bytes_per_s": stats.bytes_per_s,
+                "handoff": handoff}
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         return self.learner.named_tensors()

@@ -5,7 +5,6 @@ import dataclasses
 import functools
 import os
 import time
-import uuid
 from typing import Any
 
 import ray
@@ -17,7 +16,6 @@ from rayllm_rl.orchestration.ray.actors import (
     RayLLMCollector,
     ReplayBufferActor,
 )
-from rayllm_rl.inference.protocol import UpdateGroupSpec
 from rayllm_rl.orchestration.factories import build_episode_filter
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.ray.placement import Placement, plan_placement
@@ -47,7 +45,10 @@ class Cluster:
     collector: Any
     timeout_s: float
     sync_timeout_s: float
-    transport: str = "gloo"
+    transport: str = "object_store"
+    published: Any = None
+    """Pull transports: the reference to learner rank 0's last `sync_weights` result (its handoff),
+    kept so a replica Ray restarted fetches the current weights from it."""
     placement: Placement | None = None
     replica_pids: list[int] = dataclasses.field(default_factory=list)
     """Each replica's process id when the weight-sync group last formed (a restart changes it)."""
@@ -82,11 +83,18 @@ class Cluster:
         return self.get([getattr(l, method).remote(*args) for l in self.learners])
 
     def sync_weights(self, version: int) -> dict[str, float]:
-        """Learners stream (rank 0 sends) while every replica receives into its back buffer."""
+        """Learners send (rank 0) while every replica receives into its back buffer. A pull transport:
+        the replicas get the reference to rank 0's result, so they fetch once it has published (the
+        driver passes references and the version, never bytes)."""
+        from rayllm_rl.weight_sync.registry import transport_info
+
         sent = [l.sync_weights.remote(version) for l in self.learners]
-        got = [r.receive_weights.remote() for r in self.replicas]
+        published = sent[0] if transport_info(self.transport).pulls else None
+        got = [r.receive_weights.remote(published) for r in self.replicas]
         out = self.get(got + sent, timeout_s=self.sync_timeout_s)  # a dead replica fails at once
+        self.published = published
         replicas, learner0 = out[:len(got)], out[len(got)]
+        learner0 = {k: v for k, v in learner0.items() if k != "handoff"}
         return {**learner0, "stall_s": max(r["stall_s"] for r in replicas),
                 "receive_s": max(r["receive_s"] for r in replicas)}
 
@@ -163,16 +171,6 @@ def _first_ref(obj, depth: int = 0):
     return next((r for r in (_first_ref(x, depth + 1) for x in items) if r is not None), None)
 
 
-def _pick_transport(cfg: GRPOJobConfig, learner_ip: str, replica_ips: set[str]) -> str:
-    """`ray.sync_transport`; 'auto': NCCL between GPUs, else shm on one node, else gloo."""
-    rc = cfg.ray
-    if rc.sync_transport != "auto":
-        return rc.sync_transport
-    if rc.gpus_per_learner > 0 and rc.gpus_per_replica > 0:
-        return "nccl"
-    return "shm" if replica_ips == {learner_ip} else "gloo"
-
-
 def build_cluster(cfg: GRPOJobConfig, model_path: str, task, workflow_factory) -> Cluster:
     cfg.validate()
     rc, threads = cfg.ray, cfg.ray.threads_per_actor
@@ -224,20 +222,23 @@ def build_cluster(cfg: GRPOJobConfig, model_path: str, task, workflow_factory) -
 
 
 def form_sync_group(cluster: Cluster, cfg: GRPOJobConfig) -> None:
-    """Weight-sync group: learner rank 0 (rank 0 of the group) + every replica, beside FSDP's group."""
+    """The weight sync of learner rank 0 and every replica: the registry plans the transport from the
+    placement and builds both ends; each replica takes as many ranks as it has receiving processes."""
+    from rayllm_rl.weight_sync.registry import make_spec, plan_transport
+
     rc, learners, replicas = cfg.ray, cluster.learners, cluster.replicas
     sync_host, sync_port = cluster.get(learners[0].address.remote())
-    transport = _pick_transport(cfg, sync_host, set(cluster.get([r.node_ip.remote() for r in replicas])))
-    cluster.transport = transport
-    prefix = f"rayllm_{uuid.uuid4().hex[:12]}"
-    segments = (f"{prefix}_0", f"{prefix}_1")
-    world, bucket = 1 + len(replicas), int(rc.sync_bucket_mb * (1 << 20))
-    metas = cluster.get(learners[0].weight_metadata.remote())
-    refs = [l.init_weight_sender.remote(transport, sync_host, sync_port, world, bucket, rc.sync_timeout_s, prefix)
-            for l in learners]
-    refs += [r.init_update_group.remote(UpdateGroupSpec(transport, sync_host, sync_port, i + 1, world, metas, bucket,
-                                                        rc.sync_timeout_s, segments if transport == "shm" else ()))
-             for i, r in enumerate(replicas)]
+    transport = plan_transport(rc.sync_transport, learner_gpus=rc.gpus_per_learner > 0,
+                               replica_gpus=rc.gpus_per_replica > 0, learner_node=sync_host,
+                               replica_nodes=cluster.get([r.node_ip.remote() for r in replicas]))
+    cluster.transport, cluster.published = transport, None
+    ranks = cluster.get([r.receiving_processes.remote(transport) for r in replicas])
+    spec = make_spec(transport, cluster.get(learners[0].weight_metadata.remote()), receivers=sum(ranks),
+                     timeout_s=rc.sync_timeout_s, bucket_bytes=int(rc.sync_bucket_mb * (1 << 20)),
+                     host=sync_host, port=sync_port)
+    first = [1 + sum(ranks[:i]) for i in range(len(replicas))]
+    refs = [l.init_weight_sender.remote(spec) for l in learners]
+    refs += [r.init_update_group.remote(spec.for_rank(k)) for r, k in zip(replicas, first)]
     cluster.get(refs, timeout_s=rc.sync_timeout_s + 30)
 
 

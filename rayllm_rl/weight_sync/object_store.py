@@ -1,0 +1,230 @@
+"""Weights through Ray's object store: learner rank 0 publishes buckets, replicas fetch them by reference.
+
+Sender (:class:`ObjectStoreSender`, learner rank 0): ``send(named, v)`` puts every bucket of the
+plan as one object, a list of flat ``uint8`` numpy views (one per tensor: pickle-5 out-of-band
+buffers, so each byte is copied once, into the object store, with no packing), and returns a
+:class:`Handoff` of ``ObjectRef``s stamped ``v``. It keeps the last handoff alive, so a replica
+that Ray restarted fetches the current weights from it.
+
+The driver passes the handoff (references only, never bytes) to every receiver.
+
+Receiver (:class:`ObjectStoreReceiver`): ``receive(handoff)`` checks the plan's fingerprint and
+fetches the buckets with a deadline per bucket: on the learner's node ``ray.get`` returns
+read-only views of the shared store (zero-copy), on another node Ray pulls each object over once
+per node. ``swap(v)`` hands the views to the target's ``swap_weights`` (a pointer exchange for
+Transformers, a copy into a staging segment for vLLM's worker). The object store is the back
+buffer: version v+1 is fetched while the engine still generates with v's views, and v's objects
+are freed when the last view of them goes.
+
+Phases and their timeouts: ``publish`` (put, on the sender), ``fetch bucket i/n`` (each bounded by
+``timeout_s``), ``swap``. Every failure names its phase, rank and timeout.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+import ray
+import torch
+
+from rayllm_rl.weight_sync.buckets import TensorMeta, plan_buckets, plan_fingerprint
+from rayllm_rl.weight_sync.gloo_group import WeightSyncError, WeightSyncTimeout
+from rayllm_rl.weight_sync.transport import SyncStats, _Source
+
+__all__ = ["Handoff", "ObjectStoreSender", "ObjectStoreReceiver"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Handoff:
+    """One published version: a reference per bucket, in plan order (small: Ray inlines it)."""
+
+    version: int
+    fingerprint: int
+    refs: tuple
+    nbytes: int
+
+
+def _flat_bytes(t: torch.Tensor) -> np.ndarray:
+    """A tensor's bytes as a 1-D uint8 numpy view (a copy only if it is on a GPU or not contiguous)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _tensor_of(buf: np.ndarray, meta: TensorMeta) -> torch.Tensor:
+    """The tensor `meta` describes over `buf` (a read-only store view: no copy)."""
+    if buf.nbytes != meta.nbytes:
+        raise ValueError(f"{meta.name}: {buf.nbytes} bytes fetched, {meta.nbytes} planned")
+    if meta.numel == 0:
+        return torch.empty(meta.shape, dtype=meta.dtype)
+    with warnings.catch_warnings():  # "non-writable NumPy array": read-only store memory, on purpose
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(buf).view(meta.dtype).view(meta.shape)
+
+
+class _Plan:
+    """The bucket plan both ends compute from the same metas (checked through its fingerprint)."""
+
+    def __init__(self, metas: Sequence[TensorMeta], bucket_bytes: int, timeout_s: float, rank: int):
+        self.metas = list(metas)
+        if not self.metas:
+            raise ValueError("weight sync: empty list of tensor metadata")
+        if not timeout_s > 0:
+            raise ValueError(f"weight sync: timeout_s must be > 0, got {timeout_s}")
+        self.buckets = plan_buckets(self.metas, int(bucket_bytes))
+        self.fingerprint = plan_fingerprint(self.buckets)
+        self.total_bytes = sum(m.nbytes for m in self.metas)
+        self.timeout_s = float(timeout_s)
+        self.rank = rank
+        self.last_stats: SyncStats | None = None
+
+    def error(self, phase: str, message: str, timed_out: bool = False) -> WeightSyncError:
+        cls = WeightSyncTimeout if timed_out else WeightSyncError
+        return cls(f"weight sync phase '{phase}' {'timed out' if timed_out else 'failed'} on rank {self.rank} "
+                   f"(object store, timeout {self.timeout_s:g}s): {message}",
+                   phase=phase, rank=self.rank, world_size=None, timeout_s=self.timeout_s)
+
+
+class ObjectStoreSender:
+    """Learner rank 0: puts each bucket of a version into the object store; returns the references."""
+
+    def __init__(self, metas: Sequence[TensorMeta], bucket_bytes: int, timeout_s: float):
+        self._plan = _Plan(metas, bucket_bytes, timeout_s, rank=0)
+        self.handoff: Handoff | None = None
+        """The last published version (kept alive for replicas that join later)."""
+
+    @property
+    def metas(self) -> list[TensorMeta]:
+        return self._plan.metas
+
+    @property
+    def last_stats(self) -> SyncStats | None:
+        return self._plan.last_stats
+
+    def send(self, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+             version: int) -> tuple[SyncStats, Handoff]:
+        """Publish every tensor of the plan as version `version`; returns (stats, handoff).
+
+        `named` is a Mapping or (name, tensor) pairs in any order, consumed lazily (an FSDP learner
+        gathers one parameter after the other, so at most a bucket is held outside the store)."""
+        plan = self._plan
+        t0 = time.perf_counter()
+        source = _Source(named, {m.name for m in plan.metas})
+        refs = []
+        try:
+            for i, bucket in enumerate(plan.buckets):
+                phase = f"publish bucket {i + 1}/{len(plan.buckets)}"
+                arrays = []
+                for m in bucket:
+                    t = source.take(m.name)
+                    if tuple(t.shape) != m.shape or t.dtype != m.dtype:
+                        raise plan.error(phase, f"{m.name} is {tuple(t.shape)}/{t.dtype}, planned {m.shape}/{m.dtype}")
+                    arrays.append(_flat_bytes(t))
+                refs.append(ray.put(arrays))
+                del arrays
+        except KeyError as exc:
+            source.drain()  # FSDP peers gather in step with this rank
+            raise plan.error("publish", str(exc)) from exc
+        except WeightSyncError:
+            source.drain()
+            raise
+        self.handoff = Handoff(int(version), plan.fingerprint, tuple(refs), plan.total_bytes)
+        stats = SyncStats(bytes=plan.total_bytes, seconds=time.perf_counter() - t0, buckets=len(refs),
+                          version=int(version))
+        plan.last_stats = stats
+        return stats, self.handoff
+
+    def close(self) -> None:
+        """Drop the last handoff (its objects are freed once no replica views them)."""
+        self.handoff = None
+
+
+class ObjectStoreReceiver:
+    """A replica: fetches a handoff's buckets and hands them, as tensors, to its target's sink.
+
+    `target` offers ``named_parameters()`` (names, shapes, dtypes it takes) and
+    ``swap_weights(dict, version) -> stall_s``. A tensor whose dtype differs from the target's is
+    converted (a copy); the others are zero-copy views of the store."""
+
+    def __init__(self, target: Any, metas: Sequence[TensorMeta], bucket_bytes: int, timeout_s: float,
+                 rank: int = 1):
+        self._plan = _Plan(metas, bucket_bytes, timeout_s, rank=rank)
+        params = target.named_parameters()
+        unknown = [m.name for m in self._plan.metas if m.name not in params]
+        if unknown:
+            raise KeyError(f"ObjectStoreReceiver: the target has no tensors named {unknown[:5]} "
+                           f"(it has e.g. {list(params)[:3]})")
+        bad = [(m.name, m.shape, tuple(params[m.name].shape)) for m in self._plan.metas
+               if tuple(params[m.name].shape) != m.shape]
+        if bad:
+            raise ValueError(f"ObjectStoreReceiver: shapes differ (name, sent, target): {bad[:5]}")
+        self._dtypes = {m.name: params[m.name].dtype for m in self._plan.metas}
+        self.target = target
+        self._received: tuple[int, dict[str, torch.Tensor]] | None = None
+        self.copied_bytes = 0
+        """Bytes of the last receive that are not read-only views of the node's store (a dtype
+        conversion, or a writable copy Ray handed back): 0 is the zero-copy path."""
+
+    @property
+    def metas(self) -> list[TensorMeta]:
+        return self._plan.metas
+
+    @property
+    def last_stats(self) -> SyncStats | None:
+        return self._plan.last_stats
+
+    def receive(self, handoff: Handoff, *, header_timeout_s: float | None = None) -> int:
+        """Fetch every bucket of `handoff` (generation goes on); returns its version.
+
+        `header_timeout_s` is unused: the handoff arrives with the call, nothing is waited for."""
+        plan = self._plan
+        if not isinstance(handoff, Handoff):
+            raise plan.error("handoff", f"expected a Handoff from the learner, got {type(handoff).__name__}")
+        if handoff.fingerprint != plan.fingerprint or len(handoff.refs) != len(plan.buckets):
+            raise plan.error("handoff", f"version {handoff.version} was published with plan {handoff.fingerprint:#x} "
+                                        f"({len(handoff.refs)} buckets), this receiver's is {plan.fingerprint:#x} "
+                                        f"({len(plan.buckets)} buckets): sender and receiver must use the same "
+                                        "metas and bucket_bytes")
+        t0 = time.perf_counter()
+        named: dict[str, torch.Tensor] = {}
+        n, copied = len(plan.buckets), 0
+        for i, (ref, bucket) in enumerate(zip(handoff.refs, plan.buckets)):
+            phase = f"fetch bucket {i + 1}/{n}"
+            try:
+                arrays = ray.get(ref, timeout=plan.timeout_s)
+            except ray.exceptions.GetTimeoutError as exc:
+                raise plan.error(phase, f"version {handoff.version}: the object did not arrive", True) from exc
+            except ray.exceptions.RayError as exc:  # owner (learner) died, object lost, ...
+                raise plan.error(phase, f"version {handoff.version}: {type(exc).__name__}: {exc}") from exc
+            if len(arrays) != len(bucket):
+                raise plan.error(phase, f"{len(arrays)} tensors fetched, {len(bucket)} planned")
+            for buf, m in zip(arrays, bucket):
+                t = _tensor_of(buf, m)
+                if buf.flags.writeable or t.dtype != self._dtypes[m.name]:  # a private copy, not the store's memory
+                    copied += m.nbytes
+                named[m.name] = t if t.dtype == self._dtypes[m.name] else t.to(self._dtypes[m.name])
+        self.copied_bytes = copied
+        self._received = (int(handoff.version), named)
+        plan.last_stats = SyncStats(bytes=plan.total_bytes, seconds=time.perf_counter() - t0, buckets=n,
+                                    version=int(handoff.version))
+        return int(handoff.version)
+
+    def swap(self, version: int | None = None) -> float:
+        """Hand the fetched tensors to the target between two decode steps; returns the stall (s).
+        The dict comes back holding the target's previous storage and is dropped here."""
+        if self._received is None:
+            raise RuntimeError("ObjectStoreReceiver.swap: nothing received since the last swap")
+        received, named = self._received
+        self._received = None
+        try:
+            return float(self.target.swap_weights(named, received if version is None else int(version)))
+        except Exception as exc:
+            raise self._plan.error("swap", f"{type(exc).__name__}: {exc}") from exc
+
+    def close(self) -> None:
+        """Drop what was fetched and not swapped in (the target keeps its current weights)."""
+        self._received = None

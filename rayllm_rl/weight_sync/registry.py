@@ -1,0 +1,265 @@
+"""The one place that picks a weight transport and builds its two ends.
+
+The driver plans a transport from the placement (:func:`plan_transport`) and a :class:`SyncSpec`
+(:func:`make_spec`); learner rank 0 builds its end with :func:`build_sender`, every receiving
+process its own with :func:`build_receiver`. Engines receive through these ends and never look at
+the transport's name; what they may ask is a property of the transport (:class:`TransportInfo`).
+
+Every end has the same shape:
+
+* sender: ``send(named, version) -> (SyncStats, handoff)``, ``close()``. The handoff is what the
+  driver passes to the receivers (``ObjectRef``s for the object store; ``None`` where the bytes
+  travel inside a group collective).
+* receiver: ``receive(handoff, header_timeout_s=None) -> version`` (bytes land in a back buffer
+  while the engine generates), ``swap(version) -> stall_s`` (between two decode steps), ``close()``,
+  ``last_stats``.
+
+Transports (see docs/ray-orchestration.md, "Weight sync"):
+
+* ``object_store``: Ray's object store (the default on CPU and across nodes). Learner rank 0 puts
+  buckets, the driver hands the references over, receivers fetch (zero-copy on the learner's node).
+* ``shm``: two shared-memory segments per job on the learner's node, control over a gloo group.
+* ``gloo``: buckets broadcast over a private gloo group (TCP).
+* ``nccl``: buckets broadcast over a private NCCL group between GPUs (never run on a GPU here).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from rayllm_rl.weight_sync.buckets import TensorMeta, metas_from_spec
+from rayllm_rl.weight_sync.gloo_group import StatelessGlooGroup, StatelessNcclGroup
+from rayllm_rl.weight_sync.transport import SyncStats
+
+__all__ = ["SyncSpec", "TransportInfo", "TRANSPORTS", "transport_info", "plan_transport", "make_spec",
+           "build_sender", "build_receiver"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TransportInfo:
+    """What orchestration and engines may know of a transport (never its name)."""
+
+    name: str
+    pulls: bool
+    """Receivers fetch what the sender published, given its handoff; else the sender pushes the
+    bytes through a group collective that every receiver joins at the same time."""
+    receiver_needs_ray: bool
+    """Its receiver calls Ray, so it runs in a Ray worker process (vLLM's own worker is not one)."""
+    cross_node: bool
+    """Receivers may sit on another node than the sender."""
+    gpu_only: bool
+    """Sender and receivers hold GPU tensors (NCCL)."""
+    group: bool
+    """Sender and receivers form a group: rendezvous at learner rank 0's host and port, one rank
+    per receiving process (a vLLM replica with tensor parallelism takes one per worker)."""
+
+
+TRANSPORTS: dict[str, TransportInfo] = {t.name: t for t in (
+    TransportInfo("object_store", pulls=True, receiver_needs_ray=True, cross_node=True, gpu_only=False, group=False),
+    TransportInfo("shm", pulls=False, receiver_needs_ray=False, cross_node=False, gpu_only=False, group=True),
+    TransportInfo("gloo", pulls=False, receiver_needs_ray=False, cross_node=True, gpu_only=False, group=True),
+    TransportInfo("nccl", pulls=False, receiver_needs_ray=False, cross_node=True, gpu_only=True, group=True),
+)}
+
+
+def transport_info(name: str) -> TransportInfo:
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown weight-sync transport {name!r}; choose one of {tuple(TRANSPORTS)}")
+    return TRANSPORTS[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncSpec:
+    """How every end of one weight-sync setup is built (picklable: driver → learner and replicas).
+
+    `metas` are the sender's tensors as `(name, shape, dtype name)` in send order: HF names of
+    the unsharded model, whatever layout an engine keeps inside. `rank` is a receiving end's first
+    rank: a replica whose `ranks` processes receive (vLLM workers under tensor parallelism) gives
+    rank `rank + k` to its k-th process."""
+
+    transport: str
+    metas: tuple[tuple[str, tuple[int, ...], str], ...]
+    world_size: int
+    """1 sender + every receiving process."""
+    timeout_s: float
+    bucket_bytes: int
+    payload: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """Per transport: `host`, `port` (group rendezvous), `segments` (shm)."""
+    rank: int = 0
+
+    @property
+    def info(self) -> TransportInfo:
+        return transport_info(self.transport)
+
+    def for_rank(self, rank: int) -> "SyncSpec":
+        if not 0 < rank < self.world_size:
+            raise ValueError(f"weight sync: receiver rank {rank} is outside [1, {self.world_size})")
+        return dataclasses.replace(self, rank=int(rank))
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain fields (crosses into vLLM's worker, whose RPC carries dicts and lists)."""
+        return {**dataclasses.asdict(self), "payload": dict(self.payload)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "SyncSpec":
+        metas = tuple((str(n), tuple(int(x) for x in s), str(dt)) for n, s, dt in d["metas"])
+        return cls(**{**d, "metas": metas, "payload": dict(d.get("payload") or {})})
+
+
+def plan_transport(requested: str, *, learner_gpus: bool, replica_gpus: bool, learner_node: str,
+                   replica_nodes: Iterable[str]) -> str:
+    """`ray.sync_transport` resolved against the placement. 'auto': NCCL between GPUs, else Ray's
+    object store (same node: zero-copy; across nodes: Ray's own transfer)."""
+    same_node = set(replica_nodes) <= {learner_node}
+    if requested == "auto":
+        return "nccl" if learner_gpus and replica_gpus else "object_store"
+    info = transport_info(requested)
+    if not info.cross_node and not same_node:
+        raise ValueError(f"ray.sync_transport={requested} needs every replica on the learner's node "
+                         f"({learner_node}); replicas are on {sorted(set(replica_nodes))}: use object_store or gloo")
+    if info.gpu_only and not (learner_gpus and replica_gpus):
+        raise ValueError(f"ray.sync_transport={requested} needs GPUs on both sides: ray.gpus_per_learner > 0 and "
+                         "ray.gpus_per_replica > 0")
+    return requested
+
+
+def make_spec(transport: str, metas: Sequence, *, receivers: int, timeout_s: float, bucket_bytes: int,
+              host: str = "", port: int = 0) -> SyncSpec:
+    """The spec of one setup with `receivers` receiving processes (ranks 1..receivers)."""
+    info = transport_info(transport)
+    metas = tuple(metas)
+    payload: dict[str, Any] = {}
+    if info.group:
+        if not host or not port:
+            raise ValueError(f"weight sync over {transport}: learner rank 0's host and port are needed")
+        payload.update(host=host, port=int(port))
+    if transport == "shm":
+        prefix = f"rayllm_{uuid.uuid4().hex[:12]}"
+        payload["segments"] = (f"{prefix}_0", f"{prefix}_1")
+    return SyncSpec(transport, metas, 1 + int(receivers), float(timeout_s), int(bucket_bytes), payload)
+
+
+# ---------------------------------------------------------------------------- ends
+def _group(spec: SyncSpec, rank: int):
+    cls = StatelessNcclGroup if spec.info.gpu_only else StatelessGlooGroup
+    return cls(spec.payload["host"], spec.payload["port"], rank, spec.world_size, spec.timeout_s)
+
+
+class _GroupSender:
+    """A group transport's sender behind the common shape (the handoff is None: bytes went in-band)."""
+
+    def __init__(self, inner, group):
+        self.inner, self.group = inner, group
+
+    @property
+    def metas(self) -> list[TensorMeta]:
+        return self.inner.metas
+
+    def send(self, named, version: int) -> tuple[SyncStats, None]:
+        return self.inner.send(named, version), None
+
+    def close(self) -> None:
+        if hasattr(self.inner, "close"):
+            self.inner.close()
+        self.group.close()
+
+
+def build_sender(spec: SyncSpec, metas: Sequence[TensorMeta]):
+    """Learner rank 0's end. Group transports wait here for every receiver to join (≤ timeout)."""
+    if tuple(spec.metas) != tuple((m.name, tuple(m.shape), str(m.dtype).removeprefix("torch.")) for m in metas):
+        raise ValueError("weight sync: the learner's tensors differ from the spec's metas")
+    if spec.transport == "object_store":
+        from rayllm_rl.weight_sync.object_store import ObjectStoreSender
+
+        return ObjectStoreSender(metas, spec.bucket_bytes, spec.timeout_s)  # already of the common shape
+    group = _group(spec, 0)
+    try:
+        if spec.transport == "shm":
+            from rayllm_rl.weight_sync.shm import ShmWeightSender
+
+            segments = spec.payload["segments"]
+            sender = ShmWeightSender(group, metas, name_prefix=segments[0].rsplit("_", 1)[0], timeout_s=spec.timeout_s)
+            group.barrier(phase="segments created")  # receivers attach only after this
+            return _GroupSender(sender, group)
+        from rayllm_rl.weight_sync.transport import WeightSender
+
+        return _GroupSender(WeightSender(group, metas, spec.bucket_bytes), group)
+    except BaseException:
+        group.close()
+        raise
+
+
+class _Receiver:
+    """A receiver behind the common shape; `group` (if any) is closed with it."""
+
+    def __init__(self, inner, group=None, takes_handoff: bool = False):
+        self.inner, self.group, self.takes_handoff = inner, group, takes_handoff
+
+    @property
+    def metas(self) -> list[TensorMeta]:
+        return self.inner.metas if hasattr(self.inner, "metas") else self.inner.receiver.metas
+
+    @property
+    def last_stats(self) -> SyncStats | None:
+        inner = getattr(self.inner, "receiver", self.inner)
+        return inner.last_stats
+
+    def receive(self, handoff=None, *, header_timeout_s: float | None = None) -> int:
+        if self.takes_handoff:
+            return self.inner.receive(handoff, header_timeout_s=header_timeout_s)
+        return self.inner.receive(header_timeout_s=header_timeout_s)
+
+    def swap(self, version: int | None = None) -> float:
+        return self.inner.swap(version)
+
+    def receive_and_swap(self, handoff=None, *, header_timeout_s: float | None = None) -> dict[str, float | int]:
+        """receive() then swap(); returns version, receive_s, stall_s, bytes, bytes_per_s."""
+        t0 = time.perf_counter()
+        version = self.receive(handoff, header_timeout_s=header_timeout_s)
+        receive_s = time.perf_counter() - t0
+        stall = self.swap(version)
+        st = self.last_stats
+        return {"version": version, "receive_s": receive_s, "stall_s": stall,
+                "bytes": st.bytes if st else 0, "bytes_per_s": st.bytes_per_s if st else 0.0}
+
+    def close(self) -> None:
+        if hasattr(self.inner, "close"):
+            self.inner.close()
+        if self.group is not None:
+            self.group.close()
+
+
+def build_receiver(spec: SyncSpec, target: Any):
+    """A receiving process's end for `target` (``named_parameters()``, ``swap_weights(dict, v)``).
+
+    `spec.rank` is this process's rank (a replica adds its worker index to its first rank).
+    Group transports wait here for every member to join (≤ timeout)."""
+    metas = metas_from_spec(spec.metas)
+    params = target.named_parameters()
+    unknown = [m.name for m in metas if m.name not in params]
+    if unknown:
+        raise KeyError(f"weight sync: the receiving engine has no weights named {unknown[:5]} (it has e.g. "
+                       f"{list(params)[:3]})")
+    if spec.transport == "object_store":
+        from rayllm_rl.weight_sync.object_store import ObjectStoreReceiver
+
+        return _Receiver(ObjectStoreReceiver(target, metas, spec.bucket_bytes, spec.timeout_s, spec.rank),
+                         takes_handoff=True)
+    group = _group(spec, spec.rank)
+    try:
+        if spec.transport == "shm":
+            from rayllm_rl.weight_sync.shm import ShmWeightReceiver
+
+            group.barrier(phase="segments created")
+            return _Receiver(ShmWeightReceiver(target, group, metas, spec.payload["segments"], spec.timeout_s), group)
+        from rayllm_rl.weight_sync.transport import DoubleBufferReceiver, WeightReceiver
+
+        back = {m.name: torch.empty(m.shape, dtype=params[m.name].dtype, device=group.device) for m in metas}
+        return _Receiver(DoubleBufferReceiver(target, WeightReceiver(group, metas, spec.bucket_bytes), back), group)
+    except BaseException:
+        group.close()
+        raise

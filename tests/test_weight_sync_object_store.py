@@ -1,0 +1,154 @@
+"""The object-store transport between real Ray actors: learner rank 0 publishes buckets, the driver
+passes references only, replicas fetch them zero-copy on this node and swap them in."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import ray
+import torch
+
+from rayllm_rl.weight_sync import WeightSyncError, WeightSyncTimeout, metadata_of
+from rayllm_rl.weight_sync.object_store import Handoff
+from rayllm_rl.weight_sync.registry import build_receiver, build_sender, make_spec
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    tests_dir = os.path.dirname(os.path.abspath(__file__))  # the actors below are imported from this module
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=f"/tmp/rayllm-os-{os.getpid()}",
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))}})
+    yield
+    ray.shutdown()
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"embed.weight": torch.randn(1000, 64, generator=g), "layer.0.w": torch.randn(64, 64, generator=g),
+            "layer.0.b": torch.randn(64, generator=g), "norm.scale": torch.randn(64, generator=g).to(torch.bfloat16),
+            "empty": torch.empty(0, 3)}
+
+
+def spec_of(named, bucket_bytes=200_000, timeout_s=5.0):
+    metas = metadata_of(named)
+    return make_spec("object_store", [(m.name, m.shape, str(m.dtype)[6:]) for m in metas], receivers=2,
+                     timeout_s=timeout_s, bucket_bytes=bucket_bytes), metas
+
+
+class Target:
+    """A weight sink in the shape engines offer: names/shapes/dtypes, and a swap that adopts storage."""
+
+    def __init__(self, named):
+        self.params = {k: torch.zeros_like(v) for k, v in named.items()}
+        self.version = 0
+
+    def named_parameters(self):
+        return dict(self.params)
+
+    def swap_weights(self, back, version):
+        for k, t in back.items():
+            self.params[k], back[k] = t, self.params[k]
+        self.version = version
+        return 0.0
+
+
+@ray.remote(num_cpus=0)
+class Learner:
+    def __init__(self, spec, seed):
+        self.named = weights(seed)
+        self.sender = build_sender(spec, metadata_of(self.named))
+
+    def publish(self, version, seed):
+        self.named = weights(seed)
+        stats, handoff = self.sender.send(iter(reversed(list(self.named.items()))), version)  # any order
+        return {"bytes": stats.bytes, "buckets": stats.buckets, "handoff": handoff}
+
+
+@ray.remote(num_cpus=0)
+class Replica:
+    def __init__(self, spec, rank):
+        self.receiver = build_receiver(spec.for_rank(rank), Target(weights(0)))
+
+    def receive(self, published):
+        out = self.receiver.receive_and_swap(published["handoff"])
+        t = self.receiver.inner.target
+        return {"version": out["version"], "checksum": {k: float(v.double().sum()) for k, v in t.params.items()},
+                "dtypes": {k: str(v.dtype) for k, v in t.params.items()}, "copied": self.receiver.inner.copied_bytes}
+
+
+def test_two_replicas_fetch_what_the_learner_published_zero_copy(local_ray):
+    named = weights(1)
+    spec, _ = spec_of(named)
+    learner = Learner.remote(spec, 1)
+    replicas = [Replica.remote(spec, 1 + i) for i in range(2)]
+    for version, seed in [(1, 11), (2, 12)]:
+        published = learner.publish.remote(version, seed)  # the driver holds a reference, never the bytes
+        outs = ray.get([r.receive.remote(published) for r in replicas], timeout=60)
+        expect = weights(seed)
+        info = ray.get(published, timeout=30)
+        assert info["bytes"] == sum(t.numel() * t.element_size() for t in expect.values())
+        # 200 kB buckets: the 256 kB embedding alone, then the float32 layer, the bf16 norm, the empty tensor
+        assert info["buckets"] == len(info["handoff"].refs) == 4
+        for out in outs:
+            assert out["version"] == version
+            assert out["checksum"] == {k: float(v.double().sum()) for k, v in expect.items()}
+            assert out["dtypes"]["norm.scale"] == "torch.bfloat16"
+            assert out["copied"] == 0  # every tensor is a read-only view of the shared store: no copy
+
+
+def test_a_replica_that_joins_later_fetches_the_kept_handoff(local_ray):
+    """A restarted replica gets the current weights from the last handoff (the learner keeps it)."""
+    named = weights(2)
+    spec, _ = spec_of(named)
+    learner = Learner.remote(spec, 2)
+    published = learner.publish.remote(7, 21)
+    ray.get(Replica.remote(spec, 1).receive.remote(published), timeout=60)
+    late = Replica.remote(spec, 2)  # built after the sync
+    out = ray.get(late.receive.remote(published), timeout=60)
+    assert out["version"] == 7 and out["checksum"]["layer.0.w"] == float(weights(21)["layer.0.w"].double().sum())
+
+
+def test_a_fetch_that_never_completes_times_out_naming_its_phase(local_ray):
+    named = weights(3)
+    spec, metas = spec_of(named, bucket_bytes=1 << 30, timeout_s=1.0)
+    receiver = build_receiver(spec.for_rank(1), Target(named))
+
+    @ray.remote(num_cpus=0)
+    def never():
+        time.sleep(60)
+
+    ref = never.remote()
+    plan = receiver.inner._plan
+    handoff = Handoff(3, plan.fingerprint, (ref,) * len(plan.buckets), 0)
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncTimeout, match=rf"phase 'fetch bucket 1/{len(plan.buckets)}' timed out on rank 1 .*timeout 1s"):
+        receiver.receive(handoff)
+    assert time.monotonic() - t0 < 10
+    ray.cancel(ref, force=True)
+
+
+def test_a_handoff_of_another_plan_is_refused_before_any_fetch(local_ray):
+    named = weights(4)
+    spec, metas = spec_of(named)
+    receiver = build_receiver(spec.for_rank(1), Target(named))
+    other, _ = spec_of(named, bucket_bytes=1 << 30)
+    sender = build_sender(other, metas)
+    _, handoff = sender.send(named, 1)
+    with pytest.raises(WeightSyncError, match=r"phase 'handoff'.*same metas and bucket_bytes"):
+        receiver.receive(handoff)
+
+
+def test_a_sender_given_a_wrong_tensor_names_it_and_publishes_nothing(local_ray):
+    named = weights(5)
+    spec, metas = spec_of(named)
+    sender = build_sender(spec, metas)
+    bad = {**named, "layer.0.w": torch.zeros(3, 3)}
+    with pytest.raises(WeightSyncError, match=r"layer.0.w is \(3, 3\)/torch.float32, planned \(64, 64\)"):
+        sender.send(bad, 1)
+    missing = {k: v for k, v in named.items() if k != "layer.0.b"}
+    with pytest.raises(WeightSyncError, match="layer.0.b"):
+        sender.send(missing, 1)
+    assert sender.handoff is None

@@ -1,0 +1,79 @@
+"""The transport registry: the one place that plans a transport from the placement and builds both ends."""
+from __future__ import annotations
+
+import pytest
+
+from rayllm_rl.weight_sync.registry import TRANSPORTS, SyncSpec, make_spec, plan_transport, transport_info
+
+METAS = (("embed.weight", (10, 4), "float32"), ("norm.weight", (4,), "bfloat16"))
+
+
+@pytest.mark.parametrize("learner_gpus,replica_gpus,nodes,expect", [
+    (False, False, {"a"}, "object_store"),  # CPU, one node: zero-copy through the node's store
+    (False, False, {"a", "b"}, "object_store"),  # across nodes: Ray's own transfer
+    (True, True, {"a"}, "nccl"),
+    (True, False, {"a"}, "object_store"),  # a CPU side: through host memory
+])
+def test_auto_follows_the_placement(learner_gpus, replica_gpus, nodes, expect):
+    got = plan_transport("auto", learner_gpus=learner_gpus, replica_gpus=replica_gpus, learner_node="a",
+                         replica_nodes=nodes)
+    assert got == expect
+
+
+def test_a_transport_that_cannot_serve_the_placement_is_refused_naming_the_key():
+    with pytest.raises(ValueError, match=r"ray.sync_transport=shm needs every replica on the learner's node"):
+        plan_transport("shm", learner_gpus=False, replica_gpus=False, learner_node="a", replica_nodes={"a", "b"})
+    with pytest.raises(ValueError, match=r"ray.sync_transport=nccl needs GPUs on both sides"):
+        plan_transport("nccl", learner_gpus=True, replica_gpus=False, learner_node="a", replica_nodes={"a"})
+    with pytest.raises(ValueError, match=r"unknown weight-sync transport 'tcp'"):
+        plan_transport("tcp", learner_gpus=False, replica_gpus=False, learner_node="a", replica_nodes={"a"})
+    assert plan_transport("gloo", learner_gpus=False, replica_gpus=False, learner_node="a",
+                          replica_nodes={"a", "b"}) == "gloo"
+
+
+def test_spec_payload_per_transport_and_rank_offsets():
+    """Each receiving process has a rank of its own: a replica with 2 tensor-parallel workers
+    (both receiving) takes ranks k and k+1, the next replica starts after them."""
+    ranks = [2, 2, 1]  # receiving processes per replica
+    spec = make_spec("gloo", METAS, receivers=sum(ranks), timeout_s=7, bucket_bytes=1 << 20, host="10.0.0.1", port=1234)
+    assert spec.world_size == 6 and dict(spec.payload) == {"host": "10.0.0.1", "port": 1234}
+    first = [1 + sum(ranks[:i]) for i in range(len(ranks))]
+    worker_ranks = [spec.for_rank(f).rank + tp for f, n in zip(first, ranks) for tp in range(n)]
+    assert worker_ranks == [1, 2, 3, 4, 5]
+    with pytest.raises(ValueError, match=r"receiver rank 6 is outside \[1, 6\)"):
+        spec.for_rank(6)
+    shm = make_spec("shm", METAS, receivers=1, timeout_s=7, bucket_bytes=1, host="h", port=1)
+    seg0, seg1 = shm.payload["segments"]
+    assert seg0.endswith("_0") and seg1.endswith("_1") and seg0[:-2] == seg1[:-2]
+    store = make_spec("object_store", METAS, receivers=3, timeout_s=7, bucket_bytes=1)
+    assert dict(store.payload) == {} and store.info.pulls and store.info.receiver_needs_ray
+    with pytest.raises(ValueError, match="learner rank 0's host and port"):
+        make_spec("gloo", METAS, receivers=1, timeout_s=7, bucket_bytes=1)
+
+
+def test_spec_crosses_into_vllms_worker_as_plain_fields():
+    spec = make_spec("gloo", METAS, receivers=2, timeout_s=7, bucket_bytes=99, host="h", port=5).for_rank(2)
+    d = spec.as_dict()
+    assert all(isinstance(v, (str, int, float, tuple, list, dict)) for v in d.values())
+    d["metas"] = [[n, list(s), dt] for n, s, dt in d["metas"]]  # what a msgpack round trip gives back
+    assert SyncSpec.from_dict(d) == spec
+
+
+def test_every_transport_is_described_by_properties_engines_may_ask():
+    assert set(TRANSPORTS) == {"object_store", "shm", "gloo", "nccl"}
+    assert [n for n, t in TRANSPORTS.items() if t.pulls] == ["object_store"]
+    assert [n for n, t in TRANSPORTS.items() if not t.cross_node] == ["shm"]
+    assert transport_info("nccl").gpu_only and not transport_info("gloo").gpu_only
+
+
+def test_a_vllm_replica_takes_a_rank_per_worker_only_where_its_workers_receive(tiny_model_path):
+    """vLLM's workers join a group transport themselves (one rank each); for the object store the
+    replica actor receives for them (one rank). Built without starting vLLM."""
+    pytest.importorskip("vllm")
+    from rayllm_rl.inference.transformers_engine import TransformersEngine
+    from rayllm_rl.inference.vllm_engine import VLLMEngine, VLLMOptions
+
+    engine = VLLMEngine(tiny_model_path, options=VLLMOptions(tensor_parallel_size=2))
+    assert {t: engine.receiving_processes(t) for t in TRANSPORTS} == {"object_store": 1, "shm": 2, "gloo": 2,
+                                                                       "nccl": 2}
+    assert {TransformersEngine(tiny_model_path).receiving_processes(t) for t in TRANSPORTS} == {1}
