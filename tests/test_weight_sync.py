@@ -277,7 +277,7 @@ class _Background:
         self.threads: dict = {}
 
     def start(self, wanted: set[str]) -> "_Background":
-        for name, fn in (("two_replicas", lambda: _two_replicas(self.model_path)), ("ray", _run_ray_scenario)):
+        for name, fn in (("two_replicas", lambda: _two_replicas(self.model_path)),):
             if name not in wanted:
                 continue
 
@@ -302,8 +302,7 @@ class _Background:
 
 
 _BACKGROUND_USERS = {"two_replicas": ("test_sync_to_two_replicas_matches_sender",
-                                      "test_generation_continues_during_receive"),
-                     "ray": ("test_ray_collective_group_cpu_backends_between_two_actors",)}
+                                      "test_generation_continues_during_receive")}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -475,92 +474,6 @@ def test_sender_aborts_cleanly_when_a_tensor_is_missing():
             p.kill()
 
 
-# ---------------------------------------------------------------------------- Ray collective
-class _RayPeer:
-    """Body of a Ray actor (wrapped with ray.remote in the driver; this module is on the workers' path)."""
-
-    def run(self, backend, group, rank, metas, named):
-        import torch.distributed as dist
-
-        from rayllm_rl.weight_sync import RayCollectiveGroup
-
-        grp = RayCollectiveGroup(group, 2, rank, backend=backend, timeout_s=30)
-        if rank == 0:
-            stats = WeightSender(grp, metas, 4096).send(named, version=9)
-            out = {"version": stats.version, "buckets": stats.buckets}
-        else:
-            dst = {m.name: torch.zeros(m.shape, dtype=m.dtype) for m in metas}
-            out = {"version": WeightReceiver(grp, metas, 4096).receive_into(dst),
-                   "digest": digest(dst, [m.name for m in metas])}
-        out["dist_initialized"] = dist.is_initialized()
-        if rank == 1:  # stays in the group but never joins the next broadcast
-            self.keep = grp
-            return out
-        t0 = time.perf_counter()
-        try:  # a peer that never shows up: bounded by the watchdog, named phase
-            grp.broadcast(torch.zeros(4), 0, timeout_s=1.0, phase="lonely")
-        except Exception as exc:  # noqa: BLE001
-            out["lonely"] = (type(exc).__name__, getattr(exc, "phase", None), time.perf_counter() - t0)
-        grp.close()
-        return out
-
-
-def _ray_child(q):
-    """Driver of a small local Ray cluster, in its own process (started in the background)."""
-    try:
-        import ray  # a core dependency: failing to import it is a failure, not a skip
-
-        tests_dir = os.path.dirname(os.path.abspath(__file__))
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
-        named = synthetic_weights(5)
-        metas = metadata_of(named)
-        ray.init(address="local", _temp_dir=f"/tmp/rayllm-test-{os.getpid()}", num_cpus=2, include_dashboard=False,
-                 log_to_driver=False)
-        try:
-            peers = [ray.remote(num_cpus=0)(_RayPeer).remote() for _ in range(2)]
-            res = {"expect": digest(named, [m.name for m in metas])}
-            for backend in ("stateless_gloo", "gloo"):
-                res[backend] = ray.get([p.run.remote(backend, f"ws-{backend}", r, metas, named if r == 0 else None)
-                                        for r, p in enumerate(peers)], timeout=120)
-        finally:
-            ray.shutdown()
-        q.put(("done", res))
-    except BaseException as exc:
-        import traceback
-
-        q.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-
-
-def _run_ray_scenario():
-    q = CTX.Queue()
-    p = CTX.Process(target=_ray_child, args=(q,), daemon=True)
-    p.start()
-    try:
-        return _get(q, 170)
-    finally:
-        p.join(20)
-        if p.is_alive():
-            p.kill()
-
-
-@pytest.mark.ray
-@pytest.mark.slow
-def test_ray_collective_group_cpu_backends_between_two_actors(background):
-    """RayCollectiveGroup + WeightSender/Receiver between two Ray actors with the CPU backends:
-    'stateless_gloo' (our registered backend: global torch.distributed untouched) and Ray's
-    own 'gloo' (which initialises the global group). NCCL needs GPUs and is not run here."""
-    kind, res = background.result("ray")
-    assert kind == "done", res
-    for backend in ("stateless_gloo", "gloo"):
-        sender, receiver = res[backend]
-        assert sender["version"] == receiver["version"] == 9, backend
-        assert receiver["digest"] == res["expect"], backend
-        assert sender["dist_initialized"] == (backend == "gloo"), backend
-        name, phase, elapsed = sender["lonely"]
-        assert (name, phase) == ("WeightSyncTimeout", "lonely") and elapsed < 4, (backend, sender["lonely"])
-
-
-# ---------------------------------------------------------------------------- two replicas (collected last)
 def test_sync_to_two_replicas_matches_sender(two_replica_sync):
     sent, metas, reports = two_replica_sync["sent"], two_replica_sync["metas"], two_replica_sync["reports"]
     stats = two_replica_sync["stats"]

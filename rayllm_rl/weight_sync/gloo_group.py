@@ -252,14 +252,3 @@ class StatelessNcclGroup(StatelessGlooGroup):
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(self._store, self.rank, self.world_size, opts)
-
-
-TRANSPORTS = ("gloo", "shm", "nccl")
-
-
-def make_group(transport: str, host: str, port: int, rank: int, world_size: int, timeout_s: float):
-    """The control/data group a transport runs over: NCCL for 'nccl', gloo for 'gloo' and 'shm'."""
-    if transport not in TRANSPORTS:
-        raise ValueError(f"unknown weight-sync transport {transport!r}; choose one of {TRANSPORTS}")
-    cls = StatelessNcclGroup if transport == "nccl" else StatelessGlooGroup
-    return cls(host, port, rank, world_size, timeout_s)

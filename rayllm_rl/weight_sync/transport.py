@@ -19,7 +19,8 @@ the phase timeout of the group, and each failure names its phase):
 The group is anything with ``rank``, ``world_size``, ``device`` and
 ``broadcast(tensor, src, timeout_s, phase=)`` / ``allreduce_max(tensor, timeout_s, phase=)``:
 :class:`~rayllm_rl.weight_sync.gloo_group.StatelessGlooGroup` (CPU) or
-:class:`~rayllm_rl.weight_sync.ray_collective.RayCollectiveGroup` (NCCL on GPU).
+:class:`~rayllm_rl.weight_sync.gloo_group.StatelessNcclGroup` (GPU). Control tensors (header,
+votes, acks) live on the group's device: NCCL rejects CPU tensors.
 
 If the sender fails in the middle of the payload (its lazy tensor source raised), the
 receivers cannot be told in-band: they raise WeightSyncTimeout at the pending bucket, the
@@ -117,10 +118,11 @@ class _Endpoint:
                 and t.is_contiguous() and tuple(t.shape) == bucket[0].shape)
 
     def _vote(self, code: int) -> torch.Tensor:
-        votes = torch.zeros(self.group.world_size, dtype=torch.int64)
+        """MAX all-reduce of one slot per rank, on the group's device; returned on the CPU."""
+        votes = torch.zeros(self.group.world_size, dtype=torch.int64, device=self.device)
         votes[self.group.rank] = code
         self._allreduce_max(votes, "vote")
-        return votes
+        return votes.cpu()
 
     def _allreduce_max(self, t: torch.Tensor, phase: str) -> None:
         self.group.allreduce_max(t, self.timeout_s, phase=phase)
@@ -265,8 +267,9 @@ class WeightSender:
                                        "will time out waiting for it and the group must be rebuilt") from exc
             ep._broadcast(flat, phase)
             del tensors, flat
-        acks = torch.zeros(ep.group.world_size, dtype=torch.int64)
+        acks = torch.zeros(ep.group.world_size, dtype=torch.int64, device=ep.device)
         ep._allreduce_max(acks, "ack")
+        acks = acks.cpu()
         if acks.any():
             raise ep._error("ack", f"receivers failed version {version}: {_describe_votes(acks)}")
         stats = SyncStats(bytes=ep.total_bytes, seconds=time.perf_counter() - t0, buckets=n, version=int(version))
@@ -373,9 +376,10 @@ class WeightReceiver:
                     unpack_into(flat, bucket, dst)
                 except Exception as exc:  # keep receiving so the group stays in step, then report
                     failure = f"{phase}: {type(exc).__name__}: {exc}"
-        acks = torch.zeros(ep.group.world_size, dtype=torch.int64)
+        acks = torch.zeros(ep.group.world_size, dtype=torch.int64, device=ep.device)
         acks[ep.group.rank] = _RECEIVE_FAILED if failure else _OK
         ep._allreduce_max(acks, "ack")
+        acks = acks.cpu()
         if failure:
             raise ep._error("ack", f"unpacking failed at {failure}")
         if acks.any():
