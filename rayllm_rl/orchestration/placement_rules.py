@@ -1,4 +1,5 @@
-"""The placement group's shape, without Ray: the `ray.*` GPU settings checked, and the bundles.
+"""The placement group's shape, without Ray: the `ray.*` GPU settings checked, and the bundles;
+and the node labels that pin roles to nodes (`ray.*_node_labels`), checked.
 
 Config validation and the dry-run plan read this; `orchestration/ray/placement.py` reserves the
 group these functions describe (its docstring gives the design: PACK, replicas first, whole GPUs).
@@ -6,6 +7,8 @@ group these functions describe (its docstring gives the design: PACK, replicas f
 from __future__ import annotations
 
 import math
+import re
+from typing import Any
 
 CPU_ONLY_BUNDLE_CPUS = 0.01
 """CPU of the bundle of a 0-GPU role inside a GPU placement group (Ray rejects all-zero bundles)."""
@@ -59,3 +62,47 @@ def plan_bundles(num_replicas: int, num_learners: int, replica_gpus: float,
 def learner_bundle(num_replicas: int, rank: int) -> int:
     """The bundle index of learner rank `rank` (after the replicas')."""
     return num_replicas + rank
+
+
+_LABEL = r"[a-zA-Z0-9]([a-zA-Z0-9_.-]{0,61}[a-zA-Z0-9])?"
+_LABEL_PREFIX = re.compile(rf"^{_LABEL}(\.{_LABEL})*$")
+_LABEL_NAME = re.compile(rf"^{_LABEL}$")
+_SELECTOR_VALUE = re.compile(rf"^!?(in)?\({_LABEL}(, ?{_LABEL})*\)$|^!?{_LABEL}$")
+"""Ray's label syntax (Kubernetes': ray/_private/label_utils.py), restated here so the config check
+needs no Ray: a value is `v`, `!v`, `in(a, b)` or `!in(a, b)`."""
+
+NODE_LABEL_KEYS = ("replica_node_labels", "learner_node_labels", "env_worker_node_labels")
+"""The `ray.*` keys whose labels pin a role to the nodes that carry them."""
+
+
+def check_node_labels(key: str, labels: Any) -> dict[str, str]:
+    """Check `ray.<key>`, the labels a node must carry to host a role (Ray's `label_selector`);
+    raise ValueError naming the key and the bad entry. Returns the labels as a plain dict."""
+    if not isinstance(labels, dict):
+        raise ValueError(f"ray.{key} must be a mapping of node label to value, e.g. "
+                         f"{{rayllm-role: inference}} (got {labels!r})")
+    for name, value in labels.items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise ValueError(f"ray.{key}: label {name!r}: {value!r} must map a string to a string "
+                             f"(quote a value YAML reads as a number or a bool: '1', 'true')")
+        prefix, _, base = name.rpartition("/")
+        if ("/" in name and (len(prefix) > 253 or not _LABEL_PREFIX.match(prefix))) \
+                or len(base) > 63 or not _LABEL_NAME.match(base):
+            raise ValueError(f"ray.{key}: {name!r} is not a valid node label name (an optional DNS prefix and '/', "
+                             f"then at most 63 of [a-zA-Z0-9_.-], starting and ending alphanumeric)")
+        if not _SELECTOR_VALUE.match(value):
+            raise ValueError(f"ray.{key}: {name}={value!r} is not a label selector value: 'v', '!v', 'in(a, b)' or "
+                             f"'!in(a, b)', each value at most 63 of [a-zA-Z0-9_.-], starting and ending alphanumeric")
+    return dict(labels)
+
+
+def node_matches(selector: dict[str, str], node_labels: dict[str, str]) -> bool:
+    """Whether a node with `node_labels` satisfies `selector` (checked `check_node_labels` values):
+    `v` equal, `!v` not equal (or absent), `in(a, b)` one of, `!in(a, b)` none of."""
+    for name, value in selector.items():
+        negate = value.startswith("!")
+        body = value[1:] if negate else value
+        choices = {v.strip() for v in body[body.index("(") + 1:-1].split(",")} if body.endswith(")") else {body}
+        if (node_labels.get(name) in choices) == negate:
+            return False
+    return True
