@@ -137,6 +137,8 @@ def apply_dict(cfg: T, values: dict[str, Any], prefix: str = "") -> T:
             changes[k] = apply_dict(current, v, prefix=key + ".")
         else:
             changes[k] = _coerce(v, hints[k], key)
+            if isinstance(current, dict) and isinstance(changes[k], dict):  # a mapping merges (YAML, then the command line)
+                changes[k] = {**current, **changes[k]}
     return dataclasses.replace(cfg, **changes)
 
 

@@ -430,16 +430,31 @@ def _job(*argv):
     return load_config(GRPOJobConfig, list(argv))
 
 
-def test_engine_literal_names_the_allowed_values():
-    with pytest.raises(ConfigError, match=r"inference.engine.*'transformers'.*'vllm'"):
-        _job("inference.engine=sglang")
+def test_engine_names_the_registered_engines():
+    with pytest.raises(ValueError, match=r"inference.engine must be one of \('transformers', 'vllm'\), got 'sglang'"):
+        _job("inference.engine=sglang").validate(environment=False)
+
+
+def test_engine_options_are_the_engines_own_and_typed():
+    """`inference.options.*` is checked against the chosen engine's Options before any actor starts."""
+    from rayllm_rl.inference.registry import engine_options
+
+    cfg = _job("inference.engine=vllm", "inference.options.kv_cache_mb=512", "inference.options.enforce_eager=false")
+    opts = engine_options(cfg.inference.engine, cfg.inference.options)
+    assert (opts.kv_cache_mb, opts.enforce_eager, opts.max_num_seqs) == (512, False, 256)  # typed; defaults kept
+    with pytest.raises(ValueError, match=r"unknown config key 'inference.options.kv_cache'.*engine=vllm"):
+        _job("inference.engine=vllm", "inference.options.kv_cache=1").validate(environment=False)
+    with pytest.raises(ValueError, match=r"inference.options.kv_cache_mb.*(int|integer)"):
+        _job("inference.engine=vllm", "inference.options.kv_cache_mb=lots").validate(environment=False)
+    with pytest.raises(ValueError, match=r"unknown config key 'inference.options.kv_cache_mb'.*engine=transformers"):
+        _job("inference.options.kv_cache_mb=128").validate(environment=False)
 
 
 @pytest.mark.parametrize("argv, message", [
     (["inference.engine=vllm", "rollout.top_p=0.9"], "rollout.top_p=0.9"),
     (["inference.engine=vllm", "rollout.top_k=20"], "rollout.top_k=20"),
     (["inference.engine=vllm", "trainer.backend=local"], "trainer.backend=ray"),
-    (["ray.gpus_per_replica=1"], "needs inference.engine=vllm"),
+    (["ray.gpus_per_replica=1"], "ray.gpus_per_replica > 0 needs an engine that runs on GPUs"),
     (["ray.sync_transport=nccl"], "ray.gpus_per_learner > 0"),
     (["model.dtype=bfloat16"], "model.dtype=bfloat16"),
     (["inference.engine=vllm", "ray.gpus_per_replica=1", "ray.tensor_parallel_size=2"], "ray.tensor_parallel_size"),

@@ -141,7 +141,7 @@ def test_resolution_errors_name_the_id_revision_cache_and_offline_mode(hub_model
 
 
 def test_transformers_engine_from_hub_id_and_revision(hub_model, tokenizer):
-    from rayllm_rl.inference.factory import build_engine
+    from rayllm_rl.inference.registry import build_engine
     from rayllm_rl.inference.protocol import LLMRequest, SamplingParams
 
     engine = build_engine("transformers", REPO)
@@ -164,11 +164,11 @@ def test_vllm_engine_from_hub_id_reads_its_sink_metadata_from_the_snapshot(hub_m
     from safetensors import safe_open
     from transformers import AutoTokenizer
 
-    from rayllm_rl.inference.factory import build_engine
+    from rayllm_rl.inference.registry import build_engine
     from rayllm_rl.inference.protocol import LLMRequest, SamplingParams
     from rayllm_rl.loop_thread import EventLoopThread
 
-    engine = build_engine("vllm", REPO, vllm_options={"kv_cache_mb": 128})
+    engine = build_engine("vllm", REPO, options={"kv_cache_mb": 128})
     assert engine.model_path == hub_model.main
     with safe_open(os.path.join(tiny_model_path, "model.safetensors"), framework="pt") as st:
         expected = {name: tuple(st.get_slice(name).get_shape()) for name in st.keys()}

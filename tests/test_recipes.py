@@ -218,11 +218,11 @@ def test_a_bad_recipe_value_fails_the_dry_run_naming_the_key(offline_hub, capsys
 
 def test_the_dry_run_plans_a_vllm_job_on_a_machine_without_vllm(offline_hub, capsys, monkeypatch):
     """The plan is for the job's machines; the run itself still refuses a missing vllm before starting."""
-    import rayllm_rl.inference.factory as factory
+    import rayllm_rl.inference.registry as registry
     from rayllm_rl.config import load_config
     from rayllm_rl.orchestration.job_config import GRPOJobConfig
 
-    monkeypatch.setattr(factory, "vllm_available", lambda: False)
+    monkeypatch.setattr(registry, "engine_installed", lambda name: name != "vllm")
     path = ROOT / "recipes" / "math_qwen2.5-7b_8gpu.yaml"
     plan = dry_run_json(capsys, f"config={path}")
     assert plan["engine"] == {"name": "vllm", "replicas": 4, "tensor_parallel_size": 1, "installed_here": False}

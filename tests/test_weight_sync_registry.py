@@ -71,9 +71,9 @@ def test_a_vllm_replica_takes_a_rank_per_worker_only_where_its_workers_receive(t
     replica actor receives for them (one rank). Built without starting vLLM."""
     pytest.importorskip("vllm")
     from rayllm_rl.inference.transformers_engine import TransformersEngine
-    from rayllm_rl.inference.vllm_engine import VLLMEngine, VLLMOptions
+    from rayllm_rl.inference.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine(tiny_model_path, options=VLLMOptions(tensor_parallel_size=2))
+    engine = VLLMEngine(tiny_model_path, tensor_parallel_size=2)
     assert {t: engine.receiving_processes(t) for t in TRANSPORTS} == {"object_store": 1, "shm": 2, "gloo": 2,
                                                                        "nccl": 2}
     assert {TransformersEngine(tiny_model_path).receiving_processes(t) for t in TRANSPORTS} == {1}

@@ -76,8 +76,48 @@ class DecodeLock:
             self.release()
 
 
+@dataclasses.dataclass
+class TransformersOptions:
+    """The Transformers engine's options: `inference.options.*` with `inference.engine=transformers`."""
+
+    max_batch_size: int = 512
+    """Requests decoded together in one batch (more wait for the next batch)."""
+    batch_wait_s: float = 0.0
+    """Seconds the batching worker waits for more requests before it starts a batch."""
+
+
 class TransformersEngine:
     """Batched KV-cache decoding over any local HF causal LM (loaded with from_pretrained)."""
+
+    Options = TransformersOptions
+    requires = None
+    install_hint = ""
+
+    @classmethod
+    def build(cls, model_path: str, *, seed: int, dtype: str, version: int, tensor_parallel_size: int,
+              options: TransformersOptions) -> "TransformersEngine":
+        return cls(model_path, seed=seed, version=version, dtype=getattr(torch, dtype),
+                   max_batch_size=options.max_batch_size, batch_wait_s=options.batch_wait_s)
+
+    @classmethod
+    def check_job(cls, job) -> None:
+        """What a job may not ask of this engine (`registry.EngineJob`): it runs on the CPU, in float32."""
+        if job.gpus_per_replica > 0:
+            raise ValueError("ray.gpus_per_replica > 0 needs an engine that runs on GPUs (inference.engine=vllm); "
+                             "the Transformers engine runs on CPU")
+        if job.tensor_parallel_size > 1:
+            raise ValueError("ray.tensor_parallel_size > 1 needs inference.engine=vllm (the Transformers engine "
+                             "holds the whole model in one process)")
+        if job.dtype == "bfloat16":
+            raise ValueError("model.dtype=bfloat16 is for GPUs (inference.engine=vllm); the CPU TransformersEngine "
+                             "and learner run float32")
+
+    @classmethod
+    def kv_cache_plan(cls, options: TransformersOptions, *, gpus_per_replica: float, weights_bytes: float,
+                      per_token: int, sequence_tokens: int, in_flight: int) -> dict[str, Any]:
+        """The dry run's KV budget of one replica: every request it holds decodes in one batch."""
+        return {"concurrent_sequences": min(options.max_batch_size, in_flight),
+                "budget": "no fixed budget: the Transformers engine grows its cache with the batch (host RAM)"}
 
     def __init__(
         self,

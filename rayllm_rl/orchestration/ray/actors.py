@@ -53,12 +53,14 @@ class InferenceReplica(_Process):
     (`init_update_group`, `receive_update`), whatever the engine keeps inside.
     """
 
-    def __init__(self, engine_kind: str, model_path: str, seed: int = 0, num_threads: int = 1,
-                 dtype: str = "float32", vllm_options: dict | None = None):
-        from rayllm_rl.inference.factory import build_engine
+    def __init__(self, engine: str, model_path: str, seed: int = 0, num_threads: int = 1,
+                 dtype: str = "float32", options: dict | None = None, tensor_parallel_size: int = 1):
+        """`engine`: a name of the engine registry; `options`: its `inference.options`."""
+        from rayllm_rl.inference.registry import build_engine
 
         torch.set_num_threads(num_threads)
-        self.engine = build_engine(engine_kind, model_path, seed=seed, dtype=dtype, vllm_options=vllm_options)
+        self.engine = build_engine(engine, model_path, seed=seed, dtype=dtype, options=options,
+                                   tensor_parallel_size=tensor_parallel_size)
         self.versions_held = [self.engine.version]  # every version this replica ever generated with
         with warnings.catch_warnings():  # Ray's own property reads its deprecated `actor_id` inside
             warnings.simplefilter("ignore")

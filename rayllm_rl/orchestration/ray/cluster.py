@@ -178,14 +178,11 @@ def build_cluster(cfg: GRPOJobConfig, model_path: str, task, workflow_factory) -
     placement = plan_placement(rc.num_replicas, rc.num_learners, rc.gpus_per_replica, rc.gpus_per_learner,
                                rc.tensor_parallel_size, rc.sync_timeout_s)
     inf = cfg.inference
-    vllm_options = {"kv_cache_mb": inf.kv_cache_mb, "gpu_memory_utilization": inf.gpu_memory_utilization,
-                    "enable_prefix_caching": inf.enable_prefix_caching, "max_num_seqs": inf.max_num_seqs,
-                    "tensor_parallel_size": rc.tensor_parallel_size}
     ns = rc.namespace  # every named actor lives here: `ray.get_actor("env-0", namespace=...)` from any driver
     # A replica Ray restarts refuses requests until the driver re-forms the sync group and sends it the
     # current weights (RayBackend.sync_weights).
-    replica_args = [(inf.engine, model_path, seed + i, threads, cfg.model.dtype, vllm_options)
-                    for i in range(rc.num_replicas)]
+    replica_args = [(inf.engine, model_path, seed + i, threads, cfg.model.dtype, dict(inf.options),
+                     rc.tensor_parallel_size) for i in range(rc.num_replicas)]
     check_inlined("inference replica", replica_args[0])
     replicas = [InferenceReplica.options(name=f"inference-{i}", namespace=ns, max_restarts=rc.replica_restarts,
                                          **placement.replica_options[i]).remote(*replica_args[i])
