@@ -176,7 +176,8 @@ def build_cluster(cfg: GRPOJobConfig, model_path: str, task, workflow_factory) -
     rc, threads = cfg.ray, cfg.ray.threads_per_actor
     seed = cfg.trainer.seed
     placement = plan_placement(rc.num_replicas, rc.num_learners, rc.gpus_per_replica, rc.gpus_per_learner,
-                               rc.tensor_parallel_size, rc.sync_timeout_s)
+                               rc.tensor_parallel_size, rc.sync_timeout_s, replica_labels=rc.replica_node_labels,
+                               learner_labels=rc.learner_node_labels, env_worker_labels=rc.env_worker_node_labels)
     inf = cfg.inference
     ns = rc.namespace  # every named actor lives here: `ray.get_actor("env-0", namespace=...)` from any driver
     # A replica Ray restarts refuses requests until the driver re-forms the sync group and sends it the
@@ -189,7 +190,8 @@ def build_cluster(cfg: GRPOJobConfig, model_path: str, task, workflow_factory) -
                 for i in range(rc.num_replicas)]
     batch = cfg.rollout.prompts_per_step
     capacity = rc.buffer_episodes or 2 * (cfg.rollout.max_staleness + 1) * batch
-    buffer = ReplayBufferActor.options(name="replay-buffer", namespace=ns, max_concurrency=1000).remote(
+    buffer = ReplayBufferActor.options(name="replay-buffer", namespace=ns, max_concurrency=1000,
+                                       **placement.driver_node_options).remote(
         capacity, cfg.rollout.max_staleness)
     # An env worker holds no state a restart loses: Ray restarts a dead one, and the collector runs
     # the episodes it had in flight again (the buffer stores each episode id once). Its constructor
@@ -199,11 +201,12 @@ def build_cluster(cfg: GRPOJobConfig, model_path: str, task, workflow_factory) -
                 build_episode_filter(cfg), rc.call_timeout_s, 1)
     check_inlined("env worker", env_args)
     env_workers = [EnvWorker.options(name=f"env-{i}", namespace=ns, max_concurrency=1000,
-                                     max_restarts=rc.env_worker_restarts).remote(*env_args)
+                                     max_restarts=rc.env_worker_restarts, **placement.env_worker_options).remote(*env_args)
                    for i in range(rc.num_env_workers)]
     learners = [LearnerWorker.options(name=f"learner-{r}", namespace=ns, **placement.learner_options[r]).remote(
         r, rc.num_learners, threads) for r in range(rc.num_learners)]
-    collector = RayLLMCollector.options(name="collector", namespace=ns, max_concurrency=1000).remote(
+    collector = RayLLMCollector.options(name="collector", namespace=ns, max_concurrency=1000,
+                                       **placement.driver_node_options).remote(
         task.train, env_workers, buffer, batch, cfg.rollout.max_staleness, seed, rc.call_timeout_s)
     buffer.set_collector.remote(collector)
     cluster = Cluster(replicas, env_workers, learners, buffer, collector, rc.call_timeout_s, rc.sync_timeout_s,

@@ -27,6 +27,16 @@ run its TP workers inside the actor's visible devices (the actor captures child 
 bundle, so Ray-spawned helpers stay there too). This has only been exercised with Ray's logical
 GPU resources on CPU; it has never been run on a real GPU.
 
+Node labels (`ray.replica_node_labels`, `ray.learner_node_labels`, `ray.env_worker_node_labels`): each
+role's actors get them as Ray's `label_selector`, so Ray starts them, and restarts them after a crash
+or a lost node, only on nodes carrying those labels; with GPUs the same selectors go on the bundles
+(`bundle_label_selector`). `wait_for_labelled_nodes` fails the job within the placement timeout,
+naming the key and every node's labels, when no live node carries a role's labels (the actor would
+otherwise wait forever to be scheduled). The collector and the replay buffer hold state no restart
+brings back, so they stay on the driver's node (`Placement.driver_node_options`), whose loss ends the
+job anyway, instead of wherever Ray puts an actor that asks for no resources (another node, which
+would then take them down with it).
+
 Note (Ray 2.60, ray-project/ray#54868): an actor with 0 GPUs does not get CUDA_VISIBLE_DEVICES
 cleared, so on a GPU node a "CPU" actor still sees every GPU; code in such an actor must not pick
 `cuda` by itself.
@@ -36,13 +46,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import time
 from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from rayllm_rl.orchestration.placement_rules import STRATEGY, learner_bundle, plan_bundles, validate
+from rayllm_rl.orchestration.placement_rules import (
+    STRATEGY, learner_bundle, node_matches, plan_bundles, validate,
+)
 
 
 class PlacementError(RuntimeError):
@@ -59,6 +72,10 @@ class Placement:
     """`LearnerWorker.options(**learner_options[r])` for learner rank r."""
     placement_group: PlacementGroup | None = None
     """The reserved group, or None when no GPU is requested."""
+    env_worker_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Merged into every `EnvWorker.options(...)` (its node labels, if any)."""
+    driver_node_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Merged into the options of the roles that stay with the driver (collector, replay buffer)."""
 
     def remove(self) -> None:
         """Release the placement group (kills actors still in it); safe to call twice."""
@@ -74,29 +91,66 @@ def _actor_options(pg: PlacementGroup, index: int, gpus: float) -> dict[str, Any
     return {"num_cpus": 0, "num_gpus": gpus, "scheduling_strategy": strategy}
 
 
+def _with_labels(options: dict[str, Any], labels: dict[str, str] | None) -> dict[str, Any]:
+    """`options` plus Ray's `label_selector` for `labels` (none when empty)."""
+    return {**options, "label_selector": dict(labels)} if labels else options
+
+
+def wait_for_labelled_nodes(selectors: dict[str, dict[str, str] | None], timeout_s: float,
+                            poll_s: float = 1.0) -> None:
+    """Wait (at most `timeout_s`: an autoscaler may be adding the node) until, for every `ray.<key>`
+    in `selectors` with labels, some live node carries them; else raise PlacementError naming the key,
+    its labels and every live node's labels."""
+    selectors = {key: sel for key, sel in selectors.items() if sel}
+    deadline = time.monotonic() + timeout_s
+    while selectors:
+        nodes = [n.get("Labels") or {} for n in ray.nodes() if n.get("Alive")]
+        missing = {key: sel for key, sel in selectors.items() if not any(node_matches(sel, n) for n in nodes)}
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            shown = [{k: v for k, v in n.items() if not k.startswith("ray.io/")} for n in nodes]
+            raise PlacementError("; ".join(f"no live node carries ray.{key}={sel}" for key, sel in missing.items())
+                                 + f" within {timeout_s:g}s (the live nodes' labels: {shown}); start a node with "
+                                 "`ray start --labels=...`, or change the labels")
+        time.sleep(poll_s)
+
+
 def plan_placement(num_replicas: int, num_learners: int, gpus_per_replica: float, gpus_per_learner: float,
-                   tensor_parallel_size: int, timeout_s: float) -> Placement:
+                   tensor_parallel_size: int, timeout_s: float, *, replica_labels: dict[str, str] | None = None,
+                   learner_labels: dict[str, str] | None = None,
+                   env_worker_labels: dict[str, str] | None = None) -> Placement:
     """Validate the settings, reserve the GPUs (waiting at most `timeout_s`) and return the actor options.
+    `*_labels`: node labels each role's actors need (their `label_selector`; {} or None = any node).
 
     Raises ValueError on bad settings and PlacementError (leaving no placement group behind)
-    when the cluster cannot provide the requested GPUs in time.
+    when the cluster cannot provide the requested GPUs, or no node carries a role's labels, in time.
     """
     replica_gpus, learner_gpus = validate(num_replicas, num_learners, gpus_per_replica, gpus_per_learner,
                                           tensor_parallel_size, timeout_s)
+    wait_for_labelled_nodes({"replica_node_labels": replica_labels, "learner_node_labels": learner_labels,
+                             "env_worker_node_labels": env_worker_labels}, timeout_s)
+    env_options = _with_labels({}, env_worker_labels)
+    driver_node = {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                                         soft=False)}
     if replica_gpus == 0 and learner_gpus == 0:
-        return Placement([{"num_cpus": 0} for _ in range(num_replicas)],
-                         [{"num_cpus": 0} for _ in range(num_learners)])
+        return Placement([_with_labels({"num_cpus": 0}, replica_labels) for _ in range(num_replicas)],
+                         [_with_labels({"num_cpus": 0}, learner_labels) for _ in range(num_learners)],
+                         env_worker_options=env_options, driver_node_options=driver_node)
     bundles = plan_bundles(num_replicas, num_learners, replica_gpus, learner_gpus)
-    pg = placement_group(bundles, strategy=STRATEGY)
+    selectors = [dict(replica_labels or {})] * num_replicas + [dict(learner_labels or {})] * num_learners
+    pg = placement_group(bundles, strategy=STRATEGY, bundle_label_selector=selectors if any(selectors) else None)
     try:
         ray.get(pg.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError as exc:
         remove_placement_group(pg)
         requested = num_replicas * replica_gpus + num_learners * learner_gpus
+        where = (f", replicas on nodes labelled {replica_labels or {}}, learners on {learner_labels or {}}"
+                 if any(selectors) else "")
         raise PlacementError(
             f"could not reserve {requested:g} GPUs within {timeout_s:g}s "
             f"({num_replicas} replicas x ray.gpus_per_replica={replica_gpus:g} + "
-            f"{num_learners} learners x ray.gpus_per_learner={learner_gpus:g}); "
+            f"{num_learners} learners x ray.gpus_per_learner={learner_gpus:g}{where}); "
             f"cluster has GPU={ray.cluster_resources().get('GPU', 0):g} in total, "
             f"GPU={ray.available_resources().get('GPU', 0):g} free") from exc
     except BaseException:
@@ -104,7 +158,7 @@ def plan_placement(num_replicas: int, num_learners: int, gpus_per_replica: float
         raise
     return Placement([_actor_options(pg, i, replica_gpus) for i in range(num_replicas)],
                      [_actor_options(pg, learner_bundle(num_replicas, r), learner_gpus) for r in range(num_learners)],
-                     pg)
+                     pg, env_worker_options=env_options, driver_node_options=driver_node)
 
 
 def _bundle_index(pg_id: str) -> int | None:

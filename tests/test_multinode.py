@@ -1,0 +1,219 @@
+"""Multi-node on one machine: a Ray cluster of several raylets (`ray.cluster_utils.Cluster`), each
+its own node with its own object store, so weights really take Ray's cross-node path.
+
+Roles are pinned with node labels (`ray.replica_node_labels`, `ray.learner_node_labels`,
+`ray.env_worker_node_labels`): the head node (the driver's) carries `rayllm-role=learner` and
+hosts the learner, buffer and collector; an `rayllm-role=inference` node hosts the replica and the
+env worker. The node-loss test removes that node mid-run and adds another with the same label: the
+run must finish on restarts alone (no rollback), every episode trained once.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rayllm_rl.config import load_config
+from rayllm_rl.orchestration.job_config import GRPOJobConfig
+
+B, LEARNER, INFERENCE = 4, {"rayllm-role": "learner"}, {"rayllm-role": "inference"}
+NODE_ARGS = {"num_cpus": 1, "object_store_memory": 80 * 1024 * 1024}
+
+
+# ------------------------------------------------------------------ config checks (no Ray)
+@pytest.mark.parametrize("override,message", [
+    ("ray.replica_node_labels={gpu: 1}", r"ray.replica_node_labels: label 'gpu': 1 must map a string to a string"),
+    ("ray.learner_node_labels={-bad: x}", r"ray.learner_node_labels: '-bad' is not a valid node label name"),
+    ("ray.env_worker_node_labels={zone: 'in(a,'}", r"ray.env_worker_node_labels: zone='in\(a,' is not a label selector"),
+    ("ray.replica_node_labels=inference", r"config key .ray.replica_node_labels.: expected a mapping, got .inference."),
+])
+def test_bad_node_labels_fail_naming_the_key(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(GRPOJobConfig, [override]).validate()
+
+
+def test_node_label_selectors_match_as_ray_does():
+    from rayllm_rl.orchestration.placement_rules import check_node_labels, node_matches
+
+    cfg = load_config(GRPOJobConfig, ["ray.replica_node_labels={rayllm-role: inference, zone: 'in(a, b)'}",
+                                      "ray.learner_node_labels={ray.io/node-id: abc123}"]).validate()
+    assert cfg.ray.replica_node_labels == {"rayllm-role": "inference", "zone": "in(a, b)"}
+    sel = check_node_labels("replica_node_labels", cfg.ray.replica_node_labels)
+    assert node_matches(sel, {"rayllm-role": "inference", "zone": "b"})
+    assert not node_matches(sel, {"rayllm-role": "inference", "zone": "c"})
+    assert not node_matches(sel, {"zone": "a"})  # a label the node lacks does not match a value
+    assert node_matches({"rayllm-role": "!learner"}, {}) and not node_matches({"r": "!in(x, y)"}, {"r": "y"})
+
+
+# ------------------------------------------------------------------ the cluster
+class Nodes:
+    """A `Cluster` of a learner head node and one inference node (replaced after a node loss)."""
+
+    def __init__(self, temp_dir: str):
+        from ray.cluster_utils import Cluster
+
+        self.cluster = Cluster(initialize_head=True, head_node_args={
+            **NODE_ARGS, "labels": LEARNER, "temp_dir": temp_dir, "include_dashboard": False})
+        self.inference = self.add_inference_node()
+
+    def add_inference_node(self):
+        return self.cluster.add_node(**NODE_ARGS, labels=INFERENCE)
+
+    @property
+    def head_id(self) -> str:
+        return self.cluster.head_node.node_id
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    import ray
+
+    temp = tempfile.mkdtemp(prefix="/tmp/rayllm-mn-")
+    nodes = Nodes(temp)
+    ray.init(address=nodes.cluster.address,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
+    yield nodes
+    ray.shutdown()
+    nodes.cluster.shutdown()
+
+
+def job_cfg(tmp_path, nodes: Nodes, ns: str, *extra: str) -> GRPOJobConfig:
+    """A short job on the cluster: the learner on the head node, the replica and env worker on an
+    inference node; weights over the object store, whichever node the replica is on."""
+    return load_config(GRPOJobConfig, [
+        "sft.steps=2", "data.eval_size=8", "data.max_operand=9", f"rollout.prompts_per_step={B}",
+        "rollout.group_size=4", "rollout.max_new_tokens=6", "trainer.eval_every=0", "trainer.log_every=100",
+        f"trainer.run_dir={tmp_path}", f"ray.address={nodes.cluster.address}", f"ray.namespace={ns}",
+        "ray.call_timeout_s=120", "ray.sync_timeout_s=60", "ray.sync_transport=auto",
+        "ray.learner_node_labels={rayllm-role: learner}", "ray.replica_node_labels={rayllm-role: inference}",
+        "ray.env_worker_node_labels={rayllm-role: inference}",
+        # the tiny model's rewards are all 0 (zero advantages, zero gradients): decoupled weight decay
+        # still moves every weight by 1e-3 a step, so each sync carries new weights
+        "optim.lr=1e-3", "optim.weight_decay=1.0", "optim.warmup_steps=0", *extra,
+    ])
+
+
+def rl_records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    text = path.read_text() if path.exists() else ""  # the run may be writing: only whole lines
+    return [r for r in map(json.loads, text[:text.rfind("\n") + 1].splitlines()) if r.get("phase") == "rl"]
+
+
+def node_of(name: str, ns: str, timeout_s: float = 120.0) -> str:
+    """The node id of the job's actor `name`, once it answers (a restarting one is waited for)."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            actor = ray.get_actor(name, namespace=ns)
+            return ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()),
+                           timeout=10)
+        except (ValueError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def sender_of(ns: str) -> str:
+    """The class of learner rank 0's weight-sync sender (what the registry built for the placement)."""
+    import ray
+
+    learner = ray.get_actor("learner-0", namespace=ns)
+    return ray.get(learner.__ray_call__.remote(lambda self: type(self.sender).__name__), timeout=30)
+
+
+class Job:
+    """`driver.train` in a thread (the test's thread watches it and acts on the cluster)."""
+
+    def __init__(self, cfg: GRPOJobConfig, tmp_path: Path):
+        from rayllm_rl.orchestration.driver import train
+
+        self.tmp_path, self.out = tmp_path, {}
+        self.thread = threading.Thread(target=lambda: self.out.update(summary=train(cfg)), daemon=True)
+        self.thread.start()
+
+    def wait_step(self, step: int, timeout_s: float = 240.0) -> Path:
+        """Block until RL step `step` is in metrics.jsonl; the run directory."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.thread.is_alive():
+            dirs = [p for p in self.tmp_path.iterdir() if p.is_dir()]
+            if dirs and len(rl_records(dirs[0])) >= step:
+                return dirs[0]
+            time.sleep(0.2)
+        raise AssertionError(f"RL step {step} was not logged (the run ended or took over {timeout_s:g}s)")
+
+    def summary(self, timeout_s: float = 300.0) -> dict:
+        self.thread.join(timeout=timeout_s)
+        assert "summary" in self.out, "the run did not finish"
+        return self.out["summary"]
+
+
+def assert_every_episode_once(summary: dict, steps: int) -> list[dict]:
+    records = rl_records(Path(summary["run_dir"]))
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert [r["version"] for r in records] == list(range(1, steps + 1))
+    trained = [gid for r in records for gid in r["episode_ids"]]
+    assert len(trained) == steps * B and len(set(trained)) == len(trained), "an episode lost or trained twice"
+    assert summary["failed_episodes"] == 0 and summary["episodes_lost"] == 0
+    return records
+
+
+# ------------------------------------------------------------------ the jobs
+@pytest.mark.ray
+@pytest.mark.slow
+def test_two_nodes_weights_cross_nodes_and_replica_logprobs_equal_the_learners(nodes, tmp_path):
+    """eta = 0: each batch is sampled with exactly the weights the learner trains from, so the
+    loss's ratio replica -> learner is 1 on every token iff the synced weights (and so the replica's
+    logprobs) equal the learner's: approx_kl (mean of r - 1 - log r) and every clip fraction are ~0."""
+    steps, ns = 4, "rayllm_mn_two"
+    job = Job(job_cfg(tmp_path, nodes, ns, f"trainer.steps={steps}", "rollout.max_staleness=0"), tmp_path)
+    job.wait_step(1)
+    where = {name: node_of(name, ns) for name in ("learner-0", "inference-0", "env-0", "collector", "replay-buffer")}
+    sender = sender_of(ns)
+    summary = job.summary()
+    assert where["learner-0"] == nodes.head_id and where["inference-0"] == nodes.inference.node_id
+    assert where["env-0"] == nodes.inference.node_id != nodes.head_id
+    assert where["collector"] == where["replay-buffer"] == nodes.head_id  # with the driver
+    assert sender == "ObjectStoreSender"  # ray.sync_transport=auto on CPUs: Ray's object store, across nodes
+    assert summary["steps"] == steps and summary["version"] == steps and summary["recoveries"] == []
+    assert summary["learner_checksums_equal_replicas"]
+    assert summary["replica_versions_held"] == [[0, 0, 1, 2, 3, 4]]  # load, post-SFT sync, one per step
+    records = assert_every_episode_once(summary, steps)
+    for r in records:
+        assert r["token_versions"] == [r["version"] - 1]
+        assert r["approx_kl"] < 1e-9 and r["clip_fraction"] == 0.0, r  # replica logprobs == learner's
+        assert abs(r["ess"] - 1.0) < 1e-6, r
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_losing_the_replicas_node_costs_restarts_not_the_run(nodes, tmp_path):
+    """The inference node (replica and env worker) is removed after RL step 2 and a new node with
+    the same label is added: Ray restarts both there, the replica rejoins the weight sync and gets
+    the current version, the collector re-runs the env worker's in-flight episodes, and the run
+    finishes with no rollback, every episode trained once and the weights equal at the end."""
+    steps, ns, lost_after = 8, "rayllm_mn_loss", 2
+    job = Job(job_cfg(tmp_path, nodes, ns, f"trainer.steps={steps}", "rollout.max_staleness=1"), tmp_path)
+    job.wait_step(lost_after)
+    lost = nodes.inference
+    assert node_of("inference-0", ns) == node_of("env-0", ns) == lost.node_id
+    nodes.cluster.remove_node(lost)
+    nodes.inference = nodes.add_inference_node()
+    where = {name: node_of(name, ns) for name in ("inference-0", "env-0", "learner-0", "collector")}
+    summary = job.summary()
+    assert where["inference-0"] == where["env-0"] == nodes.inference.node_id != lost.node_id
+    assert where["learner-0"] == where["collector"] == nodes.head_id
+    assert summary["steps"] == steps and summary["version"] == steps
+    assert summary["recoveries"] == [], "a lost node must cost restarts, not a rollback"
+    assert summary["restarts"]["inference"] == 1 and summary["restarts"]["env"] == 1
+    assert summary["learner_checksums_equal_replicas"]
+    held = summary["replica_versions_held"][0]  # the new process: the base weights, then current ones only
+    assert held[0] == 0 and held[1] >= lost_after and held[-1] == steps and held == sorted(held), held
+    records = assert_every_episode_once(summary, steps)
+    assert all(r["staleness_max"] <= 1 for r in records)
