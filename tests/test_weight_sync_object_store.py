@@ -121,7 +121,7 @@ def test_a_fetch_that_never_completes_times_out_naming_its_phase(local_ray):
         time.sleep(60)
 
     ref = never.remote()
-    plan = receiver.inner._plan
+    plan = receiver.inner._ep
     handoff = Handoff(3, plan.fingerprint, (ref,) * len(plan.buckets), 0)
     t0 = time.monotonic()
     with pytest.raises(WeightSyncTimeout, match=rf"phase 'fetch bucket 1/{len(plan.buckets)}' timed out on rank 1 .*timeout 1s"):

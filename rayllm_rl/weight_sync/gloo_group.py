@@ -78,7 +78,17 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-class StatelessGlooGroup:
+class Closing:
+    """`with obj:` calls `obj.close()` on exit (groups and senders own sockets or segments)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class StatelessGlooGroup(Closing):
     """A private gloo group of `world_size` processes; rank 0 hosts its TCPStore at host:port.
 
     Args:
@@ -223,12 +233,6 @@ class StatelessGlooGroup:
             except Exception:  # best effort: the process may be tearing down anyway
                 pass
         self._store = None
-
-    def __enter__(self) -> "StatelessGlooGroup":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("broken" if self._broken else "ok")

@@ -32,7 +32,7 @@ import torch
 
 from rayllm_rl.weight_sync.buckets import TensorMeta, plan_buckets, plan_fingerprint
 from rayllm_rl.weight_sync.gloo_group import WeightSyncError, WeightSyncTimeout
-from rayllm_rl.weight_sync.transport import SyncStats, _Source
+from rayllm_rl.weight_sync.transport import SyncStats, _EndpointView, _Source
 
 __all__ = ["Handoff", "ObjectStoreSender", "ObjectStoreReceiver"]
 
@@ -89,21 +89,13 @@ class _Plan:
                    phase=phase, rank=self.rank, world_size=None, timeout_s=self.timeout_s)
 
 
-class ObjectStoreSender:
+class ObjectStoreSender(_EndpointView):
     """Learner rank 0: puts each bucket of a version into the object store; returns the references."""
 
     def __init__(self, metas: Sequence[TensorMeta], bucket_bytes: int, timeout_s: float):
-        self._plan = _Plan(metas, bucket_bytes, timeout_s, rank=0)
+        self._ep = _Plan(metas, bucket_bytes, timeout_s, rank=0)
         self.handoff: Handoff | None = None
         """The last published version (kept alive for replicas that join later)."""
-
-    @property
-    def metas(self) -> list[TensorMeta]:
-        return self._plan.metas
-
-    @property
-    def last_stats(self) -> SyncStats | None:
-        return self._plan.last_stats
 
     def send(self, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
              version: int) -> tuple[SyncStats, Handoff]:
@@ -111,7 +103,7 @@ class ObjectStoreSender:
 
         `named` is a Mapping or (name, tensor) pairs in any order, consumed lazily (an FSDP learner
         gathers one parameter after the other, so at most a bucket is held outside the store)."""
-        plan = self._plan
+        plan = self._ep
         t0 = time.perf_counter()
         source = _Source(named, {m.name for m in plan.metas})
         refs = []
@@ -143,7 +135,7 @@ class ObjectStoreSender:
         self.handoff = None
 
 
-class ObjectStoreReceiver:
+class ObjectStoreReceiver(_EndpointView):
     """A replica: fetches a handoff's buckets and hands them, as tensors, to its target's sink.
 
     `target` offers ``named_parameters()`` (names, shapes, dtypes it takes) and
@@ -152,36 +144,28 @@ class ObjectStoreReceiver:
 
     def __init__(self, target: Any, metas: Sequence[TensorMeta], bucket_bytes: int, timeout_s: float,
                  rank: int = 1):
-        self._plan = _Plan(metas, bucket_bytes, timeout_s, rank=rank)
+        self._ep = _Plan(metas, bucket_bytes, timeout_s, rank=rank)
         params = target.named_parameters()
-        unknown = [m.name for m in self._plan.metas if m.name not in params]
+        unknown = [m.name for m in self._ep.metas if m.name not in params]
         if unknown:
             raise KeyError(f"ObjectStoreReceiver: the target has no tensors named {unknown[:5]} "
                            f"(it has e.g. {list(params)[:3]})")
-        bad = [(m.name, m.shape, tuple(params[m.name].shape)) for m in self._plan.metas
+        bad = [(m.name, m.shape, tuple(params[m.name].shape)) for m in self._ep.metas
                if tuple(params[m.name].shape) != m.shape]
         if bad:
             raise ValueError(f"ObjectStoreReceiver: shapes differ (name, sent, target): {bad[:5]}")
-        self._dtypes = {m.name: params[m.name].dtype for m in self._plan.metas}
+        self._dtypes = {m.name: params[m.name].dtype for m in self._ep.metas}
         self.target = target
         self._received: tuple[int, dict[str, torch.Tensor]] | None = None
         self.copied_bytes = 0
         """Bytes of the last receive that are not read-only views of the node's store (a dtype
         conversion, or a writable copy Ray handed back): 0 is the zero-copy path."""
 
-    @property
-    def metas(self) -> list[TensorMeta]:
-        return self._plan.metas
-
-    @property
-    def last_stats(self) -> SyncStats | None:
-        return self._plan.last_stats
-
     def receive(self, handoff: Handoff, *, header_timeout_s: float | None = None) -> int:
         """Fetch every bucket of `handoff` (generation goes on); returns its version.
 
         `header_timeout_s` is unused: the handoff arrives with the call, nothing is waited for."""
-        plan = self._plan
+        plan = self._ep
         if not isinstance(handoff, Handoff):
             raise plan.error("handoff", f"expected a Handoff from the learner, got {type(handoff).__name__}")
         if handoff.fingerprint != plan.fingerprint or len(handoff.refs) != len(plan.buckets):
@@ -223,7 +207,7 @@ class ObjectStoreReceiver:
         try:
             return float(self.target.swap_weights(named, received if version is None else int(version)))
         except Exception as exc:
-            raise self._plan.error("swap", f"{type(exc).__name__}: {exc}") from exc
+            raise self._ep.error("swap", f"{type(exc).__name__}: {exc}") from exc
 
     def close(self) -> None:
         """Drop what was fetched and not swapped in (the target keeps its current weights)."""

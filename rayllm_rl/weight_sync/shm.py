@@ -65,7 +65,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from rayllm_rl.weight_sync.buckets import TensorMeta
-from rayllm_rl.weight_sync.gloo_group import WeightSyncError
+from rayllm_rl.weight_sync.gloo_group import Closing, WeightSyncError
 from rayllm_rl.weight_sync.transport import SyncStats
 
 try:  # the C module behind multiprocessing.shared_memory on POSIX
@@ -178,7 +178,7 @@ class _Base:
 
 
 # ---------------------------------------------------------------------------- sender
-class ShmWeightSender(_Base):
+class ShmWeightSender(Closing, _Base):
     """Learner side (rank 0 of `group`): owns the two segments and writes one per sync.
 
     Args:
@@ -332,10 +332,7 @@ class ShmWeightSender(_Base):
         # From here on a receiver may swap onto `seg`: until every ack is in, neither segment is free.
         self._pending = (self._seq, seg, version)
         try:
-            self.group.broadcast(header, 0, self.timeout_s if header_timeout_s is None else header_timeout_s,
-                                 phase="header")
-            codes = torch.zeros(self.group.world_size, dtype=torch.int64)
-            self.group.allreduce_max(codes, self.timeout_s, phase="ack")
+            codes = self._announce(header, header_timeout_s)
         except WeightSyncError as exc:
             self._broken = f"sync #{self._seq} failed in phase '{exc.phase}'"
             raise
@@ -393,12 +390,17 @@ class ShmWeightSender(_Base):
         header = torch.tensor([_MAGIC, _ABORTED, version, seg, self.layout.fingerprint, self.layout.nbytes,
                                self._seq], dtype=torch.int64)
         try:
-            self.group.broadcast(header, 0, self.timeout_s if header_timeout_s is None else header_timeout_s,
-                                 phase="header")
-            codes = torch.zeros(self.group.world_size, dtype=torch.int64)
-            self.group.allreduce_max(codes, self.timeout_s, phase="ack")
+            self._announce(header, header_timeout_s)
         except WeightSyncError as exc:
             self._broken = f"announcing an aborted sync failed in phase '{exc.phase}'"
+
+    def _announce(self, header: torch.Tensor, header_timeout_s: float | None) -> torch.Tensor:
+        """Broadcast the header, then collect every receiver's code in the ack all-reduce."""
+        self.group.broadcast(header, 0, self.timeout_s if header_timeout_s is None else header_timeout_s,
+                             phase="header")
+        codes = torch.zeros(self.group.world_size, dtype=torch.int64)
+        self.group.allreduce_max(codes, self.timeout_s, phase="ack")
+        return codes
 
     def _release(self) -> None:
         self._dst = []
@@ -417,12 +419,6 @@ class ShmWeightSender(_Base):
                 return
             self._closed = True
             self._release()
-
-    def __enter__(self) -> "ShmWeightSender":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("broken" if self._broken else "ok")

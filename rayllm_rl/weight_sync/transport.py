@@ -177,7 +177,25 @@ class _Source:
         raise KeyError(f"the source ended before yielding {name!r}")
 
 
-class WeightSender:
+class _EndpointView:
+    """What sender and receiver show of their endpoint: the plan and the last sync's stats."""
+
+    _ep: Any  # _Endpoint here; the object store's _Plan has the same fields
+
+    @property
+    def metas(self) -> list[TensorMeta]:
+        return self._ep.metas
+
+    @property
+    def buckets(self) -> list[list[TensorMeta]]:
+        return self._ep.buckets
+
+    @property
+    def last_stats(self) -> SyncStats | None:
+        return self._ep.last_stats
+
+
+class WeightSender(_EndpointView):
     """Rank 0 of the group: streams named tensors to every other rank.
 
     Args:
@@ -198,18 +216,6 @@ class WeightSender:
         self._ep = _Endpoint(group, metas, bucket_bytes, timeout_s)
         self._broken: str | None = None
         self.drain_on_error = drain_on_error
-
-    @property
-    def metas(self) -> list[TensorMeta]:
-        return self._ep.metas
-
-    @property
-    def buckets(self) -> list[list[TensorMeta]]:
-        return self._ep.buckets
-
-    @property
-    def last_stats(self) -> SyncStats | None:
-        return self._ep.last_stats
 
     def send(self, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int, *,
              header_timeout_s: float | None = None) -> SyncStats:
@@ -286,7 +292,7 @@ class WeightSender:
         return None
 
 
-class WeightReceiver:
+class WeightReceiver(_EndpointView):
     """A rank > 0 of the group: receives every update into a destination Mapping.
 
     Args:
@@ -302,18 +308,6 @@ class WeightReceiver:
         if group.rank == 0:
             raise ValueError("WeightReceiver cannot be rank 0 of its group (rank 0 is the sender)")
         self._ep = _Endpoint(group, metas, bucket_bytes, timeout_s)
-
-    @property
-    def metas(self) -> list[TensorMeta]:
-        return self._ep.metas
-
-    @property
-    def buckets(self) -> list[list[TensorMeta]]:
-        return self._ep.buckets
-
-    @property
-    def last_stats(self) -> SyncStats | None:
-        return self._ep.last_stats
 
     def _check_destination(self, dst: Mapping[str, torch.Tensor]) -> str | None:
         for m in self._ep.metas:
