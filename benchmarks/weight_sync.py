@@ -1,159 +1,483 @@
-"""Weight sync learner -> K replicas: bytes/s against memcpy, and generation stall against sync time.
+"""Weight sync learner -> replicas over every CPU transport of the registry, in one Ray run.
 
-The sender (this process) sends a model's full weights to K replica processes over each
-transport (`shm`: shared-memory double buffer; `gloo`: buckets over the stateless gloo
-group). Each transport is timed with idle replicas (the transport itself) and with replicas
-generating in a thread (end to end: a replica swaps only between two decode steps, so the
-sync also waits for the running step). Stall = time a swap holds the decode lock. Memcpy bandwidth is measured in
-the same run on the same tensors. Goals: sync >= 50% of memcpy bandwidth; stall <= 5% of
-the sync time.
+Ray's object store (`object_store`), the shared-memory double buffer (`shm`) and gloo buckets
+(`gloo`) side by side, each built by `weight_sync.registry` exactly as a job builds them:
 
-    .venv/bin/python benchmarks/weight_sync.py [--replicas 2] [--hidden-size 512 --layers 8] [--repeats 3]
+* sender: a benchmark-local actor standing in for learner rank 0. It holds the model's weights
+  (`from_pretrained`), perturbs them before every sync (so each version has its own checksum) and
+  sends through `build_sender`; it is not timed while perturbing.
+* receivers: the job's own `InferenceReplica` actors. Transformers: `--replicas` (2) per transport,
+  each set in its own group for the whole run, as in a job, where a replica never changes transport
+  (a Transformers replica fed by shm or the object store holds read-only views, and gloo's double
+  buffer would later receive into them). vLLM ("into vLLM"): one replica; each block forms that
+  transport's group, runs one untimed warm-up sync, times its syncs and leaves the group.
+  The driver passes learner rank 0's result reference to the replicas as `Cluster.sync_weights`
+  does (a pull transport's receivers get it; push transports receive in the group collective at
+  the same time), so it never holds bytes.
+* load: in the "generating" phase a helper actor keeps `--concurrency` `agenerate` requests in
+  flight on each replica being synced (Transformers: from `--warmup-s` before a block's first sync
+  to its end; vLLM: the whole phase, group forming included).
+
+Transports interleave round by round (`--repeats` rounds, `--syncs` timed syncs per transport a
+round), so the machine's noise hits all of them alike. After every sync each replica's checksum
+must equal the sender's. Timed per sync: end to end as the driver sees it (first sender call ->
+every replica swapped), the sender's send (object store: the puts; shm: write + header + waiting
+for every ack, which comes after the swap), each replica's receive (object store: the fetch) and
+stall (time generation was held). The bandwidth yardstick is memcpy of the same tensors in the
+sender's process, sampled before every block (median of the idle blocks). Bytes/s = model bytes / end-to-end seconds (every replica got all of them).
+
+Targets (issue L): object store >= 0.9x shm end to end while generating; object store idle >=
+50% of memcpy; stall <= 5% of the sync time.
+
+    .venv/bin/python benchmarks/weight_sync.py [--repeats 5] [--syncs 2] [--hidden-size 512 --layers 8]
+        [--transports object_store,shm,gloo] [--no-vllm]
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+from rayllm_rl.weight_sync.registry import TRANSPORTS, make_spec, transport_info  # noqa: E402
+
+TARGETS = {"object_store_vs_shm_generating": 0.9, "object_store_idle_vs_memcpy": 0.5, "stall_fraction_of_sync": 0.05}
+CHECKSUM_RTOL = 1e-9
+"""Checksums are float64 sums over the same float32 tensors; only the summation order may differ."""
 
 
-def replica_main(transport, segments, model_path, port, rank, world, bucket_bytes, repeats, queue):
-    import torch
+@ray.remote(num_cpus=0)
+class Sender:
+    """Learner rank 0's sending ends (one per group) over a model's weights; perturbs them per version."""
 
-    torch.set_num_threads(1)
-    from rayllm_rl.inference.protocol import LLMRequest, SamplingParams
-    from rayllm_rl.inference.transformers_engine import TransformersEngine
-    from rayllm_rl.weight_sync import (DoubleBufferReceiver, ShmWeightReceiver, StatelessGlooGroup,
-                                       WeightReceiver, metadata_of)
+    def __init__(self, model_path: str):
+        from transformers import AutoModelForCausalLM
 
-    engine = TransformersEngine(model_path)
-    group = StatelessGlooGroup("127.0.0.1", port, rank, world, 120.0)
-    metas = metadata_of(engine.named_parameters())
-    if transport == "shm":
-        group.barrier(phase="segments created")
-        receiver = ShmWeightReceiver(engine, group, metas, segments, 120.0)
-    else:
-        receiver = DoubleBufferReceiver(engine, WeightReceiver(group, metas, bucket_bytes))
-    stop = threading.Event()
+        torch.set_num_threads(1)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.named = {k: v.detach() for k, v in model.named_parameters()}  # what a learner sends
+        self.ends: dict[str, object] = {}
 
-    def generate_forever():
-        prompt = engine.tokenizer.encode("count the numbers one two three")
-        while not stop.is_set():
-            engine.generate([LLMRequest(input_ids=prompt, sampling=SamplingParams(max_new_tokens=64, ignore_eos=True))] * 4)
+    def metas(self) -> tuple:
+        from rayllm_rl.weight_sync import metadata_of, metas_to_spec
 
-    gen = threading.Thread(target=generate_forever, daemon=True)
-    results = []
-    for i in range(2 * repeats):  # first half idle (pure transport), second half while generating
-        if i == repeats:
-            gen.start()
-        steps_before = engine.stats.decode_steps
-        out = receiver.receive_and_swap()
-        out["decode_steps_during_sync"] = engine.stats.decode_steps - steps_before
-        out["generating"] = i >= repeats
-        results.append(out)
-    stop.set()
-    gen.join(timeout=60)
-    group.close()
-    queue.put(results)
+        return metas_to_spec(metadata_of(self.named))
+
+    def address(self) -> tuple[str, int]:
+        from rayllm_rl.weight_sync import find_free_port
+
+        ip = ray.util.get_node_ip_address()
+        return ip, find_free_port(ip)
+
+    def open(self, key: str, spec) -> bool:
+        """Build the sending end of group `key` (a group transport waits here for every receiver)."""
+        from rayllm_rl.weight_sync import metadata_of
+        from rayllm_rl.weight_sync.registry import build_sender
+
+        self.close(key)
+        self.ends[key] = build_sender(spec, metadata_of(self.named))
+        return True
+
+    def size(self) -> tuple[int, int]:
+        """(parameters, bytes) of what a sync carries."""
+        return sum(t.numel() for t in self.named.values()), sum(t.numel() * t.element_size() for t in self.named.values())
+
+    def memcpy(self) -> float:
+        """Seconds to copy every tensor into preallocated ones (first touch untimed): the yardstick,
+        measured in the sender's process, between the syncs, so noise hits it as it hits them."""
+        if not hasattr(self, "dst"):
+            self.dst = {k: v.clone() for k, v in self.named.items()}
+        t0 = time.perf_counter()
+        for k, v in self.named.items():
+            self.dst[k].copy_(v)
+        return time.perf_counter() - t0
+
+    def perturb(self, version: int) -> float:
+        """New weights for `version` (every tensor changes); returns their checksum."""
+        from rayllm_rl.inference.protocol import weights_checksum
+
+        with torch.no_grad():
+            for i, t in enumerate(self.named.values()):
+                t.add_(1e-4 * (1 + (version + i) % 7))
+        return weights_checksum(self.named)
+
+    def send(self, key: str, version: int) -> dict:
+        """What `LearnerWorker.sync_weights` returns: the sender's seconds and the handoff."""
+        stats, handoff = self.ends[key].send(self.named, version)
+        return {"send_s": stats.seconds, "bytes": stats.bytes, "handoff": handoff}
+
+    def close(self, key: str | None = None) -> None:
+        for k in [key] if key is not None else list(self.ends):
+            end = self.ends.pop(k, None)
+            if end is not None:
+                end.close()
 
 
-def sync_run(transport, args, path, named, nbytes, bucket) -> dict:
-    """One transport: K generating replica processes, `repeats` syncs from this process."""
-    from rayllm_rl.weight_sync import ShmWeightSender, StatelessGlooGroup, WeightSender, find_free_port, metadata_of
+@ray.remote(num_cpus=0)
+class Load:
+    """Keeps `concurrency` requests in flight on each replica until stopped; records each one."""
 
-    port, world = find_free_port(), 1 + args.replicas
-    prefix = f"wsbench_{os.getpid()}_{transport}"
-    segments = [f"{prefix}_0", f"{prefix}_1"]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=replica_main, args=(transport, segments, path, port, r + 1, world, bucket,
-                                                    args.repeats, queue)) for r in range(args.replicas)]
-    for proc in procs:
-        proc.start()
-    group = StatelessGlooGroup("127.0.0.1", port, 0, world, 120.0)
-    if transport == "shm":
-        sender = ShmWeightSender(group, metadata_of(named), name_prefix=prefix, timeout_s=120.0)
-        group.barrier(phase="segments created")
-    else:
-        sender = WeightSender(group, metadata_of(named), bucket)
-    sends, writes = [], []
-    for v in range(1, 2 * args.repeats + 1):
-        time.sleep(1.0)  # let the replicas generate between syncs
-        sends.append(sender.send(named, v))
-        writes.append(getattr(sender, "last_write_seconds", None))
-    replica_results = [queue.get(timeout=300) for _ in procs]
-    for proc in procs:
-        proc.join(timeout=60)
-    if hasattr(sender, "close"):
-        sender.close()
-    group.close()
-    idle, busy = sends[:args.repeats], sends[args.repeats:]
-    idle_s = statistics.median(x.seconds for x in idle)
-    busy_s = statistics.median(x.seconds for x in busy)
-    stalls = [r["stall_s"] for rs in replica_results for r in rs if r["generating"]]
-    out = {
-        "transport": transport,
-        "idle_sync_seconds_median": idle_s, "sync_bytes_per_s": nbytes / idle_s,
-        "generating_sync_seconds_median": busy_s, "generating_sync_bytes_per_s": nbytes / busy_s,
-        "stall_seconds_max": max(stalls), "stall_seconds_median": statistics.median(stalls),
-        "stall_fraction_of_sync": max(stalls) / busy_s,
-        "decode_steps_during_sync": [r["decode_steps_during_sync"] for rs in replica_results for r in rs if r["generating"]],
-    }
-    if writes[0] is not None:
-        out["write_seconds_median"] = statistics.median(writes)
+    def __init__(self, replicas: list, prompt_ids: list[int], max_new_tokens: int, concurrency: int):
+        self.replicas, self.prompt, self.max_new, self.concurrency = replicas, prompt_ids, max_new_tokens, concurrency
+        self.tasks: list[asyncio.Task] = []
+        self.records: list[tuple[float, float, int]] = []
+        self.errors: list[str] = []
+        self.running = False
+
+    async def _loop(self, replica) -> None:
+        from rayllm_rl.inference.protocol import LLMRequest, SamplingParams
+
+        sampling = SamplingParams(max_new_tokens=self.max_new, ignore_eos=True)
+        while self.running:
+            t0 = time.time()
+            try:
+                resp = await asyncio.wait_for(replica.agenerate.remote(LLMRequest(list(self.prompt), sampling)), 300)
+            except Exception as exc:  # noqa: BLE001 - reported in the JSON, the run goes on
+                self.errors.append(f"{type(exc).__name__}: {exc}"[:300])
+                await asyncio.sleep(0.5)
+                continue
+            self.records.append((t0, time.time(), len(resp.output_tokens)))
+
+    async def start(self) -> bool:
+        self.running, self.records, self.errors = True, [], []
+        self.tasks = [asyncio.get_running_loop().create_task(self._loop(r))
+                      for r in self.replicas for _ in range(self.concurrency)]
+        return True
+
+    async def stop(self, timeout_s: float = 300.0) -> dict:
+        """Stop issuing; wait for the requests in flight; return (start, end, tokens) of each request."""
+        self.running = False
+        await asyncio.wait_for(asyncio.gather(*self.tasks), timeout_s)
+        return {"records": self.records, "errors": self.errors}
+
+
+def build_model(hidden_size: int, layers: int) -> str:
+    from rayllm_rl.models.tiny import TinyModelSpec, ensure_tiny_model
+
+    heads = max(1, hidden_size // 64)
+    return ensure_tiny_model(TinyModelSpec(hidden_size=hidden_size, intermediate_size=3 * hidden_size,
+                                           num_hidden_layers=layers, num_attention_heads=heads,
+                                           num_key_value_heads=max(1, heads // 2)))
+
+
+class Bench:
+    """The driver: forms groups, runs syncs, checks checksums, keeps every sample."""
+
+    def __init__(self, sender, metas: tuple, bucket_bytes: int, timeout_s: float):
+        self.sender, self.metas = sender, metas
+        self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
+        self.version = 0
+        self.samples: list[dict] = []
+        self.memcpy_s: dict[str, list[float]] = {"idle": [], "generating": []}
+
+    def get(self, refs, timeout_s: float | None = None):
+        return ray.get(refs, timeout=timeout_s or self.timeout_s + 60)
+
+    def form(self, key: str, transport: str, replicas: list) -> float:
+        """One group (as `cluster.form_sync_group` does), then an untimed, checked warm-up sync (first
+        touch of fresh segments and store pages, first connections); returns the forming seconds."""
+        t0 = time.perf_counter()
+        host, port = self.get(self.sender.address.remote())
+        ranks = self.get([r.receiving_processes.remote(transport) for r in replicas])
+        spec = make_spec(transport, self.metas, receivers=sum(ranks), timeout_s=self.timeout_s,
+                         bucket_bytes=self.bucket_bytes, host=host, port=port)
+        first = [1 + sum(ranks[:i]) for i in range(len(replicas))]
+        self.get([self.sender.open.remote(key, spec)]
+                 + [r.init_update_group.remote(spec.for_rank(k)) for r, k in zip(replicas, first)])
+        form_s = time.perf_counter() - t0
+        warm = self.sync(key, transport, replicas)
+        if not (warm["checksums_equal"] and warm["versions_ok"]):
+            raise RuntimeError(f"{key}: the warm-up sync delivered other weights than were sent: {warm}")
+        return form_s
+
+    def leave(self, key: str, replicas: list) -> None:
+        self.get([self.sender.close.remote(key)] + [r.leave_update_group.remote() for r in replicas])
+
+    def sync(self, key: str, transport: str, replicas: list) -> dict:
+        """One version, end to end as the driver sees it, then every replica's checksum is checked."""
+        self.version += 1
+        v = self.version
+        expected = self.get(self.sender.perturb.remote(v))
+        t0 = time.perf_counter()
+        sent = self.sender.send.remote(key, v)
+        published = sent if transport_info(transport).pulls else None  # references only, never bytes
+        got = [r.receive_weights.remote(published) for r in replicas]
+        outs = self.get(got + [sent])
+        e2e = time.perf_counter() - t0
+        outs, sender = outs[:-1], outs[-1]
+        sums = self.get([r.checksum.remote() for r in replicas])
+        rel = max(abs(s - expected) / max(abs(expected), 1e-30) for s in sums)
+        return {"version": v, "e2e_s": e2e, "send_s": sender["send_s"], "bytes": sender["bytes"],
+                "receive_s": max(o["receive_s"] for o in outs), "stall_s": max(o["stall_s"] for o in outs),
+                "versions_ok": all(int(o["version"]) == v for o in outs),
+                "checksum_rel_diff": rel, "checksums_equal": rel <= CHECKSUM_RTOL}
+
+    def timed(self, key: str, transport: str, replicas: list, phase: str, syncs: int, pause_s: float,
+              form_s: float) -> None:
+        self.memcpy_s[phase].append(self.get(self.sender.memcpy.remote()))
+        for _ in range(syncs):
+            time.sleep(pause_s)  # let the replicas decode steadily between syncs
+            s = self.sync(key, transport, replicas)
+            self.samples.append({"transport": transport, "phase": phase, "form_s": form_s, **s})
+            print(f"  {key:22s} {phase:10s} v{s['version']:<3d} e2e {1e3 * s['e2e_s']:7.1f} ms  send "
+                  f"{1e3 * s['send_s']:7.1f}  receive {1e3 * s['receive_s']:7.1f}  stall {1e3 * s['stall_s']:6.2f} ms"
+                  f"  checksums equal: {s['checksums_equal']}", file=sys.stderr)
+
+
+def summarize(samples: list[dict], nbytes: int, memcpy_bps: float) -> dict:
+    """Per phase and transport: medians of the timed syncs, bandwidths, the stall ratio."""
+    out: dict = {}
+    for s in samples:
+        out.setdefault(s["phase"], {}).setdefault(s["transport"], []).append(s)
+    for phase, by_t in out.items():
+        for t, ss in by_t.items():
+            e2e = statistics.median(x["e2e_s"] for x in ss)
+            by_t[t] = {
+                "syncs": len(ss),
+                "e2e_s_median": e2e, "e2e_s_min": min(x["e2e_s"] for x in ss), "e2e_s_max": max(x["e2e_s"] for x in ss),
+                "bytes_per_s": nbytes / e2e, "vs_memcpy": nbytes / e2e / memcpy_bps,
+                "send_s_median": statistics.median(x["send_s"] for x in ss),
+                "send_bytes_per_s": nbytes / statistics.median(x["send_s"] for x in ss),
+                "receive_s_median": statistics.median(x["receive_s"] for x in ss),
+                "stall_s_median": statistics.median(x["stall_s"] for x in ss),
+                # a pull transport's phases run one after the other: what is left is Ray's task dispatch
+                # and argument resolution, waiting for a decode step to end (the swap), and the replies
+                **({"rest_s_median": statistics.median(x["e2e_s"] - x["send_s"] - x["receive_s"] - x["stall_s"]
+                                                       for x in ss)} if TRANSPORTS[t].pulls else {}),
+                "stall_s_max": max(x["stall_s"] for x in ss),
+                "stall_fraction_of_sync_max": max(x["stall_s"] / x["e2e_s"] for x in ss),
+                "form_s_median": statistics.median(x["form_s"] for x in ss),
+                "checksums_equal": all(x["checksums_equal"] and x["versions_ok"] for x in ss),
+                "checksum_rel_diff_max": max(x["checksum_rel_diff"] for x in ss),
+                "samples_ms": [round(1e3 * x["e2e_s"], 2) for x in ss],
+            }
     return out
 
 
+def load_summary(result: dict, seconds: float) -> dict:
+    recs = result["records"]
+    tokens = sum(n for _, _, n in recs)
+    return {"requests": len(recs), "generated_tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9),
+            "errors": result["errors"][:5], "n_errors": len(result["errors"])}
+
+
+def start_replicas(engine: str, n: int, model_path: str, args) -> list:
+    from rayllm_rl.orchestration.ray.actors import InferenceReplica
+
+    vllm_options = {"kv_cache_mb": args.kv_cache_mb, "max_num_seqs": 64} if engine == "vllm" else None
+    replicas = [InferenceReplica.remote(engine, model_path, i, 1, "float32", vllm_options) for i in range(n)]
+    ray.get([r.ready.remote() for r in replicas], timeout=600)
+    return replicas
+
+
+def stop_replicas(replicas: list) -> None:
+    ray.get([r.close.remote() for r in replicas], timeout=120)
+    for r in replicas:
+        ray.kill(r, no_restart=True)
+
+
+def run_transformers(args, model_path: str, bench: Bench, transports: list[str], prompt_ids: list[int]) -> dict:
+    """`--replicas` Transformers replicas per transport, each set in its own group for the whole run
+    (a set of replicas never changes transport, as in a job); idle rounds, then generating rounds
+    in which only the set being synced generates. Transports interleaved round by round."""
+    t0 = time.perf_counter()
+    sets = {t: start_replicas("transformers", args.replicas, model_path, args) for t in transports}
+    start_s = time.perf_counter() - t0
+    print(f"transformers: {len(transports)} x {args.replicas} replicas ready in {start_s:.1f} s", file=sys.stderr)
+    loads = {t: Load.remote(rs, prompt_ids, args.max_new_tokens, args.concurrency) for t, rs in sets.items()}
+    records, errors, gen_s = [], [], 0.0
+    try:
+        form_s = {t: bench.form(f"transformers-{t}", t, rs) for t, rs in sets.items()}
+        for _ in range(args.repeats):
+            for t, rs in sets.items():
+                bench.timed(f"transformers-{t}", t, rs, "idle", args.syncs, 0.0, form_s[t])
+        for _ in range(args.repeats):
+            for t, rs in sets.items():
+                g0 = time.perf_counter()
+                ray.get(loads[t].start.remote(), timeout=60)
+                try:
+                    time.sleep(args.warmup_s)  # decoding steadily before the first timed sync
+                    bench.timed(f"transformers-{t}", t, rs, "generating", args.syncs, args.pause_s, form_s[t])
+                finally:
+                    got = ray.get(loads[t].stop.remote(), timeout=600)
+                    gen_s += time.perf_counter() - g0
+                    records += got["records"]
+                    errors += got["errors"]
+        for t, rs in sets.items():
+            bench.leave(f"transformers-{t}", rs)
+    finally:
+        for rs in sets.values():
+            stop_replicas(rs)
+    return {"engine": "transformers", "replicas": args.replicas, "start_s": start_s,
+            "generation_load": load_summary({"records": records, "errors": errors}, gen_s)}
+
+
+def run_vllm(args, model_path: str, bench: Bench, transports: list[str], prompt_ids: list[int]) -> dict:
+    """One vLLM replica; each block forms that transport's group (+ a warm-up sync), times its syncs
+    and leaves it; generating rounds keep requests in flight on the replica the whole time."""
+    t0 = time.perf_counter()
+    rs = start_replicas("vllm", 1, model_path, args)
+    start_s = time.perf_counter() - t0
+    print(f"vllm: 1 replica ready in {start_s:.1f} s", file=sys.stderr)
+
+    def block(t: str, phase: str, pause_s: float) -> None:
+        form_s = bench.form(f"vllm-{t}", t, rs)
+        try:
+            bench.timed(f"vllm-{t}", t, rs, phase, args.syncs, pause_s, form_s)
+        finally:
+            bench.leave(f"vllm-{t}", rs)
+
+    try:
+        for _ in range(args.repeats):
+            for t in transports:
+                block(t, "idle", 0.0)
+        load = Load.remote(rs, prompt_ids, args.max_new_tokens, args.concurrency)
+        ray.get(load.start.remote(), timeout=60)
+        g0 = time.perf_counter()
+        try:
+            time.sleep(args.warmup_s)
+            for _ in range(args.repeats):
+                for t in transports:
+                    block(t, "generating", args.pause_s)
+        finally:
+            loaded = ray.get(load.stop.remote(), timeout=600)
+            gen_s = time.perf_counter() - g0
+    finally:
+        stop_replicas(rs)
+    return {"engine": "vllm", "replicas": 1, "start_s": start_s, "generation_load": load_summary(loaded, gen_s)}
+
+
+def run_setup(runner, args, model_path, sender, metas, transports, prompt_ids) -> tuple[dict, Bench]:
+    bench = Bench(sender, metas, int(args.bucket_mb * (1 << 20)), args.timeout_s)
+    out = runner(args, model_path, bench, transports, prompt_ids)
+    out["checksums_equal"] = all(s["checksums_equal"] and s["versions_ok"] for s in bench.samples)
+    return out, bench
+
+
+def targets(setup: dict, memcpy_bps: float) -> dict:
+    """The issue's three targets for the object store, from one setup's figures."""
+    gen, idle = setup.get("generating", {}), setup.get("idle", {})
+    out: dict = {}
+    if "object_store" in gen and "shm" in gen:
+        v = gen["object_store"]["bytes_per_s"] / gen["shm"]["bytes_per_s"]
+        out["object_store_vs_shm_generating"] = {"value": v, "target": TARGETS["object_store_vs_shm_generating"],
+                                                 "met": v >= TARGETS["object_store_vs_shm_generating"]}
+    if "object_store" in idle and "shm" in idle:  # no target: how far the idle transports are apart
+        out["object_store_vs_shm_idle"] = {"value": idle["object_store"]["bytes_per_s"] / idle["shm"]["bytes_per_s"]}
+    if "object_store" in idle:
+        v = idle["object_store"]["bytes_per_s"] / memcpy_bps
+        out["object_store_idle_vs_memcpy"] = {"value": v, "target": TARGETS["object_store_idle_vs_memcpy"],
+                                              "met": v >= TARGETS["object_store_idle_vs_memcpy"]}
+    if "object_store" in gen:
+        v = gen["object_store"]["stall_fraction_of_sync_max"]
+        out["object_store_stall_fraction_of_sync_max"] = {"value": v, "target": TARGETS["stall_fraction_of_sync"],
+                                                          "met": v <= TARGETS["stall_fraction_of_sync"]}
+    return out
+
+
+def code_version() -> str:
+    """The checkout's commit, '+dirty' if rayllm_rl/ or this script differ from it."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "rayllm_rl",
+                                "benchmarks/weight_sync.py"], capture_output=True, text=True, timeout=10).stdout
+        return head + ("+dirty" if dirty.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--replicas", type=int, default=2)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--replicas", type=int, default=2, help="Transformers replicas")
     p.add_argument("--hidden-size", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--bucket-mb", type=float, default=32)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--transports", default="shm,gloo")
+    p.add_argument("--bucket-mb", type=float, default=16.0, help="bucket size (the job's ray.sync_bucket_mb)")
+    p.add_argument("--repeats", type=int, default=5, help="rounds per phase; each round visits every transport")
+    p.add_argument("--syncs", type=int, default=2, help="timed syncs per transport per round (after a warm-up)")
+    p.add_argument("--transports", default="object_store,shm,gloo")
+    p.add_argument("--no-vllm", action="store_true", help="skip the vLLM replica")
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight per replica while generating")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--kv-cache-mb", type=int, default=128)
+    p.add_argument("--pause-s", type=float, default=0.3, help="generating: pause before each timed sync")
+    p.add_argument("--warmup-s", type=float, default=2.0, help="generating: load runs this long before the first group")
+    p.add_argument("--timeout-s", type=float, default=120.0, help="weight-sync timeout of every phase")
+    p.add_argument("--object-store-mb", type=int, default=0,
+                   help="Ray's object store size; 0: Ray's default (30%% of RAM), what a job gets")
     p.add_argument("--out", default="benchmarks/results/weight_sync.json")
+    p.add_argument("--code-version", default="", help="recorded in the JSON (default: the checkout's git commit)")
     args = p.parse_args()
-    import torch
-
+    transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    bad = [t for t in transports if t not in TRANSPORTS or TRANSPORTS[t].gpu_only]
+    if bad or not transports:
+        raise SystemExit(f"--transports: {bad or 'none given'}; CPU transports: "
+                         f"{[t for t, i in TRANSPORTS.items() if not i.gpu_only]}")
+    if args.repeats < 1 or args.syncs < 1:
+        raise SystemExit("--repeats and --syncs must be >= 1")
     torch.set_num_threads(1)
-    from rayllm_rl.models.tiny import TinyModelSpec, ensure_tiny_model
-    from transformers import AutoModelForCausalLM
+    wall0 = time.perf_counter()
+    model_path = build_model(args.hidden_size, args.layers)
+    from transformers import AutoTokenizer
 
-    path = ensure_tiny_model(TinyModelSpec(hidden_size=args.hidden_size, intermediate_size=3 * args.hidden_size,
-                                           num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4))
-    model = AutoModelForCausalLM.from_pretrained(path)
-    named = {k: v.detach() for k, v in model.named_parameters()}
-    nbytes = sum(t.numel() * t.element_size() for t in named.values())
-    bucket = int(args.bucket_mb * (1 << 20))
+    prompt_ids = AutoTokenizer.from_pretrained(model_path).encode("count the numbers one two three")
 
-    # memcpy of the same tensors into preallocated destinations, same process, same run
-    dst = {k: torch.empty_like(v) for k, v in named.items()}
-    memcpy_s = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for k, v in named.items():
-            dst[k].copy_(v)
-        memcpy_s.append(time.perf_counter() - t0)
-    memcpy_bps = nbytes / statistics.median(memcpy_s)
-
-    results = {t: sync_run(t, args, path, named, nbytes, bucket) for t in args.transports.split(",")}
-    out = {"model_params": sum(t.numel() for t in named.values()), "bytes": nbytes, "replicas": args.replicas,
-           "bucket_mb": args.bucket_mb, "repeats": args.repeats, "memcpy_bytes_per_s": memcpy_bps,
-           "goals": {"sync_vs_memcpy": 0.5, "stall_fraction_of_sync": 0.05}, "cpu_count": os.cpu_count()}
-    for t, r in results.items():
-        r["sync_vs_memcpy"] = r["sync_bytes_per_s"] / memcpy_bps  # idle replicas: the transport itself
-        r["generating_sync_vs_memcpy"] = r["generating_sync_bytes_per_s"] / memcpy_bps  # + safe-point wait
-        r["meets_goals"] = r["sync_vs_memcpy"] >= 0.5 and r["stall_fraction_of_sync"] <= 0.05
-        out[t] = r
+    temp_dir = f"/tmp/rayllm-wsbench-{os.getpid()}"
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=True,
+             object_store_memory=(args.object_store_mb << 20) or None,
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+                                       "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+                                       # actors import rayllm_rl from this checkout, as the driver does
+                                       "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
+                                                                                   os.environ.get("PYTHONPATH")]))}})
+    try:
+        sender = Sender.remote(model_path)
+        metas = ray.get(sender.metas.remote(), timeout=300)
+        params, nbytes = ray.get(sender.size.remote(), timeout=60)
+        print(f"model {model_path}: {params} params, {nbytes} bytes ({nbytes / 1e6:.1f} MB) float32",
+              file=sys.stderr)
+        common = (args, model_path, sender, metas, transports, prompt_ids)
+        runs = {"transformers": run_setup(run_transformers, *common)}
+        if not args.no_vllm:
+            runs["vllm"] = run_setup(run_vllm, *common)
+    finally:
+        ray.shutdown()
+    # the yardstick: memcpy in the sender's process, sampled before every block of syncs
+    memcpy_s = {ph: [x for _, b in runs.values() for x in b.memcpy_s[ph]] for ph in ("idle", "generating")}
+    memcpy_bps = nbytes / statistics.median(memcpy_s["idle"])
+    setups = {}
+    for name, (info, bench) in runs.items():
+        setups[name] = {**info, **summarize(bench.samples, nbytes, memcpy_bps)}
+    out = {
+        "code_version": args.code_version or code_version(),
+        "object_store_mb": args.object_store_mb or "ray default",
+        "model": {"params": params, "bytes": nbytes, "hidden_size": args.hidden_size, "layers": args.layers,
+                  "dtype": "float32"},
+        "memcpy_bytes_per_s": memcpy_bps,
+        "memcpy": {ph: {"samples": len(v), "bytes_per_s_median": nbytes / statistics.median(v),
+                        "bytes_per_s_max": nbytes / min(v), "bytes_per_s_min": nbytes / max(v)}
+                   for ph, v in memcpy_s.items() if v},
+        "config": {k: getattr(args, k) for k in ("replicas", "bucket_mb", "repeats", "syncs", "concurrency",
+                                                 "max_new_tokens", "pause_s", "kv_cache_mb")},
+        "transports": transports, "cpu_count": os.cpu_count(),
+        "targets_transformers_x2": targets(setups["transformers"], memcpy_bps),
+        "targets_vllm": targets(setups["vllm"], memcpy_bps) if "vllm" in setups else None,
+        "checksums_equal": all(s["checksums_equal"] for s in setups.values()),
+        **setups,
+        "wall_s": time.perf_counter() - wall0,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
     print(json.dumps(out))
