@@ -29,6 +29,12 @@ def test_a_transport_that_cannot_serve_the_placement_is_refused_naming_the_key()
         plan_transport("tcp", learner_gpus=False, replica_gpus=False, learner_node="a", replica_nodes={"a"})
     assert plan_transport("gloo", learner_gpus=False, replica_gpus=False, learner_node="a",
                           replica_nodes={"a", "b"}) == "gloo"
+    with pytest.raises(ValueError, match=r"ray.sync_transport=rdt_gloo initialises the learner's torch.distributed.*"
+                                         r"ray.num_learners=2"):
+        plan_transport("rdt_gloo", learner_gpus=False, replica_gpus=False, learner_node="a", replica_nodes={"b"},
+                       learner_ranks=2)
+    with pytest.raises(ValueError, match=r"ray.sync_transport=rdt_nccl needs GPUs on both sides"):
+        plan_transport("rdt_nccl", learner_gpus=False, replica_gpus=False, learner_node="a", replica_nodes={"a"})
 
 
 def test_spec_payload_per_transport_and_rank_offsets():
@@ -60,8 +66,11 @@ def test_spec_crosses_into_vllms_worker_as_plain_fields():
 
 
 def test_every_transport_is_described_by_properties_engines_may_ask():
-    assert set(TRANSPORTS) == {"object_store", "shm", "gloo", "nccl"}
-    assert [n for n, t in TRANSPORTS.items() if t.pulls] == ["object_store"]
+    assert set(TRANSPORTS) == {"object_store", "rdt_gloo", "rdt_nccl", "shm", "gloo", "nccl"}
+    assert [n for n, t in TRANSPORTS.items() if t.pulls] == ["object_store", "rdt_gloo", "rdt_nccl"]
+    assert {n: t.tensor_transport for n, t in TRANSPORTS.items() if t.tensor_transport} == {"rdt_gloo": "gloo",
+                                                                                          "rdt_nccl": "nccl"}
+    assert [n for n, t in TRANSPORTS.items() if t.handoff_reusable] == ["object_store"]
     assert [n for n, t in TRANSPORTS.items() if not t.cross_node] == ["shm"]
     assert transport_info("nccl").gpu_only and not transport_info("gloo").gpu_only
 
@@ -74,6 +83,41 @@ def test_a_vllm_replica_takes_a_rank_per_worker_only_where_its_workers_receive(t
     from rayllm_rl.inference.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(tiny_model_path, tensor_parallel_size=2)
-    assert {t: engine.receiving_processes(t) for t in TRANSPORTS} == {"object_store": 1, "shm": 2, "gloo": 2,
-                                                                       "nccl": 2}
+    assert {t: engine.receiving_processes(t) for t in TRANSPORTS} == {"object_store": 1, "rdt_gloo": 1, "rdt_nccl": 1,
+                                                                       "shm": 2, "gloo": 2, "nccl": 2}
     assert {TransformersEngine(tiny_model_path).receiving_processes(t) for t in TRANSPORTS} == {1}
+
+
+def test_ray_direct_ends_check_what_ray_delivered():
+    """The RDT ends call no Ray: the sender returns its tensors, the receiver checks what arrived."""
+    import torch
+
+    from rayllm_rl.weight_sync import metadata_of
+    from rayllm_rl.weight_sync.registry import build_receiver, build_sender
+
+    named = {"embed.weight": torch.randn(10, 4), "norm.weight": torch.randn(4).to(torch.bfloat16)}
+    metas = metadata_of(named)
+    spec = make_spec("rdt_gloo", [(m.name, m.shape, str(m.dtype)[6:]) for m in metas], receivers=1, timeout_s=5,
+                     bucket_bytes=1 << 20)
+
+    class Target:
+        params = {k: torch.zeros_like(v) for k, v in named.items()}
+
+        def named_parameters(self):
+            return dict(self.params)
+
+        def swap_weights(self, back, version):
+            self.params.update(back)
+            return 0.0
+
+    sender, target = build_sender(spec, metas), Target()
+    receiver = build_receiver(spec.for_rank(1), target)
+    stats, handoff = sender.send(reversed(list(named.items())), 4)  # any order
+    assert stats.bytes == 10 * 4 * 4 + 4 * 2 and handoff["tensors"]["embed.weight"].data_ptr() == \
+        named["embed.weight"].data_ptr()  # no copy on the sender: Ray sends the tensor itself
+    assert receiver.receive_and_swap(handoff)["version"] == 4
+    assert all(torch.equal(target.params[k], v) for k, v in named.items())
+    with pytest.raises(Exception, match=r"phase 'handoff'.*norm.weight: got None"):
+        receiver.receive({**handoff, "tensors": {"embed.weight": named["embed.weight"]}})
+    with pytest.raises(Exception, match=r"phase 'publish'.*norm.weight"):
+        sender.send({"embed.weight": named["embed.weight"]}, 5)

@@ -287,9 +287,10 @@ class RayConfig:
     """torch intra-op threads of each actor."""
     buffer_episodes: int = 0
     """Replay buffer capacity in episodes (0 = 2 * (max_staleness + 1) * prompts_per_step)."""
-    sync_transport: Literal["auto", "object_store", "shm", "gloo", "nccl"] = "auto"
+    sync_transport: Literal["auto", "object_store", "rdt_gloo", "rdt_nccl", "shm", "gloo", "nccl"] = "auto"
     """Weight transport (weight_sync/registry.py): 'object_store' (learner rank 0 puts buckets in Ray's object
-    store, replicas fetch them: zero-copy on its node, Ray's transfer across nodes), 'shm' (shared-memory double
+    store, replicas fetch them: zero-copy on its node, Ray's transfer across nodes), 'rdt_gloo' / 'rdt_nccl' (Ray
+    Direct Transport: Ray sends the tensors learner to replica over a Ray collective group), 'shm' (shared-memory double
     buffer, same node), 'gloo' (TCP buckets), 'nccl' (GPU broadcast over a stateless NCCL group), 'auto'
     (nccl with GPUs on both sides, else object_store)."""
     sync_bucket_mb: float = 16.0
@@ -505,7 +506,7 @@ class GRPOJobConfig:
         from rayllm_rl.weight_sync.registry import plan_transport
 
         # what can be checked before any actor starts (the nodes are known only then)
-        plan_transport(rc.sync_transport, learner_gpus=rc.gpus_per_learner > 0, replica_gpus=rc.gpus_per_replica > 0,
+        plan_transport(rc.sync_transport, learner_gpus=rc.gpus_per_learner > 0, learner_ranks=rc.num_learners, replica_gpus=rc.gpus_per_replica > 0,
                        learner_node="", replica_nodes=[""])
         if self.algo.prox_logp_method != "recompute":
             self.algo.build_loss(self.rollout.max_new_tokens)  # raises for a loss without proximal logprobs

@@ -292,7 +292,7 @@ def transport_plan(cfg: GRPOJobConfig) -> dict[str, str]:
     def pick(nodes: set[str]) -> str:
         rc = cfg.ray
         try:
-            return plan_transport(rc.sync_transport, learner_gpus=rc.gpus_per_learner > 0,
+            return plan_transport(rc.sync_transport, learner_gpus=rc.gpus_per_learner > 0, learner_ranks=rc.num_learners,
                                   replica_gpus=rc.gpus_per_replica > 0, learner_node="node-a", replica_nodes=nodes)
         except ValueError as exc:
             return f"refused: {exc}"

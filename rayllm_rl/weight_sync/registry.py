@@ -20,6 +20,9 @@ Transports (see docs/ray-orchestration.md, "Weight sync"):
   buckets, the driver hands the references over, receivers fetch (zero-copy on the learner's node).
 * ``shm``: two shared-memory segments per job on the learner's node, control over a gloo group.
 * ``gloo``: buckets broadcast over a private gloo group (TCP).
+* ``rdt_gloo`` / ``rdt_nccl``: Ray Direct Transport: the driver passes the reference to learner rank
+  0's result and Ray sends its tensors to each replica over a Ray collective group (gloo on CPU,
+  NCCL GPU to GPU; rdt_nccl never ran on a GPU here).
 * ``nccl``: buckets broadcast over a private NCCL group between GPUs (never run on a GPU here).
 """
 from __future__ import annotations
@@ -56,10 +59,23 @@ class TransportInfo:
     group: bool
     """Sender and receivers form a group: rendezvous at learner rank 0's host and port, one rank
     per receiving process (a vLLM replica with tensor parallelism takes one per worker)."""
+    tensor_transport: str | None = None
+    """Ray Direct Transport backend of learner rank 0's sync call ('gloo', 'nccl'): the Ray layer makes
+    a collective group of learner rank 0 and the replicas, and Ray moves the result's tensors."""
+    handoff_reusable: bool = False
+    """A replica that joins later (Ray restarted it) can receive from the last handoff."""
+    single_learner_rank: bool = False
+    """Needs the learner's torch.distributed to itself (Ray's gloo group initialises it), so FSDP
+    with several learner ranks cannot share the process."""
 
 
 TRANSPORTS: dict[str, TransportInfo] = {t.name: t for t in (
-    TransportInfo("object_store", pulls=True, receiver_needs_ray=True, cross_node=True, gpu_only=False, group=False),
+    TransportInfo("object_store", pulls=True, receiver_needs_ray=True, cross_node=True, gpu_only=False, group=False,
+                  handoff_reusable=True),
+    TransportInfo("rdt_gloo", pulls=True, receiver_needs_ray=True, cross_node=True, gpu_only=False, group=False,
+                  tensor_transport="gloo", single_learner_rank=True),
+    TransportInfo("rdt_nccl", pulls=True, receiver_needs_ray=True, cross_node=True, gpu_only=True, group=False,
+                  tensor_transport="nccl"),
     TransportInfo("shm", pulls=False, receiver_needs_ray=False, cross_node=False, gpu_only=False, group=True),
     TransportInfo("gloo", pulls=False, receiver_needs_ray=False, cross_node=True, gpu_only=False, group=True),
     TransportInfo("nccl", pulls=False, receiver_needs_ray=False, cross_node=True, gpu_only=True, group=True),
@@ -111,7 +127,7 @@ class SyncSpec:
 
 
 def plan_transport(requested: str, *, learner_gpus: bool, replica_gpus: bool, learner_node: str,
-                   replica_nodes: Iterable[str]) -> str:
+                   replica_nodes: Iterable[str], learner_ranks: int = 1) -> str:
     """`ray.sync_transport` resolved against the placement. 'auto': NCCL between GPUs, else Ray's
     object store (same node: zero-copy; across nodes: Ray's own transfer)."""
     same_node = set(replica_nodes) <= {learner_node}
@@ -124,6 +140,10 @@ def plan_transport(requested: str, *, learner_gpus: bool, replica_gpus: bool, le
     if info.gpu_only and not (learner_gpus and replica_gpus):
         raise ValueError(f"ray.sync_transport={requested} needs GPUs on both sides: ray.gpus_per_learner > 0 and "
                          "ray.gpus_per_replica > 0")
+    if info.single_learner_rank and learner_ranks > 1:
+        raise ValueError(f"ray.sync_transport={requested} initialises the learner's torch.distributed for Ray's "
+                         f"collective group, which FSDP's ray.num_learners={learner_ranks} ranks already use: use "
+                         "object_store, or ray.num_learners=1")
     return requested
 
 
@@ -176,6 +196,10 @@ def build_sender(spec: SyncSpec, metas: Sequence[TensorMeta]):
         from rayllm_rl.weight_sync.object_store import ObjectStoreSender
 
         return ObjectStoreSender(metas, spec.bucket_bytes, spec.timeout_s)  # already of the common shape
+    if spec.info.tensor_transport is not None:
+        from rayllm_rl.weight_sync.ray_direct import RDTSender
+
+        return RDTSender(metas, spec.timeout_s, "cuda" if spec.info.gpu_only else "cpu")
     group = _group(spec, 0)
     try:
         if spec.transport == "shm":
@@ -249,6 +273,10 @@ def build_receiver(spec: SyncSpec, target: Any):
 
         return _Receiver(ObjectStoreReceiver(target, metas, spec.bucket_bytes, spec.timeout_s, spec.rank),
                          takes_handoff=True)
+    if spec.info.tensor_transport is not None:
+        from rayllm_rl.weight_sync.ray_direct import RDTReceiver
+
+        return _Receiver(RDTReceiver(target, metas, spec.timeout_s, spec.rank), takes_handoff=True)
     group = _group(spec, spec.rank)
     try:
         if spec.transport == "shm":

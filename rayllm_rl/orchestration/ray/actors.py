@@ -31,9 +31,12 @@ huggingface_hub's and transformers' progress bars (checkpoint "Writing model sha
 weights"), which Ray would forward to the driver's console under its progress bar."""
 
 
-def _actor(cls):
-    """`@ray.remote` for the job's actor classes: no CPU reserved (placement decides), `ACTOR_ENV_VARS`."""
-    return ray.remote(num_cpus=0, runtime_env={"env_vars": ACTOR_ENV_VARS})(cls)
+def _actor(cls=None, **options):
+    """`@ray.remote` for the job's actor classes: no CPU reserved (placement decides), `ACTOR_ENV_VARS`;
+    `options`: more of `ray.remote`'s (e.g. `enable_tensor_transport`)."""
+    if cls is None:
+        return lambda c: _actor(c, **options)
+    return ray.remote(num_cpus=0, runtime_env={"env_vars": ACTOR_ENV_VARS}, **options)(cls)
 
 
 class _Process:
@@ -45,7 +48,7 @@ class _Process:
         return os.getpid()
 
 
-@_actor
+@_actor(enable_tensor_transport=True)  # receives weights over Ray Direct Transport (rdt_* transports)
 class InferenceReplica(_Process):
     """`inference-<i>`: an engine (Transformers or vLLM) and the weight sink it owns.
 
@@ -227,7 +230,7 @@ class ReplayBufferActor(_Process):
         self.buffer.load_state_dict(state)
 
 
-@_actor
+@_actor(enable_tensor_transport=True)  # rank 0 sends weights over Ray Direct Transport (rdt_* transports)
 class LearnerWorker(_Process):
     """One FSDP rank of the learner; rank 0 also streams weights to the replicas."""
 
@@ -236,6 +239,7 @@ class LearnerWorker(_Process):
         self.rank, self.world_size = rank, world_size
         self.learner = None
         self.sender = None
+        self._sync_stats: dict[str, float] = {}
 
     def address(self) -> tuple[str, int]:
         """(node ip, free port) for the FSDP rendezvous, asked of rank 0."""
@@ -289,15 +293,20 @@ class LearnerWorker(_Process):
 
     def sync_weights(self, version: int) -> dict[str, Any]:
         """Every rank gathers full tensors in step; rank 0 sends them. Its result carries the
-        transport's handoff (references, or None), which the driver passes to the replicas."""
+        transport's handoff (references, tensors Ray moves, or None), which the driver passes to the
+        replicas; the driver reads the figures with `last_sync_stats`."""
         tensors = self.learner.iter_named_tensors()
         if self.rank != 0:
             for _ in tensors:
                 pass
             return {}
         stats, handoff = self.sender.send(tensors, version)
-        return {"sync_bytes": stats.bytes, "sync_s": stats.seconds, "sync_bytes_per_s": stats.bytes_per_s,
-                "handoff": handoff}
+        self._sync_stats = {"sync_bytes": stats.bytes, "sync_s": stats.seconds, "sync_bytes_per_s": stats.bytes_per_s}
+        return {"handoff": handoff}
+
+    def last_sync_stats(self) -> dict[str, float]:
+        """Figures of rank 0's last send (bytes, seconds, bytes/s)."""
+        return dict(self._sync_stats)
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         return self.learner.named_tensors()

@@ -47,8 +47,10 @@ class Cluster:
     sync_timeout_s: float
     transport: str = "object_store"
     published: Any = None
-    """Pull transports: the reference to learner rank 0's last `sync_weights` result (its handoff),
-    kept so a replica Ray restarted fetches the current weights from it."""
+    """A transport whose handoff a late replica can use (the object store): the reference to learner
+    rank 0's last `sync_weights` result, kept so a replica Ray restarted fetches the current weights."""
+    collective_group: Any = None
+    """Ray Direct Transport: the Ray collective group of learner rank 0 and the replicas."""
     placement: Placement | None = None
     replica_pids: list[int] = dataclasses.field(default_factory=list)
     """Each replica's process id when the weight-sync group last formed (a restart changes it)."""
@@ -88,13 +90,19 @@ class Cluster:
         driver passes references and the version, never bytes)."""
         from rayllm_rl.weight_sync.registry import transport_info
 
-        sent = [l.sync_weights.remote(version) for l in self.learners]
-        published = sent[0] if transport_info(self.transport).pulls else None
+        info = transport_info(self.transport)
+        head = self.learners[0].sync_weights
+        if info.tensor_transport is not None:  # Ray keeps the result's tensors with rank 0 and sends them to each replica
+            head = head.options(tensor_transport=info.tensor_transport)
+        sent = [head.remote(version)] + [l.sync_weights.remote(version) for l in self.learners[1:]]
+        published = sent[0] if info.pulls else None
         got = [r.receive_weights.remote(published) for r in self.replicas]
-        out = self.get(got + sent, timeout_s=self.sync_timeout_s)  # a dead replica fails at once
-        self.published = published
-        replicas, learner0 = out[:len(got)], out[len(got)]
-        learner0 = {k: v for k, v in learner0.items() if k != "handoff"}
+        # A replica's receive ends after rank 0's sync (it waits for rank 0's result or its group's ack);
+        # a Ray Direct Transport result cannot be fetched here: only the replicas receive its tensors.
+        waited = got + (sent[1:] if info.tensor_transport is not None else sent)
+        replicas = self.get(waited, timeout_s=self.sync_timeout_s)[:len(got)]  # a dead replica fails at once
+        self.published = published if info.handoff_reusable else None
+        learner0 = self.get(self.learners[0].last_sync_stats.remote())
         return {**learner0, "stall_s": max(r["stall_s"] for r in replicas),
                 "receive_s": max(r["receive_s"] for r in replicas)}
 
@@ -105,6 +113,7 @@ class Cluster:
             self.get([a.close.remote() for a in self.learners + self.replicas], timeout_s=close_timeout_s)
         except Exception:  # noqa: BLE001 - shutting down anyway
             pass
+        leave_collective_group(self, timeout_s=close_timeout_s)
         names = list(self.roles())
         for a in self.roles().values():
             ray.kill(a, no_restart=True)
@@ -228,7 +237,7 @@ def form_sync_group(cluster: Cluster, cfg: GRPOJobConfig) -> None:
 
     rc, learners, replicas = cfg.ray, cluster.learners, cluster.replicas
     sync_host, sync_port = cluster.get(learners[0].address.remote())
-    transport = plan_transport(rc.sync_transport, learner_gpus=rc.gpus_per_learner > 0,
+    transport = plan_transport(rc.sync_transport, learner_gpus=rc.gpus_per_learner > 0, learner_ranks=rc.num_learners,
                                replica_gpus=rc.gpus_per_replica > 0, learner_node=sync_host,
                                replica_nodes=cluster.get([r.node_ip.remote() for r in replicas]))
     cluster.transport, cluster.published = transport, None
@@ -240,6 +249,58 @@ def form_sync_group(cluster: Cluster, cfg: GRPOJobConfig) -> None:
     refs = [l.init_weight_sender.remote(spec) for l in learners]
     refs += [r.init_update_group.remote(spec.for_rank(k)) for r, k in zip(replicas, first)]
     cluster.get(refs, timeout_s=rc.sync_timeout_s + 30)
+    if spec.info.tensor_transport is not None:
+        join_collective_group(cluster, spec.info.tensor_transport, rc.sync_timeout_s)
+
+
+def join_collective_group(cluster: Cluster, backend: str, timeout_s: float) -> None:
+    """The Ray collective group Ray Direct Transport sends over: learner rank 0 (rank 0) and every
+    replica. Ray's call waits without a deadline, so it runs on a thread this one waits for."""
+    import threading
+
+    from ray.experimental.collective import create_collective_group
+
+    leave_collective_group(cluster, timeout_s)
+    box: dict[str, Any] = {}
+    members = [cluster.learners[0], *cluster.replicas]
+
+    def create():
+        try:
+            box["group"] = create_collective_group(members, backend=backend)
+        except BaseException as exc:  # reported below
+            box["error"] = exc
+
+    th = threading.Thread(target=create, name="rayllm-collective-group", daemon=True)
+    th.start()
+    th.join(timeout_s)
+    if th.is_alive():
+        raise TimeoutError(f"weight sync: Ray's {backend} collective group of learner rank 0 and "
+                           f"{len(cluster.replicas)} replica(s) did not form within {timeout_s:g}s (ray.sync_timeout_s)")
+    if "error" in box:
+        raise RuntimeError(f"weight sync: Ray's {backend} collective group did not form: {box['error']}") from box["error"]
+    cluster.collective_group = box["group"]
+
+
+def leave_collective_group(cluster: Cluster, timeout_s: float) -> None:
+    """Destroy the Ray collective group, if any (an actor keeps one group per backend: a new one for
+    a restarted replica needs the old one gone); best effort, bounded."""
+    import threading
+
+    from ray.experimental.collective import destroy_collective_group
+
+    group, cluster.collective_group = cluster.collective_group, None
+    if group is None:
+        return
+    th = threading.Thread(target=lambda: _quietly(destroy_collective_group, group), daemon=True)
+    th.start()
+    th.join(timeout_s)
+
+
+def _quietly(fn, *args) -> None:
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - tearing a group down: its members may be dead already
+        pass
 
 
 def restarted_replicas(cluster: Cluster, timeout_s: float = 120.0) -> list[int]:
