@@ -82,6 +82,7 @@ def test_env_worker_restarts_after_the_driver_dropped_its_constructor_arguments(
     from rayllm_rl.models.tiny import ensure_tiny_model
     from rayllm_rl.orchestration.ray.cluster import build_cluster, check_inlined
     from rayllm_rl.orchestration.factories import build_task
+    from rayllm_rl.orchestration.fault_ledger import FaultLedger
     from rayllm_rl.orchestration.ray.backend import make_workflow
 
     ns = f"{NS}_args"
@@ -118,8 +119,9 @@ def test_env_worker_restarts_after_the_driver_dropped_its_constructor_arguments(
         ids = [gid for b in [first, *rest] for gid in sorted(set(b["group_id"].tolist()))]
         assert len(ids) == 3 * B and len(set(ids)) == 3 * B, f"episodes lost or stored twice: {ids}"
         assert c.get(worker.stats.remote())["episodes"] >= B  # counted in the restarted process
-        counters = c.get(c.collector.fault_counters.remote())
-        assert c.get(c.collector.note_pids.remote()) == [1] and counters["episodes_lost"] == 0
+        ledger = FaultLedger(["env"])  # what the backend's ledger makes of the collector's reports
+        ledger.record(c.get(c.collector.take_fault_events.remote()))  # env workers' process ids asked now
+        assert ledger.env_worker_restarts() == [1] and ledger.episodes_lost == 0
     finally:
         cluster.shutdown(namespace=ns)
     time.sleep(2)  # Ray forwards actor output to the driver asynchronously

@@ -24,6 +24,7 @@ from rayllm_rl.learner.learner import Learner
 from rayllm_rl.loop_thread import EventLoopThread
 from rayllm_rl.orchestration.backend import ROLE_KINDS, buffer_capacity
 from rayllm_rl.rollout.collector import LLMCollector, run_and_store
+from rayllm_rl.orchestration.fault_ledger import FaultLedger
 from rayllm_rl.orchestration.factories import build_episode_filter, build_workflow, local_python_tools
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.rollout.staleness import StalenessController
@@ -47,6 +48,8 @@ class LocalBackend:
         self.workflow = build_workflow(cfg, task, tokenizer, make_tools=local_python_tools)
         self.episode_filter = build_episode_filter(cfg)
         self.reference = None
+        self.faults = FaultLedger(ROLE_KINDS)
+        """Always zero here (one process: a crashed role is a crashed run), kept so both backends report alike."""
         self.versions_held = [self.engine.version]
         self.loop = EventLoopThread("rayllm-local-loop")
         self.loop.run(self._build_on_loop)
@@ -144,8 +147,7 @@ class LocalBackend:
     def summary_stats(self) -> dict[str, Any]:
         reward = getattr(self.workflow, "reward", None)
         engine_sum = self.loop.call(self.engine.weights_checksum(), 60, "engine checksum")
-        return {"failed_episodes": self.collector_stats()["failed_episodes"], "episodes_rerun": 0,
-                "episodes_lost": 0, "restarts": dict.fromkeys(ROLE_KINDS, 0),  # one process: a crash ends it
+        return {"failed_episodes": self.collector_stats()["failed_episodes"], **self.faults.summary(),
                 "buffer": self.loop.run(self.buffer.buffer.stats),
                 "reward_failures": reward.counters() if reward is not None else {},
                 "replica_versions_held": [list(self.versions_held)],

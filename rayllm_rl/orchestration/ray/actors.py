@@ -22,6 +22,7 @@ import torch
 from rayllm_rl.rollout.replay_buffer import ReplayBuffer
 from rayllm_rl.hub import resolve_model_path
 from rayllm_rl.inference.protocol import LLMRequest, LLMResponse, weights_checksum
+from rayllm_rl.orchestration.fault_ledger import ENV_PID, LOST, RERUN
 from rayllm_rl.orchestration.ray.router import ReplicaNotReady, ReplicaRouter
 
 
@@ -346,11 +347,9 @@ class RayLLMCollector(_Process):
         self.buffer = buffer
         self.timeout_s = episode_timeout_s
         self.max_episode_attempts = max_episode_attempts
-        self.worker_pids: list[set[int]] = [set() for _ in env_workers]
-        """Per env worker: the process ids it has had (more than one: Ray restarted it)."""
-        self.episodes_rerun = 0
-        self.episodes_lost = 0
-        """Episodes whose worker died on every attempt (counted as failed too)."""
+        self.fault_events: list[tuple] = []
+        """What this collector saw go wrong since the backend last took them (`take_fault_events`): the
+        backend's FaultLedger (orchestration/fault_ledger.py) does the accounting, not this actor."""
         self.collector = LLMCollector(PromptLoader(dataset, seed=seed), self._run_episode,
                                       StalenessController(batch_size, max_staleness))
         self._task: asyncio.Task | None = None
@@ -369,10 +368,10 @@ class RayLLMCollector(_Process):
                 raise TimeoutError(f"episode {row.get('group_id')}: env worker {i} returned nothing within "
                                    f"{self.timeout_s:g}s (ray.call_timeout_s)") from None
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
-                if attempt == self.max_episode_attempts:
-                    self.episodes_lost += 1
+                if attempt == self.max_episode_attempts:  # counted as failed too
+                    self.fault_events.append((LOST, row.get("group_id")))
                     raise RuntimeError(f"episode {row.get('group_id')}: its env worker died {attempt} times") from exc
-                self.episodes_rerun += 1
+                self.fault_events.append((RERUN, row.get("group_id")))
                 await self._wait_while_restarting(i)
                 await self._note_pid(i)
             finally:
@@ -393,19 +392,25 @@ class RayLLMCollector(_Process):
                 await asyncio.sleep(0.5)
 
     async def _note_pid(self, i: int) -> None:
-        """Record env worker i's current process id (a new one means Ray restarted it)."""
+        """Report env worker i's current process id (a new one means Ray restarted it)."""
         try:
-            self.worker_pids[i].add(await asyncio.wait_for(self.env_workers[i].pid.remote(), self.timeout_s))
+            pid = await asyncio.wait_for(self.env_workers[i].pid.remote(), self.timeout_s)
         except (ray.exceptions.RayError, asyncio.TimeoutError):  # still restarting: asked again next time
-            pass
+            return
+        self.fault_events.append((ENV_PID, i, pid))
 
-    async def note_pids(self) -> list[int]:
-        """Ask every env worker for its process id now; returns the restarts seen per worker."""
+    async def note_pids(self) -> None:
+        """Ask every env worker for its process id now (a restart no episode ran into is seen too)."""
         await asyncio.gather(*(self._note_pid(i) for i in range(len(self.env_workers))))
-        return self.env_worker_restarts()
 
-    def env_worker_restarts(self) -> list[int]:
-        return [max(len(p) - 1, 0) for p in self.worker_pids]
+    async def take_fault_events(self, note_pids: bool = True) -> list[tuple]:
+        """The fault events since the last call (then forgotten here), after asking every env worker for its
+        process id if `note_pids`; answers even after the loop died (the backend takes them before a
+        rollback replaces this collector)."""
+        if note_pids:
+            await self.note_pids()
+        events, self.fault_events = self.fault_events, []
+        return events
 
     def _on_loop_end(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -435,10 +440,4 @@ class RayLLMCollector(_Process):
     def stats(self) -> dict:
         if self._task is not None and self._task.done() and self._task.exception() is not None:
             raise RuntimeError(f"collector loop died: {self._task.exception()}")
-        return {**self.collector.stats(), **self.fault_counters()}
-
-    def fault_counters(self) -> dict[str, Any]:
-        """Env-worker restarts seen, episodes re-run and lost; answers even after the loop died
-        (the driver reads them before a rollback replaces this collector)."""
-        return {"env_worker_restarts": self.env_worker_restarts(), "episodes_rerun": self.episodes_rerun,
-                "episodes_lost": self.episodes_lost}
+        return self.collector.stats()

@@ -12,6 +12,7 @@ import ray
 
 from rayllm_rl.orchestration.ray.actors import ReferenceActor
 from rayllm_rl.orchestration.backend import ROLE_KINDS, RoleCrashed
+from rayllm_rl.orchestration.fault_ledger import FaultLedger
 from rayllm_rl.orchestration.ray.cluster import (
     Cluster, build_cluster, init_ray, rejoin_sync_group, restarted_replicas, wait_names_free,
 )
@@ -70,10 +71,9 @@ class RayBackend:
         self.cfg, self.model_path, self.task, self.tokenizer = cfg, model_path, task, tokenizer
         self.liveness_s = 10.0
         """While waiting for a batch, check every this many seconds that no role died."""
-        self.restarts: dict[str, int] = dict.fromkeys(ROLE_KINDS, 0)
-        """Restarts per role: env workers and replicas restarted by Ray, other roles rebuilt by `recover`."""
-        self.episodes_rerun = self.episodes_lost = 0  # of collectors a rollback replaced
-        self._lost_at_checkpoint = 0  # episodes lost in all, when the last checkpoint was taken
+        self.faults = FaultLedger(ROLE_KINDS)
+        """Restarts (env workers and replicas restarted by Ray, roles rebuilt by `recover`), episodes
+        re-run and lost, and the checkpoint baseline: the collector reports, the ledger counts."""
         self._build()
         self._metrics = RayMetrics()
 
@@ -89,10 +89,11 @@ class RayBackend:
 
     def recover(self, crash: RoleCrashed) -> None:
         """Kill what is left of the job and start every role afresh (the driver restores a checkpoint)."""
-        for role in crash.roles:
-            kind = role.split("-")[0] if role[-1].isdigit() else role
-            self.restarts[kind] = self.restarts.get(kind, 0) + 1
-        self._count_env_restarts()
+        try:  # what the collector saw since the last look, before it is replaced
+            self._take_fault_events(timeout_s=30)
+        except ray.exceptions.RayError:  # the collector itself is gone: its unreported events went with it
+            pass
+        self.faults.rolled_back(crash.roles)
         self._teardown(close_timeout_s=5)
         self._build()
 
@@ -105,20 +106,10 @@ class RayBackend:
             wait_names_free(["reference"], ns)
         self.cluster.shutdown(close_timeout_s=close_timeout_s, namespace=ns)
 
-    def _count_env_restarts(self) -> None:
-        """Fold the collector's counters (env-worker restarts, episodes re-run or lost) into this
-        backend's totals before the collector is replaced."""
-        try:
-            n = sum(self._get(self.cluster.collector.note_pids.remote(), timeout_s=30))
-            col = self._get(self.cluster.collector.fault_counters.remote(), timeout_s=30)
-        except ray.exceptions.RayError:  # the collector itself is gone: its counts went with it
-            self.episodes_lost = self._lost_at_checkpoint
-            return
-        self.restarts["env"] += n
-        # The rollback redoes every step after the checkpoint: episodes lost since then are run again.
-        lost = self.episodes_lost + col["episodes_lost"]
-        self.episodes_rerun += col["episodes_rerun"] + lost - self._lost_at_checkpoint
-        self.episodes_lost = self._lost_at_checkpoint
+    def _take_fault_events(self, timeout_s: float | None = None, note_pids: bool = True) -> None:
+        """Fold the collector's fault events into the ledger (with `note_pids`, every env worker's process id
+        asked now: a restart no episode ran into is seen too)."""
+        self.faults.record(self._get(self.cluster.collector.take_fault_events.remote(note_pids), timeout_s=timeout_s))
 
     def _get(self, refs, timeout_s: float | None = None):
         return self.cluster.get(refs, timeout_s)
@@ -149,7 +140,7 @@ class RayBackend:
         restarted = restarted_replicas(self.cluster)
         if not restarted:
             return None
-        self.restarts["inference"] += len(restarted)
+        self.faults.replicas_restarted(len(restarted))
         rejoin_sync_group(self.cluster, self.cfg, restarted)
         return self.cluster.sync_weights(version)
 
@@ -212,14 +203,14 @@ class RayBackend:
         dead = self.dead_roles()
         if dead:  # this checkpoint would keep what the dead role cost (episodes given up): roll back instead
             raise RoleCrashed(dead, RuntimeError(f"found dead before the checkpoint at step {step}"))
-        lost = self.episodes_lost + self._get(c.collector.fault_counters.remote())["episodes_lost"]
+        self._take_fault_events(note_pids=False)  # the baseline below counts every episode lost before it
         extra = {"step": step, "version": version, "collector": collector_state,
                  "buffer": self._get(c.buffer.state_dict.remote())}
         c.learner_call("save_checkpoint", str(path), self.model_path, extra)
         if self.reference is not None:
             self._get(self.reference.save.remote(str(path)))
         self._get(c.collector.start.remote())
-        self._lost_at_checkpoint = lost
+        self.faults.checkpoint_taken()
         return str(path)
 
     @_crash_aware
@@ -247,11 +238,9 @@ class RayBackend:
     def summary_stats(self) -> dict[str, Any]:
         c = self.cluster
         sums = self._get([l.checksum.remote() for l in c.learners] + [r.checksum.remote() for r in c.replicas])
-        self._get(c.collector.note_pids.remote())  # a restart no episode ran into is counted too
+        self._take_fault_events()
         col = self.collector_stats()
-        restarts = {**self.restarts, "env": self.restarts["env"] + sum(col["env_worker_restarts"])}
-        return {"failed_episodes": col["failed_episodes"], "episodes_rerun": self.episodes_rerun + col["episodes_rerun"],
-                "episodes_lost": self.episodes_lost + col["episodes_lost"], "restarts": restarts,
+        return {"failed_episodes": col["failed_episodes"], **self.faults.summary(),
                 "buffer": self._get(c.buffer.stats.remote()), "reward_failures": self._reward_counters(),
                 "replica_versions_held": self._get([r.version_history.remote() for r in c.replicas]),
                 "learner_checksums_equal_replicas": len(set(sums)) == 1}
