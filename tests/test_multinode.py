@@ -217,3 +217,48 @@ def test_losing_the_replicas_node_costs_restarts_not_the_run(nodes, tmp_path):
     assert held[0] == 0 and held[1] >= lost_after and held[-1] == steps and held == sorted(held), held
     records = assert_every_episode_once(summary, steps)
     assert all(r["staleness_max"] <= 1 for r in records)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_node_lost_after_the_last_sync_gets_the_weights_for_the_drain_and_the_eval(nodes):
+    """No sync follows the last step, so nothing would send the restarted replica the weights it
+    needs to serve the episodes the final drain waits for, or the final eval: the backend's wait
+    for them sends the version last synced to a replica Ray restarted (before, the eval failed with
+    ReplicaTimeout after ray.call_timeout_s)."""
+    from transformers import AutoTokenizer
+
+    from rayllm_rl.models.tiny import ensure_tiny_model
+    from rayllm_rl.orchestration.batch_prep import rewards_to_advantages
+    from rayllm_rl.orchestration.factories import build_task
+    from rayllm_rl.orchestration.ray.backend import RayBackend
+
+    ns = "rayllm_mn_late"
+    cfg = job_cfg(Path(tempfile.mkdtemp(prefix="/tmp/rayllm-mn-run-")), nodes, ns, "rollout.max_staleness=1",
+                  "ray.call_timeout_s=60")
+    model_path = ensure_tiny_model()
+    backend = RayBackend(cfg, model_path, build_task(cfg), AutoTokenizer.from_pretrained(model_path))
+    try:
+        backend.liveness_s = 1.0
+        backend.sync_weights(0)
+        backend.set_version(0)
+        backend.start_collector()
+        batch, _ = backend.next_batch(B, 0)
+        backend.train_step(rewards_to_advantages(batch, cfg, version=0))
+        backend.sync_weights(1)  # the last sync
+        backend.set_version(1)  # more episodes admitted, in flight while the node goes
+        lost = nodes.inference
+        nodes.cluster.remove_node(lost)
+        nodes.inference = nodes.add_inference_node()
+        t0 = time.monotonic()
+        backend.drain()
+        evaluation = backend.evaluate()
+        waited = time.monotonic() - t0
+        assert evaluation["eval_n"] == 8 and waited < cfg.ray.call_timeout_s, waited  # not after a timeout
+        assert node_of("inference-0", ns) == nodes.inference.node_id != lost.node_id
+        stats = backend.summary_stats()
+        assert stats["restarts"]["inference"] == 1 and stats["failed_episodes"] == 0
+        assert stats["replica_versions_held"] == [[0, 1]]  # the new process: base weights, then version 1
+        assert stats["learner_checksums_equal_replicas"]
+    finally:
+        backend.shutdown()

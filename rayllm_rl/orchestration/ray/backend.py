@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import logging
+import threading
 import time
 from typing import Any
 
@@ -70,7 +72,8 @@ class RayBackend:
         init_ray(cfg)
         self.cfg, self.model_path, self.task, self.tokenizer = cfg, model_path, task, tokenizer
         self.liveness_s = 10.0
-        """While waiting for a batch, check every this many seconds that no role died."""
+        """While waiting for a batch, a drain or an eval, check every this many seconds that no role died
+        (and send the current weights to a replica Ray restarted)."""
         self.faults = FaultLedger(ROLE_KINDS)
         """Restarts (env workers and replicas restarted by Ray, roles rebuilt by `recover`), episodes
         re-run and lost, and the checkpoint baseline: the collector reports, the ledger counts."""
@@ -83,6 +86,8 @@ class RayBackend:
                                               functools.partial(make_workflow, cfg, self.model_path))
         self.reference = None
         self._pending_version = None  # the last set_version call, awaited at the next one
+        self._synced: int | None = None
+        """The version the replicas were last sent: a replica Ray restarts since gets it again."""
 
     def dead_roles(self) -> list[str]:
         return self.cluster.dead_roles({"reference": self.reference} if self.reference is not None else None)
@@ -127,16 +132,20 @@ class RayBackend:
         """Stream `version` to every replica. If a replica's process died and Ray restarted it, the
         sync fails: form the group again with the new process and send the current weights once more."""
         try:
-            return self.cluster.sync_weights(version)
+            out = self.cluster.sync_weights(version)
         except (ray.exceptions.RayError, TimeoutError):
             out = self._rejoin_restarted_replicas(version)
             if out is None:
                 raise
-            return out
+        self._synced = version
+        return out
 
-    def _rejoin_restarted_replicas(self, version: int) -> dict[str, float] | None:
+    def _rejoin_restarted_replicas(self, version: int | None) -> dict[str, float] | None:
         """If Ray restarted replicas since the group formed, form the group again with the new
-        processes and send them `version` (they refuse requests until then); None if none were."""
+        processes and send them `version` (they refuse requests until then); None if none were,
+        or if no version was synced yet (the first sync forms the group with them)."""
+        if version is None:
+            return None
         restarted = restarted_replicas(self.cluster)
         if not restarted:
             return None
@@ -163,15 +172,25 @@ class RayBackend:
         (it serves nothing until then, so with one replica the batch would never fill)."""
         c = self.cluster
         ref = c.buffer.get_batch.remote(n_episodes, version, c.timeout_s)
+        return self._await_live(ref, f"batch of {n_episodes} episodes at version {version}")
+
+    def _await_live(self, job, what: str, bounded: bool = True):
+        """Wait for `job` (an ObjectRef, or a Future of work on the driver), at most the job's timeout
+        + 30 s if `bounded`, while it may need the replicas: every `liveness_s`, a dead role ends the
+        wait (RoleCrashed) and a replica Ray restarted (its process died, or its node was lost) gets
+        the version last synced, without which it serves nothing (with no other replica, what is
+        waited for would never finish)."""
+        c, local = self.cluster, isinstance(job, concurrent.futures.Future)
         deadline = time.monotonic() + c.timeout_s + 30
-        while not ray.wait([ref], timeout=self.liveness_s)[0]:
+        while not (concurrent.futures.wait([job], timeout=self.liveness_s).done if local
+                   else ray.wait([job], timeout=self.liveness_s)[0]):
             dead = self.dead_roles()
             if dead:
-                raise RoleCrashed(dead, RuntimeError(f"waiting for a batch at version {version}"))
-            self._rejoin_restarted_replicas(version)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no batch of {n_episodes} episodes at version {version} in {c.timeout_s + 30:g}s")
-        return self._get(ref)
+                raise RoleCrashed(dead, RuntimeError(f"waiting for the {what}"))
+            self._rejoin_restarted_replicas(self._synced)
+            if bounded and time.monotonic() > deadline:
+                raise TimeoutError(f"no {what} in {c.timeout_s + 30:g}s")
+        return job.result() if local else self._get(job)
 
     @_crash_aware
     def start_reference(self, checkpoint: str | None):
@@ -188,9 +207,22 @@ class RayBackend:
 
     @_crash_aware
     def evaluate(self) -> dict[str, Any]:
+        """Greedy eval over the replicas, on a thread of its own: this one keeps the liveness check,
+        so a replica restarted before or during the eval gets the current weights (each request is
+        bounded by the router's timeout)."""
+        self._rejoin_restarted_replicas(self._synced)
         router = ReplicaRouter(self.cluster.replicas, self.cluster.timeout_s)
-        return asyncio.run(evaluate_greedy(router, self.tokenizer, self.task.eval, self.task.reward_fn,
-                                           self.cfg.rollout.max_new_tokens))
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                done.set_result(asyncio.run(evaluate_greedy(router, self.tokenizer, self.task.eval,
+                                                            self.task.reward_fn, self.cfg.rollout.max_new_tokens)))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                done.set_exception(exc)
+
+        threading.Thread(target=run, name="evaluate", daemon=True).start()
+        return self._await_live(done, "evaluation", bounded=False)
 
     @_crash_aware
     def collector_stats(self) -> dict[str, Any]:
@@ -199,7 +231,7 @@ class RayBackend:
     @_crash_aware
     def save_checkpoint(self, path: str, step: int, version: int) -> str:
         c = self.cluster
-        collector_state = self._get(c.collector.drain.remote(c.timeout_s))
+        collector_state = self._await_live(c.collector.drain.remote(c.timeout_s), "collector's drain")
         dead = self.dead_roles()
         if dead:  # this checkpoint would keep what the dead role cost (episodes given up): roll back instead
             raise RoleCrashed(dead, RuntimeError(f"found dead before the checkpoint at step {step}"))
@@ -224,7 +256,7 @@ class RayBackend:
     def drain(self) -> None:
         if self._pending_version is not None:
             self._get(self._pending_version)
-        self._get(self.cluster.collector.drain.remote(self.cluster.timeout_s))
+        self._await_live(self.cluster.collector.drain.remote(self.cluster.timeout_s), "collector's drain")
 
     def _reward_counters(self) -> dict[str, int]:
         """Reward calls, errors and timeouts summed over the env workers."""
