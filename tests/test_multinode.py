@@ -168,18 +168,22 @@ def assert_every_episode_once(summary: dict, steps: int) -> list[dict]:
 @pytest.mark.ray
 @pytest.mark.slow
 def test_two_nodes_weights_cross_nodes_and_replica_logprobs_equal_the_learners(nodes, tmp_path):
-    """eta = 0: each batch is sampled with exactly the weights the learner trains from, so the
+    """The learner (and the reference model, KL on) on the head node, the replica and env worker on
+    the inference node. eta = 0: each batch is sampled with exactly the weights the learner trains from, so the
     loss's ratio replica -> learner is 1 on every token iff the synced weights (and so the replica's
     logprobs) equal the learner's: approx_kl (mean of r - 1 - log r) and every clip fraction are ~0."""
     steps, ns = 4, "rayllm_mn_two"
-    job = Job(job_cfg(tmp_path, nodes, ns, f"trainer.steps={steps}", "rollout.max_staleness=0"), tmp_path)
+    job = Job(job_cfg(tmp_path, nodes, ns, f"trainer.steps={steps}", "rollout.max_staleness=0", "algo.kl_coef=0.05"),
+              tmp_path)
     job.wait_step(1)
-    where = {name: node_of(name, ns) for name in ("learner-0", "inference-0", "env-0", "collector", "replay-buffer")}
+    where = {name: node_of(name, ns)
+             for name in ("learner-0", "inference-0", "env-0", "collector", "replay-buffer", "reference")}
     sender = sender_of(ns)
     summary = job.summary()
     assert where["learner-0"] == nodes.head_id and where["inference-0"] == nodes.inference.node_id
     assert where["env-0"] == nodes.inference.node_id != nodes.head_id
     assert where["collector"] == where["replay-buffer"] == nodes.head_id  # with the driver
+    assert where["reference"] == nodes.head_id  # with the learners' labels
     assert sender == "ObjectStoreSender"  # ray.sync_transport=auto on CPUs: Ray's object store, across nodes
     assert summary["steps"] == steps and summary["version"] == steps and summary["recoveries"] == []
     assert summary["learner_checksums_equal_replicas"]

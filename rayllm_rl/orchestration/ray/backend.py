@@ -195,7 +195,8 @@ class RayBackend:
     @_crash_aware
     def start_reference(self, checkpoint: str | None):
         weights = checkpoint or self.cluster.learner_call("named_tensors")[0]
-        self.reference = ReferenceActor.options(name="reference", namespace=self.cfg.ray.namespace).remote(
+        self.reference = ReferenceActor.options(name="reference", namespace=self.cfg.ray.namespace,
+                                                **self.cluster.placement.reference_options).remote(
             self.model_path, self.cfg.rollout.temperature, weights, self.cfg.ray.threads_per_actor,
             self.cfg.optim.max_tokens_per_micro_batch, self.cfg.optim.logprob_chunk_size)
         return self.reference_logprobs

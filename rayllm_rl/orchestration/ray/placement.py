@@ -35,7 +35,8 @@ naming the key and every node's labels, when no live node carries a role's label
 otherwise wait forever to be scheduled). The collector and the replay buffer hold state no restart
 brings back, so they stay on the driver's node (`Placement.driver_node_options`), whose loss ends the
 job anyway, instead of wherever Ray puts an actor that asks for no resources (another node, which
-would then take them down with it).
+would then take them down with it). The reference model, rebuilt only by a rollback too, goes with
+the learners' labels, or else stays on the driver's node.
 
 Note (Ray 2.60, ray-project/ray#54868): an actor with 0 GPUs does not get CUDA_VISIBLE_DEVICES
 cleared, so on a GPU node a "CPU" actor still sees every GPU; code in such an actor must not pick
@@ -76,6 +77,8 @@ class Placement:
     """Merged into every `EnvWorker.options(...)` (its node labels, if any)."""
     driver_node_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Merged into the options of the roles that stay with the driver (collector, replay buffer)."""
+    reference_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Merged into `ReferenceActor.options(...)`: the learners' node labels, or else the driver's node."""
 
     def remove(self) -> None:
         """Release the placement group (kills actors still in it); safe to call twice."""
@@ -133,10 +136,11 @@ def plan_placement(num_replicas: int, num_learners: int, gpus_per_replica: float
     env_options = _with_labels({}, env_worker_labels)
     driver_node = {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
                                                                          soft=False)}
+    others = {"env_worker_options": env_options, "driver_node_options": driver_node,
+              "reference_options": _with_labels({}, learner_labels) if learner_labels else driver_node}
     if replica_gpus == 0 and learner_gpus == 0:
         return Placement([_with_labels({"num_cpus": 0}, replica_labels) for _ in range(num_replicas)],
-                         [_with_labels({"num_cpus": 0}, learner_labels) for _ in range(num_learners)],
-                         env_worker_options=env_options, driver_node_options=driver_node)
+                         [_with_labels({"num_cpus": 0}, learner_labels) for _ in range(num_learners)], **others)
     bundles = plan_bundles(num_replicas, num_learners, replica_gpus, learner_gpus)
     selectors = [dict(replica_labels or {})] * num_replicas + [dict(learner_labels or {})] * num_learners
     pg = placement_group(bundles, strategy=STRATEGY, bundle_label_selector=selectors if any(selectors) else None)
@@ -158,7 +162,7 @@ def plan_placement(num_replicas: int, num_learners: int, gpus_per_replica: float
         raise
     return Placement([_actor_options(pg, i, replica_gpus) for i in range(num_replicas)],
                      [_actor_options(pg, learner_bundle(num_replicas, r), learner_gpus) for r in range(num_learners)],
-                     pg, env_worker_options=env_options, driver_node_options=driver_node)
+                     pg, **others)
 
 
 def _bundle_index(pg_id: str) -> int | None:
