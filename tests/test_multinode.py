@@ -164,6 +164,24 @@ def assert_every_episode_once(summary: dict, steps: int) -> list[dict]:
     return records
 
 
+@pytest.mark.ray
+@pytest.mark.slow
+def test_no_node_with_the_labels_fails_in_time_naming_the_key(nodes):
+    from rayllm_rl.orchestration.ray.placement import PlacementError, plan_placement
+
+    t0 = time.monotonic()
+    with pytest.raises(PlacementError, match=r"no live node carries ray.replica_node_labels=\{'rayllm-role': "
+                                             r"'gpu'\} within 1s \(the live nodes' labels: .*'rayllm-role': 'learner'"):
+        plan_placement(1, 1, 0, 0, 1, timeout_s=1.0, replica_labels={"rayllm-role": "gpu"}, learner_labels=LEARNER)
+    assert time.monotonic() - t0 < 10
+    placement = plan_placement(1, 1, 0, 0, 1, timeout_s=1.0, replica_labels=INFERENCE, learner_labels=LEARNER,
+                               env_worker_labels=INFERENCE)
+    assert placement.replica_options == [{"num_cpus": 0, "label_selector": INFERENCE}]
+    assert placement.learner_options == [{"num_cpus": 0, "label_selector": LEARNER}]
+    assert placement.env_worker_options == {"label_selector": INFERENCE}
+    assert placement.reference_options == {"label_selector": LEARNER}
+
+
 # ------------------------------------------------------------------ the jobs
 @pytest.mark.ray
 @pytest.mark.slow
