@@ -472,6 +472,7 @@ def test_valid_gpu_config_passes_validation():
     assert cfg.validate() is cfg
 
 
+@pytest.mark.slow
 def test_python_api_is_lazy_and_validates_before_starting():
     import subprocess
     import sys

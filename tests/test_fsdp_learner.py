@@ -113,6 +113,7 @@ def _rank_main(rank: int, world: int, port: int, queue, path: str, batches) -> N
     queue.put((rank, out))
 
 
+@pytest.mark.slow
 def test_fsdp_two_ranks_match_single_process(tiny_model_path):
     from transformers import AutoModelForCausalLM
 

@@ -213,6 +213,7 @@ def test_math_reference_answer(math_rows):
         math_reference_answer({"problem": "p", "solution": "no box"})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gold,pred,expected", [
     (r"\frac{1}{2}", "0.5", True),
     (r"\frac{1}{2}", r"\dfrac12", True),
@@ -237,6 +238,7 @@ def test_math_verifier_equivalence(verifier, gold, pred, expected):
     assert verifier.check(gold, pred, timeout_s=20.0) is expected
 
 
+@pytest.mark.slow
 def test_math_reward_fn(verifier, math_rows):
     fn = MathRewardFn(verifier)
     assert set(MathRewardFn.component_keys) == {"reward_right", "reward_format", "success", "timeout"}
@@ -256,6 +258,7 @@ def test_math_reward_fn(verifier, math_rows):
     assert out == full
 
 
+@pytest.mark.slow
 def test_verifier_concurrent_threads_and_asyncio(verifier):
     pairs = [(r"\frac{1}{2}", "0.5", True), ("3", "4", False)] * 8
     results: list = [None] * len(pairs)
@@ -276,6 +279,7 @@ def test_verifier_concurrent_threads_and_asyncio(verifier):
     assert asyncio.run(many()) == [p[2] for p in pairs]
 
 
+@pytest.mark.slow
 def test_verifier_timeout_hook_then_recovers():
     with MathVerifier(check_fn=SLEEPER).start() as v:
         start = time.perf_counter()
@@ -289,6 +293,7 @@ def test_verifier_timeout_hook_then_recovers():
         assert v.counters() == {"math_checks": 4, "math_timeouts": 1, "math_errors": 1}
 
 
+@pytest.mark.slow
 def test_verifier_real_pathological_input(verifier):
     """sympy evaluates 9^(9^(9^9)) with exact big ints in C: only killing the process stops it."""
     before = verifier.num_timeouts
@@ -299,6 +304,7 @@ def test_verifier_real_pathological_input(verifier):
     assert verifier.check(r"\frac{1}{2}", "0.5", timeout_s=20.0) is True
 
 
+@pytest.mark.slow
 def test_verifier_survives_a_killed_worker_and_bad_config():
     with MathVerifier().start() as v:
         v._proc.kill()
@@ -310,6 +316,7 @@ def test_verifier_survives_a_killed_worker_and_bad_config():
         MathVerifier(check_fn="rayllm_rl.rewards.math_answer.no_such_function").check("1", "1")
 
 
+@pytest.mark.slow
 def test_math_reward_fn_timeout_logged(caplog):
     fn = MathRewardFn(MathVerifier(check_fn=SLEEPER), timeout_s=1.0)
     try:
@@ -324,6 +331,7 @@ def test_math_reward_fn_timeout_logged(caplog):
         fn.close()
 
 
+@pytest.mark.slow
 def test_math_reward_queued_behind_slow_checks_is_still_scored():
     """The verifier runs checks in turn; a correct answer waiting behind two checks that run into the
     verifier's own timeout is scored 1, not cut off by an outer timeout that counts the queue."""
@@ -350,6 +358,7 @@ def test_math_reward_queued_behind_slow_checks_is_still_scored():
         fn.close()
 
 
+@pytest.mark.slow
 def test_math_reward_fn_pickles_without_its_process():
     fn = MathRewardFn(timeout_s=7.0)
     clone = pickle.loads(pickle.dumps(fn))

@@ -57,6 +57,7 @@ def test_grpo_step_raises_logprob_of_positive_advantage_sequences(engine, tokeni
     assert delta[adv > 0].mean() > delta[adv < 0].mean() + 0.05
 
 
+@pytest.mark.slow
 def test_micro_batching_gives_the_same_gradient(engine, tokenizer, tiny_model_path):
     batch = rollout_batch(engine, tokenizer, by_length, n=16)
     grads = []
@@ -72,6 +73,7 @@ def test_micro_batching_gives_the_same_gradient(engine, tokenizer, tiny_model_pa
         torch.testing.assert_close(g, grads[0], atol=1e-6, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_sft_steps_lower_the_nll(tokenizer, tiny_model_path):
     from rayllm_rl.data.sft import make_sft_batch
 

@@ -109,6 +109,7 @@ def _rank_main(rank: int, world: int, port: int, queue, path: str, ckpt: str, ba
     queue.put((rank, res))
 
 
+@pytest.mark.slow
 def test_two_rank_fsdp_resume_is_exact(tiny_model_path, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -97,6 +97,7 @@ def test_parse_tool_calls():
 
 
 # ---------------------------------------------------------------------------- stdio
+@pytest.mark.slow
 def test_stdio_list_and_call(pool):
     assert set(pool.tools) == TOOLS
     assert {t.name for t in pool.list_tools_sync("test")} == TOOLS
@@ -112,6 +113,7 @@ def test_stdio_list_and_call(pool):
     assert pool.resolve("add") == pool.resolve("test.add") == ("test", "add")
 
 
+@pytest.mark.slow
 def test_tool_descriptions_and_system_prompt(pool):
     t = MCPToolTransform(pool)
     descs = t.tool_descriptions()
@@ -123,6 +125,7 @@ def test_tool_descriptions_and_system_prompt(pool):
     assert system_prompt_for_tools(list(pool.tools.values())) == system_prompt_for_tools(descs)
 
 
+@pytest.mark.slow
 def test_transform_single_call(pool, tokenizer):
     t = MCPToolTransform(pool)
     env = make_env(tokenizer, t)
@@ -135,6 +138,7 @@ def test_transform_single_call(pool, tokenizer):
     assert (t.num_calls, t.num_errors, t.num_timeouts) == (1, 0, 0)
 
 
+@pytest.mark.slow
 def test_transform_multiple_calls_batch_with_tokenizer(pool, tokenizer):
     t = MCPToolTransform(pool, tool_role="user")
     env = make_env(tokenizer, t, batch_size=2, with_tokenizer=True)
@@ -151,6 +155,7 @@ def test_transform_multiple_calls_batch_with_tokenizer(pool, tokenizer):
     assert t.num_calls == 3 and t.num_errors == 0
 
 
+@pytest.mark.slow
 def test_transform_errors_never_raise(pool, tokenizer):
     t = MCPToolTransform(pool)
     env = make_env(tokenizer, t)
@@ -168,6 +173,7 @@ def test_transform_errors_never_raise(pool, tokenizer):
     assert (t.num_calls, t.num_errors, t.num_timeouts) == (5, 4, 0)
 
 
+@pytest.mark.slow
 def test_no_call_and_done_when_no_call(pool, tokenizer):
     out = play(make_env(tokenizer, MCPToolTransform(pool)), ["Just an answer."])
     assert [m["role"] for m in out["next"][0]["history"].prompt.to_chat()] == ["system", "user", "assistant"]
@@ -178,6 +184,7 @@ def test_no_call_and_done_when_no_call(pool, tokenizer):
     assert out["next", "terminated"].tolist() == [[True], [False]]
 
 
+@pytest.mark.slow
 def test_timeout_then_still_works(pool, tokenizer):
     t = MCPToolTransform(pool, timeout_s=1.0, max_calls=1)
     env = make_env(tokenizer, t)
@@ -196,6 +203,7 @@ def test_timeout_then_still_works(pool, tokenizer):
     assert pool.call_tool_sync("test", "sleep", {"seconds": 0.1}, timeout=5) == "slept 0.1"
 
 
+@pytest.mark.slow
 def test_concurrent_sync_callers(pool):
     results = [None] * 8
 
@@ -211,6 +219,7 @@ def test_concurrent_sync_callers(pool):
 
 
 # ---------------------------------------------------------------------------- lifecycle
+@pytest.mark.slow
 def test_two_servers_qualified_names_and_no_leaked_processes(tokenizer):
     before = children()
     t = MCPToolTransform([stdio_config("a"), stdio_config("b")])  # the transform owns this pool
@@ -233,6 +242,7 @@ def test_two_servers_qualified_names_and_no_leaked_processes(tokenizer):
         t.pool.call_tool_sync("a", "add", {"a": 1, "b": 1})
 
 
+@pytest.mark.slow
 def test_server_crash_gives_error_text(tokenizer):
     before = children()
     t = MCPToolTransform(stdio_config("crashy"))
@@ -248,6 +258,7 @@ def test_server_crash_gives_error_text(tokenizer):
     assert not children() - before
 
 
+@pytest.mark.slow
 def test_connect_failure_raises_and_cleans_up():
     before = children()
     with pytest.raises(ConnectionError, match="bad"):
@@ -261,6 +272,7 @@ def test_connect_failure_raises_and_cleans_up():
 
 
 # ---------------------------------------------------------------------------- streamable HTTP
+@pytest.mark.slow
 def test_http_echo_through_transform(tokenizer):
     port = find_free_port()
     proc = subprocess.Popen([sys.executable, SERVER, "http", "--port", str(port)],
@@ -298,6 +310,7 @@ def test_http_echo_through_transform(tokenizer):
     assert torch.is_tensor(out["next", "done"])
 
 
+@pytest.mark.slow
 def test_tool_agent_episodes_close_their_own_mcp_servers(tokenizer):
     """A ToolAgentWorkflow whose make_tools builds an MCPToolTransform from configs (one pool, one server
     process per episode) calls a real tool, and every episode's server is gone when the episode ends."""

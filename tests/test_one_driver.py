@@ -28,6 +28,7 @@ def rl_records(summary) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["phase"] == "rl"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("eta", [0, 1])
 def test_local_backend_runs_the_shared_driver(tmp_path, eta):
     from transformers import AutoModelForCausalLM
@@ -52,6 +53,7 @@ def test_local_backend_runs_the_shared_driver(tmp_path, eta):
     assert sum(p.numel() for p in model.parameters()) > 0
 
 
+@pytest.mark.slow
 def test_local_resume_continues_same_step_version_data_and_reference(tmp_path):
     from safetensors.torch import load_file
 
@@ -68,6 +70,7 @@ def test_local_resume_continues_same_step_version_data_and_reference(tmp_path):
     assert ref_a.keys() == ref_b.keys() and all(torch.equal(ref_a[k], ref_b[k]) for k in ref_a)
 
 
+@pytest.mark.slow
 def test_time_budget_cuts_are_said_in_the_summary(tmp_path):
     summary = train(local_cfg(tmp_path, "trainer.steps=50", "trainer.time_budget_s=0.001", "trainer.eval_every=0",
                               "sft.steps=20", "sft.time_budget_s=0.001"))
@@ -92,6 +95,7 @@ def test_local_backend_learns_with_nonzero_advantages(tmp_path):
     assert last > first + 0.1, (first, last)
 
 
+@pytest.mark.slow
 def test_periodic_checkpoints_are_pruned_to_the_newest(tmp_path):
     summary = train(local_cfg(tmp_path, "trainer.steps=4", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=2",
                               "trainer.eval_every=0"))

@@ -62,6 +62,7 @@ def test_submit_gives_up_on_the_agent_at_its_deadline_and_never_retries_a_submit
     assert script.submit("http://127.0.0.1:1", "/tmp/token", [], agent_timeout_s=30, job_timeout_s=60) == other
 
 
+@pytest.mark.slow
 def test_a_silent_process_still_times_out():
     script = load_script()
     proc = subprocess.Popen([sys.executable, "-c", "import time; print('hi', flush=True); time.sleep(60)"],

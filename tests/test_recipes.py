@@ -176,6 +176,7 @@ def test_hub_model_numbers_in_the_plan(offline_hub, capsys):
     assert 10 * GiB < lm["total_bytes"] < 60 * GiB
 
 
+@pytest.mark.slow
 def test_dry_run_text_shows_the_plan_from_the_command_line(offline_hub):
     """The real command, in its own process: human-readable plan, nothing started."""
     env = {**os.environ, "RAY_ADDRESS": "127.0.0.1:1"}  # a Ray start would fail on this address
@@ -284,6 +285,7 @@ def test_the_dry_run_shows_what_the_data_sources_resolve_to(offline_hub, capsys,
                                               "'train']): will download at start")
 
 
+@pytest.mark.slow
 def test_the_dry_run_of_a_missing_data_file_exits_non_zero(offline_hub):
     """The command itself: `jobs/grpo.py task=gsm8k data.path=/no/such/file.jsonl --dry-run` exited 0."""
     out = subprocess.run([sys.executable, str(ROOT / "jobs" / "grpo.py"), "task=gsm8k", "data.path=/no/such/file.jsonl",

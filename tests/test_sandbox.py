@@ -97,6 +97,7 @@ def _assert_healthy(sb: PythonSandbox, res: SandboxResult | None = None) -> None
 # ---------------------------------------------------------------- normal behaviour
 
 
+@pytest.mark.slow
 def test_normal_run_stdout_stderr_exit_code(sb):
     res = sb.run("import sys\nprint('out')\nprint('err', file=sys.stderr)\nsys.exit(3)")
     assert (res.stdout, res.stderr, res.exit_code, res.timed_out) == ("out\n", "err\n", 3, False)
@@ -105,12 +106,14 @@ def test_normal_run_stdout_stderr_exit_code(sb):
     assert set(NS_KEYS) <= set(res.isolation)
 
 
+@pytest.mark.slow
 def test_exception_gives_traceback_and_nonzero_exit(sb):
     res = sb.run("def f():\n    raise ValueError('boom')\nf()")
     assert res.exit_code == 1 and not res.timed_out
     assert "Traceback" in res.stderr and "ValueError: boom" in res.stderr
 
 
+@pytest.mark.slow
 def test_files_stdin_and_unicode(sb):
     code = ("import sys, json\nfrom pathlib import Path\ndata = json.loads(Path('cfg/in.json').read_text())\n"
             "print(data['x'] + int(sys.stdin.readline()), Path('blob.bin').read_bytes().hex(), 'héllo ✓')")
@@ -126,6 +129,7 @@ def test_invalid_file_names_rejected(sb, name):
     assert not sandbox_mod._uids_in_use  # the reserved private uid was released
 
 
+@pytest.mark.slow
 def test_clean_environment_and_workdir(sb, monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "secret-ray")
     monkeypatch.setenv("HF_TOKEN", "secret-token")
@@ -149,6 +153,7 @@ def _host_allows_namespaces() -> bool:
     return subprocess.run(["unshare", "-n", "-p", "-m", "-i", "-f", "true"], capture_output=True).returncode == 0
 
 
+@pytest.mark.slow
 def test_isolation_active_when_root(isolation):
     """Where the host allows namespaces (root, as in CI), every protection must be active, so the tests that
     `need` a capability cannot be skipped by a regression; elsewhere this only reports what is missing."""
@@ -160,12 +165,14 @@ def test_isolation_active_when_root(isolation):
     assert not isolation["net_audit_hook"]
 
 
+@pytest.mark.slow
 def test_instance_holds_no_per_run_state(sb):
     before = dict(vars(sb))
     sb.run("print(1)")
     assert vars(sb) == before
 
 
+@pytest.mark.slow
 def test_custom_interpreter(sb):
     python = "/usr/bin/python3"
     if not os.path.exists(python):
@@ -177,6 +184,7 @@ def test_custom_interpreter(sb):
 # ---------------------------------------------------------------- hostile code
 
 
+@pytest.mark.slow
 def test_infinite_loop_times_out(sb):
     res = sb.run("while True: pass", timeout=2)
     assert res.timed_out or res.exit_code in (-signal.SIGXCPU, -signal.SIGKILL), res
@@ -184,6 +192,7 @@ def test_infinite_loop_times_out(sb):
     _assert_healthy(sb, res)
 
 
+@pytest.mark.slow
 def test_cpu_limit_kills_before_wall_timeout(sb):
     res = make(cpu_seconds=1).run("while True: pass", timeout=10)
     assert not res.timed_out and res.exit_code == -signal.SIGXCPU, res
@@ -191,6 +200,7 @@ def test_cpu_limit_kills_before_wall_timeout(sb):
     _assert_healthy(sb, res)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("code", [
     "import os\nwhile True: os.fork()",
     "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",  # keeps going at the limit
@@ -205,12 +215,14 @@ def test_fork_bomb_contained(sb, isolation, code):
     assert _n_sandbox_uid_procs() <= before  # the host's process count is back to normal
 
 
+@pytest.mark.slow
 def test_memory_bomb(sb):
     res = sb.run("b = bytearray(8 * 2**30)")
     assert res.exit_code != 0 and "MemoryError" in res.stderr, res
     _assert_healthy(sb, res)
 
 
+@pytest.mark.slow
 def test_disk_filling_is_capped(sb, isolation):
     need(isolation, "private_tmp")  # without it the workdir is on the host disk (only RLIMIT_FSIZE per file)
     code = ("import errno\nn = 0\ntry:\n    while True:\n        open(f'f{n}', 'wb').write(b'x' * (1 << 20))\n"
@@ -222,11 +234,13 @@ def test_disk_filling_is_capped(sb, isolation):
     _assert_healthy(sb, res)
 
 
+@pytest.mark.slow
 def test_file_size_limit(sb):
     res = make(max_file_mb=1).run("open('big', 'wb').write(b'x' * (4 << 20))")
     assert res.exit_code != 0 and "File too large" in res.stderr, res
 
 
+@pytest.mark.slow
 def test_writes_outside_workdir_do_not_reach_host(sb, isolation):
     need(isolation, "private_uid")
     tag = uuid.uuid4().hex
@@ -256,6 +270,7 @@ def test_writes_outside_workdir_do_not_reach_host(sb, isolation):
     _assert_healthy(sb, res)
 
 
+@pytest.mark.slow
 def test_other_host_mounts_are_read_only(sb, isolation):
     """A world-writable directory on another mount (a volume, a data dir) is read-only too, not only /."""
     need(isolation, "mount_namespace", "readonly_root")
@@ -281,6 +296,7 @@ def test_other_host_mounts_are_read_only(sb, isolation):
     _assert_healthy(sb, res)
 
 
+@pytest.mark.slow
 def test_runs_cannot_read_each_other_or_root_files(sb, isolation):
     need(isolation, "private_uid")
     tag = uuid.uuid4().hex
@@ -351,6 +367,7 @@ def test_runs_cannot_read_each_other_or_root_files(sb, isolation):
     _assert_healthy(sb, res_b)
 
 
+@pytest.mark.slow
 def test_network_blocked(sb, isolation):
     with socket.socket() as srv:
         srv.bind(("127.0.0.1", 0))
@@ -369,6 +386,7 @@ def test_network_blocked(sb, isolation):
     _assert_healthy(sb, res)
 
 
+@pytest.mark.slow
 def test_host_unix_sockets_unreachable(sb, isolation):
     """Host services listening on unix sockets under /tmp (e.g. Ray's raylet) are invisible to the sandbox."""
     need(isolation, "private_tmp")
@@ -388,6 +406,7 @@ def test_host_unix_sockets_unreachable(sb, isolation):
             os.unlink(path)
 
 
+@pytest.mark.slow
 def test_network_allowed_when_requested(sb, isolation):
     need(isolation, "private_uid")
     with socket.socket() as srv:
@@ -401,6 +420,7 @@ def test_network_allowed_when_requested(sb, isolation):
         srv.accept()[0].close()
 
 
+@pytest.mark.slow
 def test_fallback_blocks_sockets_with_audit_hook(sb):
     """Exercise the non-root path (rlimits + audit hook); benign code only: as root it runs without a private uid."""
     fb = make(_force_fallback=True)
@@ -415,6 +435,7 @@ def test_fallback_blocks_sockets_with_audit_hook(sb):
     assert raw.isolation["net_audit_hook"] and not any(raw.isolation[k] for k in NS_KEYS) and raw.uid is None
 
 
+@pytest.mark.slow
 def test_large_output_truncated_promptly(sb):
     res = sb.run("import sys\nprint('x' * 2**20)\nsys.stderr.write('y' * 2**20)")
     assert res.ok and res.stdout_truncated and res.stderr_truncated, res.exit_code
@@ -423,17 +444,20 @@ def test_large_output_truncated_promptly(sb):
     _assert_healthy(sb, res)
 
 
+@pytest.mark.slow
 def test_large_stdin_not_read_does_not_hang(sb):
     res = sb.run("print('ignored stdin')", stdin="z" * (4 << 20), timeout=5)
     assert res.ok and not res.timed_out and res.stdout == "ignored stdin\n", res
 
 
+@pytest.mark.slow
 def test_closed_pipes_and_sleep_end_by_timeout(sb):
     res = sb.run("import os, time\nos.close(1)\nos.close(2)\ntime.sleep(60)", timeout=1.5)
     assert res.timed_out and res.exit_code is None and res.duration_s < 5
     _assert_healthy(sb, res)
 
 
+@pytest.mark.slow
 def test_background_and_setsid_processes_die_with_the_run(sb, isolation):
     need(isolation, "private_uid")
     code = ("import subprocess\nsubprocess.Popen(['sleep', '300'], start_new_session=True)\n"
@@ -447,6 +471,7 @@ def test_background_and_setsid_processes_die_with_the_run(sb, isolation):
     _assert_healthy(sb, hung)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attack", [
     "os.kill(os.getppid(), signal.SIGKILL)",
     "os.killpg(os.getpgid(os.getppid()), 9)",
@@ -468,6 +493,7 @@ def test_cannot_kill_host_processes(sb, isolation, attack):
 # ---------------------------------------------------------------- concurrency & cleanup helper
 
 
+@pytest.mark.slow
 def test_concurrent_runs(sb):
     results: dict[int, SandboxResult] = {}
 
@@ -485,6 +511,7 @@ def test_concurrent_runs(sb):
     assert len(set(uids)) == len(uids)
 
 
+@pytest.mark.slow
 def test_arun(sb):
     async def main():
         return await asyncio.gather(sb.arun("print('a')"), sb.arun("print('b')", timeout=5))
@@ -493,6 +520,7 @@ def test_arun(sb):
     assert (ra.stdout, rb.stdout) == ("a\n", "b\n")
 
 
+@pytest.mark.slow
 def test_workdir_cleanup_survives_dirs_chmodded_to_000():
     """Without root the workdir belongs to the caller; code that chmods its dirs to 000 must not make cleanup
     raise or leave the directory behind (run as `nobody`, so permissions apply)."""
@@ -517,6 +545,7 @@ def test_workdir_cleanup_survives_dirs_chmodded_to_000():
         shutil.rmtree(base, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_kill_uid_helper():
     if os.geteuid() != 0:
         pytest.skip("needs root")
@@ -594,6 +623,7 @@ def _cleanup_dead_host_run(host: subprocess.Popen, uid: int) -> None:
             shutil.rmtree(d)
 
 
+@pytest.mark.slow
 def test_host_crash_takes_the_sandbox_down(sb, isolation, tmp_path):
     """The host (e.g. a Ray actor) is SIGKILLed mid-run while the code hides from the usual kills (setsid, double
     fork, child subreaper, SIGTERM/SIGHUP ignored, its own PDEATHSIG cleared): every process of the run dies.
@@ -678,6 +708,7 @@ def test_host_killed_during_setup_leaves_nothing(sb, isolation, tmp_path):
             _cleanup_dead_host_run(host, uid)
 
 
+@pytest.mark.slow
 def test_host_ignoring_sigchld(sb):
     """A host with SIGCHLD ignored (children auto-reaped; the disposition survives exec) still gets exit codes,
     full-length runs and timeouts."""

@@ -27,6 +27,7 @@ def last_message(td):
     return td[0]["history"].prompt.to_chat()[-1]
 
 
+@pytest.mark.slow
 def test_python_interpreter_runs_blocks_in_the_sandbox(tokenizer):
     assert extract_code_blocks("a\n```python\nprint(1)\n```\n```py\nprint(2)\n```\n```\nnot python\n```") == [
         "print(1)\n", "print(2)\n"]
@@ -45,6 +46,7 @@ def test_python_interpreter_runs_blocks_in_the_sandbox(tokenizer):
     assert nxt[0]["history"].prompt.batch_size[0] == before + 1
 
 
+@pytest.mark.slow
 def test_persistent_session_and_broken_executor(tokenizer):
     env = ChatEnv(tokenizer, batch_size=1).append_transform(PythonInterpreter(persistent=True, tool_role="user"))
     td = env.reset(TensorDict(query=["q"], batch_size=[1]))
@@ -81,6 +83,7 @@ class ScriptedEngine:
         return resp
 
 
+@pytest.mark.slow
 def test_tool_agent_episode_is_token_exact_and_masks_tool_output(tokenizer):
     def reward(prompt, completions, prompt_ids, completion_ids, answer=None, **row):
         return {"reward": float(str(answer) in completions), "answered": 1.0}
@@ -138,6 +141,8 @@ def local_ray():
     ray.shutdown()
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_python_executor_service_is_shared(local_ray):
     from rayllm_rl.orchestration.ray.tool_services import RemoteExecutor, python_executor_service
 
