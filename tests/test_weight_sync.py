@@ -369,6 +369,7 @@ def _spawn(role, port, metas, **kwargs):
     return p, q
 
 
+@pytest.mark.slow  # spawns processes
 def test_sender_times_out_when_receiver_never_joins():
     port = find_free_port()
     t0 = time.perf_counter()
@@ -382,6 +383,7 @@ def test_sender_times_out_when_receiver_never_joins():
     assert not torch.distributed.is_initialized()
 
 
+@pytest.mark.slow  # spawns processes
 def test_sender_times_out_when_receiver_joins_but_never_receives():
     metas = metadata_of(synthetic_weights(0))
     port = find_free_port()
@@ -405,6 +407,7 @@ def test_sender_times_out_when_receiver_joins_but_never_receives():
         p.join(5)
 
 
+@pytest.mark.slow  # spawns processes
 @pytest.mark.parametrize("action, error", [("die", WeightSyncError), ("hang", WeightSyncTimeout)])
 def test_receiver_raises_within_timeout_when_sender_fails_mid_sync(action, error):
     named = synthetic_weights(0)
@@ -431,6 +434,7 @@ def test_receiver_raises_within_timeout_when_sender_fails_mid_sync(action, error
         p.join(5)
 
 
+@pytest.mark.slow  # spawns processes
 def test_header_mismatch_raises_on_both_sides():
     named = synthetic_weights(0)
     metas = metadata_of(named)
@@ -454,6 +458,7 @@ def test_header_mismatch_raises_on_both_sides():
             p.kill()
 
 
+@pytest.mark.slow  # spawns processes
 def test_sender_aborts_cleanly_when_a_tensor_is_missing():
     named = synthetic_weights(0)
     metas = metadata_of(named)
@@ -474,6 +479,7 @@ def test_sender_aborts_cleanly_when_a_tensor_is_missing():
             p.kill()
 
 
+@pytest.mark.slow  # spawns processes
 def test_sync_to_two_replicas_matches_sender(two_replica_sync):
     sent, metas, reports = two_replica_sync["sent"], two_replica_sync["metas"], two_replica_sync["reports"]
     stats = two_replica_sync["stats"]
@@ -491,6 +497,7 @@ def test_sync_to_two_replicas_matches_sender(two_replica_sync):
         assert not r["dist_initialized"]
 
 
+@pytest.mark.slow  # spawns processes
 def test_generation_continues_during_receive(two_replica_sync):
     r = two_replica_sync["reports"][1]
     versions = r["output_versions"]

@@ -80,6 +80,7 @@ def _replica_main(port, rank, world, model_path, n_syncs, q, cmd_q):
         q.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
+@pytest.mark.slow  # spawns processes
 def test_sync_to_two_replica_processes_shares_the_segments(tiny_model_path):
     """3 syncs to 2 engine processes: weights exact, version, the params are views of segment
     k % 2, and the engine's logprobs equal a full forward over those views."""
