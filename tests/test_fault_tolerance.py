@@ -196,7 +196,7 @@ def test_a_lone_replica_restarted_while_the_driver_waits_gets_the_weights_in_tha
     from rayllm_rl.orchestration.ray.backend import RayBackend
 
     cfg = load_config(GRPOJobConfig, [f"rollout.prompts_per_step={B}", "rollout.group_size=4", "rollout.max_new_tokens=6",
-                                      "rollout.max_staleness=0", "ray.num_replicas=1", "ray.call_timeout_s=30",
+                                      "rollout.max_staleness=0", "ray.num_replicas=1", "ray.call_timeout_s=60",
                                       "ray.sync_timeout_s=30", f"ray.namespace={NS}"])
     model_path = ensure_tiny_model()
     backend = RayBackend(cfg, model_path, build_task(cfg), AutoTokenizer.from_pretrained(model_path))
