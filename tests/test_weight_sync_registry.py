@@ -121,3 +121,46 @@ def test_ray_direct_ends_check_what_ray_delivered():
         receiver.receive({**handoff, "tensors": {"embed.weight": named["embed.weight"]}})
     with pytest.raises(Exception, match=r"phase 'publish'.*norm.weight"):
         sender.send({"embed.weight": named["embed.weight"]}, 5)
+
+
+def test_a_group_receiver_never_writes_storage_another_transport_handed_the_engine(tiny_model_path, tmp_path):
+    """An engine whose weights are read-only views (the object store's, a shm segment's) then syncs over
+    gloo twice: the second receive must not land in the views the first swap handed back (writing a
+    read-only mapping kills the process)."""
+    import mmap
+    import threading
+
+    import torch
+
+    from rayllm_rl.inference.transformers_engine import TransformersEngine
+    from rayllm_rl.weight_sync import find_free_port, metadata_of
+    from rayllm_rl.weight_sync.registry import build_receiver, build_sender
+
+    engine = TransformersEngine(tiny_model_path)
+    params = engine.named_parameters()
+    blob = tmp_path / "weights.bin"
+    blob.write_bytes(b"".join(p.detach().contiguous().view(torch.uint8).numpy().tobytes() for p in params.values()))
+    with open(blob, "rb") as f:
+        view = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)  # read-only, as the store's views are
+    views, off = {}, 0
+    for name, p in params.items():
+        views[name] = torch.frombuffer(view, dtype=p.dtype, count=p.numel(), offset=off).view(p.shape)
+        off += p.numel() * p.element_size()
+    engine.swap_weights(views, 1)
+    metas = metadata_of(params)
+    spec = make_spec("gloo", [(m.name, m.shape, str(m.dtype)[6:]) for m in metas], receivers=1, timeout_s=30,
+                     bucket_bytes=1 << 20, host="127.0.0.1", port=find_free_port())
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("sender", build_sender(spec, metas)))
+    t.start()
+    receiver = build_receiver(spec.for_rank(1), engine)
+    t.join(30)
+    for version in (2, 3):
+        new = {k: torch.full(v.shape, float(version)) for k, v in params.items()}
+        send = threading.Thread(target=lambda: box.__setitem__("sent", box["sender"].send(new, version)))
+        send.start()
+        assert receiver.receive_and_swap()["version"] == version
+        send.join(30)
+        assert all(torch.equal(engine.named_parameters()[k], v) for k, v in new.items())
+    receiver.close()
+    box["sender"].close()

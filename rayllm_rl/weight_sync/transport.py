@@ -409,6 +409,7 @@ class DoubleBufferReceiver:
         if missing:
             raise KeyError(f"DoubleBufferReceiver: the back buffer lacks {missing[:5]}")
         self.back: dict[str, torch.Tensor] = back
+        self._own = {t.data_ptr() for t in back.values()}  # storage this receiver may write
         self._received: int | None = None
 
     def receive(self, *, header_timeout_s: float | None = None) -> int:
@@ -426,6 +427,10 @@ class DoubleBufferReceiver:
             version = self._received
         stall = self.target.swap_weights(self.back, int(version))
         self._received = None
+        for name, t in self.back.items():  # never receive into storage another transport handed the target
+            if t.data_ptr() not in self._own:  # (e.g. read-only views of the object store or a shm segment)
+                self.back[name] = torch.empty_like(t)
+                self._own.add(self.back[name].data_ptr())
         return stall
 
     def receive_and_swap(self, *, header_timeout_s: float | None = None) -> dict[str, float | int]:
