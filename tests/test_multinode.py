@@ -10,7 +10,7 @@ run must finish on restarts alone (no rollback), every episode trained once.
 from __future__ import annotations
 
 import json
-import os
+import shutil
 import tempfile
 import threading
 import time
@@ -80,6 +80,7 @@ def nodes():
     yield nodes
     ray.shutdown()
     nodes.cluster.shutdown()
+    shutil.rmtree(temp, ignore_errors=True)
 
 
 def job_cfg(tmp_path, nodes: Nodes, ns: str, *extra: str) -> GRPOJobConfig:
@@ -120,12 +121,65 @@ def node_of(name: str, ns: str, timeout_s: float = 120.0) -> str:
             time.sleep(0.5)
 
 
-def sender_of(ns: str) -> str:
-    """The class of learner rank 0's weight-sync sender (what the registry built for the placement)."""
-    import ray
+class NodeWatch:
+    """Samples, every `period_s` while a job runs, where each of its named actors is (a short job's
+    actors may be gone before a one-off question is answered): `seen[name]` lists each
+    (node id, sender class) in the order first seen."""
 
-    learner = ray.get_actor("learner-0", namespace=ns)
-    return ray.get(learner.__ray_call__.remote(lambda self: type(self.sender).__name__), timeout=30)
+    def __init__(self, ns: str, names: tuple[str, ...], period_s: float = 0.3):
+        self.ns, self.period_s = ns, period_s
+        self.seen: dict[str, list[tuple[str, str]]] = {name: [] for name in names}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import ray
+
+        def where(actor) -> tuple[str, str]:
+            """Inside an actor (defined here so Ray ships it by value: workers cannot import this
+            module): its node id, and the class of its weight-sync sender (learners)."""
+            return ray.get_runtime_context().get_node_id(), type(getattr(actor, "sender", None)).__name__
+
+        handles: dict = {}  # a handle stays valid while Ray restarts its actor
+        asked: dict = {}  # name -> the call in flight (one each: a slow one holds up no other)
+        while not self._stop.is_set():
+            for name in self.seen.keys() - handles.keys():
+                try:
+                    handles[name] = ray.get_actor(name, namespace=self.ns)
+                except ValueError:  # not created yet
+                    pass
+            for name, handle in handles.items():
+                asked.setdefault(name, handle.__ray_call__.remote(where))
+            if not asked:
+                time.sleep(self.period_s)
+                continue
+            ready = set(ray.wait(list(asked.values()), num_returns=len(asked), timeout=self.period_s)[0])
+            for name, ref in list(asked.items()):
+                if ref not in ready:
+                    continue
+                del asked[name]
+                try:
+                    found = ray.get(ref)
+                except ray.exceptions.RayError:  # restarting, or gone
+                    continue
+                if found not in self.seen[name]:
+                    self.seen[name].append(found)
+            time.sleep(0.05)
+
+    def nodes(self, name: str) -> list[str]:
+        """The nodes `name` was seen on, in order."""
+        return list(dict.fromkeys(node for node, _ in self.seen[name]))
+
+    def wait_seen(self, names: tuple[str, ...], timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not all(self.seen[n] for n in names):
+            assert time.monotonic() < deadline, f"no answer from {names} in {timeout_s:g}s: {self.seen}"
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
 
 
 class Job:
@@ -193,16 +247,19 @@ def test_two_nodes_weights_cross_nodes_and_replica_logprobs_equal_the_learners(n
     steps, ns = 4, "rayllm_mn_two"
     job = Job(job_cfg(tmp_path, nodes, ns, f"trainer.steps={steps}", "rollout.max_staleness=0", "algo.kl_coef=0.05"),
               tmp_path)
-    job.wait_step(1)
-    where = {name: node_of(name, ns)
-             for name in ("learner-0", "inference-0", "env-0", "collector", "replay-buffer", "reference")}
-    sender = sender_of(ns)
-    summary = job.summary()
-    assert where["learner-0"] == nodes.head_id and where["inference-0"] == nodes.inference.node_id
-    assert where["env-0"] == nodes.inference.node_id != nodes.head_id
-    assert where["collector"] == where["replay-buffer"] == nodes.head_id  # with the driver
-    assert where["reference"] == nodes.head_id  # with the learners' labels
-    assert sender == "ObjectStoreSender"  # ray.sync_transport=auto on CPUs: Ray's object store, across nodes
+    watch = NodeWatch(ns, ("learner-0", "inference-0", "env-0", "collector", "replay-buffer", "reference"))
+    try:
+        summary = job.summary()
+    finally:
+        watch.stop()
+    head, inference = nodes.head_id, nodes.inference.node_id
+    assert inference != head
+    assert watch.nodes("inference-0") == watch.nodes("env-0") == [inference]
+    assert watch.nodes("learner-0") == [head]
+    assert watch.nodes("collector") == watch.nodes("replay-buffer") == [head]  # with the driver
+    assert watch.nodes("reference") == [head]  # with the learners' labels
+    # ray.sync_transport=auto on CPUs: Ray's object store, across nodes
+    assert (head, "ObjectStoreSender") in watch.seen["learner-0"], watch.seen["learner-0"]
     assert summary["steps"] == steps and summary["version"] == steps and summary["recoveries"] == []
     assert summary["learner_checksums_equal_replicas"]
     assert summary["replica_versions_held"] == [[0, 0, 1, 2, 3, 4]]  # load, post-SFT sync, one per step
@@ -222,15 +279,19 @@ def test_losing_the_replicas_node_costs_restarts_not_the_run(nodes, tmp_path):
     finishes with no rollback, every episode trained once and the weights equal at the end."""
     steps, ns, lost_after = 8, "rayllm_mn_loss", 2
     job = Job(job_cfg(tmp_path, nodes, ns, f"trainer.steps={steps}", "rollout.max_staleness=1"), tmp_path)
-    job.wait_step(lost_after)
-    lost = nodes.inference
-    assert node_of("inference-0", ns) == node_of("env-0", ns) == lost.node_id
-    nodes.cluster.remove_node(lost)
-    nodes.inference = nodes.add_inference_node()
-    where = {name: node_of(name, ns) for name in ("inference-0", "env-0", "learner-0", "collector")}
-    summary = job.summary()
-    assert where["inference-0"] == where["env-0"] == nodes.inference.node_id != lost.node_id
-    assert where["learner-0"] == where["collector"] == nodes.head_id
+    watch = NodeWatch(ns, ("inference-0", "env-0", "learner-0", "collector"))
+    try:
+        job.wait_step(lost_after)
+        watch.wait_seen(("inference-0", "env-0"))
+        lost = nodes.inference
+        nodes.cluster.remove_node(lost)
+        nodes.inference = nodes.add_inference_node()
+        summary = job.summary()
+    finally:
+        watch.stop()
+    # the same actors (Ray restarted them, names and handles kept) on the new node; the driver's side stayed
+    assert watch.nodes("inference-0") == watch.nodes("env-0") == [lost.node_id, nodes.inference.node_id]
+    assert watch.nodes("learner-0") == watch.nodes("collector") == [nodes.head_id]
     assert summary["steps"] == steps and summary["version"] == steps
     assert summary["recoveries"] == [], "a lost node must cost restarts, not a rollback"
     assert summary["restarts"]["inference"] == 1 and summary["restarts"]["env"] == 1
@@ -243,7 +304,7 @@ def test_losing_the_replicas_node_costs_restarts_not_the_run(nodes, tmp_path):
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_a_node_lost_after_the_last_sync_gets_the_weights_for_the_drain_and_the_eval(nodes):
+def test_a_node_lost_after_the_last_sync_gets_the_weights_for_the_drain_and_the_eval(nodes, tmp_path):
     """No sync follows the last step, so nothing would send the restarted replica the weights it
     needs to serve the episodes the final drain waits for, or the final eval: the backend's wait
     for them sends the version last synced to a replica Ray restarted (before, the eval failed with
@@ -256,7 +317,7 @@ def test_a_node_lost_after_the_last_sync_gets_the_weights_for_the_drain_and_the_
     from rayllm_rl.orchestration.ray.backend import RayBackend
 
     ns = "rayllm_mn_late"
-    cfg = job_cfg(Path(tempfile.mkdtemp(prefix="/tmp/rayllm-mn-run-")), nodes, ns, "rollout.max_staleness=1",
+    cfg = job_cfg(tmp_path, nodes, ns, "rollout.max_staleness=1",
                   "ray.call_timeout_s=60")
     model_path = ensure_tiny_model()
     backend = RayBackend(cfg, model_path, build_task(cfg), AutoTokenizer.from_pretrained(model_path))
