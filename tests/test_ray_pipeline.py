@@ -83,6 +83,7 @@ def test_training_respects_staleness_and_versions(local_ray, tmp_path, eta):
 
     summary = train(small_cfg(tmp_path, "trainer.steps=4", f"rollout.max_staleness={eta}"))
     assert set(summary) == SUMMARY_KEYS and summary["backend"] == "ray"  # the local backend's schema too
+    assert summary["weight_transport"] == "object_store"  # the default on CPU: Ray's object store
     records = rl_records(summary)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert [r["version"] for r in records] == [1, 2, 3, 4]

@@ -23,7 +23,8 @@ SUMMARY_KEYS = frozenset({
     "eval_reward_before", "eval_reward_after", "eval_reward_gain", "steps", "version", "backend", "algo",
     "max_staleness", "max_version_lag", "budget_cuts", "eval_prompts", "wall_seconds", "rl_seconds", "run_dir",
     "checkpoint", "eval_before", "eval_after", "failed_episodes", "episodes_rerun", "episodes_lost", "restarts",
-    "recoveries", "buffer", "reward_failures", "replica_versions_held", "learner_checksums_equal_replicas"})
+    "recoveries", "buffer", "reward_failures", "replica_versions_held", "weight_transport",
+    "learner_checksums_equal_replicas"})
 """The summary's keys, the same on both backends (docs/ray-orchestration.md describes each)."""
 
 

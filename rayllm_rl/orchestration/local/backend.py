@@ -150,7 +150,7 @@ class LocalBackend:
         return {"failed_episodes": self.collector_stats()["failed_episodes"], **self.faults.summary(),
                 "buffer": self.loop.run(self.buffer.buffer.stats),
                 "reward_failures": reward.counters() if reward is not None else {},
-                "replica_versions_held": [list(self.versions_held)],
+                "replica_versions_held": [list(self.versions_held)], "weight_transport": "in-process",
                 "learner_checksums_equal_replicas": weights_checksum(self.learner.named_tensors()) == engine_sum}
 
     def recover(self, crash) -> None:

@@ -276,7 +276,7 @@ class RayBackend:
         return {"failed_episodes": col["failed_episodes"], **self.faults.summary(),
                 "buffer": self._get(c.buffer.stats.remote()), "reward_failures": self._reward_counters(),
                 "replica_versions_held": self._get([r.version_history.remote() for r in c.replicas]),
-                "learner_checksums_equal_replicas": len(set(sums)) == 1}
+                "weight_transport": c.transport, "learner_checksums_equal_replicas": len(set(sums)) == 1}
 
     def publish(self, record: dict[str, Any]) -> None:
         self._metrics.update(record)
