@@ -274,7 +274,7 @@ def test_two_nodes_weights_cross_nodes_and_replica_logprobs_equal_the_learners(n
     # ray.sync_transport=auto on CPUs: Ray's object store, across nodes
     assert (head, "ObjectStoreSender") in watch.seen["learner-0"], watch.seen["learner-0"]
     assert summary["steps"] == steps and summary["version"] == steps and summary["recoveries"] == []
-    assert summary["learner_checksums_equal_replicas"]
+    assert summary["weight_transport"] == "object_store" and summary["learner_checksums_equal_replicas"]
     assert summary["replica_versions_held"] == [[0, 0, 1, 2, 3, 4]]  # load, post-SFT sync, one per step
     records = assert_every_episode_once(summary, steps)
     for r in records:
@@ -309,7 +309,7 @@ def test_losing_the_replicas_node_costs_restarts_not_the_run(nodes, tmp_path):
     assert summary["steps"] == steps and summary["version"] == steps
     assert summary["recoveries"] == [], "a lost node must cost restarts, not a rollback"
     assert summary["restarts"]["inference"] == 1 and summary["restarts"]["env"] == 1
-    assert summary["learner_checksums_equal_replicas"]
+    assert summary["weight_transport"] == "object_store" and summary["learner_checksums_equal_replicas"]
     held = summary["replica_versions_held"][0]  # the new process: the base weights, then current ones only
     assert held[0] == 0 and held[1] >= lost_after and held[-1] == steps and held == sorted(held), held
     records = assert_every_episode_once(summary, steps)
