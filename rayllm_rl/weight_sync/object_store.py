@@ -30,9 +30,8 @@ import numpy as np
 import ray
 import torch
 
-from rayllm_rl.weight_sync.buckets import TensorMeta, plan_buckets, plan_fingerprint
-from rayllm_rl.weight_sync.gloo_group import WeightSyncError, WeightSyncTimeout
-from rayllm_rl.weight_sync.transport import SyncStats, _EndpointView, _Source
+from rayllm_rl.weight_sync.buckets import TensorMeta
+from rayllm_rl.weight_sync.transport import SyncStats, _EndpointView, _HandoffPlan, _HeldReceiver, _Source
 
 __all__ = ["Handoff", "ObjectStoreSender", "ObjectStoreReceiver"]
 
@@ -66,34 +65,11 @@ def _tensor_of(buf: np.ndarray, meta: TensorMeta) -> torch.Tensor:
         return torch.from_numpy(buf).view(meta.dtype).view(meta.shape)
 
 
-class _Plan:
-    """The bucket plan both ends compute from the same metas (checked through its fingerprint)."""
-
-    def __init__(self, metas: Sequence[TensorMeta], bucket_bytes: int, timeout_s: float, rank: int):
-        self.metas = list(metas)
-        if not self.metas:
-            raise ValueError("weight sync: empty list of tensor metadata")
-        if not timeout_s > 0:
-            raise ValueError(f"weight sync: timeout_s must be > 0, got {timeout_s}")
-        self.buckets = plan_buckets(self.metas, int(bucket_bytes))
-        self.fingerprint = plan_fingerprint(self.buckets)
-        self.total_bytes = sum(m.nbytes for m in self.metas)
-        self.timeout_s = float(timeout_s)
-        self.rank = rank
-        self.last_stats: SyncStats | None = None
-
-    def error(self, phase: str, message: str, timed_out: bool = False) -> WeightSyncError:
-        cls = WeightSyncTimeout if timed_out else WeightSyncError
-        return cls(f"weight sync phase '{phase}' {'timed out' if timed_out else 'failed'} on rank {self.rank} "
-                   f"(object store, timeout {self.timeout_s:g}s): {message}",
-                   phase=phase, rank=self.rank, world_size=None, timeout_s=self.timeout_s)
-
-
 class ObjectStoreSender(_EndpointView):
     """Learner rank 0: puts each bucket of a version into the object store; returns the references."""
 
     def __init__(self, metas: Sequence[TensorMeta], bucket_bytes: int, timeout_s: float):
-        self._ep = _Plan(metas, bucket_bytes, timeout_s, rank=0)
+        self._ep = _HandoffPlan(metas, bucket_bytes, timeout_s, 0, "object store")
         self.handoff: Handoff | None = None
         """The last published version (kept alive for replicas that join later)."""
 
@@ -107,35 +83,19 @@ class ObjectStoreSender(_EndpointView):
         t0 = time.perf_counter()
         source = _Source(named, {m.name for m in plan.metas})
         refs = []
-        try:
+        with plan.publishing(source):
             for i, bucket in enumerate(plan.buckets):
                 phase = f"publish bucket {i + 1}/{len(plan.buckets)}"
-                arrays = []
-                for m in bucket:
-                    t = source.take(m.name)
-                    if tuple(t.shape) != m.shape or t.dtype != m.dtype:
-                        raise plan.error(phase, f"{m.name} is {tuple(t.shape)}/{t.dtype}, planned {m.shape}/{m.dtype}")
-                    arrays.append(_flat_bytes(t))
-                refs.append(ray.put(arrays))
-                del arrays
-        except KeyError as exc:
-            source.drain()  # FSDP peers gather in step with this rank
-            raise plan.error("publish", str(exc)) from exc
-        except WeightSyncError:
-            source.drain()
-            raise
+                refs.append(ray.put([_flat_bytes(plan.take(source, m, phase)) for m in bucket]))
         self.handoff = Handoff(int(version), plan.fingerprint, tuple(refs), plan.total_bytes)
-        stats = SyncStats(bytes=plan.total_bytes, seconds=time.perf_counter() - t0, buckets=len(refs),
-                          version=int(version))
-        plan.last_stats = stats
-        return stats, self.handoff
+        return plan.sent(t0, len(refs), version), self.handoff
 
     def close(self) -> None:
         """Drop the last handoff (its objects are freed once no replica views them)."""
         self.handoff = None
 
 
-class ObjectStoreReceiver(_EndpointView):
+class ObjectStoreReceiver(_HeldReceiver):
     """A replica: fetches a handoff's buckets and hands them, as tensors, to its target's sink.
 
     `target` offers ``named_parameters()`` (names, shapes, dtypes it takes) and
@@ -144,7 +104,7 @@ class ObjectStoreReceiver(_EndpointView):
 
     def __init__(self, target: Any, metas: Sequence[TensorMeta], bucket_bytes: int, timeout_s: float,
                  rank: int = 1):
-        self._ep = _Plan(metas, bucket_bytes, timeout_s, rank=rank)
+        self._ep = _HandoffPlan(metas, bucket_bytes, timeout_s, rank, "object store")
         params = target.named_parameters()
         unknown = [m.name for m in self._ep.metas if m.name not in params]
         if unknown:
@@ -156,7 +116,6 @@ class ObjectStoreReceiver(_EndpointView):
             raise ValueError(f"ObjectStoreReceiver: shapes differ (name, sent, target): {bad[:5]}")
         self._dtypes = {m.name: params[m.name].dtype for m in self._ep.metas}
         self.target = target
-        self._received: tuple[int, dict[str, torch.Tensor]] | None = None
         self.copied_bytes = 0
         """Bytes of the last receive that are not read-only views of the node's store (a dtype
         conversion, or a writable copy Ray handed back): 0 is the zero-copy path."""
@@ -192,23 +151,4 @@ class ObjectStoreReceiver(_EndpointView):
                     copied += m.nbytes
                 named[m.name] = t if t.dtype == self._dtypes[m.name] else t.to(self._dtypes[m.name])
         self.copied_bytes = copied
-        self._received = (int(handoff.version), named)
-        plan.last_stats = SyncStats(bytes=plan.total_bytes, seconds=time.perf_counter() - t0, buckets=n,
-                                    version=int(handoff.version))
-        return int(handoff.version)
-
-    def swap(self, version: int | None = None) -> float:
-        """Hand the fetched tensors to the target between two decode steps; returns the stall (s).
-        The dict comes back holding the target's previous storage and is dropped here."""
-        if self._received is None:
-            raise RuntimeError("ObjectStoreReceiver.swap: nothing received since the last swap")
-        received, named = self._received
-        self._received = None
-        try:
-            return float(self.target.swap_weights(named, received if version is None else int(version)))
-        except Exception as exc:
-            raise self._ep.error("swap", f"{type(exc).__name__}: {exc}") from exc
-
-    def close(self) -> None:
-        """Drop what was fetched and not swapped in (the target keeps its current weights)."""
-        self._received = None
+        return self._hold(handoff.version, named, t0, n)

@@ -19,37 +19,18 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from rayllm_rl.weight_sync.buckets import TensorMeta, plan_buckets, plan_fingerprint
-from rayllm_rl.weight_sync.gloo_group import WeightSyncError
-from rayllm_rl.weight_sync.transport import SyncStats, _EndpointView, _Source
+from rayllm_rl.weight_sync.buckets import TensorMeta
+from rayllm_rl.weight_sync.transport import SyncStats, _EndpointView, _HandoffPlan, _HeldReceiver, _Source
 
 __all__ = ["RDTSender", "RDTReceiver"]
-
-
-class _Plan:
-    """The tensors both ends expect, and the last sync's stats."""
-
-    def __init__(self, metas: Sequence[TensorMeta], timeout_s: float, rank: int, device: str):
-        self.metas = list(metas)
-        if not self.metas:
-            raise ValueError("weight sync: empty list of tensor metadata")
-        self.buckets = plan_buckets(self.metas, 1 << 62)  # one per dtype run: only for the fingerprint
-        self.fingerprint = plan_fingerprint(self.buckets)
-        self.total_bytes = sum(m.nbytes for m in self.metas)
-        self.timeout_s, self.rank, self.device = float(timeout_s), rank, device
-        self.last_stats: SyncStats | None = None
-
-    def error(self, phase: str, message: str) -> WeightSyncError:
-        return WeightSyncError(f"weight sync phase '{phase}' failed on rank {self.rank} (Ray Direct Transport, "
-                               f"timeout {self.timeout_s:g}s): {message}", phase=phase, rank=self.rank,
-                               world_size=None, timeout_s=self.timeout_s)
 
 
 class RDTSender(_EndpointView):
     """Learner rank 0: returns every tensor of the plan, on the transport's device, in the handoff."""
 
     def __init__(self, metas: Sequence[TensorMeta], timeout_s: float, device: str):
-        self._ep = _Plan(metas, timeout_s, 0, device)
+        self._ep = _HandoffPlan(metas, 1 << 62, timeout_s, 0, "Ray Direct Transport")  # buckets: dtype runs
+        self.device = device
 
     def send(self, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
              version: int) -> tuple[SyncStats, dict[str, Any]]:
@@ -57,39 +38,28 @@ class RDTSender(_EndpointView):
         t0 = time.perf_counter()
         source = _Source(named, {m.name for m in plan.metas})
         tensors: dict[str, torch.Tensor] = {}
-        try:
+        with plan.publishing(source):
             for m in plan.metas:
-                t = source.take(m.name).detach()
-                if tuple(t.shape) != m.shape or t.dtype != m.dtype:
-                    raise plan.error("publish", f"{m.name} is {tuple(t.shape)}/{t.dtype}, planned {m.shape}/{m.dtype}")
-                tensors[m.name] = t if t.device.type == plan.device else t.to(plan.device)
-        except KeyError as exc:
-            source.drain()  # FSDP peers gather in step with this rank
-            raise plan.error("publish", str(exc)) from exc
-        except WeightSyncError:
-            source.drain()
-            raise
-        stats = SyncStats(bytes=plan.total_bytes, seconds=time.perf_counter() - t0, buckets=len(tensors),
-                          version=int(version))
-        plan.last_stats = stats
+                t = plan.take(source, m, "publish").detach()
+                tensors[m.name] = t if t.device.type == self.device else t.to(self.device)
+        stats = plan.sent(t0, len(tensors), version)
         return stats, {"version": int(version), "fingerprint": plan.fingerprint, "tensors": tensors}
 
     def close(self) -> None:
         """Nothing is held here: Ray frees the sent tensors once no reference to the result is left."""
 
 
-class RDTReceiver(_EndpointView):
+class RDTReceiver(_HeldReceiver):
     """A replica: the handoff arrives holding the tensors (Ray moved them); swaps them into `target`."""
 
     def __init__(self, target: Any, metas: Sequence[TensorMeta], timeout_s: float, rank: int = 1):
         params = target.named_parameters()
-        self._ep = _Plan(metas, timeout_s, rank, "cpu")
+        self._ep = _HandoffPlan(metas, 1 << 62, timeout_s, rank, "Ray Direct Transport")
         self._dtypes = {m.name: params[m.name].dtype for m in self._ep.metas}
         # where the target keeps each tensor (a staging target's are "meta": it copies from the CPU)
         self._devices = {m.name: params[m.name].device if params[m.name].device.type != "meta"
                          else torch.device("cpu") for m in self._ep.metas}
         self.target = target
-        self._received: tuple[int, dict[str, torch.Tensor]] | None = None
 
     def receive(self, handoff: Mapping[str, Any], *, header_timeout_s: float | None = None) -> int:
         """Check what Ray delivered against the plan; returns its version (nothing is waited for:
@@ -108,20 +78,4 @@ class RDTReceiver(_EndpointView):
             if t is None or tuple(t.shape) != m.shape:
                 raise plan.error("handoff", f"{m.name}: got {None if t is None else tuple(t.shape)}, planned {m.shape}")
             named[m.name] = t.to(device=self._devices[m.name], dtype=self._dtypes[m.name])  # no copy if they match
-        self._received = (int(handoff["version"]), named)
-        plan.last_stats = SyncStats(bytes=plan.total_bytes, seconds=time.perf_counter() - t0, buckets=len(named),
-                                    version=int(handoff["version"]))
-        return int(handoff["version"])
-
-    def swap(self, version: int | None = None) -> float:
-        if self._received is None:
-            raise RuntimeError("RDTReceiver.swap: nothing received since the last swap")
-        received, named = self._received
-        self._received = None
-        try:
-            return float(self.target.swap_weights(named, received if version is None else int(version)))
-        except Exception as exc:
-            raise self._ep.error("swap", f"{type(exc).__name__}: {exc}") from exc
-
-    def close(self) -> None:
-        self._received = None
+        return self._hold(handoff["version"], named, t0, len(named))

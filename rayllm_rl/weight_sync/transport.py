@@ -30,6 +30,7 @@ A failure at the header or vote leaves the group usable; any later failure break
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Any, Iterable, Iterator, Mapping, Sequence
@@ -39,7 +40,7 @@ import torch
 from rayllm_rl.weight_sync.buckets import (
     TensorMeta, bucket_numel, pack, plan_buckets, plan_fingerprint, unpack_into,
 )
-from rayllm_rl.weight_sync.gloo_group import WeightSyncError
+from rayllm_rl.weight_sync.gloo_group import WeightSyncError, WeightSyncTimeout
 
 __all__ = ["SyncStats", "WeightSender", "WeightReceiver", "DoubleBufferReceiver", "DEFAULT_BUCKET_BYTES"]
 
@@ -193,6 +194,82 @@ class _EndpointView:
     @property
     def last_stats(self) -> SyncStats | None:
         return self._ep.last_stats
+
+
+class _HandoffPlan:
+    """The plan of a transport whose sender returns a handoff (the object store, Ray Direct
+    Transport): tensors, buckets, fingerprint, last stats, and errors naming the transport."""
+
+    def __init__(self, metas: Sequence[TensorMeta], bucket_bytes: int, timeout_s: float, rank: int, what: str):
+        self.metas = list(metas)
+        if not self.metas:
+            raise ValueError("weight sync: empty list of tensor metadata")
+        if not timeout_s > 0:
+            raise ValueError(f"weight sync: timeout_s must be > 0, got {timeout_s}")
+        self.buckets = plan_buckets(self.metas, int(bucket_bytes))
+        self.fingerprint = plan_fingerprint(self.buckets)
+        self.total_bytes = sum(m.nbytes for m in self.metas)
+        self.timeout_s, self.rank, self.what = float(timeout_s), rank, what
+        self.last_stats: SyncStats | None = None
+
+    def error(self, phase: str, message: str, timed_out: bool = False) -> WeightSyncError:
+        cls = WeightSyncTimeout if timed_out else WeightSyncError
+        return cls(f"weight sync phase '{phase}' {'timed out' if timed_out else 'failed'} on rank {self.rank} "
+                   f"({self.what}, timeout {self.timeout_s:g}s): {message}",
+                   phase=phase, rank=self.rank, world_size=None, timeout_s=self.timeout_s)
+
+    def take(self, source: "_Source", m: TensorMeta, phase: str) -> torch.Tensor:
+        """The source's tensor for `m`, checked against the plan."""
+        t = source.take(m.name)
+        if tuple(t.shape) != m.shape or t.dtype != m.dtype:
+            raise self.error(phase, f"{m.name} is {tuple(t.shape)}/{t.dtype}, planned {m.shape}/{m.dtype}")
+        return t
+
+    @contextlib.contextmanager
+    def publishing(self, source: "_Source"):
+        """A failed publish drains a lazy source (FSDP peers gather in step) and names its phase."""
+        try:
+            yield
+        except KeyError as exc:
+            source.drain()
+            raise self.error("publish", str(exc)) from exc
+        except WeightSyncError:
+            source.drain()
+            raise
+
+    def sent(self, t0: float, buckets: int, version: int) -> SyncStats:
+        self.last_stats = SyncStats(bytes=self.total_bytes, seconds=time.perf_counter() - t0, buckets=buckets,
+                                    version=int(version))
+        return self.last_stats
+
+
+class _HeldReceiver(_EndpointView):
+    """A receiver whose bytes arrive as whole tensors (fetched, or delivered by Ray): it holds them
+    until `swap` hands them to its target between two decode steps."""
+
+    target: Any
+    _received: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    def _hold(self, version: int, named: dict[str, torch.Tensor], t0: float, buckets: int) -> int:
+        self._received = (int(version), named)
+        self._ep.sent(t0, buckets, version)
+        return int(version)
+
+    def swap(self, version: int | None = None) -> float:
+        """Hand the received tensors to the target; returns the stall (s). The dict comes back
+        holding the target's previous storage and is dropped here."""
+        if self._received is None:
+            raise RuntimeError(f"{type(self).__name__}.swap: nothing received since the last swap")
+        received, named = self._received
+        self._received = None
+        try:
+            return float(self.target.swap_weights(named, received if version is None else int(version)))
+        except Exception as exc:
+            raise self._ep.error("swap", f"{type(exc).__name__}: {exc}") from exc
+
+    def close(self) -> None:
+        """Drop what was received and not swapped in (the target keeps its current weights)."""
+        self._received = None
 
 
 class WeightSender(_EndpointView):
