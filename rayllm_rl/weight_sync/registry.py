@@ -183,8 +183,7 @@ class _GroupSender:
         return self.inner.send(named, version), None
 
     def close(self) -> None:
-        if hasattr(self.inner, "close"):
-            self.inner.close()
+        self.inner.close()
         self.group.close()
 
 
@@ -218,24 +217,21 @@ def build_sender(spec: SyncSpec, metas: Sequence[TensorMeta]):
 
 
 class _Receiver:
-    """A receiver behind the common shape; `group` (if any) is closed with it."""
+    """A receiver behind the common shape, with `receive_and_swap`; `group` (if any) is closed with it."""
 
-    def __init__(self, inner, group=None, takes_handoff: bool = False):
-        self.inner, self.group, self.takes_handoff = inner, group, takes_handoff
+    def __init__(self, inner, group=None):
+        self.inner, self.group = inner, group
 
     @property
     def metas(self) -> list[TensorMeta]:
-        return self.inner.metas if hasattr(self.inner, "metas") else self.inner.receiver.metas
+        return self.inner.metas
 
     @property
     def last_stats(self) -> SyncStats | None:
-        inner = getattr(self.inner, "receiver", self.inner)
-        return inner.last_stats
+        return self.inner.last_stats
 
     def receive(self, handoff=None, *, header_timeout_s: float | None = None) -> int:
-        if self.takes_handoff:
-            return self.inner.receive(handoff, header_timeout_s=header_timeout_s)
-        return self.inner.receive(header_timeout_s=header_timeout_s)
+        return self.inner.receive(handoff, header_timeout_s=header_timeout_s)
 
     def swap(self, version: int | None = None) -> float:
         return self.inner.swap(version)
@@ -251,8 +247,7 @@ class _Receiver:
                 "bytes": st.bytes if st else 0, "bytes_per_s": st.bytes_per_s if st else 0.0}
 
     def close(self) -> None:
-        if hasattr(self.inner, "close"):
-            self.inner.close()
+        self.inner.close()
         if self.group is not None:
             self.group.close()
 
@@ -271,12 +266,11 @@ def build_receiver(spec: SyncSpec, target: Any):
     if spec.transport == "object_store":
         from rayllm_rl.weight_sync.object_store import ObjectStoreReceiver
 
-        return _Receiver(ObjectStoreReceiver(target, metas, spec.bucket_bytes, spec.timeout_s, spec.rank),
-                         takes_handoff=True)
+        return _Receiver(ObjectStoreReceiver(target, metas, spec.bucket_bytes, spec.timeout_s, spec.rank))
     if spec.info.tensor_transport is not None:
         from rayllm_rl.weight_sync.ray_direct import RDTReceiver
 
-        return _Receiver(RDTReceiver(target, metas, spec.timeout_s, spec.rank), takes_handoff=True)
+        return _Receiver(RDTReceiver(target, metas, spec.timeout_s, spec.rank))
     group = _group(spec, spec.rank)
     try:
         if spec.transport == "shm":

@@ -526,8 +526,9 @@ class ShmWeightReceiver(_Base):
         self.group.allreduce_max(codes, self.timeout_s, phase="ack")
         return codes
 
-    def receive(self, *, header_timeout_s: float | None = None) -> int:
+    def receive(self, handoff: Any = None, *, header_timeout_s: float | None = None) -> int:
         """Wait for the next sync's header (generation continues) and validate it; returns its version.
+        `handoff` is unused: the header arrives through the group.
 
         Raises WeightSyncError naming the mismatch (bad magic, layout fingerprint or size,
         segment index, aborted sync) after telling the sender through the ack; the engine's

@@ -359,6 +359,9 @@ class WeightSender(_EndpointView):
         ep.last_stats = stats
         return stats
 
+    def close(self) -> None:
+        """Nothing to release here: the group is closed by its owner."""
+
     def _check_mapping(self, named: Mapping[str, torch.Tensor]) -> str | None:
         for m in self._ep.metas:
             if m.name not in named:
@@ -489,8 +492,17 @@ class DoubleBufferReceiver:
         self._own = {t.data_ptr() for t in back.values()}  # storage this receiver may write
         self._received: int | None = None
 
-    def receive(self, *, header_timeout_s: float | None = None) -> int:
-        """Fill the back buffer with the next update (generation continues); returns its version."""
+    @property
+    def metas(self) -> list[TensorMeta]:
+        return self.receiver.metas
+
+    @property
+    def last_stats(self) -> SyncStats | None:
+        return self.receiver.last_stats
+
+    def receive(self, handoff: Any = None, *, header_timeout_s: float | None = None) -> int:
+        """Fill the back buffer with the next update (generation continues); returns its version.
+        `handoff` is unused: the bytes arrive through the group."""
         self._received = None
         version = self.receiver.receive_into(self.back, header_timeout_s=header_timeout_s)
         self._received = version
@@ -520,3 +532,7 @@ class DoubleBufferReceiver:
         return {"version": version, "receive_s": receive_s, "stall_s": stall,
                 "transfer_s": st.seconds if st else receive_s, "bytes": st.bytes if st else 0,
                 "bytes_per_s": st.bytes_per_s if st else 0.0}
+
+    def close(self) -> None:
+        """Forget a received update that was not swapped in (the group is closed by its owner)."""
+        self._received = None
