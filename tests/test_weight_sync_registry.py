@@ -70,7 +70,6 @@ def test_every_transport_is_described_by_properties_engines_may_ask():
     assert [n for n, t in TRANSPORTS.items() if t.pulls] == ["object_store", "rdt_gloo", "rdt_nccl"]
     assert {n: t.tensor_transport for n, t in TRANSPORTS.items() if t.tensor_transport} == {"rdt_gloo": "gloo",
                                                                                           "rdt_nccl": "nccl"}
-    assert [n for n, t in TRANSPORTS.items() if t.handoff_reusable] == ["object_store"]
     assert [n for n, t in TRANSPORTS.items() if not t.cross_node] == ["shm"]
     assert transport_info("nccl").gpu_only and not transport_info("gloo").gpu_only
 

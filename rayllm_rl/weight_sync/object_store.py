@@ -3,8 +3,8 @@
 Sender (:class:`ObjectStoreSender`, learner rank 0): ``send(named, v)`` puts every bucket of the
 plan as one object, a list of flat ``uint8`` numpy views (one per tensor: pickle-5 out-of-band
 buffers, so each byte is copied once, into the object store, with no packing), and returns a
-:class:`Handoff` of ``ObjectRef``s stamped ``v``. It keeps the last handoff alive, so a replica
-that Ray restarted fetches the current weights from it.
+:class:`Handoff` of ``ObjectRef``s stamped ``v``. It keeps the last handoff alive, so a receiver
+built later can still fetch the current weights from it.
 
 The driver passes the handoff (references only, never bytes) to every receiver.
 
@@ -71,7 +71,7 @@ class ObjectStoreSender(_EndpointView):
     def __init__(self, metas: Sequence[TensorMeta], bucket_bytes: int, timeout_s: float):
         self._ep = _HandoffPlan(metas, bucket_bytes, timeout_s, 0, "object store")
         self.handoff: Handoff | None = None
-        """The last published version (kept alive for replicas that join later)."""
+        """The last published version (kept alive for receivers built later)."""
 
     def send(self, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
              version: int) -> tuple[SyncStats, Handoff]:

@@ -62,16 +62,13 @@ class TransportInfo:
     tensor_transport: str | None = None
     """Ray Direct Transport backend of learner rank 0's sync call ('gloo', 'nccl'): the Ray layer makes
     a collective group of learner rank 0 and the replicas, and Ray moves the result's tensors."""
-    handoff_reusable: bool = False
-    """A replica that joins later (Ray restarted it) can receive from the last handoff."""
     single_learner_rank: bool = False
     """Needs the learner's torch.distributed to itself (Ray's gloo group initialises it), so FSDP
     with several learner ranks cannot share the process."""
 
 
 TRANSPORTS: dict[str, TransportInfo] = {t.name: t for t in (
-    TransportInfo("object_store", pulls=True, receiver_needs_ray=True, cross_node=True, gpu_only=False, group=False,
-                  handoff_reusable=True),
+    TransportInfo("object_store", pulls=True, receiver_needs_ray=True, cross_node=True, gpu_only=False, group=False),
     TransportInfo("rdt_gloo", pulls=True, receiver_needs_ray=True, cross_node=True, gpu_only=False, group=False,
                   tensor_transport="gloo", single_learner_rank=True),
     TransportInfo("rdt_nccl", pulls=True, receiver_needs_ray=True, cross_node=True, gpu_only=True, group=False,

@@ -46,9 +46,6 @@ class Cluster:
     timeout_s: float
     sync_timeout_s: float
     transport: str = "object_store"
-    published: Any = None
-    """A transport whose handoff a late replica can use (the object store): the reference to learner
-    rank 0's last `sync_weights` result, kept so a replica Ray restarted fetches the current weights."""
     collective_group: Any = None
     """Ray Direct Transport: the Ray collective group of learner rank 0 and the replicas."""
     placement: Placement | None = None
@@ -101,7 +98,6 @@ class Cluster:
         # a Ray Direct Transport result cannot be fetched here: only the replicas receive its tensors.
         waited = got + (sent[1:] if info.tensor_transport is not None else sent)
         replicas = self.get(waited, timeout_s=self.sync_timeout_s)[:len(got)]  # a dead replica fails at once
-        self.published = published if info.handoff_reusable else None
         learner0 = self.get(self.learners[0].last_sync_stats.remote())
         return {**learner0, "stall_s": max(r["stall_s"] for r in replicas),
                 "receive_s": max(r["receive_s"] for r in replicas)}
@@ -240,7 +236,7 @@ def form_sync_group(cluster: Cluster, cfg: GRPOJobConfig) -> None:
     transport = plan_transport(rc.sync_transport, learner_gpus=rc.gpus_per_learner > 0, learner_ranks=rc.num_learners,
                                replica_gpus=rc.gpus_per_replica > 0, learner_node=sync_host,
                                replica_nodes=cluster.get([r.node_ip.remote() for r in replicas]))
-    cluster.transport, cluster.published = transport, None
+    cluster.transport = transport
     ranks = cluster.get([r.receiving_processes.remote(transport) for r in replicas])
     spec = make_spec(transport, cluster.get(learners[0].weight_metadata.remote()), receivers=sum(ranks),
                      timeout_s=rc.sync_timeout_s, bucket_bytes=int(rc.sync_bucket_mb * (1 << 20)),
@@ -255,52 +251,55 @@ def form_sync_group(cluster: Cluster, cfg: GRPOJobConfig) -> None:
 
 def join_collective_group(cluster: Cluster, backend: str, timeout_s: float) -> None:
     """The Ray collective group Ray Direct Transport sends over: learner rank 0 (rank 0) and every
-    replica. Ray's call waits without a deadline, so it runs on a thread this one waits for."""
-    import threading
-
+    replica."""
     from ray.experimental.collective import create_collective_group
 
     leave_collective_group(cluster, timeout_s)
-    box: dict[str, Any] = {}
     members = [cluster.learners[0], *cluster.replicas]
-
-    def create():
-        try:
-            box["group"] = create_collective_group(members, backend=backend)
-        except BaseException as exc:  # reported below
-            box["error"] = exc
-
-    th = threading.Thread(target=create, name="rayllm-collective-group", daemon=True)
-    th.start()
-    th.join(timeout_s)
-    if th.is_alive():
-        raise TimeoutError(f"weight sync: Ray's {backend} collective group of learner rank 0 and "
-                           f"{len(cluster.replicas)} replica(s) did not form within {timeout_s:g}s (ray.sync_timeout_s)")
-    if "error" in box:
-        raise RuntimeError(f"weight sync: Ray's {backend} collective group did not form: {box['error']}") from box["error"]
-    cluster.collective_group = box["group"]
+    what = f"Ray's {backend} collective group of learner rank 0 and {len(cluster.replicas)} replica(s)"
+    try:
+        cluster.collective_group = _bounded(lambda: create_collective_group(members, backend=backend), timeout_s,
+                                            f"weight sync: {what} (ray.sync_timeout_s)")
+    except TimeoutError:
+        raise
+    except Exception as exc:
+        raise RuntimeError(f"weight sync: {what} did not form: {exc}") from exc
 
 
 def leave_collective_group(cluster: Cluster, timeout_s: float) -> None:
     """Destroy the Ray collective group, if any (an actor keeps one group per backend: a new one for
     a restarted replica needs the old one gone); best effort, bounded."""
-    import threading
-
     from ray.experimental.collective import destroy_collective_group
 
     group, cluster.collective_group = cluster.collective_group, None
     if group is None:
         return
-    th = threading.Thread(target=lambda: _quietly(destroy_collective_group, group), daemon=True)
-    th.start()
-    th.join(timeout_s)
-
-
-def _quietly(fn, *args) -> None:
     try:
-        fn(*args)
+        _bounded(lambda: destroy_collective_group(group), timeout_s, "destroying Ray's collective group")
     except Exception:  # noqa: BLE001 - tearing a group down: its members may be dead already
         pass
+
+
+def _bounded(fn, timeout_s: float, what: str):
+    """`fn()` on a thread, waited for at most `timeout_s` (Ray's collective-group calls have no deadline)."""
+    import threading
+
+    box: dict[str, Any] = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # re-raised in the waiting thread
+            box["error"] = exc
+
+    th = threading.Thread(target=run, name="rayllm-bounded", daemon=True)
+    th.start()
+    th.join(timeout_s)
+    if th.is_alive():
+        raise TimeoutError(f"{what} did not finish within {timeout_s:g}s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
 
 
 def restarted_replicas(cluster: Cluster, timeout_s: float = 120.0) -> list[int]:
