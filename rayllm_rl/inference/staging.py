@@ -21,7 +21,7 @@ from typing import Mapping, Sequence
 import torch
 
 from rayllm_rl.weight_sync.buckets import TensorMeta
-from rayllm_rl.weight_sync.shm import _attach_readonly, _view, plan_layout
+from rayllm_rl.weight_sync.shm import attach_readonly, plan_layout, tensor_at
 
 __all__ = ["StagingWriter", "StagingReader"]
 
@@ -40,7 +40,7 @@ class StagingWriter:
                           f"({exc}); raise the shared-memory size (e.g. docker --shm-size)") from exc
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            self._dst = {s.meta.name: _view(self._shm.buf, s.meta, s.offset) for s in self.layout.slots}
+            self._dst = {s.meta.name: tensor_at(self._shm.buf, s.meta, s.offset) for s in self.layout.slots}
         self.write_s = 0.0
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
@@ -72,9 +72,9 @@ class StagingReader:
 
     def __init__(self, name: str, metas: Sequence[TensorMeta]):
         self.layout = plan_layout(list(metas))
-        self._map, _ = _attach_readonly(name, self.layout.nbytes)
+        self._map, _ = attach_readonly(name, self.layout.nbytes)
 
     def views(self) -> dict[str, torch.Tensor]:
         with warnings.catch_warnings():  # "buffer is not writable": read-only on purpose
             warnings.simplefilter("ignore", UserWarning)
-            return {s.meta.name: _view(self._map, s.meta, s.offset) for s in self.layout.slots}
+            return {s.meta.name: tensor_at(self._map, s.meta, s.offset) for s in self.layout.slots}

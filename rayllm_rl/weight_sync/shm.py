@@ -73,7 +73,8 @@ try:  # the C module behind multiprocessing.shared_memory on POSIX
 except ImportError:  # pragma: no cover - Windows
     _posixshmem = None
 
-__all__ = ["SHM_ALIGNMENT", "ShmSlot", "ShmLayout", "plan_layout", "ShmWeightSender", "ShmWeightReceiver"]
+__all__ = ["SHM_ALIGNMENT", "ShmSlot", "ShmLayout", "plan_layout", "tensor_at", "attach_readonly", "ShmWeightSender",
+           "ShmWeightReceiver"]
 
 SHM_ALIGNMENT = 64
 _MAGIC = 0x53484D5753  # "SHMWS"
@@ -154,7 +155,8 @@ def _describe(codes: torch.Tensor) -> str:
                      for r, c in enumerate(codes.tolist()) if c)
 
 
-def _view(buf: Any, meta: TensorMeta, offset: int) -> torch.Tensor:
+def tensor_at(buf: Any, meta: TensorMeta, offset: int) -> torch.Tensor:
+    """The tensor `meta` describes at byte `offset` of `buf` (a view: no copy)."""
     if meta.numel == 0:
         return torch.empty(meta.shape, dtype=meta.dtype)
     return torch.frombuffer(buf, dtype=meta.dtype, count=meta.numel, offset=offset).view(meta.shape)
@@ -221,7 +223,7 @@ class ShmWeightSender(Closing, _Base):
         self.segment_names: tuple[str, str] = tuple(s.name for s in self._shms)
         # Writable views of every tensor in each segment (the sender's only references).
         self._dst: list[dict[str, torch.Tensor]] = [
-            {s.meta.name: _view(shm.buf, s.meta, s.offset) for s in self.layout.slots} for shm in self._shms]
+            {s.meta.name: tensor_at(shm.buf, s.meta, s.offset) for s in self.layout.slots} for shm in self._shms]
         self._lock = threading.Lock()
         self._seq = 0  # successful syncs so far; the next one writes segment _seq % 2
         self._in_use: int | None = None  # the segment every replica reads (None: their own weights)
@@ -427,7 +429,7 @@ class ShmWeightSender(Closing, _Base):
 
 
 # ---------------------------------------------------------------------------- receiver
-def _attach_readonly(name: str, min_size: int) -> tuple[mmap.mmap, int]:
+def attach_readonly(name: str, min_size: int) -> tuple[mmap.mmap, int]:
     """Map an existing segment read-only, without registering it with the resource tracker.
 
     `SharedMemory(name)` would register the segment with multiprocessing's resource tracker
@@ -499,7 +501,7 @@ class ShmWeightReceiver(_Base):
         self._maps: list[mmap.mmap | None] = []
         self._ranges: list[tuple[int, int]] = []
         for name in names:
-            mm, size = _attach_readonly(name, self.layout.nbytes)
+            mm, size = attach_readonly(name, self.layout.nbytes)
             self._maps.append(mm)
             with warnings.catch_warnings():  # "buffer is not writable": read-only on purpose
                 warnings.simplefilter("ignore", UserWarning)
@@ -518,7 +520,7 @@ class ShmWeightReceiver(_Base):
         mm = self._maps[seg]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            return {s.meta.name: _view(mm, s.meta, s.offset) for s in self.layout.slots}
+            return {s.meta.name: tensor_at(mm, s.meta, s.offset) for s in self.layout.slots}
 
     def _ack(self, code: int) -> torch.Tensor:
         codes = torch.zeros(self.group.world_size, dtype=torch.int64)
