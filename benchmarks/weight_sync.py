@@ -291,6 +291,8 @@ class Bench:
         rel = max(abs(s - expected) / max(abs(expected), 1e-30) for s in sums)
         return {"version": v, "e2e_s": e2e, "send_s": stats["send_s"], "bytes": stats["bytes"],
                 "receive_s": max(o["receive_s"] for o in outs), "stall_s": max(o["stall_s"] for o in outs),
+                # vLLM: the stall's parts (pause, load, finish = re-processing), of the slowest replica
+                **{k: max(o[k] for o in outs) for k in outs[0] if k.startswith("stall_") and k != "stall_s"},
                 "versions_ok": all(int(o["version"]) == v for o in outs),
                 "checksum_rel_diff": rel, "checksums_equal": rel <= CHECKSUM_RTOL}
 
@@ -326,6 +328,8 @@ def summarize(samples: list[dict], nbytes: int, memcpy_bps: float) -> dict:
                 # and argument resolution, waiting for a decode step to end (the swap), and the replies
                 **({"rest_s_median": statistics.median(x["e2e_s"] - x["send_s"] - x["receive_s"] - x["stall_s"]
                                                        for x in ss)} if TRANSPORTS[t].pulls else {}),
+                **{f"{k}_median": statistics.median(x[k] for x in ss)
+                   for k in ss[0] if k.startswith("stall_") and k.endswith("_s") and k != "stall_s"},
                 "stall_s_max": max(x["stall_s"] for x in ss),
                 "stall_fraction_of_sync_max": max(x["stall_s"] / x["e2e_s"] for x in ss),
                 "form_s_median": statistics.median(x["form_s"] for x in ss),

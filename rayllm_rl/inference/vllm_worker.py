@@ -16,7 +16,7 @@ receiving end of a weight update lives here:
 
 One update, driven by :class:`~rayllm_rl.inference.vllm_engine.VLLMEngine`:
 ``rayllm_begin_receive`` (bytes move while decoding goes on) → poll ``rayllm_receive_state``
-→ ``pause_generation(mode="keep", clear_cache=True)`` → ``start_weight_update`` →
+→ the engine core's ``pause_scheduler_async(mode="keep", clear_cache=True)`` → ``start_weight_update`` →
 ``update_weights({"version": v})`` (here: ``model.load_weights`` from the received buffers)
 → ``finish_weight_update(str(v))`` → ``resume_generation``. Kept requests are re-prefilled
 with the new weights, so every token stamped v was sampled from policy v.
