@@ -14,6 +14,7 @@ from rayllm_rl.config import load_config
 from rayllm_rl.data.trajectory import concat_padded, make_trajectory
 from rayllm_rl.orchestration import driver
 from rayllm_rl.orchestration.backend import ROLE_KINDS, RoleCrashed
+from rayllm_rl.orchestration.batch_prep import prepare_batch
 from rayllm_rl.orchestration.fault_ledger import LOST, RERUN, FaultLedger
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.reporting import SUMMARY_KEYS
@@ -25,7 +26,8 @@ class ScriptedBackend:
     """`Backend` in memory. `crashes` maps (method, n) to the roles whose death the n-th call (1-based) of
     `method` reports; `faults` maps a `next_batch` call number to collector fault events seen then."""
 
-    def __init__(self, tokenizer, crashes: dict[tuple[str, int], list[str]], faults: dict[int, list] | None = None):
+    def __init__(self, cfg, tokenizer, crashes: dict[tuple[str, int], list[str]], faults: dict[int, list] | None = None):
+        self.cfg, self.reference = cfg, False
         self.tokenizer = tokenizer
         self.crashes, self.fault_script = crashes, faults or {}
         self.calls: dict[str, list] = {}
@@ -69,11 +71,17 @@ class ScriptedBackend:
             gid, self.next_group = self.next_group, self.next_group + 1
             episodes += [make_trajectory([5, 6 + gid % 7, 9, 10], [0.0, 0.0, -1.0, -1.0], [0, 0, 1, 1],
                                          [-1, -1, version, version], reward=float(r), group_id=gid) for r in range(G)]
-        return concat_padded(episodes), 0
+        batch = concat_padded(episodes)
+        ref = torch.zeros(batch["input_ids"].shape) if self.reference else None
+        batch, meta = prepare_batch(batch, self.cfg, version, ref)
+        return batch, {**meta, "buffer_depth": 0}
 
     def start_reference(self, checkpoint):
         self._call("start_reference", checkpoint)
-        return lambda batch: torch.zeros(batch["input_ids"].shape)
+        self.reference = True
+
+    def driver_bytes(self):
+        return None
 
     def evaluate(self):
         self._call("evaluate")
@@ -118,7 +126,7 @@ def run(tmp_path, monkeypatch, crashes, *overrides, faults=None):
                                       "trainer.eval_every=0", f"trainer.run_dir={tmp_path}", *overrides])
     made = []
     monkeypatch.setattr(driver, "open_backend",
-                        lambda cfg, model_path, task, tokenizer: made.append(ScriptedBackend(tokenizer, crashes, faults))
+                        lambda cfg, model_path, task, tokenizer: made.append(ScriptedBackend(cfg, tokenizer, crashes, faults))
                         or made[0])
     try:
         out = driver.train(cfg.validate())

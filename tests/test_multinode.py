@@ -326,7 +326,6 @@ def test_a_node_lost_after_the_last_sync_gets_the_weights_for_the_drain_and_the_
     from transformers import AutoTokenizer
 
     from rayllm_rl.models.tiny import ensure_tiny_model
-    from rayllm_rl.orchestration.batch_prep import rewards_to_advantages
     from rayllm_rl.orchestration.factories import build_task
     from rayllm_rl.orchestration.ray.backend import RayBackend
 
@@ -341,7 +340,7 @@ def test_a_node_lost_after_the_last_sync_gets_the_weights_for_the_drain_and_the_
         backend.set_version(0)
         backend.start_collector()
         batch, _ = backend.next_batch(B, 0)
-        backend.train_step(rewards_to_advantages(batch, cfg, version=0))
+        backend.train_step(batch)
         backend.sync_weights(1)  # the last sync
         backend.set_version(1)  # more episodes admitted, in flight while the node goes
         lost = nodes.inference

@@ -99,6 +99,46 @@ def test_training_respects_staleness_and_versions(local_ray, tmp_path, eta):
     assert summary["learner_checksums_equal_replicas"]
     if eta == 0:
         assert all(r["token_versions"] == [r["version"] - 1] for r in records)
+    # the batch went from the buffer to the learner by reference: the driver saw metadata only
+    # (step 1 also counts the SFT warm start's batches, which the driver makes and puts)
+    for r in records[1:]:
+        assert 0 < r["driver_bytes"] < min(16_384, r["batch_bytes"]), (r["driver_bytes"], r["batch_bytes"])
+
+
+def test_the_reference_is_the_learners_policy_built_without_the_driver_and_kl_is_computed_by_the_buffer(
+        local_ray, tmp_path):
+    """start_reference hands learner rank 0's weights to the reference actor by reference; the buffer's
+    actor asks it for the logprobs and computes KL and advantages where the batch is."""
+    from transformers import AutoTokenizer
+
+    from rayllm_rl.models.tiny import ensure_tiny_model
+    from rayllm_rl.orchestration.factories import build_task
+    from rayllm_rl.orchestration.ray.backend import RayBackend
+
+    cfg = small_cfg(tmp_path, "algo.kl_coef=0.05", "ray.namespace=rayllm_ref_test").validate()
+    model_path = ensure_tiny_model()
+    backend = RayBackend(cfg, model_path, build_task(cfg), AutoTokenizer.from_pretrained(model_path))
+    try:
+        nbytes = sum(t.numel() * t.element_size() for t in ray.get(
+            backend.cluster.learners[0].named_tensors.remote(), timeout=60).values())
+        assert backend.driver_bytes() == 0
+        backend.start_reference(None)
+        assert backend.driver_bytes() == 0 < nbytes  # before: every learner rank's full weights came here
+        backend.sync_weights(0)
+        backend.set_version(0)
+        backend.start_collector()
+        ref, meta = backend.next_batch(4, 0)
+        fetched = backend.driver_bytes()
+        assert isinstance(ref, ray.ObjectRef) and fetched < min(16_384, meta["batch_bytes"])
+        batch = ray.get(ref, timeout=60)  # the test looks inside; the driver's loop never does
+        assert batch.bytes() == meta["batch_bytes"] and sorted(set(batch["group_id"].tolist())) == meta["episode_ids"]
+        policy = ray.get(backend.cluster.learners[0].compute_logprobs.remote(ref), timeout=60)
+        mask = batch["loss_mask"].bool()
+        assert mask.any() and "advantages" in batch.keys() and "kl" in batch.keys()
+        torch.testing.assert_close(batch["ref_logprobs"][mask], policy[mask].to(batch["ref_logprobs"].dtype),
+                                   rtol=1e-4, atol=1e-4)  # no step yet: the reference is the policy
+    finally:
+        backend.shutdown()
 
 
 def test_resume_continues_same_step_version_and_data(local_ray, tmp_path):

@@ -7,10 +7,7 @@ policy version and passes it in; no backend keeps a version counter of its own.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
-
-import torch
-from tensordict import TensorDict
+from typing import Any, Protocol
 
 
 ROLE_KINDS = ("env", "inference", "learner", "collector", "replay-buffer", "reference")
@@ -28,8 +25,9 @@ class RoleCrashed(RuntimeError):
 class Backend(Protocol):
     """Blocking calls, each bounded by the job's timeouts."""
 
-    def train_step(self, batch: TensorDict, loss: Any = None) -> dict[str, float]:
-        """One optimizer update on every learner rank (`loss` None: the job's RL loss); rank 0's metrics."""
+    def train_step(self, batch: Any, loss: Any = None) -> dict[str, float]:
+        """One optimizer update on every learner rank (`loss` None: the job's RL loss); rank 0's metrics.
+        `batch`: a TensorDict (the SFT warm start's) or a handle `next_batch` returned."""
 
     def reset_optimizer(self, optim_cfg: Any) -> None:
         """A fresh optimizer and schedule on every learner rank (after the SFT warm start)."""
@@ -43,13 +41,19 @@ class Backend(Protocol):
     def start_collector(self) -> None:
         """Start (or resume) admitting episodes."""
 
-    def next_batch(self, n_episodes: int, version: int) -> tuple[TensorDict, int]:
+    def next_batch(self, n_episodes: int, version: int) -> tuple[Any, dict[str, Any]]:
         """The buffer's oldest `n_episodes` within the staleness bound at `version` (waits, no polling),
-        and how many episodes were left in the buffer."""
+        made a training batch where it is (`batch_prep.prepare_batch`: reference KL once
+        `start_reference` ran, advantages): (a handle `train_step` takes, its `step_metadata` plus
+        `buffer_depth`, the episodes left in the buffer)."""
 
-    def start_reference(self, checkpoint: str | None) -> Callable[[TensorDict], torch.Tensor]:
-        """A frozen reference policy (the current learner weights, or the one `checkpoint` saved);
-        returns `batch -> ref_logprobs [N, T]`."""
+    def start_reference(self, checkpoint: str | None) -> None:
+        """A frozen reference policy (the current learner weights, or the one `checkpoint` saved),
+        built without its weights passing through the driver; `next_batch` uses it from then on."""
+
+    def driver_bytes(self) -> int | None:
+        """Bytes of data the driver received from the roles or sent them since the last call (None
+        where the roles live in the driver's process and nothing crosses)."""
 
     def evaluate(self) -> dict[str, Any]:
         """Greedy evaluation on the task's held-out prompts with the engines' current weights."""

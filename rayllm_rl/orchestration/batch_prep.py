@@ -1,4 +1,8 @@
-"""Turn a rollout batch into a training batch (rewards -> advantages) and summarise it for the logs."""
+"""Turn a rollout batch into a training batch (rewards -> advantages) and summarise it for the logs.
+
+`prepare_batch` runs where the batch is (the replay buffer's actor on Ray, the driver's process
+locally), so the driver sees only `step_metadata`: scalars and short lists, never tensors.
+"""
 from __future__ import annotations
 
 import torch
@@ -55,3 +59,25 @@ def shape_rewards(batch, cfg: GRPOJobConfig):
         batch["rewards"] = batch["rewards"] + overlong_reward_shaping(
             lengths, cfg.rollout.max_new_tokens, cfg.algo.overlong_buffer_len, cfg.algo.overlong_penalty)
     return batch
+
+
+def prepare_batch(batch, cfg: GRPOJobConfig, version: int, ref_logprobs: torch.Tensor | None = None):
+    """Rollout batch -> (training batch, its step metadata). `ref_logprobs` `[N, T]`: the frozen
+    reference's logprobs of the rollout batch (None: no KL term)."""
+    ref_fn = None if ref_logprobs is None else (lambda _batch: ref_logprobs)
+    batch = rewards_to_advantages(batch, cfg, ref_fn, version=version)
+    return batch, step_metadata(batch, version)
+
+
+def step_metadata(batch, version: int) -> dict:
+    """What the driver logs of a training batch trained from `version`: plain numbers and lists."""
+    from rayllm_rl.orchestration.reporting import prompts_digest
+    from rayllm_rl.rollout.replay_buffer import batch_staleness_stats
+
+    lag = batch_staleness_stats(batch, version)
+    return {"reward": float(batch["rewards"].mean()), "seqs": batch.batch_size[0],
+            "gen_tokens": int(batch["loss_mask"].sum()), "advantage_abs_mean": float(batch["advantages"].abs().mean()),
+            "staleness_mean": lag["mean_lag"], "staleness_max": lag["max_lag"],
+            "token_versions": sorted(set(batch["versions"][batch["loss_mask"]].tolist())),
+            "episode_ids": sorted(set(batch["group_id"].tolist())), "data_sha": prompts_digest(batch),
+            "batch_bytes": int(batch.bytes()), **reward_component_means(batch)}

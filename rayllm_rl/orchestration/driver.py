@@ -1,13 +1,15 @@
 """The driver: SFT warm start, then asynchronous GRPO with bounded staleness, on either backend.
 
     build roles -> SFT on the learner -> sync v0 -> eval -> start collector ->
-    [B episodes (<= eta versions old) -> advantages -> learner step -> v += 1 ->
-     weights to the engines -> tell the collector v] x N -> checkpoint -> eval -> summary
+    [B episodes (<= eta versions old), advantages computed where they are -> learner step ->
+     v += 1 -> weights to the engines -> tell the collector v] x N -> checkpoint -> eval -> summary
 
 `trainer.backend=ray` runs the roles as actors (RayBackend), `local` in this process
 (LocalBackend); this loop, its resume, checkpoints and summary are the same for both. The loop is
 synchronous for max_staleness = 0 (the collector admits one batch per version) and
-asynchronous for max_staleness >= 1. The driver owns the policy version.
+asynchronous for max_staleness >= 1. The driver owns the policy version. It holds a batch by
+handle and reads only its metadata: on Ray the batch goes from the buffer to the learners by
+reference (`driver_bytes` in each step's record counts what did pass through).
 """
 from __future__ import annotations
 
@@ -15,15 +17,13 @@ import dataclasses
 import time
 from pathlib import Path
 
-from rayllm_rl.rollout.replay_buffer import batch_staleness_stats
 from rayllm_rl.hub import resolve_model_path
 from rayllm_rl.models.tiny import ensure_tiny_model
 from rayllm_rl.learner.checkpoint import prune_checkpoints
 from rayllm_rl.orchestration.backend import Backend, RoleCrashed
-from rayllm_rl.orchestration.batch_prep import reward_component_means, rewards_to_advantages
 from rayllm_rl.orchestration.factories import build_task, needs_reference
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
-from rayllm_rl.orchestration.reporting import RunReporter, prompts_digest
+from rayllm_rl.orchestration.reporting import RunReporter
 from rayllm_rl.orchestration.sft_warmup import sft_warm_start
 
 
@@ -88,7 +88,8 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
     backend.sync_weights(version)
     backend.set_version(version)
     # frozen: the policy after the SFT warm start, or the one the checkpoint saved
-    ref_fn = backend.start_reference(cfg.resume or None) if needs_reference(cfg) else None
+    if needs_reference(cfg):
+        backend.start_reference(cfg.resume or None)
     if run.eval_before is None:
         run.eval_before = backend.evaluate()
         reporter.log({"phase": "eval", "step": step, **run.eval_before}, show=True)
@@ -101,12 +102,10 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
     progress.update(step)
     while step < cfg.trainer.steps:
         t0 = time.perf_counter()
-        batch, depth = backend.next_batch(B, version)
+        batch, meta = backend.next_batch(B, version)  # a handle, and the batch's metadata
         t_wait = time.perf_counter() - t0
-        batch = rewards_to_advantages(batch, cfg, ref_fn, version=version)
-        lag = batch_staleness_stats(batch, version)
-        versions_trained = sorted(set(batch["versions"][batch["loss_mask"]].tolist()))
         train_metrics = backend.train_step(batch)
+        del batch
         t_train = time.perf_counter() - t0 - t_wait
         version += 1
         sync = backend.sync_weights(version)
@@ -114,14 +113,9 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
         step = run.step = step + 1
         if step % cfg.trainer.log_every == 0 or step == cfg.trainer.steps:
             col = backend.collector_stats()
-        record = {"phase": "rl", "step": step, "version": version, "reward": float(batch["rewards"].mean()),
-                  "seqs": batch.batch_size[0], "gen_tokens": int(batch["loss_mask"].sum()),
-                  "wait_s": t_wait, "train_s": t_train, "advantage_abs_mean": float(batch["advantages"].abs().mean()),
-                  "staleness_mean": lag["mean_lag"], "staleness_max": lag["max_lag"],
+        record = {"phase": "rl", "step": step, "version": version, **meta, "wait_s": t_wait, "train_s": t_train,
                   "sync_seconds": sync["sync_s"], "stall_s": sync["stall_s"], "tokens_per_s": col["tokens_per_s"],
-                  "buffer_depth": depth, "token_versions": versions_trained,
-                  "episode_ids": sorted(set(batch["group_id"].tolist())),
-                  "data_sha": prompts_digest(batch), **reward_component_means(batch), **train_metrics}
+                  **train_metrics, "driver_bytes": backend.driver_bytes()}
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
             record["eval_reward"] = backend.evaluate()["eval_reward"]
         reporter.log(record, show=step % cfg.trainer.log_every == 0)

@@ -23,6 +23,7 @@ from rayllm_rl.inference.transformers_engine import TransformersEngine
 from rayllm_rl.learner.learner import Learner
 from rayllm_rl.loop_thread import EventLoopThread
 from rayllm_rl.orchestration.backend import ROLE_KINDS, buffer_capacity
+from rayllm_rl.orchestration.batch_prep import prepare_batch
 from rayllm_rl.rollout.collector import LLMCollector, run_and_store
 from rayllm_rl.orchestration.fault_ledger import FaultLedger
 from rayllm_rl.orchestration.factories import build_episode_filter, build_workflow, local_python_tools
@@ -99,8 +100,16 @@ class LocalBackend:
         self.loop.run(self._start_on_loop)
 
     def next_batch(self, n_episodes: int, version: int):
-        return self.loop.call(self.buffer.get_batch(n_episodes, version, self.timeout_s), self.timeout_s + 30,
-                              f"a batch of {n_episodes} episodes at version {version}")
+        """(training batch, its metadata): the batch stays in this process, prepared here."""
+        batch, depth = self.loop.call(self.buffer.get_batch(n_episodes, version, self.timeout_s), self.timeout_s + 30,
+                                      f"a batch of {n_episodes} episodes at version {version}")
+        ref = None if self.reference is None else self.reference.compute_logprobs(batch)
+        batch, meta = prepare_batch(batch, self.cfg, version, ref)
+        return batch, {**meta, "buffer_depth": depth}
+
+    def driver_bytes(self) -> None:
+        """Nothing crosses a process boundary here."""
+        return None
 
     def drain(self) -> None:
         self.loop.call(self.collector.drain(self.timeout_s), self.timeout_s + 30, "draining the collector")
@@ -117,7 +126,6 @@ class LocalBackend:
                                         named_tensors=weights,
                                         max_tokens_per_micro_batch=self.cfg.optim.max_tokens_per_micro_batch,
                                         logprob_chunk_size=self.cfg.optim.logprob_chunk_size)
-        return self.reference.compute_logprobs
 
     def evaluate(self) -> dict[str, Any]:
         coro = evaluate_greedy(self.engine, self.tokenizer, self.task.eval, self.task.reward_fn,

@@ -22,6 +22,7 @@ import torch
 from rayllm_rl.rollout.replay_buffer import ReplayBuffer
 from rayllm_rl.hub import resolve_model_path
 from rayllm_rl.inference.protocol import LLMRequest, LLMResponse, weights_checksum
+from rayllm_rl.orchestration.batch_prep import prepare_batch
 from rayllm_rl.orchestration.fault_ledger import ENV_PID, LOST, RERUN
 from rayllm_rl.orchestration.ray.router import ReplicaNotReady, ReplicaRouter
 
@@ -166,8 +167,9 @@ class ReferenceActor(_Process):
     def __init__(self, model_path: str, temperature: float, weights: dict[str, torch.Tensor] | str,
                  num_threads: int = 1, max_tokens_per_micro_batch: int | None = None,
                  logprob_chunk_size: int | None = None):
-        """`weights`: the policy's tensors, or a checkpoint directory holding `reference.safetensors`;
-        the batching knobs are the learner's (`optim.*`; None = ReferenceModel's defaults)."""
+        """`weights`: the policy's tensors (the driver passes learner rank 0's result by reference:
+        Ray fetches it here), or a checkpoint directory holding `reference.safetensors`; the
+        batching knobs are the learner's (`optim.*`; None = ReferenceModel's defaults)."""
         from rayllm_rl.learner.reference import ReferenceModel, load_reference_weights
 
         torch.set_num_threads(num_threads)
@@ -220,6 +222,18 @@ class ReplayBufferActor(_Process):
     async def get_batch(self, n_episodes: int, current_version: int, timeout_s: float):
         """(batch of the oldest n episodes within the bound, episodes left); waits, no polling."""
         return await self.waiting.get_batch(n_episodes, current_version, timeout_s)
+
+    @ray.method(num_returns=2)
+    async def take_batch(self, n_episodes: int, current_version: int, timeout_s: float, cfg, reference=None):
+        """`get_batch`, made a training batch here (`batch_prep.prepare_batch`, with the `reference`
+        actor's logprobs for KL if given): two results, the batch (the learners take its reference)
+        and its metadata (all the driver fetches)."""
+        batch, depth = await self.waiting.get_batch(n_episodes, current_version, timeout_s)
+        ref_logprobs = None
+        if reference is not None:
+            ref_logprobs = await asyncio.wait_for(reference.compute_logprobs.remote(batch), timeout_s)
+        batch, meta = prepare_batch(batch, cfg, current_version, ref_logprobs)
+        return batch, {**meta, "buffer_depth": depth}
 
     async def fail(self, reason: str) -> None:  # async: on the loop, so the waiters wake at once
         self.waiting.fail(reason)

@@ -6,6 +6,7 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
+import pickle
 import threading
 import time
 from typing import Any
@@ -74,6 +75,8 @@ class RayBackend:
         self.liveness_s = 10.0
         """While waiting for a batch, a drain or an eval, check every this many seconds that no role died
         (and send the current weights to a replica Ray restarted)."""
+        self._driver_bytes = 0
+        """Data the driver fetched from or sent to the roles since `driver_bytes()` last read it."""
         self.faults = FaultLedger(ROLE_KINDS)
         """Restarts (env workers and replicas restarted by Ray, roles rebuilt by `recover`), episodes
         re-run and lost, and the checkpoint baseline: the collector reports, the ledger counts."""
@@ -119,9 +122,22 @@ class RayBackend:
     def _get(self, refs, timeout_s: float | None = None):
         return self.cluster.get(refs, timeout_s)
 
+    def _through_driver(self, obj):
+        """Count `obj` (what the driver fetched, or is about to send) in `driver_bytes`; returns it."""
+        self._driver_bytes += int(obj.bytes()) if hasattr(obj, "bytes") else len(pickle.dumps(obj, protocol=5))
+        return obj
+
+    def driver_bytes(self) -> int:
+        out, self._driver_bytes = self._driver_bytes, 0
+        return out
+
     @_crash_aware
     def train_step(self, batch, loss=None) -> dict[str, float]:
-        return self.cluster.learner_call("train_step", ray.put(batch), loss)[0]
+        """`batch`: `next_batch`'s reference (the learners fetch it from the buffer's node), or a
+        TensorDict made here (the SFT warm start's), put once for every rank."""
+        if not isinstance(batch, ray.ObjectRef):
+            batch = ray.put(self._through_driver(batch))
+        return self._through_driver(self.cluster.learner_call("train_step", batch, loss))[0]
 
     @_crash_aware
     def reset_optimizer(self, optim_cfg) -> None:
@@ -138,7 +154,7 @@ class RayBackend:
             if out is None:
                 raise
         self._synced = version
-        return out
+        return self._through_driver(out)
 
     def _rejoin_restarted_replicas(self, version: int | None) -> dict[str, float] | None:
         """If Ray restarted replicas since the group formed, form the group again with the new
@@ -171,8 +187,9 @@ class RayBackend:
         while waiting: a dead role ends the wait, and a restarted replica gets the current weights
         (it serves nothing until then, so with one replica the batch would never fill)."""
         c = self.cluster
-        ref = c.buffer.get_batch.remote(n_episodes, version, c.timeout_s)
-        return self._await_live(ref, f"batch of {n_episodes} episodes at version {version}")
+        batch, meta = c.buffer.take_batch.remote(n_episodes, version, c.timeout_s, self.cfg, self.reference)
+        meta = self._await_live(meta, f"batch of {n_episodes} episodes at version {version}")
+        return batch, self._through_driver(meta)
 
     def _await_live(self, job, what: str, bounded: bool = True):
         """Wait for `job` (an ObjectRef, or a Future of work on the driver), at most the job's timeout
@@ -193,18 +210,23 @@ class RayBackend:
         return job.result() if local else self._get(job)
 
     @_crash_aware
-    def start_reference(self, checkpoint: str | None):
-        weights = checkpoint or self.cluster.learner_call("named_tensors")[0]
+    def start_reference(self, checkpoint: str | None) -> None:
+        """The `reference` actor, from `checkpoint` or from learner rank 0's weights, which Ray hands
+        it by reference (every rank joins the gather; no rank's tensors come to the driver)."""
+        weights = checkpoint
+        if weights is None:
+            gathered = [l.named_tensors.remote() for l in self.cluster.learners]
+            weights = gathered[0]
         self.reference = ReferenceActor.options(name="reference", namespace=self.cfg.ray.namespace,
                                                 **self.cluster.placement.reference_options).remote(
             self.model_path, self.cfg.rollout.temperature, weights, self.cfg.ray.threads_per_actor,
             self.cfg.optim.max_tokens_per_micro_batch, self.cfg.optim.logprob_chunk_size)
-        return self.reference_logprobs
-
-    @_crash_aware
-    def reference_logprobs(self, batch):
-        """log pi_ref `[N, T]` of a batch from the reference actor."""
-        return self._get(self.reference.compute_logprobs.remote(batch))
+        if checkpoint is None:  # the other ranks' copies: waited for, not fetched
+            done, _ = ray.wait(gathered, num_returns=len(gathered), timeout=self.cluster.timeout_s, fetch_local=False)
+            if len(done) < len(gathered):
+                raise TimeoutError(f"the learners' weights for the reference model were not gathered in "
+                                   f"{self.cluster.timeout_s:g}s")
+        self._get(self.reference.pid.remote())  # built (a failure names the reference here, not at its first batch)
 
     @_crash_aware
     def evaluate(self) -> dict[str, Any]:
@@ -227,7 +249,7 @@ class RayBackend:
 
     @_crash_aware
     def collector_stats(self) -> dict[str, Any]:
-        return self._get(self.cluster.collector.stats.remote())
+        return self._through_driver(self._get(self.cluster.collector.stats.remote()))
 
     @_crash_aware
     def save_checkpoint(self, path: str, step: int, version: int) -> str:
