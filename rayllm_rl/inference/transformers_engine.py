@@ -100,6 +100,12 @@ class TransformersEngine:
                    max_batch_size=options.max_batch_size, batch_wait_s=options.batch_wait_s)
 
     @classmethod
+    def placement_defaults(cls, colocated: bool) -> dict[str, Any]:
+        """No option depends on the placement: the engine takes no fixed GPU share (its KV cache grows
+        with the batch) and `sleep`/`wake_up` work without being switched on."""
+        return {}
+
+    @classmethod
     def check_job(cls, job) -> None:
         """What a job may not ask of this engine (`registry.EngineJob`): it runs on the CPU, in float32."""
         if job.gpus_per_replica > 0:
