@@ -86,6 +86,27 @@ def test_whole_gpus_give_distinct_devices(gpu_ray):
         placement.remove()
 
 
+def test_colocated_pairs_share_one_gpu_each_and_pairs_do_not_share(gpu_ray):
+    """ray.placement=colocated: bundle i = one GPU for replica i and learner rank i, each asking half of it;
+    Ray hands both the same device (one CUDA_VISIBLE_DEVICES), and the two pairs different ones."""
+    placement = plan_placement(2, 2, gpus_per_replica=1, gpus_per_learner=1, tensor_parallel_size=1, timeout_s=30,
+                               colocated=True)
+    try:
+        assert [o["num_gpus"] for o in placement.replica_options + placement.learner_options] == [0.5] * 4
+        replicas, learners = _probe_all(placement)
+        pg_id = placement.placement_group.id.hex()
+        for i, (rep, lrn) in enumerate(zip(replicas, learners)):
+            assert rep["gpu_ids"] == lrn["gpu_ids"] and len(rep["gpu_ids"]) == 1
+            assert rep["cuda_visible_devices"] == lrn["cuda_visible_devices"] == str(rep["gpu_ids"][0])
+            assert rep["bundle_index"] == lrn["bundle_index"] == i
+            assert rep["placement_group_id"] == lrn["placement_group_id"] == pg_id
+        assert replicas[0]["gpu_ids"] != replicas[1]["gpu_ids"]
+        assert list(ray.util.placement_group_table(placement.placement_group)["bundles"].values()) == [{"GPU": 1.0}] * 2
+        assert ray.available_resources().get("GPU", 0) == 2  # two GPUs for two pairs, not four
+    finally:
+        placement.remove()
+
+
 def test_tensor_parallel_replica_holds_all_its_gpus(gpu_ray):
     placement = plan_placement(1, 2, gpus_per_replica=2, gpus_per_learner=1, tensor_parallel_size=2, timeout_s=30)
     try:
@@ -161,6 +182,11 @@ _GOOD: dict[str, Any] = dict(num_replicas=1, num_learners=1, gpus_per_replica=1,
     ({"num_learners": 0}, r"ray\.num_learners must be an integer >= 1"),
     ({"tensor_parallel_size": 0}, r"ray\.tensor_parallel_size must be an integer >= 1"),
     ({"timeout_s": 0}, r"timeout_s must be > 0"),
+    ({"colocated": True, "num_learners": 2}, r"ray\.num_learners \(2\) must equal ray\.num_replicas \(1\)"),
+    ({"colocated": True, "gpus_per_learner": 0}, r"set ray\.gpus_per_replica and ray\.gpus_per_learner both to 1"),
+    ({"colocated": True, "gpus_per_replica": 2, "gpus_per_learner": 2}, r"both to 1"),
+    ({"colocated": True, "gpus_per_replica": 0, "gpus_per_learner": 0, "tensor_parallel_size": 2},
+     r"ray\.placement=colocated needs ray\.tensor_parallel_size=1"),
 ])
 def test_bad_settings_name_the_key(changes, message):
     with pytest.raises(ValueError, match=message):

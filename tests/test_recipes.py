@@ -118,6 +118,7 @@ def test_every_recipe_passes_the_dry_run(path, offline_hub, capsys):
     rc = r.get("ray", {})
     replicas, learners = rc.get("num_replicas", 1), rc.get("num_learners", 1)
     replica_gpus, learner_gpus = float(rc.get("gpus_per_replica", 0)), float(rc.get("gpus_per_learner", 0))
+    colocated = rc.get("placement") == "colocated"
     plan = dry_run_json(capsys, f"config={path}", f"trainer.run_dir={offline_hub / 'runs'}")
 
     # nothing started: no Ray, no run directory, no tiny model built
@@ -125,18 +126,20 @@ def test_every_recipe_passes_the_dry_run(path, offline_hub, capsys):
     assert not (offline_hub / "runs").exists() and not (offline_hub / "tiny-cache").exists()
 
     assert plan["engine"]["name"] == r["inference"]["engine"]
-    assert plan["total_gpus"] == replicas * replica_gpus + learners * learner_gpus
+    # colocated: replica i and learner rank i share bundle i's GPU, half each
+    share = 0.5 if colocated else 1.0
+    assert plan["total_gpus"] == (replicas * replica_gpus if colocated else replicas * replica_gpus + learners * learner_gpus)
     actors = {a["name"]: a for a in plan["actors"]}
-    assert [actors[f"inference-{i}"]["num_gpus"] for i in range(replicas)] == [replica_gpus] * replicas
-    assert [actors[f"learner-{k}"]["num_gpus"] for k in range(learners)] == [learner_gpus] * learners
+    assert [actors[f"inference-{i}"]["num_gpus"] for i in range(replicas)] == [replica_gpus * share] * replicas
+    assert [actors[f"learner-{k}"]["num_gpus"] for k in range(learners)] == [learner_gpus * share] * learners
     assert sum(a["num_gpus"] for a in plan["actors"]) == plan["total_gpus"]
     assert {"replay-buffer", "collector", "env-0"} <= set(actors)
     gpu_job = plan["total_gpus"] > 0
     assert plan["placement"]["placement_group"] is gpu_job
-    assert len(plan["placement"]["bundles"]) == (replicas + learners if gpu_job else 0)
+    assert len(plan["placement"]["bundles"]) == ((replicas if colocated else replicas + learners) if gpu_job else 0)
     both_gpu = replica_gpus > 0 and learner_gpus > 0
     assert plan["model"]["dtype"] == ("bfloat16" if both_gpu else "float32")  # dtype=auto, resolved
-    assert plan["weight_transport"]["same_node"] == ("nccl" if both_gpu else "object_store")
+    assert plan["weight_transport"]["same_node"] == ("nccl" if both_gpu and not colocated else "object_store")
 
     arch, memory = plan["model"]["architecture"], plan["memory"]
     model = r["model"]["path"]
@@ -165,10 +168,11 @@ def test_every_recipe_passes_the_dry_run(path, offline_hub, capsys):
 def test_hub_model_numbers_in_the_plan(offline_hub, capsys):
     """Spot values of the one-GPU and the 8-GPU plans, worked out by hand."""
     one = dry_run_json(capsys, f"config={ROOT / 'recipes' / 'gsm8k_qwen2.5-0.5b_1gpu.yaml'}")
-    assert one["total_gpus"] == 1.0 and one["model"]["dtype"] == "float32"
+    assert one["total_gpus"] == 1.0 and one["model"]["dtype"] == "bfloat16"
     kv = one["memory"]["kv_cache_per_replica"]
-    assert kv["bytes_per_token"] == 2 * 24 * 2 * 64 * 4  # 24 layers, 2 KV heads of 64, float32
-    assert kv["sequence_tokens"] == 160 + 512 and kv["concurrent_sequences"] == 256  # min(max_num_seqs, 2 x 32 x 8)
+    assert kv["bytes_per_token"] == 2 * 24 * 2 * 64 * 2  # 24 layers, 2 KV heads of 64, bfloat16
+    assert kv["sequence_tokens"] == 160 + 512 and kv["concurrent_sequences"] == 256  # min(max_num_seqs, 1 x 32 x 8)
+    assert "gpu_memory_utilization=0.5 of each" in kv["budget"]
     eight = dry_run_json(capsys, f"config={ROOT / 'recipes' / 'math_qwen2.5-7b_8gpu.yaml'}")
     lm = eight["memory"]["learner_per_rank"]
     assert lm["bytes"]["params"] == int(7_615_616_512 * 2 / 4)  # bf16, 4 ranks: 3.55 GiB each
@@ -186,7 +190,7 @@ def test_dry_run_text_shows_the_plan_from_the_command_line(offline_hub):
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "DRY RUN: nothing started" in text
-    assert "1 GPU(s) in total" in text and "bundle 0: GPU=1 <- inference-0" in text
+    assert "1 GPU(s) in total; colocated" in text and "bundle 0: GPU=1 <- inference-0, learner-0" in text
     assert "0.494B parameters" in text and "engine: vllm x 1 replica(s)" in text
     assert "weight transport: object_store (ray.sync_transport=auto)" in text
     assert ("data (train): data.path=openai/gsm8k:main (hub dataset openai/gsm8k, config main, split train): cached\n"
@@ -294,15 +298,20 @@ def test_the_dry_run_of_a_missing_data_file_exits_non_zero(offline_hub):
     assert "DRY RUN" not in out.stdout
 
 
-def test_the_one_gpu_recipe_says_it_is_slow_and_its_two_gpu_command_plans_a_gpu_learner(offline_hub, capsys):
-    """The comment warns that the learner runs on the CPU until issue K, and the 2-GPU command it gives
-    plans one GPU for the replica and one for a bf16 learner, with NCCL sync."""
+def test_the_one_gpu_recipe_is_colocated_and_its_two_gpu_command_plans_separate_gpus(offline_hub, capsys):
+    """The one-GPU recipe shares the GPU: learner-0 and inference-0 take half of bundle 0 each, bf16,
+    max_staleness 0, weights through the object store (NCCL cannot join two ranks on one device); the
+    2-GPU command its comment gives plans one GPU each, overlapping, with NCCL sync."""
     path = ROOT / "recipes" / "gsm8k_qwen2.5-0.5b_1gpu.yaml"
     comment = " ".join(line.lstrip("# ") for line in path.read_text().splitlines() if line.startswith("#"))
-    assert "SLOW until issue K" in comment and "on the CPU" in comment and "2 GPUs" in comment
+    assert "Colocated" in comment and "NOT YET RUN ON A GPU" in comment and "2 GPUs" in comment
     one = dry_run_json(capsys, f"config={path}")
-    learner = next(a for a in one["actors"] if a["name"] == "learner-0")
-    assert (learner["num_gpus"], one["model"]["dtype"]) == (0, "float32")  # what the recipe itself runs
+    actors = {a["name"]: a for a in one["actors"]}
+    assert (actors["inference-0"]["num_gpus"], actors["learner-0"]["num_gpus"]) == (0.5, 0.5)
+    assert actors["inference-0"]["bundle"] == actors["learner-0"]["bundle"] == 0
+    assert one["placement"]["placement"] == "colocated" and one["total_gpus"] == 1
+    assert one["model"]["dtype"] == "bfloat16" and one["rollout"]["max_staleness"] == 0
+    assert one["weight_transport"]["same_node"] == "object_store"
     command = next(line for line in path.read_text().splitlines() if "python jobs/grpo.py" in line
                    and "--dry-run" not in line)
     args = command.split("python jobs/grpo.py", 1)[1].split()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:
     from rayllm_rl.weight_sync.registry import SyncSpec
@@ -153,6 +153,17 @@ class WeightSink(Protocol):
 
     async def resume(self) -> None:
         """Let generation continue after `pause`."""
+        ...
+
+    async def sleep(self, level: int = 1) -> None:
+        """Colocated placement, while the learner sharing the GPU trains: stop generating (requests wait)
+        and free the GPU memory, keeping the weights in host memory (level 1) or dropping them (level 2:
+        the next weight sync refills them). Idempotent; on a CPU engine it only holds generation."""
+        ...
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Undo `sleep` for `tags`: "weights" (before a weight sync writes them), "kv_cache" (generation
+        resumes once both are up); None = both. Idempotent."""
         ...
 
     async def weights_checksum(self) -> float:

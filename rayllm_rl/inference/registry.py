@@ -7,6 +7,7 @@ An engine is a class with:
 * ``requires``: the package it needs (None: always there), for a clear error when it is missing;
 * ``build(model_path, *, seed, dtype, version, tensor_parallel_size, options)``: the engine;
 * ``check_job(job: EngineJob)``: raises ValueError naming the key a job sets that the engine cannot serve;
+* ``placement_defaults(colocated)``: options the placement sets unless the job does (vLLM's GPU share);
 * ``kv_cache_plan(options, ...)``: the dry run's KV-cache budget;
 * the runtime contract of `inference/protocol.py` (`start`, `aclose`, `agenerate`, the weight sink).
 
@@ -38,6 +39,10 @@ class EngineJob:
     top_k: int
     environment: bool
     """Whether to check this machine (installed packages); False for a dry run planning other machines."""
+    options: Any = None
+    """The engine's `Options`, as `engine_options` typed them (placement defaults included)."""
+    colocated: bool = False
+    """`ray.placement=colocated`: each replica shares its GPU with a learner rank and sleeps while it trains."""
 
 
 def engine_class(name: str) -> type:
@@ -63,6 +68,12 @@ def engine_options(name: str, values: Mapping[str, Any] | None = None):
         return apply_dict(cls.Options(), dict(values or {}), prefix="inference.options.")
     except ConfigError as exc:
         raise ValueError(f"{exc} (the options of inference.engine={name})") from None
+
+
+def placed_options(name: str, values: Mapping[str, Any] | None, *, colocated: bool) -> dict[str, Any]:
+    """`inference.options` over the engine's defaults for the placement (`placement_defaults`): the
+    placement decides a replica's GPU share and sleep mode, a value the job sets wins."""
+    return {**engine_class(name).placement_defaults(colocated), **dict(values or {})}
 
 
 def build_engine(name: str, model_path: str, *, seed: int = 0, dtype: str = "float32", version: int = 0,

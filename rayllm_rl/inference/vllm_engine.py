@@ -20,7 +20,7 @@ import dataclasses
 import os
 import time
 import uuid
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -37,8 +37,9 @@ class VLLMOptions:
 
     kv_cache_mb: int = 256
     """CPU only: host RAM reserved up front for the KV cache."""
-    gpu_memory_utilization: float = 0.5
-    """GPU only: fraction of each GPU's memory vLLM may take (the learner may share the node)."""
+    gpu_memory_utilization: float = 0.0
+    """GPU only: fraction of each GPU's memory vLLM may take; 0 = by placement (`placement_defaults`):
+    0.9 on GPUs of its own (vLLM's default), 0.5 when colocated with a learner rank."""
     max_model_len: int = 0
     """Context length (0 = the model's max_position_embeddings)."""
     enable_prefix_caching: bool = True
@@ -48,6 +49,11 @@ class VLLMOptions:
     (decode of small models is several times faster with them)."""
     max_num_seqs: int = 256
     """Sequences decoded together."""
+    enable_sleep_mode: bool = False
+    """GPU only: vLLM's sleep mode (CUDA's memory pool that `sleep` can offload); on by placement when colocated."""
+    sleep_level: int = 1
+    """Colocated, while the learner trains: 1 = weights to host memory and back (safe), 2 = weights dropped
+    and refilled by the weight sync that follows (less copying; every buffer must be in the sync)."""
 
 
 def _torch_dtype_name(dtype: str) -> str:
@@ -73,6 +79,12 @@ class VLLMEngine:
                    options=options)
 
     @classmethod
+    def placement_defaults(cls, colocated: bool) -> dict[str, Any]:
+        """Options the placement sets unless the job does: the GPU share, and sleep mode when colocated."""
+        return {"gpu_memory_utilization": 0.5, "enable_sleep_mode": True} if colocated else \
+            {"gpu_memory_utilization": 0.9}
+
+    @classmethod
     def check_job(cls, job) -> None:
         """What a job may not ask of vLLM replicas (`registry.EngineJob`)."""
         from rayllm_rl.inference.registry import engine_installed
@@ -81,6 +93,11 @@ class VLLMEngine:
             raise ValueError(f"inference.engine=vllm but the vllm package is not installed ({cls.install_hint})")
         if job.backend != "ray":
             raise ValueError("inference.engine=vllm runs in Ray replica actors: set trainer.backend=ray")
+        if job.options.sleep_level not in (1, 2):
+            raise ValueError(f"inference.options.sleep_level must be 1 or 2 (got {job.options.sleep_level})")
+        if not 0.0 <= job.options.gpu_memory_utilization <= 1.0:
+            raise ValueError("inference.options.gpu_memory_utilization must be in (0, 1], or 0 for the placement's "
+                             f"default (got {job.options.gpu_memory_utilization})")
         if job.top_p < 1.0 or job.top_k > 0:
             raise ValueError(f"inference.engine=vllm with rollout.top_p={job.top_p}, rollout.top_k={job.top_k}: "
                              "vLLM's logprobs are then of the truncated distribution, which the learner does not "
@@ -123,6 +140,9 @@ class VLLMEngine:
         self._start_lock: asyncio.Lock | None = None
         self._sync_timeout_s: float | None = None  # set when the update group is joined
         self._receiver = self._staging = None  # this actor's receiving end and staging segment, if any
+        self._sleep_mode = bool(self.options.enable_sleep_mode) and torch.cuda.is_available()
+        self._asleep: set[str] = set()
+        """What `sleep` put down and `wake_up` has not brought back ("weights", "kv_cache"; or "scheduling")."""
         self.stats = {"requests": 0, "generated_tokens": 0, "updates": 0, "last_stall_s": 0.0, "last_receive_s": 0.0}
 
     # ---------------------------------------------------------------- lifecycle
@@ -160,7 +180,8 @@ class VLLMEngine:
             # One worker inside the engine-core process on CPU; vLLM's own choice on GPUs.
             distributed_executor_backend="uni" if self.tensor_parallel_size == 1 else None,
             **({"kv_cache_memory_bytes": int(o.kv_cache_mb) << 20} if on_cpu
-               else {"gpu_memory_utilization": o.gpu_memory_utilization}),
+               else {"gpu_memory_utilization": o.gpu_memory_utilization or self.placement_defaults(False)[
+                   "gpu_memory_utilization"], "enable_sleep_mode": o.enable_sleep_mode}),
         )
         self._llm = AsyncLLM.from_engine_args(args)
 
@@ -332,7 +353,8 @@ class VLLMEngine:
             phases["finish_s"] = time.perf_counter() - t
             self._version = int(version)
         finally:
-            await self._llm.resume_generation()
+            if not self._asleep:  # asleep (colocated hand-over): wake_up resumes once the KV cache is back
+                await self._llm.resume_generation()
         stall = time.perf_counter() - t0
         self.stats["updates"] += 1
         self.stats["last_stall_s"] = stall
@@ -351,6 +373,34 @@ class VLLMEngine:
 
         await self._apply(int(version), load)
         return self._version
+
+    async def sleep(self, level: int = 1) -> None:
+        """Colocated: hold generation (running requests kept) and, on a GPU with sleep mode, free vLLM's
+        memory at `inference.options.sleep_level`; `level` is the protocol's and is overridden by that
+        option. Without sleep mode (CPU) vLLM's level 0: scheduling paused, no memory freed."""
+        await self.start()
+        if self._asleep:
+            return
+        lvl = self.options.sleep_level if self._sleep_mode else 0
+        await self._llm.sleep(lvl, mode="keep")
+        self._asleep = {"weights", "kv_cache"} if lvl else {"scheduling"}
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Bring back `tags` ("weights", "kv_cache"; None = both); vLLM resumes scheduling once all is back."""
+        bad = [t for t in (tags or []) if t not in ("weights", "kv_cache")]
+        if bad:
+            raise ValueError(f"wake_up: unknown tags {bad}; use 'weights' and/or 'kv_cache'")
+        if not self._asleep:
+            return
+        if "scheduling" in self._asleep:  # level 0: nothing was freed; scheduling resumes with the last tag
+            if tags is None or "kv_cache" in tags:
+                await self._llm.wake_up(["scheduling"])
+                self._asleep = set()
+            return
+        want = [t for t in (tags or ["weights", "kv_cache"]) if t in self._asleep]
+        if want:
+            await self._llm.wake_up(want)
+            self._asleep -= set(want)
 
     async def pause(self) -> None:
         await self.start()

@@ -172,6 +172,19 @@ class Learner:
         check_chunked_head(self.model, optim.logprob_chunk_size)
         self.reset_optimizer(optim)
 
+    def offload(self) -> int:
+        """Parameters, gradients and optimizer state off this rank's GPU (colocated placement, while the
+        replica sharing it generates); returns the bytes that left it (0 on a CPU learner)."""
+        from rayllm_rl.learner.offload import offload_training_state
+
+        return offload_training_state(self.model, self.optimizer, self.device)
+
+    def onload(self) -> int:
+        """Back on this rank's GPU before a train step; returns the bytes moved (0 on a CPU learner)."""
+        from rayllm_rl.learner.offload import onload_training_state
+
+        return onload_training_state(self.model, self.optimizer, self.device)
+
     def reset_optimizer(self, optim: OptimConfig) -> None:
         """Fresh AdamW state and step count (e.g. between the SFT warm start and RL)."""
         self.cfg = optim

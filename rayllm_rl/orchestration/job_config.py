@@ -305,6 +305,12 @@ class RayConfig:
     """Tensor-parallel degree of each vLLM replica (needs gpus_per_replica >= it when gpus_per_replica > 0)."""
     gpus_per_learner: float = 0.0
     """GPUs each FSDP learner rank requests (0 = CPU)."""
+    placement: Literal["separate", "colocated"] = "separate"
+    """'separate': replicas and learner ranks on GPUs of their own, generating while the learner trains.
+    'colocated': learner rank i and replica i share GPU i (half of one bundle each; needs num_learners ==
+    num_replicas, gpus_per_replica == gpus_per_learner == 1, or both 0 on CPU, and rollout.max_staleness=0) and
+    take turns: the replica sleeps while the learner trains, the learner's state leaves the GPU while the
+    replica generates (docs/ray-orchestration.md, "Colocated")."""
     namespace: str = "rayllm_rl"
     """Ray namespace of the job's named actors (`ray.get_actor("env-0", namespace=...)` from another
     driver); two jobs on one cluster at the same time need two namespaces."""
@@ -478,8 +484,16 @@ class GRPOJobConfig:
         self._check_rollout_fields()
         self.algo.build_loss(self.rollout.max_new_tokens)  # a field the loss does not read fails here
         rc = self.ray
+        colocated = rc.placement == "colocated"
         validate_placement(rc.num_replicas, rc.num_learners, rc.gpus_per_replica, rc.gpus_per_learner,
-                           rc.tensor_parallel_size, rc.sync_timeout_s)
+                           rc.tensor_parallel_size, rc.sync_timeout_s, colocated)
+        if colocated and self.rollout.max_staleness != 0:
+            raise ValueError(f"ray.placement=colocated needs rollout.max_staleness=0 (got {self.rollout.max_staleness}): "
+                             "the replica sleeps while the learner trains, so nothing is generated during a step and "
+                             "an older policy's batch would buy staleness without any overlap")
+        if colocated and self.trainer.backend != "ray":
+            raise ValueError("ray.placement=colocated is a placement of the Ray backend's actors: set trainer.backend=ray "
+                             f"(got {self.trainer.backend}; the local backend runs everything in one process already)")
         for key in NODE_LABEL_KEYS:
             check_node_labels(key, getattr(rc, key))
         if not rc.namespace.strip():
@@ -496,18 +510,20 @@ class GRPOJobConfig:
         for key in ("rollout.max_new_tokens", "optim.lr", "sft.lr"):
             if not _get(self, key) > 0:
                 raise ValueError(f"{key}={_get(self, key)}: must be > 0")
-        from rayllm_rl.inference.registry import EngineJob, engine_class, engine_options
+        from rayllm_rl.inference.registry import EngineJob, engine_class, engine_options, placed_options
 
-        engine_options(self.inference.engine, self.inference.options)  # an unknown engine or option fails here
+        # an unknown engine or option fails here
+        options = engine_options(self.inference.engine,
+                                 placed_options(self.inference.engine, self.inference.options, colocated=colocated))
         engine_class(self.inference.engine).check_job(EngineJob(
             backend=self.trainer.backend, gpus_per_replica=rc.gpus_per_replica,
             tensor_parallel_size=rc.tensor_parallel_size, dtype=self.model.dtype, top_p=self.rollout.top_p,
-            top_k=self.rollout.top_k, environment=environment))
+            top_k=self.rollout.top_k, environment=environment, options=options, colocated=colocated))
         from rayllm_rl.weight_sync.registry import plan_transport
 
         # what can be checked before any actor starts (the nodes are known only then)
-        plan_transport(rc.sync_transport, learner_gpus=rc.gpus_per_learner > 0, learner_ranks=rc.num_learners, replica_gpus=rc.gpus_per_replica > 0,
-                       learner_node="", replica_nodes=[""])
+        plan_transport(rc.sync_transport, learner_gpus=rc.gpus_per_learner > 0, learner_ranks=rc.num_learners,
+                       replica_gpus=rc.gpus_per_replica > 0, learner_node="", replica_nodes=[""], colocated=colocated)
         if self.algo.prox_logp_method != "recompute":
             self.algo.build_loss(self.rollout.max_new_tokens)  # raises for a loss without proximal logprobs
         return self

@@ -25,9 +25,18 @@ def _check_gpus(key: str, value: float) -> float:
     return gpus
 
 
+COLOCATED_SHARE = 0.5
+"""Colocated: what each of the two actors of a pair asks of their one-GPU bundle (Ray then gives both
+the same device, and CUDA_VISIBLE_DEVICES names it for both)."""
+
+
 def validate(num_replicas: int, num_learners: int, gpus_per_replica: float, gpus_per_learner: float,
-             tensor_parallel_size: int, timeout_s: float) -> tuple[float, float]:
-    """Check the placement settings; raise ValueError naming the `ray.*` key. Returns the GPU counts."""
+             tensor_parallel_size: int, timeout_s: float, colocated: bool = False) -> tuple[float, float]:
+    """Check the placement settings; raise ValueError naming the `ray.*` key. Returns the GPU counts.
+
+    `colocated` (`ray.placement=colocated`): learner rank i and replica i share one GPU (or, with no
+    GPU, take turns on the CPU), so the counts must pair up: one learner rank per replica, the same
+    0 or 1 GPU on both sides, and no tensor parallelism (a replica of several GPUs has no one GPU to share)."""
     for key, count in (("num_replicas", num_replicas), ("num_learners", num_learners)):
         if int(count) != count or count < 1:
             raise ValueError(f"ray.{key} must be an integer >= 1 (got {count!r})")
@@ -41,6 +50,18 @@ def validate(num_replicas: int, num_learners: int, gpus_per_replica: float, gpus
                          f"holds all the GPUs of its tensor-parallel group")
     if not timeout_s > 0:
         raise ValueError(f"placement timeout_s must be > 0 (got {timeout_s!r})")
+    if colocated:
+        if num_learners != num_replicas:
+            raise ValueError(f"ray.placement=colocated pairs learner rank i with replica i on one GPU: ray.num_learners "
+                             f"({num_learners}) must equal ray.num_replicas ({num_replicas})")
+        if replica_gpus != learner_gpus or replica_gpus not in (0.0, 1.0):
+            raise ValueError(f"ray.placement=colocated shares one GPU per pair: set ray.gpus_per_replica and "
+                             f"ray.gpus_per_learner both to 1 (or both to 0 on CPU); got {gpus_per_replica!r} and "
+                             f"{gpus_per_learner!r}")
+        if tensor_parallel_size != 1:
+            raise ValueError(f"ray.placement=colocated needs ray.tensor_parallel_size=1 (got {tensor_parallel_size}): "
+                             "a tensor-parallel replica spans several GPUs, so no single learner rank shares them; "
+                             "use ray.placement=separate")
     return replica_gpus, learner_gpus
 
 
@@ -54,14 +75,22 @@ def _bundle(gpus: float) -> dict[str, float]:
 
 
 def plan_bundles(num_replicas: int, num_learners: int, replica_gpus: float,
-                 learner_gpus: float) -> list[dict[str, float]]:
-    """The group's bundles, without Ray: replica i is bundle i, learner rank r is `learner_bundle(r)`."""
+                 learner_gpus: float, colocated: bool = False) -> list[dict[str, float]]:
+    """The group's bundles, without Ray: replica i is bundle i, learner rank r is `learner_bundle(r)`
+    (colocated: bundle i holds replica i and learner rank i, one GPU)."""
+    if colocated:
+        return [_bundle(replica_gpus) for _ in range(num_replicas)]
     return [_bundle(replica_gpus) for _ in range(num_replicas)] + [_bundle(learner_gpus) for _ in range(num_learners)]
 
 
-def learner_bundle(num_replicas: int, rank: int) -> int:
-    """The bundle index of learner rank `rank` (after the replicas')."""
-    return num_replicas + rank
+def learner_bundle(num_replicas: int, rank: int, colocated: bool = False) -> int:
+    """The bundle index of learner rank `rank` (after the replicas'; colocated: its replica's)."""
+    return rank if colocated else num_replicas + rank
+
+
+def actor_gpus(gpus: float, colocated: bool = False) -> float:
+    """What one actor asks of its bundle: the bundle's GPUs, or its half of a colocated pair's GPU."""
+    return gpus * COLOCATED_SHARE if colocated else gpus
 
 
 _LABEL = r"[a-zA-Z0-9]([a-zA-Z0-9_.-]{0,61}[a-zA-Z0-9])?"

@@ -217,7 +217,7 @@ def learner_memory(cfg: GRPOJobConfig, arch: dict) -> dict[str, Any]:
 
 def kv_cache_memory(cfg: GRPOJobConfig, arch: dict) -> dict[str, Any]:
     """Per replica: KV bytes per token, what the step's sequences need, and the engine's budget."""
-    from rayllm_rl.inference.registry import engine_class, engine_options
+    from rayllm_rl.inference.registry import engine_class, engine_options, placed_options
 
     b = DTYPE_BYTES[cfg.model.dtype]
     per_token = 2 * arch["num_layers"] * arch["num_key_value_heads"] * arch["head_dim"] * b
@@ -228,7 +228,8 @@ def kv_cache_memory(cfg: GRPOJobConfig, arch: dict) -> dict[str, Any]:
     out: dict[str, Any] = {"bytes_per_token": per_token, "sequence_tokens": seq}
     weights = arch["params"] * b / rc.tensor_parallel_size
     out.update(engine_class(inf.engine).kv_cache_plan(
-        engine_options(inf.engine, inf.options), gpus_per_replica=rc.gpus_per_replica, weights_bytes=weights,
+        engine_options(inf.engine, placed_options(inf.engine, inf.options, colocated=rc.placement == "colocated")),
+        gpus_per_replica=rc.gpus_per_replica, weights_bytes=weights,
         per_token=per_token, sequence_tokens=seq, in_flight=in_flight))
     concurrent = out["concurrent_sequences"]
     out["needed_bytes"] = int(concurrent * seq * per_token)
@@ -246,20 +247,24 @@ def _actor(name: str, role: str, gpus: float, threads: int, bundle: int | None, 
 def placement_plan(cfg: GRPOJobConfig) -> dict[str, Any]:
     """The placement group `plan_placement` would reserve: bundles (replicas first, then learner ranks)
     and strategy, or none when no GPU is asked for."""
-    from rayllm_rl.orchestration.placement_rules import STRATEGY, plan_bundles, validate
+    from rayllm_rl.orchestration.placement_rules import STRATEGY, actor_gpus, plan_bundles, validate
 
     rc = cfg.ray
+    colocated = rc.placement == "colocated"
     replica_gpus, learner_gpus = validate(rc.num_replicas, rc.num_learners, rc.gpus_per_replica, rc.gpus_per_learner,
-                                          rc.tensor_parallel_size, rc.sync_timeout_s)
+                                          rc.tensor_parallel_size, rc.sync_timeout_s, colocated)
+    shared = {"placement": rc.placement, "replica_gpus": actor_gpus(replica_gpus, colocated),
+              "learner_gpus": actor_gpus(learner_gpus, colocated)}
     if replica_gpus == 0 and learner_gpus == 0:
-        return {"placement_group": False, "strategy": None, "bundles": [], "total_gpus": 0.0,
-                "replica_gpus": 0.0, "learner_gpus": 0.0}
-    names = [f"inference-{i}" for i in range(rc.num_replicas)] + [f"learner-{r}" for r in range(rc.num_learners)]
+        return {"placement_group": False, "strategy": None, "bundles": [], "total_gpus": 0.0, **shared}
+    if colocated:
+        names = [f"inference-{i} + learner-{i} (sharing one GPU, taking turns)" for i in range(rc.num_replicas)]
+    else:
+        names = [f"inference-{i}" for i in range(rc.num_replicas)] + [f"learner-{r}" for r in range(rc.num_learners)]
     bundles = [{"for": name, **bundle} for name, bundle in
-               zip(names, plan_bundles(rc.num_replicas, rc.num_learners, replica_gpus, learner_gpus))]
+               zip(names, plan_bundles(rc.num_replicas, rc.num_learners, replica_gpus, learner_gpus, colocated))]
     return {"placement_group": True, "strategy": STRATEGY, "bundles": bundles,
-            "total_gpus": sum(b.get("GPU", 0.0) for b in bundles), "replica_gpus": replica_gpus,
-            "learner_gpus": learner_gpus}
+            "total_gpus": sum(b.get("GPU", 0.0) for b in bundles), **shared}
 
 
 def actors_plan(cfg: GRPOJobConfig, placement: dict[str, Any]) -> list[dict[str, Any]]:
@@ -272,8 +277,11 @@ def actors_plan(cfg: GRPOJobConfig, placement: dict[str, Any]) -> list[dict[str,
     tp = f"tensor_parallel_size={rc.tensor_parallel_size}" if rc.tensor_parallel_size > 1 else ""
     actors = [_actor(f"inference-{i}", f"inference replica ({cfg.inference.engine})", placement["replica_gpus"], t,
                      i if pg else None, tp) for i in range(rc.num_replicas)]
+    colocated = rc.placement == "colocated"
     actors += [_actor(f"learner-{r}", "FSDP learner rank", placement["learner_gpus"], t,
-                      learner_bundle(rc.num_replicas, r) if pg else None) for r in range(rc.num_learners)]
+                      learner_bundle(rc.num_replicas, r, colocated) if pg else None,
+                      f"shares its GPU with inference-{r}; offloaded while it generates" if colocated else "")
+               for r in range(rc.num_learners)]
     actors += [_actor(f"env-{i}", "env worker (rollout workflows, rewards)", 0.0, 1, None)
                for i in range(rc.num_env_workers)]
     actors += [_actor("replay-buffer", "replay buffer", 0.0, 1, None), _actor("collector", "collector", 0.0, 1, None)]
@@ -293,7 +301,8 @@ def transport_plan(cfg: GRPOJobConfig) -> dict[str, str]:
         rc = cfg.ray
         try:
             return plan_transport(rc.sync_transport, learner_gpus=rc.gpus_per_learner > 0, learner_ranks=rc.num_learners,
-                                  replica_gpus=rc.gpus_per_replica > 0, learner_node="node-a", replica_nodes=nodes)
+                                  replica_gpus=rc.gpus_per_replica > 0, learner_node="node-a", replica_nodes=nodes,
+                                  colocated=rc.placement == "colocated")
         except ValueError as exc:
             return f"refused: {exc}"
 

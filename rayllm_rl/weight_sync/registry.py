@@ -65,6 +65,9 @@ class TransportInfo:
     single_learner_rank: bool = False
     """Needs the learner's torch.distributed to itself (Ray's gloo group initialises it), so FSDP
     with several learner ranks cannot share the process."""
+    shared_device: bool = True
+    """Works when sender and receiver share one GPU (colocated placement). NCCL does not: it refuses
+    two ranks of one communicator on one device."""
 
 
 TRANSPORTS: dict[str, TransportInfo] = {t.name: t for t in (
@@ -72,10 +75,11 @@ TRANSPORTS: dict[str, TransportInfo] = {t.name: t for t in (
     TransportInfo("rdt_gloo", pulls=True, receiver_needs_ray=True, cross_node=True, gpu_only=False, group=False,
                   tensor_transport="gloo", single_learner_rank=True),
     TransportInfo("rdt_nccl", pulls=True, receiver_needs_ray=True, cross_node=True, gpu_only=True, group=False,
-                  tensor_transport="nccl"),
+                  tensor_transport="nccl", shared_device=False),
     TransportInfo("shm", pulls=False, receiver_needs_ray=False, cross_node=False, gpu_only=False, group=True),
     TransportInfo("gloo", pulls=False, receiver_needs_ray=False, cross_node=True, gpu_only=False, group=True),
-    TransportInfo("nccl", pulls=False, receiver_needs_ray=False, cross_node=True, gpu_only=True, group=True),
+    TransportInfo("nccl", pulls=False, receiver_needs_ray=False, cross_node=True, gpu_only=True, group=True,
+                  shared_device=False),
 )}
 
 
@@ -124,13 +128,18 @@ class SyncSpec:
 
 
 def plan_transport(requested: str, *, learner_gpus: bool, replica_gpus: bool, learner_node: str,
-                   replica_nodes: Iterable[str], learner_ranks: int = 1) -> str:
-    """`ray.sync_transport` resolved against the placement. 'auto': NCCL between GPUs, else Ray's
-    object store (same node: zero-copy; across nodes: Ray's own transfer)."""
+                   replica_nodes: Iterable[str], learner_ranks: int = 1, colocated: bool = False) -> str:
+    """`ray.sync_transport` resolved against the placement. 'auto': NCCL between GPUs of their own,
+    else Ray's object store (same node: zero-copy; across nodes: Ray's own transfer). Colocated
+    (learner rank i and replica i on one GPU): the object store, since NCCL cannot join two ranks on
+    one device (a same-device CUDA IPC path is not built yet: docs/weight-sync.md)."""
     same_node = set(replica_nodes) <= {learner_node}
     if requested == "auto":
-        return "nccl" if learner_gpus and replica_gpus else "object_store"
+        return "nccl" if learner_gpus and replica_gpus and not colocated else "object_store"
     info = transport_info(requested)
+    if colocated and learner_gpus and not info.shared_device:
+        raise ValueError(f"ray.sync_transport={requested} cannot run with ray.placement=colocated: NCCL refuses two "
+                         "ranks on one GPU; use auto or object_store")
     if not info.cross_node and not same_node:
         raise ValueError(f"ray.sync_transport={requested} needs every replica on the learner's node "
                          f"({learner_node}); replicas are on {sorted(set(replica_nodes))}: use object_store or gloo")

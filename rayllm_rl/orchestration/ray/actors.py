@@ -45,12 +45,26 @@ def _actor(cls=None, **options):
 
 
 class _Process:
-    """Mixed into every actor: its process id, for fault-injection tests and operators."""
+    """Mixed into every actor: its process id, for fault-injection tests and operators, and its turn
+    log (colocated placement: when it slept, trained, handed weights over, woke)."""
 
     def pid(self) -> int:
         import os
 
         return os.getpid()
+
+    def _turn(self, event: str) -> None:
+        """Note `event` at `time.monotonic()` (one clock for every process of a node)."""
+        log = self.__dict__.setdefault("_turns", [])
+        log.append((event, time.monotonic()))
+        del log[:-TURN_LOG_LEN]
+
+    def turn_log(self) -> list[tuple[str, float]]:
+        """The last `TURN_LOG_LEN` turn events `(event, time.monotonic())`, oldest first."""
+        return list(self.__dict__.get("_turns", []))
+
+
+TURN_LOG_LEN = 4096
 
 
 @_actor(enable_tensor_transport=True)  # receives weights over Ray Direct Transport (rdt_* transports)
@@ -84,7 +98,20 @@ class InferenceReplica(_Process):
     async def agenerate(self, request: LLMRequest) -> LLMResponse:
         if not self.serving:
             raise ReplicaNotReady("this replica was restarted and has not received the current weights yet")
-        return await self.engine.agenerate(request)
+        out = await self.engine.agenerate(request)
+        self._turn("generated")
+        return out
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free the engine's GPU memory while the learner sharing the GPU trains (colocated); requests
+        wait until `wake_up` has brought everything back."""
+        await self.engine.sleep(level)
+        self._turn("sleep")
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """`tags`: "weights" (before a weight sync), "kv_cache" (then generation resumes); None = both."""
+        await self.engine.wake_up(tags)
+        self._turn("wake:" + "+".join(tags or ["all"]))
 
     def version(self) -> int:
         return self.engine.version
@@ -106,6 +133,7 @@ class InferenceReplica(_Process):
         `published`: learner rank 0's `sync_weights` result, for a transport whose receivers fetch
         what it published (Ray resolved the reference the driver passed; it holds references only)."""
         out = await self.engine.receive_update(None if published is None else published["handoff"])
+        self._turn("weights received")
         self.versions_held.append(int(out["version"]))
         self.serving = True
         return out
@@ -284,7 +312,22 @@ class LearnerWorker(_Process):
         return self.learner.compute_logprobs(batch)
 
     def train_step(self, batch, loss=None) -> dict[str, float]:
-        return self.learner.train_step(batch, loss if loss is not None else self.loss)
+        self._turn("train start")
+        out = self.learner.train_step(batch, loss if loss is not None else self.loss)
+        self._turn("train end")
+        return out
+
+    def offload(self) -> int:
+        """Training state off the GPU (colocated, while the replica sharing it generates); bytes moved."""
+        moved = self.learner.offload()
+        self._turn("offload")
+        return moved
+
+    def onload(self) -> int:
+        """Training state back on the GPU before a train step; bytes moved."""
+        moved = self.learner.onload()
+        self._turn("onload")
+        return moved
 
     def reset_optimizer(self, optim) -> None:
         self.learner.reset_optimizer(optim)

@@ -137,7 +137,8 @@ class RayBackend:
         TensorDict made here (the SFT warm start's), put once for every rank."""
         if not isinstance(batch, ray.ObjectRef):
             batch = ray.put(self._through_driver(batch))
-        return self._through_driver(self.cluster.learner_call("train_step", batch, loss))[0]
+        step = lambda: self.cluster.learner_call("train_step", batch, loss)  # noqa: E731
+        return self._through_driver(self.cluster.turns.train(step))[0]
 
     @_crash_aware
     def reset_optimizer(self, optim_cfg) -> None:
@@ -147,12 +148,17 @@ class RayBackend:
     def sync_weights(self, version: int) -> dict[str, float]:
         """Stream `version` to every replica. If a replica's process died and Ray restarted it, the
         sync fails: form the group again with the new process and send the current weights once more."""
-        try:
-            out = self.cluster.sync_weights(version)
-        except (ray.exceptions.RayError, TimeoutError):
-            out = self._rejoin_restarted_replicas(version)
-            if out is None:
-                raise
+
+        def sync():
+            try:
+                return self.cluster.sync_weights(version)
+            except (ray.exceptions.RayError, TimeoutError):
+                out = self._rejoin_restarted_replicas(version)
+                if out is None:
+                    raise
+                return out
+
+        out = self.cluster.turns.hand_over(sync)  # colocated: the replicas' weights wake first
         self._synced = version
         return self._through_driver(out)
 

@@ -16,9 +16,11 @@ from rayllm_rl.orchestration.ray.actors import (
     RayLLMCollector,
     ReplayBufferActor,
 )
+from rayllm_rl.inference.registry import placed_options
 from rayllm_rl.orchestration.factories import build_episode_filter
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.ray.placement import Placement, plan_placement
+from rayllm_rl.orchestration.ray.turns import make_turns
 
 
 def init_ray(cfg: GRPOJobConfig) -> None:
@@ -51,6 +53,8 @@ class Cluster:
     placement: Placement | None = None
     replica_pids: list[int] = dataclasses.field(default_factory=list)
     """Each replica's process id when the weight-sync group last formed (a restart changes it)."""
+    turns: Any = None
+    """How generation and training share the hardware (turns.py: separate, or colocated turns)."""
 
     def get(self, refs, timeout_s: float | None = None):
         """ray.get with the job's timeout: a hang becomes a GetTimeoutError naming the wait."""
@@ -180,14 +184,17 @@ def build_cluster(cfg: GRPOJobConfig, model_path: str, task, workflow_factory) -
     cfg.validate()
     rc, threads = cfg.ray, cfg.ray.threads_per_actor
     seed = cfg.trainer.seed
+    colocated = rc.placement == "colocated"
     placement = plan_placement(rc.num_replicas, rc.num_learners, rc.gpus_per_replica, rc.gpus_per_learner,
                                rc.tensor_parallel_size, rc.sync_timeout_s, replica_labels=rc.replica_node_labels,
-                               learner_labels=rc.learner_node_labels, env_worker_labels=rc.env_worker_node_labels)
+                               learner_labels=rc.learner_node_labels, env_worker_labels=rc.env_worker_node_labels,
+                               colocated=colocated)
     inf = cfg.inference
+    options = placed_options(inf.engine, inf.options, colocated=colocated)
     ns = rc.namespace  # every named actor lives here: `ray.get_actor("env-0", namespace=...)` from any driver
     # A replica Ray restarts refuses requests until the driver re-forms the sync group and sends it the
     # current weights (RayBackend.sync_weights).
-    replica_args = [(inf.engine, model_path, seed + i, threads, cfg.model.dtype, dict(inf.options),
+    replica_args = [(inf.engine, model_path, seed + i, threads, cfg.model.dtype, options,
                      rc.tensor_parallel_size) for i in range(rc.num_replicas)]
     check_inlined("inference replica", replica_args[0])
     replicas = [InferenceReplica.options(name=f"inference-{i}", namespace=ns, max_restarts=rc.replica_restarts,
@@ -216,6 +223,7 @@ def build_cluster(cfg: GRPOJobConfig, model_path: str, task, workflow_factory) -
     buffer.set_collector.remote(collector)
     cluster = Cluster(replicas, env_workers, learners, buffer, collector, rc.call_timeout_s, rc.sync_timeout_s,
                       placement=placement)
+    cluster.turns = make_turns(rc.placement, cluster)
 
     host, port = cluster.get(learners[0].address.remote())
     cluster.learner_call("setup", model_path, cfg.optim, cfg.algo, cfg.rollout.temperature, seed, host, port,
@@ -235,7 +243,8 @@ def form_sync_group(cluster: Cluster, cfg: GRPOJobConfig) -> None:
     sync_host, sync_port = cluster.get(learners[0].address.remote())
     transport = plan_transport(rc.sync_transport, learner_gpus=rc.gpus_per_learner > 0, learner_ranks=rc.num_learners,
                                replica_gpus=rc.gpus_per_replica > 0, learner_node=sync_host,
-                               replica_nodes=cluster.get([r.node_ip.remote() for r in replicas]))
+                               replica_nodes=cluster.get([r.node_ip.remote() for r in replicas]),
+                               colocated=rc.placement == "colocated")
     cluster.transport = transport
     ranks = cluster.get([r.receiving_processes.remote(transport) for r in replicas])
     spec = make_spec(transport, cluster.get(learners[0].weight_metadata.remote()), receivers=sum(ranks),

@@ -16,6 +16,10 @@ merges these options in.
   (PACK keeps it near the GPU actors, which matters for same-node weight transports) while
   its actors still request no resources themselves.
 
+Colocated (`ray.placement=colocated`): bundle i holds replica i and learner rank i, one GPU, each
+asking half of it, so Ray hands both the same device (one CUDA_VISIBLE_DEVICES). They take turns on it
+(orchestration/ray/turns.py). Otherwise (separate):
+
 Distinct GPUs: GPU counts must be whole numbers, and a whole-GPU bundle takes whole GPU
 instances, so no two actors ever share a device. Fractions are rejected on purpose: Ray packs
 fractional bundles onto the same GPU, two FSDP/NCCL ranks cannot share one device, and a vLLM
@@ -55,7 +59,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from rayllm_rl.orchestration.placement_rules import (
-    STRATEGY, learner_bundle, node_matches, plan_bundles, validate,
+    STRATEGY, actor_gpus, learner_bundle, node_matches, plan_bundles, validate,
 )
 
 
@@ -122,15 +126,20 @@ def wait_for_labelled_nodes(selectors: dict[str, dict[str, str] | None], timeout
 def plan_placement(num_replicas: int, num_learners: int, gpus_per_replica: float, gpus_per_learner: float,
                    tensor_parallel_size: int, timeout_s: float, *, replica_labels: dict[str, str] | None = None,
                    learner_labels: dict[str, str] | None = None,
-                   env_worker_labels: dict[str, str] | None = None) -> Placement:
+                   env_worker_labels: dict[str, str] | None = None, colocated: bool = False) -> Placement:
     """Validate the settings, reserve the GPUs (waiting at most `timeout_s`) and return the actor options.
     `*_labels`: node labels each role's actors need (their `label_selector`; {} or None = any node).
+    `colocated`: replica i and learner rank i in bundle i, each asking half of its one GPU.
 
     Raises ValueError on bad settings and PlacementError (leaving no placement group behind)
     when the cluster cannot provide the requested GPUs, or no node carries a role's labels, in time.
     """
     replica_gpus, learner_gpus = validate(num_replicas, num_learners, gpus_per_replica, gpus_per_learner,
-                                          tensor_parallel_size, timeout_s)
+                                          tensor_parallel_size, timeout_s, colocated)
+    if colocated and replica_labels != learner_labels:
+        raise ValueError("ray.placement=colocated puts replica i and learner rank i on one GPU: "
+                         f"ray.replica_node_labels ({replica_labels or {}}) and ray.learner_node_labels "
+                         f"({learner_labels or {}}) must be equal")
     wait_for_labelled_nodes({"replica_node_labels": replica_labels, "learner_node_labels": learner_labels,
                              "env_worker_node_labels": env_worker_labels}, timeout_s)
     env_options = _with_labels({}, env_worker_labels)
@@ -141,8 +150,9 @@ def plan_placement(num_replicas: int, num_learners: int, gpus_per_replica: float
     if replica_gpus == 0 and learner_gpus == 0:
         return Placement([_with_labels({"num_cpus": 0}, replica_labels) for _ in range(num_replicas)],
                          [_with_labels({"num_cpus": 0}, learner_labels) for _ in range(num_learners)], **others)
-    bundles = plan_bundles(num_replicas, num_learners, replica_gpus, learner_gpus)
-    selectors = [dict(replica_labels or {})] * num_replicas + [dict(learner_labels or {})] * num_learners
+    bundles = plan_bundles(num_replicas, num_learners, replica_gpus, learner_gpus, colocated)
+    selectors = ([dict(replica_labels or {})] * num_replicas
+                 + ([] if colocated else [dict(learner_labels or {})] * num_learners))
     pg = placement_group(bundles, strategy=STRATEGY, bundle_label_selector=selectors if any(selectors) else None)
     try:
         ray.get(pg.ready(), timeout=timeout_s)
@@ -160,9 +170,9 @@ def plan_placement(num_replicas: int, num_learners: int, gpus_per_replica: float
     except BaseException:
         remove_placement_group(pg)
         raise
-    return Placement([_actor_options(pg, i, replica_gpus) for i in range(num_replicas)],
-                     [_actor_options(pg, learner_bundle(num_replicas, r), learner_gpus) for r in range(num_learners)],
-                     pg, **others)
+    return Placement([_actor_options(pg, i, actor_gpus(replica_gpus, colocated)) for i in range(num_replicas)],
+                     [_actor_options(pg, learner_bundle(num_replicas, r, colocated), actor_gpus(learner_gpus, colocated))
+                      for r in range(num_learners)], pg, **others)
 
 
 def _bundle_index(pg_id: str) -> int | None:
