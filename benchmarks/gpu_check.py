@@ -645,6 +645,7 @@ class GPUCheck:
         engine, self.engine, self.learner, self.batch = self.engine, None, None, None
         if engine is not None:
             try:
+                self.wait(engine.close_update_group(), "leaving the weight sync")  # its segments, its group
                 self.wait(engine.aclose(), "closing the engine")
             except Exception as exc:  # noqa: BLE001 - recorded; the demo still runs
                 self.result["errors"].append(f"cleanup: closing the engine: {type(exc).__name__}: {exc}")
