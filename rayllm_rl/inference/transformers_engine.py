@@ -356,8 +356,8 @@ class TransformersEngine:
         return await asyncio.to_thread(self.update_weights, named_tensors, version)
 
     async def weights_checksum(self) -> float:
-        """The protocol's float64 checksum, computed on the CPU one tensor at a time (same sum, same
-        order, so a GPU engine's equals a CPU learner's bit for bit)."""
+        """`protocol.weights_checksum` of the weights, in float64 on the CPU one tensor at a time (the
+        same terms added in the same order: equal bit for bit to it over CPU copies of the weights)."""
         if self._stale:
             raise RuntimeError(f"weights_checksum: sleep(level=2) dropped the weights and no update has resent "
                                f"{len(self._stale)} of them (e.g. {sorted(self._stale)[:3]})")
