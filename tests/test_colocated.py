@@ -114,3 +114,18 @@ def test_colocated_turns_sleep_train_hand_over_wake_and_nothing_generates_while_
     finally:
         backend.shutdown()
         ray.shutdown()
+
+
+@pytest.mark.parametrize("placement, learner, bundle", [("separate", 0.9, 1), ("colocated", 0.4, 0)])
+def test_the_plan_puts_the_reference_on_learner_0s_gpu_in_the_learners_dtype(placement, learner, bundle):
+    from rayllm_rl.orchestration.plan import actors_plan, placement_plan
+
+    staleness = "rollout.max_staleness=0" if placement == "colocated" else "rollout.max_staleness=1"
+    cfg = _cfg(f"ray.placement={placement}", staleness, "ray.gpus_per_replica=1", "ray.gpus_per_learner=1",
+               "inference.engine=vllm", "algo.kl_coef=0.05")
+    cfg.validate(environment=False)
+    plan = placement_plan(cfg)
+    actors = {a["name"]: a for a in actors_plan(cfg, plan)}
+    assert actors["reference"]["num_gpus"] == 0.1 and actors["reference"]["bundle"] == actors["learner-0"]["bundle"] == bundle
+    assert actors["learner-0"]["num_gpus"] == pytest.approx(learner) and "bfloat16" in actors["reference"]["note"]
+    assert sum(a["num_gpus"] for a in actors.values()) == pytest.approx(plan["total_gpus"])

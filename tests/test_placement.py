@@ -107,6 +107,28 @@ def test_colocated_pairs_share_one_gpu_each_and_pairs_do_not_share(gpu_ray):
         placement.remove()
 
 
+@pytest.mark.parametrize("colocated", [False, True])
+def test_the_reference_takes_a_share_of_learner_rank_0s_gpu(gpu_ray, colocated):
+    """With a reference model and one-GPU learner ranks, the reference goes into learner rank 0's bundle with
+    0.1 of its GPU (taken from the learner's share): Ray gives it learner rank 0's device."""
+    placement = plan_placement(1, 1, gpus_per_replica=1, gpus_per_learner=1, tensor_parallel_size=1, timeout_s=30,
+                               colocated=colocated, reference=True)
+    try:
+        assert placement.learner_options[0]["num_gpus"] == pytest.approx(0.4 if colocated else 0.9)
+        assert placement.reference_options["num_gpus"] == 0.1
+        probe = _probe_class()
+        learner = probe.options(**placement.learner_options[0]).remote()
+        reference = probe.options(**placement.reference_options).remote()
+        rep = probe.options(**placement.replica_options[0]).remote()
+        lrn, ref, rpl = ray.get([learner.devices.remote(), reference.devices.remote(), rep.devices.remote()], timeout=60)
+        assert ref["gpu_ids"] == lrn["gpu_ids"] and ref["cuda_visible_devices"] == lrn["cuda_visible_devices"]
+        assert ref["bundle_index"] == lrn["bundle_index"] == (0 if colocated else 1)
+        assert (rpl["gpu_ids"] == lrn["gpu_ids"]) is colocated
+        assert ray.available_resources().get("GPU", 0) == (3 if colocated else 2)
+    finally:
+        placement.remove()
+
+
 def test_tensor_parallel_replica_holds_all_its_gpus(gpu_ray):
     placement = plan_placement(1, 2, gpus_per_replica=2, gpus_per_learner=1, tensor_parallel_size=2, timeout_s=30)
     try:

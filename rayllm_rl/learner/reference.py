@@ -39,13 +39,15 @@ class ReferenceModel:
     def __init__(self, model_path: str, *, temperature: float = 1.0,
                  max_tokens_per_micro_batch: int = OptimConfig.max_tokens_per_micro_batch,
                  logprob_chunk_size: int = OptimConfig.logprob_chunk_size, dtype: torch.dtype = torch.float32,
-                 named_tensors: dict[str, torch.Tensor] | None = None):
+                 named_tensors: dict[str, torch.Tensor] | None = None, device: torch.device | str = "cpu"):
+        """`device`: where the frozen model runs (a GPU in the learner's dtype, next to learner rank 0)."""
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
         if named_tensors is not None:
             self.load_weights(named_tensors)
-        self.model.eval().requires_grad_(False)
+        self.device = torch.device(device)
+        self.model.to(self.device).eval().requires_grad_(False)
         self.temperature = temperature
         if max_tokens_per_micro_batch < 1 or logprob_chunk_size < 0:
             raise ValueError(f"ReferenceModel needs max_tokens_per_micro_batch >= 1 and logprob_chunk_size >= 0, got "
@@ -73,5 +75,5 @@ class ReferenceModel:
         return path
 
     def compute_logprobs(self, td: TensorDict) -> torch.Tensor:
-        return batched_token_logprobs(self.model, td, self.max_tokens_per_micro_batch, self.temperature,
+        return batched_token_logprobs(self.model, td, self.max_tokens_per_micro_batch, self.temperature, self.device,
                                       chunk_size=self.logprob_chunk_size)

@@ -93,6 +93,22 @@ def actor_gpus(gpus: float, colocated: bool = False) -> float:
     return gpus * COLOCATED_SHARE if colocated else gpus
 
 
+REFERENCE_SHARE = 0.1
+"""What the frozen reference model (KL) asks of learner rank 0's one-GPU bundle, taken from the learner's
+share: Ray then gives it learner rank 0's device, where it runs in the learner's dtype."""
+
+
+def reference_on_gpu(learner_gpus: float, reference: bool) -> bool:
+    """The reference shares learner rank 0's GPU when the job has one (a learner rank of one GPU); with
+    CPU learners, or several GPUs per rank (no fraction of a multi-GPU bundle), it runs on the CPU."""
+    return reference and learner_gpus == 1.0
+
+
+def learner_gpus_asked(learner_gpus: float, colocated: bool, reference: bool) -> float:
+    """What each learner rank asks of its bundle: its share, less the reference's on a one-GPU rank."""
+    return actor_gpus(learner_gpus, colocated) - (REFERENCE_SHARE if reference_on_gpu(learner_gpus, reference) else 0.0)
+
+
 _LABEL = r"[a-zA-Z0-9]([a-zA-Z0-9_.-]{0,61}[a-zA-Z0-9])?"
 _LABEL_PREFIX = re.compile(rf"^{_LABEL}(\.{_LABEL})*$")
 _LABEL_NAME = re.compile(rf"^{_LABEL}$")

@@ -247,14 +247,19 @@ def _actor(name: str, role: str, gpus: float, threads: int, bundle: int | None, 
 def placement_plan(cfg: GRPOJobConfig) -> dict[str, Any]:
     """The placement group `plan_placement` would reserve: bundles (replicas first, then learner ranks)
     and strategy, or none when no GPU is asked for."""
-    from rayllm_rl.orchestration.placement_rules import STRATEGY, actor_gpus, plan_bundles, validate
+    from rayllm_rl.orchestration.factories import needs_reference
+    from rayllm_rl.orchestration.placement_rules import (
+        REFERENCE_SHARE, STRATEGY, actor_gpus, learner_gpus_asked, plan_bundles, reference_on_gpu, validate,
+    )
 
     rc = cfg.ray
     colocated = rc.placement == "colocated"
     replica_gpus, learner_gpus = validate(rc.num_replicas, rc.num_learners, rc.gpus_per_replica, rc.gpus_per_learner,
                                           rc.tensor_parallel_size, rc.sync_timeout_s, colocated)
+    ref_gpu = reference_on_gpu(learner_gpus, needs_reference(cfg))
     shared = {"placement": rc.placement, "replica_gpus": actor_gpus(replica_gpus, colocated),
-              "learner_gpus": actor_gpus(learner_gpus, colocated)}
+              "learner_gpus": learner_gpus_asked(learner_gpus, colocated, needs_reference(cfg)),
+              "reference_gpus": REFERENCE_SHARE if ref_gpu else 0.0}
     if replica_gpus == 0 and learner_gpus == 0:
         return {"placement_group": False, "strategy": None, "bundles": [], "total_gpus": 0.0, **shared}
     if colocated:
@@ -286,7 +291,10 @@ def actors_plan(cfg: GRPOJobConfig, placement: dict[str, Any]) -> list[dict[str,
                for i in range(rc.num_env_workers)]
     actors += [_actor("replay-buffer", "replay buffer", 0.0, 1, None), _actor("collector", "collector", 0.0, 1, None)]
     if needs_reference(cfg):
-        actors.append(_actor("reference", "frozen reference model (KL)", 0.0, 1, None, "CPU, float32"))
+        gpus = placement["reference_gpus"]
+        actors.append(_actor("reference", "frozen reference model (KL)", gpus, 1,
+                             learner_bundle(rc.num_replicas, 0, colocated) if gpus else None,
+                             f"on learner-0's GPU, {cfg.model.dtype}" if gpus else f"CPU, {cfg.model.dtype}"))
     if cfg.rollout.workflow == "python_tool":
         actors.append(_actor("python-executor", "sandboxed code execution service", 0.0, 1, None))
     return actors
@@ -339,7 +347,8 @@ def job_plan(cfg: GRPOJobConfig) -> dict[str, Any]:
     }
     if cfg.trainer.backend == "local":
         plan.update(actors=[], placement={"placement_group": False, "strategy": None, "bundles": [],
-                                          "total_gpus": 0.0, "replica_gpus": 0.0, "learner_gpus": 0.0},
+                                          "total_gpus": 0.0, "replica_gpus": 0.0, "learner_gpus": 0.0,
+                                          "reference_gpus": 0.0},
                     weight_transport={"setting": "in-process", "same_node": "in-process",
                                       "across_nodes": "in-process"},
                     note="trainer.backend=local: every role runs in this process on CPU; no Ray")

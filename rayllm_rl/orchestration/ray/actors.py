@@ -194,7 +194,7 @@ class ReferenceActor(_Process):
 
     def __init__(self, model_path: str, temperature: float, weights: dict[str, torch.Tensor] | str,
                  num_threads: int = 1, max_tokens_per_micro_batch: int | None = None,
-                 logprob_chunk_size: int | None = None):
+                 logprob_chunk_size: int | None = None, dtype: str = "float32"):
         """`weights`: the policy's tensors (the driver passes learner rank 0's result by reference:
         Ray fetches it here), or a checkpoint directory holding `reference.safetensors`; the
         batching knobs are the learner's (`optim.*`; None = ReferenceModel's defaults)."""
@@ -205,8 +205,10 @@ class ReferenceActor(_Process):
         # this node's copy of the driver's snapshot (multi-node: each node has its own HF cache)
         batching = {k: v for k, v in (("max_tokens_per_micro_batch", max_tokens_per_micro_batch),
                                       ("logprob_chunk_size", logprob_chunk_size)) if v is not None}
+        # a GPU share of learner rank 0's bundle (placement.py): that GPU, in the learner's dtype; else the CPU
+        on_gpu = bool(ray.get_gpu_ids()) and torch.cuda.is_available()
         self.model = ReferenceModel(resolve_model_path(model_path), temperature=temperature, named_tensors=named,
-                                    **batching)
+                                    dtype=getattr(torch, dtype), device="cuda" if on_gpu else "cpu", **batching)
 
     def compute_logprobs(self, batch) -> torch.Tensor:
         return self.model.compute_logprobs(batch)
@@ -368,6 +370,12 @@ class LearnerWorker(_Process):
     def last_sync_stats(self) -> dict[str, float]:
         """Figures of rank 0's last send (bytes, seconds, bytes/s)."""
         return dict(self._sync_stats)
+
+    def reference_weights(self) -> dict[str, torch.Tensor]:
+        """The full weights in host memory, for the reference actor (Ray hands it this result by
+        reference); every rank must call it (an FSDP gather), non-zero ranks' copies are dropped."""
+        full = {name: t.detach().cpu() for name, t in self.learner.iter_named_tensors()}
+        return full if self.rank == 0 else {}
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         return self.learner.named_tensors()

@@ -221,12 +221,12 @@ class RayBackend:
         it by reference (every rank joins the gather; no rank's tensors come to the driver)."""
         weights = checkpoint
         if weights is None:
-            gathered = [l.named_tensors.remote() for l in self.cluster.learners]
+            gathered = [l.reference_weights.remote() for l in self.cluster.learners]
             weights = gathered[0]
         self.reference = ReferenceActor.options(name="reference", namespace=self.cfg.ray.namespace,
                                                 **self.cluster.placement.reference_options).remote(
             self.model_path, self.cfg.rollout.temperature, weights, self.cfg.ray.threads_per_actor,
-            self.cfg.optim.max_tokens_per_micro_batch, self.cfg.optim.logprob_chunk_size)
+            self.cfg.optim.max_tokens_per_micro_batch, self.cfg.optim.logprob_chunk_size, self.cfg.model.dtype)
         if checkpoint is None:  # the other ranks' copies: waited for, not fetched
             done, _ = ray.wait(gathered, num_returns=len(gathered), timeout=self.cluster.timeout_s, fetch_local=False)
             if len(done) < len(gathered):

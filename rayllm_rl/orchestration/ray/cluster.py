@@ -17,7 +17,7 @@ from rayllm_rl.orchestration.ray.actors import (
     ReplayBufferActor,
 )
 from rayllm_rl.inference.registry import placed_options
-from rayllm_rl.orchestration.factories import build_episode_filter
+from rayllm_rl.orchestration.factories import build_episode_filter, needs_reference
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.ray.placement import Placement, plan_placement
 from rayllm_rl.orchestration.ray.turns import make_turns
@@ -188,7 +188,7 @@ def build_cluster(cfg: GRPOJobConfig, model_path: str, task, workflow_factory) -
     placement = plan_placement(rc.num_replicas, rc.num_learners, rc.gpus_per_replica, rc.gpus_per_learner,
                                rc.tensor_parallel_size, rc.sync_timeout_s, replica_labels=rc.replica_node_labels,
                                learner_labels=rc.learner_node_labels, env_worker_labels=rc.env_worker_node_labels,
-                               colocated=colocated)
+                               colocated=colocated, reference=needs_reference(cfg))
     inf = cfg.inference
     options = placed_options(inf.engine, inf.options, colocated=colocated)
     ns = rc.namespace  # every named actor lives here: `ray.get_actor("env-0", namespace=...)` from any driver

@@ -40,7 +40,9 @@ otherwise wait forever to be scheduled). The collector and the replay buffer hol
 brings back, so they stay on the driver's node (`Placement.driver_node_options`), whose loss ends the
 job anyway, instead of wherever Ray puts an actor that asks for no resources (another node, which
 would then take them down with it). The reference model, rebuilt only by a rollback too, goes with
-the learners' labels, or else stays on the driver's node.
+the learners' labels, or else stays on the driver's node; with one-GPU learner ranks it goes into learner
+rank 0's bundle instead, with `REFERENCE_SHARE` of its GPU (taken from the learner's share), and runs there
+in the learner's dtype.
 
 Note (Ray 2.60, ray-project/ray#54868): an actor with 0 GPUs does not get CUDA_VISIBLE_DEVICES
 cleared, so on a GPU node a "CPU" actor still sees every GPU; code in such an actor must not pick
@@ -59,7 +61,8 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from rayllm_rl.orchestration.placement_rules import (
-    STRATEGY, actor_gpus, learner_bundle, node_matches, plan_bundles, validate,
+    REFERENCE_SHARE, STRATEGY, actor_gpus, learner_bundle, learner_gpus_asked, node_matches, plan_bundles,
+    reference_on_gpu, validate,
 )
 
 
@@ -82,7 +85,8 @@ class Placement:
     driver_node_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Merged into the options of the roles that stay with the driver (collector, replay buffer)."""
     reference_options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Merged into `ReferenceActor.options(...)`: the learners' node labels, or else the driver's node."""
+    """Merged into `ReferenceActor.options(...)`: learner rank 0's bundle with a GPU share (one-GPU learner
+    ranks), else the learners' node labels, or else the driver's node."""
 
     def remove(self) -> None:
         """Release the placement group (kills actors still in it); safe to call twice."""
@@ -126,10 +130,13 @@ def wait_for_labelled_nodes(selectors: dict[str, dict[str, str] | None], timeout
 def plan_placement(num_replicas: int, num_learners: int, gpus_per_replica: float, gpus_per_learner: float,
                    tensor_parallel_size: int, timeout_s: float, *, replica_labels: dict[str, str] | None = None,
                    learner_labels: dict[str, str] | None = None,
-                   env_worker_labels: dict[str, str] | None = None, colocated: bool = False) -> Placement:
+                   env_worker_labels: dict[str, str] | None = None, colocated: bool = False,
+                   reference: bool = False) -> Placement:
     """Validate the settings, reserve the GPUs (waiting at most `timeout_s`) and return the actor options.
     `*_labels`: node labels each role's actors need (their `label_selector`; {} or None = any node).
     `colocated`: replica i and learner rank i in bundle i, each asking half of its one GPU.
+    `reference`: the job has a frozen reference model; with one-GPU learner ranks it takes
+    `REFERENCE_SHARE` of learner rank 0's bundle (so it runs on that GPU, in the learner's dtype).
 
     Raises ValueError on bad settings and PlacementError (leaving no placement group behind)
     when the cluster cannot provide the requested GPUs, or no node carries a role's labels, in time.
@@ -170,8 +177,11 @@ def plan_placement(num_replicas: int, num_learners: int, gpus_per_replica: float
     except BaseException:
         remove_placement_group(pg)
         raise
+    learner_asks = learner_gpus_asked(learner_gpus, colocated, reference)
+    if reference_on_gpu(learner_gpus, reference):
+        others["reference_options"] = _actor_options(pg, learner_bundle(num_replicas, 0, colocated), REFERENCE_SHARE)
     return Placement([_actor_options(pg, i, actor_gpus(replica_gpus, colocated)) for i in range(num_replicas)],
-                     [_actor_options(pg, learner_bundle(num_replicas, r, colocated), actor_gpus(learner_gpus, colocated))
+                     [_actor_options(pg, learner_bundle(num_replicas, r, colocated), learner_asks)
                       for r in range(num_learners)], pg, **others)
 
 
