@@ -1,21 +1,12 @@
 """One-command GPU check: the colocated turn on one device, speed figures, and the demo through the real driver.
 
-Phases, in this process and in this order (each timed; a failing one is recorded in `errors` and the rest
-go on; docs/gpu-check.md describes every JSON field):
-
-1. model: a random-init Qwen2 of Qwen2.5-0.5B's shape (cuda) or the package's tiny model (cpu), written
-   with `save_pretrained` beside the tiny model's tokenizer and loaded back by path, as any model is;
-2. generate: the engine (`inference.registry.build_engine`, the colocated placement's options) decodes
-   `--requests` random prompts of `--prompt-len` tokens, `--new-tokens` each; a warm-up round, then a
-   timed one;
-3. logprobs: a `Learner` (bf16 on cuda, float32 on cpu) recomputes the sampled tokens' logprobs;
-4. train: the engine sleeps, the learner's state comes onto the device, one warm-up and `--train-steps`
-   timed GRPO steps: tokens/s and MFU (6 * params * tokens/s / peak bf16 FLOP/s);
-5. handoff: the engine wakes its weights, the learner's go into it through the transport the registry
-   plans for this placement, the learner's state leaves the device, the engine wakes its KV cache;
-   timed against a plain on-device copy of the same bytes, then checked (checksums, new completions);
-6. demo: the demo task through `rayllm_rl.orchestration.driver.train` on a local Ray started here (on
-   cuda: `ray.placement=colocated`, one GPU shared by the learner and the replica, bf16).
+In one process, timed phase by phase (docs/gpu-check.md describes each phase and JSON field): a
+random-init Qwen2 of Qwen2.5-0.5B's shape (cuda) or the tiny model (cpu) is built locally; the engine
+generates (tokens/s); the `Learner` recomputes the sampled tokens' logprobs (agreement with the
+engine's); the engine sleeps and the learner trains (tokens/s, MFU); the weights go into the engine
+through the transport the registry plans for this placement (vs a plain on-device copy of the same
+bytes); peak memory per phase; then the demo task through `orchestration.driver.train` (on cuda:
+`ray.placement=colocated`, one GPU, bf16). A failing phase is recorded in `errors`; the rest go on.
 
 On a one-GPU machine (nothing is downloaded at run time):
 
@@ -317,18 +308,22 @@ class PhaseMemory:
         return max(0, hwm - self._base) * 1024, None
 
 
+def sync(device: str) -> None:
+    """Wait for the device's queued work (timings of asynchronous CUDA calls); a no-op on the CPU."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def device_copy_seconds(nbytes: int, device: str, repeats: int = 5) -> float:
     """Median time of one plain `copy_` of `nbytes` bytes between two buffers on `device` (synchronized)."""
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     times = []
     for i in range(repeats + 1):
-        if device == "cuda":
-            torch.cuda.synchronize()
+        sync(device)
         t0 = time.perf_counter()
         dst.copy_(src)
-        if device == "cuda":
-            torch.cuda.synchronize()
+        sync(device)
         if i:  # the first copy warms the allocator and the pages up
             times.append(time.perf_counter() - t0)
     del src, dst
@@ -559,12 +554,10 @@ class GPUCheck:
         self.learner.train_step(self.batch, loss)  # warm-up: optimizer state, kernels
         times = []
         for _ in range(a.train_steps):
-            if self.device == "cuda":
-                torch.cuda.synchronize()
+            sync(self.device)
             t0 = time.perf_counter()
             metrics = self.learner.train_step(self.batch, loss)
-            if self.device == "cuda":
-                torch.cuda.synchronize()
+            sync(self.device)
             times.append(time.perf_counter() - t0)
             if metrics.get("skipped_nonfinite_steps"):
                 raise RuntimeError(f"a train step was skipped (non-finite loss or gradient): {metrics}")
@@ -599,8 +592,7 @@ class GPUCheck:
         sender = self.wait(setup(), f"building both ends of the {transport} weight sync")
         try:
             self.wait(self.engine.wake_up(["weights"]), "engine.wake_up(weights)")
-            if gpu:
-                torch.cuda.synchronize()
+            sync(self.device)
             t0 = time.perf_counter()
             if spec.info.pulls:  # the sender publishes, the engine fetches what it was handed
                 stats, handoff = sender.send(self.learner.iter_named_tensors(), 1)
@@ -611,8 +603,7 @@ class GPUCheck:
                                                 self.engine.receive_update(None))
 
                 (stats, _), got = self.wait(push(), f"the {transport} weight sync")
-            if gpu:
-                torch.cuda.synchronize()
+            sync(self.device)
             h.update(handoff_s=time.perf_counter() - t0, bytes=int(stats.bytes), stall_s=float(got["stall_s"]))
             want = weights_checksum(self.learner.named_tensors())
             self.learner.offload()
