@@ -118,7 +118,7 @@ def test_sleep_stops_a_batch_in_flight_and_it_finishes_after_wake_up(engine, tok
     tokens after the break are still sampled from exactly the same policy."""
     async def run():
         prompts = [f"count {i}" + " please" * i for i in range(3)]  # of different lengths: left padding
-        task = asyncio.ensure_future(asyncio.gather(*[engine.agenerate(request(tokenizer, p, 300)) for p in prompts]))
+        task = asyncio.ensure_future(asyncio.gather(*[engine.agenerate(request(tokenizer, p, 400)) for p in prompts]))
         for _ in range(6000):
             if engine.stats.decode_steps >= 10:
                 break
@@ -131,9 +131,9 @@ def test_sleep_stops_a_batch_in_flight_and_it_finishes_after_wake_up(engine, tok
         return held_at, await asyncio.wait_for(task, 120)
 
     held_at, responses = asyncio.run(run())
-    assert 10 <= held_at < 300
+    assert 10 <= held_at < 400
     assert engine.stats.batches == 1 and engine.stats.cache_rebuilds == 0
-    assert all(r.output_len == 300 and r.output_versions == [0] * 300 for r in responses)
+    assert all(r.output_len == 400 and r.output_versions == [0] * 400 for r in responses)
     assert max_gap(engine.model, responses) <= 1e-4
 
 
