@@ -213,3 +213,16 @@ _GOOD: dict[str, Any] = dict(num_replicas=1, num_learners=1, gpus_per_replica=1,
 def test_bad_settings_name_the_key(changes, message):
     with pytest.raises(ValueError, match=message):
         plan_placement(**{**_GOOD, **changes})
+
+
+def test_an_actor_with_no_gpu_sees_none_on_a_gpu_node(gpu_ray):
+    """The job's actors run with ACTOR_ENV_VARS: one given 0 GPUs gets CUDA_VISIBLE_DEVICES="" (Ray 2.60 would
+    leave it unset, and a CPU replica on a GPU node would then pick GPU 0 by itself)."""
+    from rayllm_rl.orchestration.ray.actors import ACTOR_ENV_VARS
+
+    probe = _probe_class()
+    job_env = probe.options(num_gpus=0, runtime_env={"env_vars": ACTOR_ENV_VARS}).remote()
+    bare = probe.options(num_gpus=0).remote()
+    with_job_env, without = ray.get([job_env.devices.remote(), bare.devices.remote()], timeout=60)
+    assert with_job_env["cuda_visible_devices"] == "" and with_job_env["gpu_ids"] == []
+    assert without["cuda_visible_devices"] == os.environ.get("CUDA_VISIBLE_DEVICES")  # Ray leaves it as it was

@@ -56,6 +56,19 @@ class VLLMOptions:
     and refilled by the weight sync that follows (less copying; every buffer must be in the sync)."""
 
 
+def cpu_thread_binding(workers: int) -> str:
+    """vLLM-CPU's `VLLM_CPU_OMP_THREADS_BIND` for `workers` tensor-parallel workers: this process's cores
+    split into that many groups ("0|1" for 2 workers on 2 cores). vLLM binds one worker per NUMA node by
+    itself and refuses more workers than nodes; on one node (most machines) it needs this list."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < workers:
+        raise ValueError(f"ray.tensor_parallel_size={workers} on CPU needs at least one core per worker; this "
+                         f"process may use {len(cores)}")
+    size = len(cores) // workers
+    groups = [cores[i * size:(i + 1) * size] for i in range(workers)]
+    return "|".join(",".join(str(c) for c in g) for g in groups)
+
+
 def _torch_dtype_name(dtype: str) -> str:
     return {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
             "float16": "float16", "fp16": "float16"}[dtype]
@@ -170,6 +183,8 @@ class VLLMEngine:
 
         o = self.options
         on_cpu = not torch.cuda.is_available()
+        if on_cpu and self.tensor_parallel_size > 1:
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(self.tensor_parallel_size))
         args = AsyncEngineArgs(
             model=self.model_path, tokenizer=self.model_path, dtype=self.dtype, seed=self.seed,
             max_model_len=self.max_positions, enable_prefix_caching=o.enable_prefix_caching,

@@ -45,8 +45,8 @@ rank 0's bundle instead, with `REFERENCE_SHARE` of its GPU (taken from the learn
 in the learner's dtype.
 
 Note (Ray 2.60, ray-project/ray#54868): an actor with 0 GPUs does not get CUDA_VISIBLE_DEVICES
-cleared, so on a GPU node a "CPU" actor still sees every GPU; code in such an actor must not pick
-`cuda` by itself.
+cleared by default, so on a GPU node a "CPU" actor would see every GPU; the job's actors start with
+RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1 (actors.ACTOR_ENV_VARS), which makes Ray clear it for them.
 """
 from __future__ import annotations
 

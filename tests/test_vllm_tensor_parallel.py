@@ -1,0 +1,95 @@
+"""A vLLM replica with tensor_parallel_size=2 (vLLM's CPU build, two worker processes) receives weights:
+over a group transport each worker joins as a rank of its own (the replica's first rank + its TP rank),
+over the object store the replica's actor stages them once for both workers. After the update, greedy
+tokens and logprobs equal a full forward of the new weights."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from rayllm_rl.inference.protocol import LLMRequest, SamplingParams
+from rayllm_rl.weight_sync import find_free_port, metadata_of
+from rayllm_rl.weight_sync.registry import build_sender, make_spec
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def test_cpu_thread_binding_splits_the_cores_per_worker(monkeypatch):
+    import os
+
+    from rayllm_rl.inference.vllm_engine import cpu_thread_binding
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert cpu_thread_binding(2) == "0,1|2,3"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    with pytest.raises(ValueError, match="ray.tensor_parallel_size=2 on CPU needs at least one core per worker"):
+        cpu_thread_binding(2)
+
+
+@pytest.mark.parametrize("transport", ["gloo", pytest.param("object_store", marks=pytest.mark.ray)])
+def test_a_tensor_parallel_replica_receives_weights_on_every_worker(tiny_model_path, tokenizer, transport, request):
+    from transformers import AutoModelForCausalLM
+
+    from rayllm_rl.inference.vllm_engine import VLLMEngine, VLLMOptions
+    from test_engine_contract import LoopThread, chat_ids, forward_logprobs, greedy_reference, perturbed
+
+    if transport == "object_store":
+        request.getfixturevalue("ray_for_tp")
+    loop = LoopThread()
+    engine = VLLMEngine(tiny_model_path, seed=0, tensor_parallel_size=2, options=VLLMOptions(kv_cache_mb=64))
+    try:
+        loop.run(engine.start())
+        ranks = engine.receiving_processes(transport)
+        assert ranks == (2 if transport == "gloo" else 1)
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+        new = perturbed(base, 0.05, seed=7)
+        fresh = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+        fresh.load_state_dict(new, strict=False)
+        metas = metadata_of(new)
+        spec = make_spec(transport, [(m.name, m.shape, str(m.dtype).removeprefix("torch.")) for m in metas],
+                         receivers=ranks, timeout_s=120.0, bucket_bytes=1 << 16, host="127.0.0.1", port=find_free_port())
+        box: dict = {}
+        t = threading.Thread(target=lambda: box.setdefault("sender", build_sender(spec, metas)))
+        t.start()
+        loop.run(engine.init_update_group(spec.for_rank(1)))  # the workers take ranks 1 and 2
+        t.join(120)
+        sender = box["sender"]
+        if spec.info.pulls:
+            _, handoff = sender.send(new, 1)
+            out = loop.run(engine.receive_update(handoff))
+        else:
+            send = threading.Thread(target=lambda: box.setdefault("sent", sender.send(new, 1)))
+            send.start()
+            out = loop.run(engine.receive_update())
+            send.join(120)
+            assert box["sent"][0].bytes == sum(m.nbytes for m in metas)
+        assert out["version"] == 1 and engine.version == 1
+        p = chat_ids(tokenizer, "What is 3+4?")
+        sp = SamplingParams(max_new_tokens=8, greedy=True, ignore_eos=True)
+        r = loop.run(engine.agenerate(LLMRequest(input_ids=p, sampling=sp)))
+        assert r.output_versions == [1] * 8
+        assert r.output_tokens == greedy_reference(fresh, p, 8)
+        ref = forward_logprobs(fresh, p, r.output_tokens)
+        assert (ref - torch.tensor(r.output_logprobs)).abs().max().item() <= 1e-4
+        assert (forward_logprobs(base, p, r.output_tokens) - ref).abs().max().item() > 1e-3  # the update mattered
+        loop.run(engine.close_update_group())
+        sender.close()
+    finally:
+        loop.run(engine.aclose())
+        loop.close()
+
+
+@pytest.fixture(scope="module")
+def ray_for_tp():
+    import os
+
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=1, include_dashboard=False, _temp_dir=f"/tmp/rayllm-tp-{os.getpid()}")
+    yield
+    if started:
+        ray.shutdown()
