@@ -43,7 +43,7 @@ class LocalBackend:
         model_path = resolve_model_path(model_path, cfg.model.revision)  # a hub id -> its local snapshot
         self.cfg, self.model_path, self.task, self.tokenizer = cfg, model_path, task, tokenizer
         self.timeout_s = cfg.ray.call_timeout_s
-        self.engine = TransformersEngine(model_path, seed=cfg.trainer.seed)
+        self.engine = TransformersEngine(model_path, seed=cfg.trainer.seed, device="cpu")  # one process, on the CPU
         self.learner = Learner(model_path, cfg.optim, temperature=cfg.rollout.temperature, seed=cfg.trainer.seed)
         self.loss = cfg.algo.build_loss(cfg.rollout.max_new_tokens)
         self.workflow = build_workflow(cfg, task, tokenizer, make_tools=local_python_tools)
