@@ -13,6 +13,8 @@ from rayllm_rl.inference.protocol import LLMRequest, SamplingParams
 from rayllm_rl.weight_sync import find_free_port, metadata_of
 from rayllm_rl.weight_sync.registry import build_sender, make_spec
 
+from test_engine_contract import ray_session  # noqa: E402,F401  (the contract's local Ray, as a fixture here)
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
@@ -36,7 +38,7 @@ def test_a_tensor_parallel_replica_receives_weights_on_every_worker(tiny_model_p
     from test_engine_contract import LoopThread, chat_ids, forward_logprobs, greedy_reference, perturbed
 
     if transport == "object_store":
-        request.getfixturevalue("ray_for_tp")
+        request.getfixturevalue("ray_session")
     loop = LoopThread()
     engine = VLLMEngine(tiny_model_path, seed=0, tensor_parallel_size=2, options=VLLMOptions(kv_cache_mb=64))
     try:
@@ -80,16 +82,3 @@ def test_a_tensor_parallel_replica_receives_weights_on_every_worker(tiny_model_p
         loop.run(engine.aclose())
         loop.close()
 
-
-@pytest.fixture(scope="module")
-def ray_for_tp():
-    import os
-
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=1, include_dashboard=False, _temp_dir=f"/tmp/rayllm-tp-{os.getpid()}")
-    yield
-    if started:
-        ray.shutdown()
