@@ -205,9 +205,14 @@ class _Progress:
 
 
 class RunReporter:
-    """Writes `metrics.jsonl`, `config.json`, `summary.json` and `reward_curve.png` in the run dir."""
+    """Writes `metrics.jsonl`, `config.json`, `summary.json` and `reward_curve.png` in the run dir, and hands
+    every record and the config to the experiment trackers of `trainer.loggers` (rayllm_rl.tracking)."""
 
-    def __init__(self, root: str, config: dict[str, Any] | None = None):
+    def __init__(self, root: str, config: dict[str, Any] | None = None, trainer: Any = None):
+        """`trainer`: the job's TrainerConfig (its `loggers` and tracker options); None = `["jsonl"]` only."""
+        from rayllm_rl.tracking import Trackers
+
+        loggers = list(getattr(trainer, "loggers", None) or ["jsonl"])
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.run_dir = Path(root) / stamp
         n = 1
@@ -217,15 +222,23 @@ class RunReporter:
         self.run_dir.mkdir(parents=True)
         if config is not None:
             (self.run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
-        self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1) if "jsonl" in loggers else None
         self.records: list[dict[str, Any]] = []
         self.t0 = time.perf_counter()
         self._bar: _Progress | None = None
+        self.trackers: Trackers | None = None  # a tracker that fails to start logs its drop before this is set
+        self.trackers = Trackers(loggers, self.run_dir, trainer, say=self.say, record=self.log)
+        """TensorBoard / W&B / MLflow of `trainer.loggers`; `.dropped` lists those that failed."""
+        if config is not None:
+            self.trackers.log_config(config)
 
     def log(self, record: dict[str, Any], show: bool = False) -> None:
         record = {"time_s": round(time.perf_counter() - self.t0, 3), **record}
         self.records.append(record)
-        self._metrics.write(json.dumps(record, default=float) + "\n")
+        if self._metrics is not None:
+            self._metrics.write(json.dumps(record, default=float) + "\n")
+        if self.trackers is not None:
+            self.trackers.log(record)
         if show:
             keys = [k for k in ("phase", "step", "sft_step", "reward", "eval_reward", "loss", "nll", "collect_s", "train_s") if k in record]
             parts = [f"{k}={record[k]:.4g}" if isinstance(record[k], float) else f"{k}={record[k]}" for k in keys]
@@ -246,10 +259,13 @@ class RunReporter:
         return self._bar
 
     def close(self) -> None:
-        """Close a live bar and the metrics file (idempotent; `finish` calls it)."""
+        """Close a live bar, the trackers (each within its timeout) and the metrics file (idempotent;
+        `finish` calls it)."""
         if self._bar is not None:
             self._bar.close()
-        if not self._metrics.closed:
+        if self.trackers is not None:
+            self.trackers.close()
+        if self._metrics is not None and not self._metrics.closed:
             self._metrics.close()
 
     def plot_rewards(self) -> Path | None:
