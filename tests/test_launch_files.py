@@ -21,6 +21,147 @@ ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
 
 
+# ------------------------------------------------------------------ every file's header
+LAUNCH_FILES = ["kuberay/rayjob.yaml", "kuberay/raycluster.yaml", "kuberay/Dockerfile",
+                "kuberay/schema/trim_crd.py", "ray-up/cluster.yaml", "slurm/grpo.sbatch"]
+
+
+@pytest.mark.parametrize("name", LAUNCH_FILES)
+def test_every_launch_file_opens_with_what_it_is_the_hardware_and_how_to_run_it(name):
+    text = (LAUNCH / name).read_text()
+    head = text.split('"""')[1].lower() if name.endswith(".py") else "\n".join(
+        line for line in text.splitlines()[:20] if line.startswith("#")).lower()
+    assert "hardware" in head and ("run" in head or "apply" in head or "build" in head), name
+
+
+# ------------------------------------------------------------------ KubeRay
+SCHEMAS = LAUNCH / "kuberay" / "schema"
+
+
+def kuberay(name: str) -> tuple[dict, dict]:
+    """(manifest, its trimmed KubeRay schema)."""
+    manifest = yaml.safe_load((LAUNCH / "kuberay" / f"{name}.yaml").read_text())
+    return manifest, json.loads((SCHEMAS / f"{name}.v1.json").read_text())
+
+
+def errors(instance: dict, schema: dict) -> list[str]:
+    import jsonschema
+
+    validator = jsonschema.Draft202012Validator(schema)
+    return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(instance)]
+
+
+def cluster_spec(manifest: dict) -> dict:
+    return manifest["spec"]["rayClusterSpec"] if manifest["kind"] == "RayJob" else manifest["spec"]
+
+
+@pytest.mark.parametrize("name", ["rayjob", "raycluster"])
+def test_kuberay_manifest_matches_the_kuberay_v1_crd_schema(name):
+    import jsonschema
+
+    manifest, schema = kuberay(name)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    assert errors(manifest, schema) == []
+    assert manifest["apiVersion"] == "ray.io/v1" and manifest["kind"] == {"rayjob": "RayJob", "raycluster": "RayCluster"}[name]
+
+
+@pytest.mark.parametrize("name", ["rayjob", "raycluster"])
+def test_kuberay_schema_rejects_a_wrong_type_a_misspelled_field_and_a_missing_required_one(name):
+    manifest, schema = kuberay(name)
+    spec = lambda m: cluster_spec(m)  # noqa: E731
+    wrong_type = copy.deepcopy(manifest)
+    spec(wrong_type)["workerGroupSpecs"][0]["replicas"] = "two"
+    assert any("workerGroupSpecs.0.replicas: 'two' is not of type 'integer'" in e for e in errors(wrong_type, schema))
+    misspelled = copy.deepcopy(manifest)
+    group = spec(misspelled)["workerGroupSpecs"][0]
+    group["groupNmae"] = group.pop("groupName")
+    found = errors(misspelled, schema)
+    assert any("'groupName' is a required property" in e for e in found)
+    assert any("'groupNmae' was unexpected" in e for e in found)
+    bad_gpu = copy.deepcopy(manifest)
+    spec(bad_gpu)["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = "eight"
+    assert any("does not match" in e and "nvidia.com/gpu" in e for e in errors(bad_gpu, schema))
+    bad_auth = copy.deepcopy(manifest)
+    spec(bad_auth)["authOptions"]["mode"] = "tokens"
+    assert any("authOptions.mode: 'tokens' is not one of ['disabled', 'token']" in e for e in errors(bad_auth, schema))
+    no_template = copy.deepcopy(manifest)
+    del spec(no_template)["headGroupSpec"]["template"]
+    assert any("'template' is a required property" in e for e in errors(no_template, schema))
+
+
+def test_rayjob_runs_grpo_on_as_many_gpus_as_its_recipe_plans():
+    """The entrypoint is jobs/grpo.py with a recipe that exists; the worker pods hold exactly the GPUs the
+    recipe's placement group asks for; RayCluster and RayJob describe the same cluster, token auth on."""
+    import shlex
+
+    from rayllm_rl.config import load_config
+    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+    from rayllm_rl.orchestration.plan import job_plan
+
+    job, _ = kuberay("rayjob")
+    cluster, _ = kuberay("raycluster")
+    assert cluster["spec"] == job["spec"]["rayClusterSpec"]
+    argv = shlex.split(job["spec"]["entrypoint"])
+    assert argv[:2] == ["python", "/app/jobs/grpo.py"]
+    overrides = [a.replace("config=/app/", f"config={ROOT}/") for a in argv[2:]]
+    recipe = Path(overrides[0].split("=", 1)[1])
+    assert recipe.exists() and recipe.parent == ROOT / "recipes"
+    plan = job_plan(load_config(GRPOJobConfig, overrides).validate(environment=False))
+    spec = cluster_spec(job)
+    pods = [(g["replicas"], g["template"]["spec"]["containers"][0]["resources"]) for g in spec["workerGroupSpecs"]]
+    gpus = sum(n * int(r["limits"].get("nvidia.com/gpu", 0)) for n, r in pods)
+    assert gpus == plan["placement"]["total_gpus"] == 16
+    assert all(r["limits"] == r["requests"] for _, r in pods)
+    assert spec["authOptions"]["mode"] == "token"
+    head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in head["resources"]["limits"] and spec["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
+    dockerfile = (LAUNCH / "kuberay" / "Dockerfile").read_text()
+    assert f"FROM rayproject/ray:{spec['rayVersion']}-" in dockerfile
+    images = {c["image"] for g in [spec["headGroupSpec"], *spec["workerGroupSpecs"]] for c in g["template"]["spec"]["containers"]}
+    assert images == {"registry.example.com/rayllm-rl:0.1.0"} and "-t registry.example.com/rayllm-rl:0.1.0" in dockerfile
+    assert plan["placement"]["strategy"] == "PACK" and len(spec["workerGroupSpecs"]) == 1
+
+
+# ------------------------------------------------------------------ ray up
+def ray_schema() -> dict:
+    import ray.autoscaler
+
+    return json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
+
+
+def test_ray_up_config_matches_rays_cluster_schema_and_the_recipes_gpus():
+    import jsonschema
+
+    config = yaml.safe_load((LAUNCH / "ray-up" / "cluster.yaml").read_text())
+    schema = ray_schema()
+    jsonschema.Draft7Validator(schema).validate(config)  # the draft Ray's own validate_config uses
+    types = config["available_node_types"]
+    assert config["head_node_type"] in types and types[config["head_node_type"]]["resources"]["GPU"] == 0
+    workers = [t for name, t in types.items() if name != config["head_node_type"]]
+    assert sum(t["min_workers"] * t["resources"]["GPU"] for t in workers) == 16  # math_qwen2.5-7b_2nodes
+    assert len(config["provider"]["worker_ips"]) == config["max_workers"] == sum(t["max_workers"] for t in workers)
+    starts = config["head_start_ray_commands"] + config["worker_start_ray_commands"]
+    assert all("RAY_AUTH_MODE=token" in c for c in starts if " start " in c)
+    assert "--dashboard-host=127.0.0.1" in " ".join(config["head_start_ray_commands"])
+    assert any("pip install" in c and "rayllm_rl[vllm]" in c for c in config["setup_commands"])
+
+
+def test_rays_schema_rejects_a_mutated_ray_up_config():
+    import jsonschema
+
+    config = yaml.safe_load((LAUNCH / "ray-up" / "cluster.yaml").read_text())
+    validator = jsonschema.Draft7Validator(ray_schema())
+    misspelled = copy.deepcopy(config)
+    misspelled["head_start_ray_comands"] = misspelled.pop("head_start_ray_commands")
+    assert any("'head_start_ray_comands' was unexpected" in e.message for e in validator.iter_errors(misspelled))
+    wrong_type = copy.deepcopy(config)
+    wrong_type["available_node_types"]["gpu_worker"]["resources"]["GPU"] = "8"
+    assert any("'8' is not of type 'integer'" in e.message for e in validator.iter_errors(wrong_type))
+    no_provider_type = copy.deepcopy(config)
+    del no_provider_type["provider"]["type"]
+    assert any("'type' is a required property" in e.message for e in validator.iter_errors(no_provider_type))
+
+
 # ------------------------------------------------------------------ Slurm
 SLURM_TEST_TIMEOUT_S = 500
 """pytest-timeout's limit for the Slurm test; the script's own bounds below fit inside it."""
