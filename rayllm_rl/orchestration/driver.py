@@ -42,7 +42,7 @@ def train(cfg: GRPOJobConfig) -> dict:
     from transformers import AutoTokenizer
 
     t_start = time.perf_counter()
-    reporter = RunReporter(cfg.trainer.run_dir, config=dataclasses.asdict(cfg))
+    reporter = RunReporter(cfg.trainer.run_dir, config=dataclasses.asdict(cfg), trainer=cfg.trainer)
     # a hub id resolves to its snapshot in this node's HF cache before any actor starts (a miss fails here)
     model_path = resolve_model_path(cfg.model.path, cfg.model.revision) if cfg.model.path else ensure_tiny_model()
     task, tokenizer = build_task(cfg), AutoTokenizer.from_pretrained(model_path)
