@@ -38,7 +38,7 @@ def test_colocated_settings_that_cannot_work_are_refused_naming_the_key(extra, m
         _cfg(*extra).validate(environment=False)
 
 
-def test_colocated_on_gpus_plans_the_object_store_and_vllm_sleep_mode_with_half_the_gpu():
+def test_colocated_on_gpus_plans_cuda_ipc_and_vllm_sleep_mode_with_half_the_gpu():
     from rayllm_rl.inference.registry import engine_options, placed_options
     from rayllm_rl.weight_sync.registry import plan_transport
 
@@ -46,7 +46,7 @@ def test_colocated_on_gpus_plans_the_object_store_and_vllm_sleep_mode_with_half_
     cfg.validate(environment=False)
     assert cfg.model.dtype == "bfloat16"  # auto, with GPUs on both sides
     assert plan_transport("auto", learner_gpus=True, replica_gpus=True, learner_node="a", replica_nodes=["a"],
-                          colocated=True) == "object_store"
+                          colocated=True) == "cuda_ipc"  # the weights stay on the GPU they share
     assert plan_transport("auto", learner_gpus=True, replica_gpus=True, learner_node="a", replica_nodes=["a"]) == "nccl"
     opts = engine_options("vllm", placed_options("vllm", {}, colocated=True))
     assert (opts.gpu_memory_utilization, opts.enable_sleep_mode) == (0.5, True)

@@ -139,7 +139,8 @@ def test_every_recipe_passes_the_dry_run(path, offline_hub, capsys):
     assert len(plan["placement"]["bundles"]) == ((replicas if colocated else replicas + learners) if gpu_job else 0)
     both_gpu = replica_gpus > 0 and learner_gpus > 0
     assert plan["model"]["dtype"] == ("bfloat16" if both_gpu else "float32")  # dtype=auto, resolved
-    assert plan["weight_transport"]["same_node"] == ("nccl" if both_gpu and not colocated else "object_store")
+    gpu_plan = ("cuda_ipc" if learners == 1 else "object_store") if colocated else "nccl"
+    assert plan["weight_transport"]["same_node"] == (gpu_plan if both_gpu else "object_store")
 
     arch, memory = plan["model"]["architecture"], plan["memory"]
     model = r["model"]["path"]
@@ -192,7 +193,7 @@ def test_dry_run_text_shows_the_plan_from_the_command_line(offline_hub):
     assert "DRY RUN: nothing started" in text
     assert "1 GPU(s) in total; colocated" in text and "bundle 0: GPU=1 <- inference-0, learner-0" in text
     assert "0.494B parameters" in text and "engine: vllm x 1 replica(s)" in text
-    assert "weight transport: object_store (ray.sync_transport=auto)" in text
+    assert "weight transport: cuda_ipc (ray.sync_transport=auto)" in text
     assert ("data (train): data.path=openai/gsm8k:main (hub dataset openai/gsm8k, config main, split train): cached\n"
             "data (eval): data.path=openai/gsm8k:main:test (hub dataset openai/gsm8k, config main, split test): cached"
             .replace("data.path=openai/gsm8k:main:test", "data.eval_path=openai/gsm8k:main:test")) in text
@@ -300,8 +301,8 @@ def test_the_dry_run_of_a_missing_data_file_exits_non_zero(offline_hub):
 
 def test_the_one_gpu_recipe_is_colocated_and_its_two_gpu_command_plans_separate_gpus(offline_hub, capsys):
     """The one-GPU recipe shares the GPU: learner-0 and inference-0 take half of bundle 0 each, bf16,
-    max_staleness 0, weights through the object store (NCCL cannot join two ranks on one device); the
-    2-GPU command its comment gives plans one GPU each, overlapping, with NCCL sync."""
+    max_staleness 0, weights handed over on the GPU through CUDA IPC (NCCL cannot join two ranks on one
+    device); the 2-GPU command its comment gives plans one GPU each, overlapping, with NCCL sync."""
     path = ROOT / "recipes" / "gsm8k_qwen2.5-0.5b_1gpu.yaml"
     comment = " ".join(line.lstrip("# ") for line in path.read_text().splitlines() if line.startswith("#"))
     assert "Colocated" in comment and "NOT YET RUN ON A GPU" in comment and "2 GPUs" in comment
@@ -311,7 +312,7 @@ def test_the_one_gpu_recipe_is_colocated_and_its_two_gpu_command_plans_separate_
     assert actors["inference-0"]["bundle"] == actors["learner-0"]["bundle"] == 0
     assert one["placement"]["placement"] == "colocated" and one["total_gpus"] == 1
     assert one["model"]["dtype"] == "bfloat16" and one["rollout"]["max_staleness"] == 0
-    assert one["weight_transport"]["same_node"] == "object_store"
+    assert one["weight_transport"]["same_node"] == "cuda_ipc"
     command = next(line for line in path.read_text().splitlines() if "python jobs/grpo.py" in line
                    and "--dry-run" not in line)
     args = command.split("python jobs/grpo.py", 1)[1].split()

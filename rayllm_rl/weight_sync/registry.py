@@ -8,8 +8,8 @@ the transport's name; what they may ask is a property of the transport (:class:`
 Every end has the same shape:
 
 * sender: ``send(named, version) -> (SyncStats, handoff)``, ``close()``. The handoff is what the
-  driver passes to the receivers (``ObjectRef``s for the object store; ``None`` where the bytes
-  travel inside a group collective).
+  driver passes to the receivers (``ObjectRef``s for the object store; CUDA IPC handles as plain data
+  for ``cuda_ipc``; ``None`` where the bytes travel inside a group collective).
 * receiver: ``receive(handoff, header_timeout_s=None) -> version`` (bytes land in a back buffer
   while the engine generates), ``swap(version) -> stall_s`` (between two decode steps), ``close()``,
   ``last_stats``.
@@ -24,6 +24,9 @@ Transports (see docs/ray-orchestration.md, "Weight sync"):
   0's result and Ray sends its tensors to each replica over a Ray collective group (gloo on CPU,
   NCCL GPU to GPU; rdt_nccl never ran on a GPU here).
 * ``nccl``: buckets broadcast over a private NCCL group between GPUs (never run on a GPU here).
+* ``cuda_ipc``: colocated on one GPU: learner rank 0 exports CUDA IPC handles of its own tensors, the
+  driver hands them over as plain data, the replica opens them on the same device and copies device to
+  device (weight_sync/cuda_ipc.py; never run on a GPU here).
 """
 from __future__ import annotations
 
@@ -68,6 +71,9 @@ class TransportInfo:
     shared_device: bool = True
     """Works when sender and receiver share one GPU (colocated placement). NCCL does not: it refuses
     two ranks of one communicator on one device."""
+    device_local: bool = False
+    """Receivers open the sender's own GPU memory (CUDA IPC), so each must sit on learner rank 0's GPU:
+    the colocated placement with one learner rank (replica i shares GPU i with learner rank i)."""
 
 
 TRANSPORTS: dict[str, TransportInfo] = {t.name: t for t in (
@@ -80,6 +86,8 @@ TRANSPORTS: dict[str, TransportInfo] = {t.name: t for t in (
     TransportInfo("gloo", pulls=False, receiver_needs_ray=False, cross_node=True, gpu_only=False, group=True),
     TransportInfo("nccl", pulls=False, receiver_needs_ray=False, cross_node=True, gpu_only=True, group=True,
                   shared_device=False),
+    TransportInfo("cuda_ipc", pulls=True, receiver_needs_ray=False, cross_node=False, gpu_only=True, group=False,
+                  shared_device=True, device_local=True),
 )}
 
 
@@ -130,12 +138,17 @@ class SyncSpec:
 def plan_transport(requested: str, *, learner_gpus: bool, replica_gpus: bool, learner_node: str,
                    replica_nodes: Iterable[str], learner_ranks: int = 1, colocated: bool = False) -> str:
     """`ray.sync_transport` resolved against the placement. 'auto': NCCL between GPUs of their own,
-    else Ray's object store (same node: zero-copy; across nodes: Ray's own transfer). Colocated
-    (learner rank i and replica i on one GPU): the object store, since NCCL cannot join two ranks on
-    one device (a same-device CUDA IPC path is not built yet: docs/weight-sync.md)."""
+    else Ray's object store (same node: zero-copy; across nodes: Ray's own transfer). Colocated on
+    GPUs (learner rank i and replica i on one GPU): CUDA IPC on that GPU where every replica shares
+    learner rank 0's (one learner rank), else the object store (NCCL cannot join two ranks on one
+    device, and only learner rank 0 sends)."""
     same_node = set(replica_nodes) <= {learner_node}
     if requested == "auto":
-        return "nccl" if learner_gpus and replica_gpus and not colocated else "object_store"
+        if not (learner_gpus and replica_gpus):
+            return "object_store"
+        if not colocated:
+            return "nccl"
+        return "cuda_ipc" if learner_ranks == 1 else "object_store"  # a colocated pair shares its node
     info = transport_info(requested)
     if colocated and learner_gpus and not info.shared_device:
         raise ValueError(f"ray.sync_transport={requested} cannot run with ray.placement=colocated: NCCL refuses two "
@@ -146,6 +159,13 @@ def plan_transport(requested: str, *, learner_gpus: bool, replica_gpus: bool, le
     if info.gpu_only and not (learner_gpus and replica_gpus):
         raise ValueError(f"ray.sync_transport={requested} needs GPUs on both sides: ray.gpus_per_learner > 0 and "
                          "ray.gpus_per_replica > 0")
+    if info.device_local and not colocated:
+        raise ValueError(f"ray.sync_transport={requested} hands the weights over on the GPU the learner and the replica "
+                         "share: it needs ray.placement=colocated (with GPUs of their own use nccl, or auto)")
+    if info.device_local and learner_ranks > 1:
+        raise ValueError(f"ray.sync_transport={requested} with ray.num_learners={learner_ranks}: replica i shares GPU i "
+                         "with learner rank i, but only learner rank 0 sends, on GPU 0; use auto (object_store) "
+                         "or ray.num_learners=1")
     if info.single_learner_rank and learner_ranks > 1:
         raise ValueError(f"ray.sync_transport={requested} initialises the learner's torch.distributed for Ray's "
                          f"collective group, which FSDP's ray.num_learners={learner_ranks} ranks already use: use "
@@ -201,6 +221,10 @@ def build_sender(spec: SyncSpec, metas: Sequence[TensorMeta]):
         from rayllm_rl.weight_sync.object_store import ObjectStoreSender
 
         return ObjectStoreSender(metas, spec.bucket_bytes, spec.timeout_s)  # already of the common shape
+    if spec.transport == "cuda_ipc":
+        from rayllm_rl.weight_sync.cuda_ipc import CudaIpcSender
+
+        return CudaIpcSender(metas, spec.timeout_s, receivers=spec.world_size - 1)  # of the common shape
     if spec.info.tensor_transport is not None:
         from rayllm_rl.weight_sync.ray_direct import RDTSender
 
@@ -273,6 +297,10 @@ def build_receiver(spec: SyncSpec, target: Any):
         from rayllm_rl.weight_sync.object_store import ObjectStoreReceiver
 
         return _Receiver(ObjectStoreReceiver(target, metas, spec.bucket_bytes, spec.timeout_s, spec.rank))
+    if spec.transport == "cuda_ipc":
+        from rayllm_rl.weight_sync.cuda_ipc import CudaIpcReceiver
+
+        return _Receiver(CudaIpcReceiver(target, metas, spec.timeout_s, spec.rank))
     if spec.info.tensor_transport is not None:
         from rayllm_rl.weight_sync.ray_direct import RDTReceiver
 
