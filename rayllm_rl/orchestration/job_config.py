@@ -267,6 +267,35 @@ class TrainerConfig(_TracksPresets):
     """Keep only the newest N checkpoints of the run (0 = keep all)."""
     max_recoveries: int = 3
     """Rollbacks to the last checkpoint after a crashed role before the run gives up (Ray backend)."""
+    loggers: list[str] = dataclasses.field(default_factory=lambda: ["jsonl"])
+    """Experiment trackers, any of jsonl (metrics.jsonl), tensorboard, wandb, mlflow (docs/trackers.md);
+    e.g. `trainer.loggers=[jsonl,tensorboard,wandb,mlflow]`. Each logs every record's numeric fields and
+    the config; one that fails is reported and dropped, the run goes on."""
+    wandb_project: str = "rayllm_rl"
+    """W&B project of the run (its files go to <run dir>/wandb)."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """'offline': no login, no network; `wandb sync <run dir>/wandb/offline-run-*` uploads later."""
+    mlflow_tracking_uri: str = ""
+    """MLflow tracking URI; "" = the local file store <run dir>/mlruns."""
+    mlflow_experiment: str = "rayllm_rl"
+    """MLflow experiment the run is logged under (made if missing)."""
+    tracker_timeout_s: float = 60.0
+    """Bound on a tracker's start (W&B) and close; a tracker that hangs longer is abandoned with a warning."""
+
+    def __post_init__(self) -> None:
+        # the command line's `[a,b]` arrives as the items '[a' and 'b]' (rayllm_rl.config splits text on commas)
+        if isinstance(self.loggers, (list, tuple)):
+            self.loggers = [n.strip().strip("[]").strip().strip("'\"") if isinstance(n, str) else n
+                            for n in self.loggers]
+            self.loggers = [n for n in self.loggers if n != ""]
+
+    def check_trackers(self) -> None:
+        """An unknown or repeated logger name, or a timeout <= 0, fails naming the key."""
+        from rayllm_rl.tracking import check_logger_names
+
+        check_logger_names(self.loggers, "trainer.loggers")
+        if not self.tracker_timeout_s > 0:
+            raise ValueError(f"trainer.tracker_timeout_s={self.tracker_timeout_s}: must be > 0")
 
 
 @dataclasses.dataclass
@@ -504,6 +533,7 @@ class GRPOJobConfig:
         for key in ("checkpoint_every", "keep_checkpoints", "max_recoveries"):
             if getattr(self.trainer, key) < 0:
                 raise ValueError(f"trainer.{key}={getattr(self.trainer, key)}: must be >= 0")
+        self.trainer.check_trackers()
         for key in ("data.eval_size", "sft.steps", "sft.time_budget_s", "trainer.time_budget_s"):
             if _get(self, key) < 0:
                 raise ValueError(f"{key}={_get(self, key)}: must be >= 0 (0 = {'none' if 'size' in key or 'steps' in key else 'no limit'})")
