@@ -153,6 +153,7 @@ class VLLMEngine:
         self._start_lock: asyncio.Lock | None = None
         self._sync_timeout_s: float | None = None  # set when the update group is joined
         self._receiver = self._staging = None  # this actor's receiving end and staging segment, if any
+        self._pulls = False  # the transport's receivers are handed what the sender published
         self._sleep_mode = bool(self.options.enable_sleep_mode) and torch.cuda.is_available()
         self._asleep: set[str] = set()
         """What `sleep` put down and `wake_up` has not brought back ("weights", "kv_cache"; or "scheduling")."""
@@ -287,8 +288,9 @@ class VLLMEngine:
 
     async def init_update_group(self, spec: SyncSpec) -> None:
         """Where the transport's receiver can run in vLLM's worker, every worker builds its own end
-        (rank: the replica's first rank plus its tensor-parallel rank); where it needs Ray (the
-        object store), this actor receives and stages the bytes for the workers (staging.py)."""
+        (rank: the replica's first rank plus its tensor-parallel rank) and, for a pull transport (CUDA
+        IPC), is handed the sender's plain-data handoff through `collective_rpc`; where it needs Ray
+        (the object store), this actor receives and stages the bytes for the workers (staging.py)."""
         mine = {m[0]: tuple(m[1]) for m in self.weight_metadata()}
         bad = [(n, tuple(s), mine.get(n)) for n, s, _ in spec.metas if mine.get(n) != tuple(s)]
         if bad:
@@ -302,6 +304,7 @@ class VLLMEngine:
         await self.start()
         await self.close_update_group()
         self._sync_timeout_s = spec.timeout_s
+        self._pulls = spec.info.pulls
         if spec.info.receiver_needs_ray:
             from rayllm_rl.inference.staging import StagingWriter
 
@@ -319,16 +322,18 @@ class VLLMEngine:
 
     async def receive_update(self, handoff: Any = None, header_timeout_s: float | None = None) -> dict[str, float]:
         """Bytes arrive while decoding goes on (on vLLM's worker thread, or fetched and staged by
-        this actor); then a short paused load."""
+        this actor); then a short paused load. What the workers' ends get: the staged version where
+        this actor received, else the sender's `handoff` itself (plain data for a pull transport whose
+        receiver runs in the worker, e.g. CUDA IPC handles; None where the bytes travel in a group)."""
         timeout = self._sync_timeout_s
         if timeout is None:
             raise RuntimeError("receive_update: init_update_group was not called on this engine")
         t0 = time.perf_counter()
-        staged = None
+        for_workers = handoff if self._pulls else None
         if self._receiver is not None:  # fetch here, then stage for the worker (vLLM keeps generating)
-            staged = await asyncio.to_thread(self._receiver.receive, handoff)
-            await asyncio.to_thread(self._receiver.swap, staged)
-        await self._rpc("rayllm_begin_receive", header_timeout_s or timeout, staged)
+            for_workers = await asyncio.to_thread(self._receiver.receive, handoff)
+            await asyncio.to_thread(self._receiver.swap, for_workers)
+        await self._rpc("rayllm_begin_receive", header_timeout_s or timeout, for_workers)
         deadline = time.monotonic() + (header_timeout_s or timeout) + timeout
         while True:  # a short RPC between engine steps, not a wait inside one
             state = await self._rpc("rayllm_receive_state")

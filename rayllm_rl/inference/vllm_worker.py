@@ -6,8 +6,9 @@ receiving end of a weight update lives here:
 
 * :class:`RayllmWeightTransfer` is a vLLM weight-transfer backend (registered as ``"rayllm"``
   when vLLM imports this module as the worker extension). It builds this worker's receiving end
-  through the transport registry (a group transport: its rank is the replica's first rank plus
-  its tensor-parallel rank) or, where the receiver needs Ray (the object store), maps the staging
+  through the transport registry (its rank is the replica's first rank plus its tensor-parallel
+  rank: a group transport, or CUDA IPC, whose plain-data handoff the actor passes in
+  ``rayllm_begin_receive``) or, where the receiver needs Ray (the object store), maps the staging
   segment the replica actor fills (:mod:`rayllm_rl.inference.staging`). It loads what arrives
   through ``model.load_weights``, which takes HF names and fuses them.
 * :class:`RayllmWorkerExtension` (vLLM's ``worker_extension_cls``) adds the calls the actor
@@ -64,9 +65,15 @@ class RayllmUpdateInfo(WeightTransferUpdateInfo):
 class _LoadTarget:
     """What our receivers hand tensors to: `model.load_weights` (a copy into vLLM's fused params)."""
 
-    def __init__(self, model: torch.nn.Module, metas):
+    copies_on_swap = True
+    """`swap_weights` copies what it is handed and keeps no device tensor past the call (see `_load`), so a
+    CUDA IPC receiver hands it the learner's tensors themselves: one device copy, no second buffer."""
+
+    def __init__(self, model: torch.nn.Module, metas, device: torch.device | None = None):
         self.model = model
         self.metas = metas
+        self.device = device
+        """The worker's device (a receiver that opens memory on it, CUDA IPC, needs its index)."""
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """Names, shapes and dtypes an update may carry (meta tensors: no memory of their own)."""
@@ -113,8 +120,8 @@ def _retie_lm_head(model: torch.nn.Module) -> None:
         method.process_weights_after_loading(head)
 
 
-# What this worker process last loaded: the tensors (a transport's buffer, which keeps these values
-# until the next update starts) or, for a one-off direct load, just their checksum.
+# What this worker process last loaded: the tensors (a transport's host buffer, which keeps these
+# values until the next update starts) or just their checksum.
 _LAST_LOADED: dict[str, Any] = {}
 
 
@@ -124,9 +131,12 @@ def _load(model: torch.nn.Module, named: dict[str, torch.Tensor], *, keep: bool 
     vLLM's CPU kernels repack linear weights into storage that `named_parameters()` no longer
     shows, so a checksum is taken of the tensors handed to vLLM, not read back from it; it is
     computed when asked for, not inside the paused update. `keep=False` (tensors that would
-    otherwise be freed) stores the checksum right away instead of the tensors."""
+    otherwise be freed), or any tensor on a device, stores the checksum right away instead: device
+    memory is never held between updates (it may be the learner's, lent through CUDA IPC, which
+    offloads right after the hand-over, or a buffer that takes room from the KV cache)."""
     with torch.no_grad():
         model.load_weights(list(named.items()))
+    keep = keep and all(t.device.type == "cpu" for t in named.values())
     _LAST_LOADED.clear()
     _LAST_LOADED.update({"named": named} if keep else {"checksum": weights_checksum(named)})
 
@@ -156,18 +166,20 @@ class RayllmWeightTransfer(WeightTransferEngine[RayllmInitInfo, RayllmUpdateInfo
 
             staging = init_info.staging
             self.timeout_s = float(staging["timeout_s"])
-            self.receiver = _StagedReceiver(_LoadTarget(self.model, metas_from_spec(staging["metas"])),
+            self.receiver = _StagedReceiver(_LoadTarget(self.model, metas_from_spec(staging["metas"]), self.device),
                                             StagingReader(staging["segment"], metas_from_spec(staging["metas"])))
             return
         spec = SyncSpec.from_dict(init_info.spec)
         self.timeout_s = spec.timeout_s
         rank = spec.rank + _tensor_parallel_rank()  # each worker of a replica is a rank of its own
-        self.receiver = build_receiver(spec.for_rank(rank), _LoadTarget(self.model, metas_from_spec(spec.metas)))
+        self.receiver = build_receiver(spec.for_rank(rank),
+                                       _LoadTarget(self.model, metas_from_spec(spec.metas), self.device))
 
     # ------------------------------------------------------------------ receive while generating
-    def begin_receive(self, header_timeout_s: float, staged_version: int | None = None) -> None:
-        """Start receiving the next update on a background thread (the engine keeps stepping);
-        `staged_version`: the replica actor staged that version's bytes (nothing to wait for)."""
+    def begin_receive(self, header_timeout_s: float, handoff: Any = None) -> None:
+        """Start receiving the next update on a background thread (the engine keeps stepping).
+        `handoff`: the version the replica actor staged (nothing to wait for), a pull transport's
+        plain-data handoff (CUDA IPC handles, opened here), or None (the bytes come in a group)."""
         if self.receiver is None:
             raise RuntimeError("rayllm weight transfer: init_weight_transfer_engine was not called")
         if self._thread is not None and self._thread.is_alive():
@@ -177,7 +189,7 @@ class RayllmWeightTransfer(WeightTransferEngine[RayllmInitInfo, RayllmUpdateInfo
         def run():
             t0 = time.perf_counter()
             try:
-                self._received = self.receiver.receive(staged_version, header_timeout_s=header_timeout_s)
+                self._received = self.receiver.receive(handoff, header_timeout_s=header_timeout_s)
             except BaseException as exc:  # reported to the actor by receive_state / receive_weights
                 self._error = exc
             self.receive_s = time.perf_counter() - t0
@@ -265,8 +277,9 @@ class RayllmWorkerExtension:
             raise RuntimeError(f"vLLM was not started with weight_transfer_config backend '{BACKEND}'")
         return engine
 
-    def rayllm_begin_receive(self, header_timeout_s: float, staged_version: int | None = None) -> None:
-        self._rayllm().begin_receive(header_timeout_s, staged_version)
+    def rayllm_begin_receive(self, header_timeout_s: float, handoff: Any = None) -> None:
+        """`handoff` came through vLLM's RPC (msgpack): plain data only (ints, strings, bytes, lists, dicts)."""
+        self._rayllm().begin_receive(header_timeout_s, handoff)
 
     def rayllm_receive_state(self) -> dict[str, Any]:
         return self._rayllm().receive_state()
