@@ -66,8 +66,9 @@ class _LoadTarget:
     """What our receivers hand tensors to: `model.load_weights` (a copy into vLLM's fused params)."""
 
     copies_on_swap = True
-    """`swap_weights` copies what it is handed and keeps no device tensor past the call (see `_load`), so a
-    CUDA IPC receiver hands it the learner's tensors themselves: one device copy, no second buffer."""
+    """`swap_weights` copies what it is handed into vLLM's parameters (vLLM's layerwise reload may hold a
+    layer's tensors until `finish_weight_update`; `_load` keeps no device tensor after), so a CUDA IPC
+    receiver hands it the learner's tensors themselves: one device copy, no second buffer."""
 
     def __init__(self, model: torch.nn.Module, metas, device: torch.device | None = None):
         self.model = model

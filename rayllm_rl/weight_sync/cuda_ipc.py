@@ -30,8 +30,11 @@ exported block allocated until the receiver that opened it lets go; a block the 
 meantime waits in torch's limbo instead of returning to the allocator (pytorch
 ``torch/multiprocessing/multiprocessing.md``, "CUDA IPC Refcounting"; ``torch/csrc/CudaIPCTypes.cpp``).
 Holding the tensors here instead would keep the learner's parameters on the GPU through its
-``offload`` while vLLM generates. A receiver that refuses a handoff (wrong plan, GPU or process)
-gives its exports' counters back, so a refused hand-over does not pin the learner's memory either.
+``offload`` while vLLM generates. (vLLM's layerwise reload may keep a layer's tensors until
+``finish_weight_update``, a padded layer for instance: the count keeps the learner's block until then,
+and the driver offloads the learner only after the replica's update has finished.) A receiver that
+refuses a handoff (wrong plan, GPU or process) gives its exports' counters back, so a refused
+hand-over does not pin the learner's memory either.
 
 Why not vLLM's own ``ipc`` weight-transfer engine (``vllm/distributed/weight_transfer/ipc_engine.py``):
 it is a separate backend of ``weight_transfer_config`` (one per engine), while our worker extension
@@ -62,7 +65,7 @@ from rayllm_rl.weight_sync.buckets import TensorMeta
 from rayllm_rl.weight_sync.gloo_group import WeightSyncError
 from rayllm_rl.weight_sync.transport import SyncStats, _EndpointView, _HandoffPlan, _HeldReceiver, _Source
 
-__all__ = ["CudaIpcSender", "CudaIpcReceiver", "encode_export", "decode_export", "export_tensor", "import_tensor",
+__all__ = ["CudaIpcSender", "CudaIpcReceiver", "encode_export", "decode_export", "export_tensor", "release_export",
            "gpu_uuid", "HANDOFF_KEYS", "EXPORT_KEYS"]
 
 _WHAT = "CUDA IPC"
@@ -123,7 +126,8 @@ def decode_export(entry: Mapping[str, Any], device_index: int, meta: TensorMeta 
         ("offset", int), ("handle", bytes), ("storage_bytes", int), ("storage_offset", int), ("ref_counter", bytes),
         ("ref_counter_offset", int), ("event", bytes), ("event_sync", bool))]
     offset, handle, storage_bytes, storage_offset, ref_counter, ref_counter_offset, event, event_sync = fields
-    if math.prod(size) and storage_bytes < (offset + 1 + sum((s - 1) * d for s, d in zip(size, stride))) * dtype.itemsize:
+    last = offset + sum((s - 1) * d for s, d in zip(size, stride))  # the tensor's last element in its storage
+    if math.prod(size) and storage_bytes < (last + 1) * dtype.itemsize:
         raise ValueError(f"CUDA IPC export: a {tuple(size)} tensor at element {offset} with stride {tuple(stride)} "
                          f"does not fit its {storage_bytes}-byte storage")
     return (torch.Tensor, torch.Size(size), tuple(stride), offset, torch.storage.TypedStorage, dtype, int(device_index),
@@ -136,11 +140,6 @@ def export_tensor(t: torch.Tensor) -> dict[str, Any]:
     if rebuild is not rebuild_cuda_tensor:
         raise ValueError(f"a {t.device} tensor has no CUDA IPC handle (torch reduced it with {rebuild.__name__})")
     return encode_export(args)
-
-
-def import_tensor(entry: Mapping[str, Any], device_index: int, meta: TensorMeta | None = None) -> torch.Tensor:
-    """Open an export on `device_index` of this process: a tensor over the sender's memory (no copy)."""
-    return rebuild_cuda_tensor(*decode_export(entry, device_index, meta))
 
 
 def release_export(entry: Any, device_index: int = 0) -> None:
@@ -280,12 +279,12 @@ class CudaIpcReceiver(_HeldReceiver):
         try:
             if handoff["fingerprint"] != plan.fingerprint:
                 raise plan.error("handoff", f"version {handoff['version']} was sent with plan "
-                                            f"{_hex(handoff['fingerprint'])}, this receiver's is {_hex(plan.fingerprint)}:"
-                                            " sender and receiver must use the same metas")
+                                            f"{_hex(handoff['fingerprint'])}, this receiver's is "
+                                            f"{_hex(plan.fingerprint)}: sender and receiver must use the same metas")
             if not isinstance(mine, list) or len(mine) != len(plan.metas):
+                ranks = len(exports) if isinstance(exports, list) else 0
                 raise plan.error("handoff", f"the handoff carries no export list of {len(plan.metas)} tensors for "
-                                            f"rank {plan.rank} (it has {len(exports) if isinstance(exports, list) else 0}"
-                                            " receiving ranks)")
+                                            f"rank {plan.rank} (it has {ranks} receiving ranks)")
             if handoff["process"] == _process():
                 raise plan.error("handoff", f"sender and receiver are one process (pid {os.getpid()}): CUDA IPC "
                                             "cannot open a handle where it was exported; use ray.sync_transport="
