@@ -578,6 +578,10 @@ class GPUCheck:
         gpu = self.device == "cuda"
         transport = plan_transport("auto", learner_gpus=gpu, replica_gpus=gpu, learner_node="127.0.0.1",
                                    replica_nodes=["127.0.0.1"], colocated=gpu)
+        if transport == "cuda_ipc" and a.engine == "transformers":
+            # CUDA IPC opens a handle in another process only; this engine receives in the learner's own
+            # process here (in a job it is the replica actor's), so the check hands over through the store
+            transport = "object_store"
         h["transport"] = transport
         metas = self.learner.weight_metas()
         spec = make_spec(transport, metas_to_spec(metas), receivers=self.engine.receiving_processes(transport),

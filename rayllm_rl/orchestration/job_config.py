@@ -320,8 +320,10 @@ class RayConfig:
     """Weight transport (weight_sync/registry.py): 'object_store' (learner rank 0 puts buckets in Ray's object
     store, replicas fetch them: zero-copy on its node, Ray's transfer across nodes), 'rdt_gloo' / 'rdt_nccl' (Ray
     Direct Transport: Ray sends the tensors learner to replica over a Ray collective group), 'shm' (shared-memory double
-    buffer, same node), 'gloo' (TCP buckets), 'nccl' (GPU broadcast over a stateless NCCL group), 'auto'
-    (nccl with GPUs on both sides, else object_store)."""
+    buffer, same node), 'gloo' (TCP buckets), 'nccl' (GPU broadcast over a stateless NCCL group), 'cuda_ipc'
+    (ray.placement=colocated on GPUs, one learner rank: the replica opens CUDA IPC handles of learner rank 0's
+    tensors on their shared GPU and copies device to device), 'auto' (cuda_ipc colocated on GPUs with one learner
+    rank; nccl with GPUs of their own on both sides; else object_store)."""
     sync_bucket_mb: float = 16.0
     """Weight-sync bucket size in MiB."""
     sync_timeout_s: float = 120.0
