@@ -265,10 +265,21 @@ def test_slurm_script_runs_a_two_node_ray_cluster_and_a_5_step_job(tmp_path):
            "rollout.prompts_per_step=4", "rollout.group_size=4", f"trainer.run_dir={tmp_path / 'runs'}"]
     try:
         t0 = time.monotonic()
-        out = subprocess.run(["bash", str(LAUNCH / "slurm" / "grpo.sbatch"), *job], env=env, cwd=tmp_path,
-                             capture_output=True, text=True, timeout=SLURM_SUBPROCESS_TIMEOUT_S)
+        with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
+            script = subprocess.Popen(["bash", str(LAUNCH / "slurm" / "grpo.sbatch"), *job], env=env,
+                                      cwd=tmp_path, stdout=stdout, stderr=stderr)
+            seen = 0  # the most marked processes alive at once: the leftover check below is not vacuous
+            while script.poll() is None and time.monotonic() - t0 < SLURM_SUBPROCESS_TIMEOUT_S:
+                seen = max(seen, len(marked_processes(mark)))
+                time.sleep(2)
+            if script.poll() is None:
+                script.kill()
+            code = script.wait(timeout=30)
         elapsed = time.monotonic() - t0
+        out = subprocess.CompletedProcess(script.args, code, (tmp_path / "stdout").read_text(),
+                                          (tmp_path / "stderr").read_text())
         assert out.returncode == 0, out.stderr[-4000:]
+        assert seen >= 6, f"only {seen} marked processes seen (2 ray start, their GCS, raylets, workers...)"
         steps = [line.split(maxsplit=2) for line in srun_log.read_text().splitlines()]
         ray_steps = [s for s in steps if len(s) == 3 and " start " in f" {s[2]} "]
         assert [s[1] for s in ray_steps] == nodes  # head on the first node, a worker on the second
@@ -279,7 +290,7 @@ def test_slurm_script_runs_a_two_node_ray_cluster_and_a_5_step_job(tmp_path):
         run = Path(summary["run_dir"])
         assert run.parent == tmp_path / "runs"
         assert json.loads((run / "summary.json").read_text())["steps"] == 5
-        print(f"slurm script: 2 nodes, 5 steps in {elapsed:.0f}s")
+        print(f"slurm script: 2 nodes, 5 steps in {elapsed:.0f}s; at most {seen} of its processes alive at once")
         deadline = time.monotonic() + 30  # worker processes exit a moment after their raylet
         while marked_processes(mark) and time.monotonic() < deadline:
             time.sleep(1)
