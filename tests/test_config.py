@@ -454,7 +454,7 @@ def test_engine_options_are_the_engines_own_and_typed():
     (["inference.engine=vllm", "rollout.top_p=0.9"], "rollout.top_p=0.9"),
     (["inference.engine=vllm", "rollout.top_k=20"], "rollout.top_k=20"),
     (["inference.engine=vllm", "trainer.backend=local"], "trainer.backend=ray"),
-    (["ray.gpus_per_replica=1"], "ray.gpus_per_replica > 0 needs an engine that runs on GPUs"),
+    (["inference.options.device=cuda"], "inference.options.device=cuda needs ray.gpus_per_replica > 0"),
     (["ray.sync_transport=nccl"], "ray.gpus_per_learner > 0"),
     (["model.dtype=bfloat16"], "model.dtype=bfloat16"),
     (["inference.engine=vllm", "ray.gpus_per_replica=1", "ray.tensor_parallel_size=2"], "ray.tensor_parallel_size"),
