@@ -63,7 +63,9 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from rayllm_rl.weight_sync.buckets import TensorMeta
 from rayllm_rl.weight_sync.gloo_group import WeightSyncError
-from rayllm_rl.weight_sync.transport import SyncStats, _EndpointView, _HandoffPlan, _HeldReceiver, _Source
+from rayllm_rl.weight_sync.transport import (
+    SyncStats, _EndpointView, _HandoffPlan, _HeldReceiver, _Source, target_dtypes,
+)
 
 __all__ = ["CudaIpcSender", "CudaIpcReceiver", "encode_export", "decode_export", "export_tensor", "release_export",
            "gpu_uuid", "HANDOFF_KEYS", "EXPORT_KEYS"]
@@ -252,16 +254,7 @@ class CudaIpcReceiver(_HeldReceiver):
     def __init__(self, target: Any, metas: Sequence[TensorMeta], timeout_s: float, rank: int = 1, *,
                  device: torch.device | str | None = None, device_uuid: str | None = None):
         self._ep = _HandoffPlan(metas, _ONE_BUCKET, timeout_s, rank, _WHAT)
-        params = target.named_parameters()
-        unknown = [m.name for m in self._ep.metas if m.name not in params]
-        if unknown:
-            raise KeyError(f"CudaIpcReceiver: the target has no tensors named {unknown[:5]} "
-                           f"(it has e.g. {list(params)[:3]})")
-        bad = [(m.name, m.shape, tuple(params[m.name].shape)) for m in self._ep.metas
-               if tuple(params[m.name].shape) != m.shape]
-        if bad:
-            raise ValueError(f"CudaIpcReceiver: shapes differ (name, sent, target): {bad[:5]}")
-        self._dtypes = {m.name: params[m.name].dtype for m in self._ep.metas}
+        self._dtypes = target_dtypes(target, self._ep.metas, "CudaIpcReceiver")
         self.device = torch.device(device) if device is not None else _receiving_device(target)
         self.device_uuid = device_uuid if device_uuid is not None else gpu_uuid(self.device)
         self.copies_on_swap = bool(getattr(target, "copies_on_swap", False))

@@ -31,7 +31,9 @@ import ray
 import torch
 
 from rayllm_rl.weight_sync.buckets import TensorMeta
-from rayllm_rl.weight_sync.transport import SyncStats, _EndpointView, _HandoffPlan, _HeldReceiver, _Source
+from rayllm_rl.weight_sync.transport import (
+    SyncStats, _EndpointView, _HandoffPlan, _HeldReceiver, _Source, target_dtypes,
+)
 
 __all__ = ["Handoff", "ObjectStoreSender", "ObjectStoreReceiver"]
 
@@ -105,16 +107,7 @@ class ObjectStoreReceiver(_HeldReceiver):
     def __init__(self, target: Any, metas: Sequence[TensorMeta], bucket_bytes: int, timeout_s: float,
                  rank: int = 1):
         self._ep = _HandoffPlan(metas, bucket_bytes, timeout_s, rank, "object store")
-        params = target.named_parameters()
-        unknown = [m.name for m in self._ep.metas if m.name not in params]
-        if unknown:
-            raise KeyError(f"ObjectStoreReceiver: the target has no tensors named {unknown[:5]} "
-                           f"(it has e.g. {list(params)[:3]})")
-        bad = [(m.name, m.shape, tuple(params[m.name].shape)) for m in self._ep.metas
-               if tuple(params[m.name].shape) != m.shape]
-        if bad:
-            raise ValueError(f"ObjectStoreReceiver: shapes differ (name, sent, target): {bad[:5]}")
-        self._dtypes = {m.name: params[m.name].dtype for m in self._ep.metas}
+        self._dtypes = target_dtypes(target, self._ep.metas, "ObjectStoreReceiver")
         self.target = target
         self.copied_bytes = 0
         """Bytes of the last receive that are not read-only views of the node's store (a dtype

@@ -243,6 +243,19 @@ class _HandoffPlan:
         return self.last_stats
 
 
+def target_dtypes(target: Any, metas, who: str) -> dict[str, torch.dtype]:
+    """Check that `target.named_parameters()` has every planned tensor with its shape (a KeyError or
+    ValueError naming `who` and the first mismatches); returns the target's dtype per name."""
+    params = target.named_parameters()
+    unknown = [m.name for m in metas if m.name not in params]
+    if unknown:
+        raise KeyError(f"{who}: the target has no tensors named {unknown[:5]} (it has e.g. {list(params)[:3]})")
+    bad = [(m.name, m.shape, tuple(params[m.name].shape)) for m in metas if tuple(params[m.name].shape) != m.shape]
+    if bad:
+        raise ValueError(f"{who}: shapes differ (name, sent, target): {bad[:5]}")
+    return {m.name: params[m.name].dtype for m in metas}
+
+
 class _HeldReceiver(_EndpointView):
     """A receiver whose bytes arrive as whole tensors (fetched, or delivered by Ray): it holds them
     until `swap` hands them to its target between two decode steps."""
