@@ -1,5 +1,6 @@
-"""An asyncio event loop in a daemon thread, for synchronous callers of objects that live on a
-loop: the single-process backend's engine, collector and buffer, and the MCP client sessions."""
+"""Work on a daemon thread for synchronous callers, always with a deadline: an asyncio event loop for
+objects that live on a loop (the single-process backend's engine, collector and buffer, the MCP
+client sessions), and `run_bounded` for one blocking call that has no deadline of its own."""
 from __future__ import annotations
 
 import asyncio
@@ -7,6 +8,28 @@ import threading
 from typing import Any, Awaitable, Callable, TypeVar
 
 T = TypeVar("T")
+
+
+def run_bounded(fn: Callable[[], T], timeout_s: float, what: str) -> T:
+    """`fn()` on a daemon thread, waited for at most `timeout_s`; returns its value or re-raises what it
+    raised. Past the deadline a TimeoutError names `what`, and the call is abandoned (it runs on in its
+    thread): for calls with no deadline of their own (Ray's collective groups, a tracker's close)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the waiting thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name=f"bounded: {what}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"{what} did not return within {timeout_s:g}s (abandoned)")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
 
 
 class EventLoopThread:

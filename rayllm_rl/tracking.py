@@ -12,10 +12,11 @@ from __future__ import annotations
 import abc
 import json
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+from rayllm_rl.loop_thread import run_bounded
 
 LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
 """Names `trainer.loggers` accepts: `jsonl` is RunReporter's metrics.jsonl, the others are classes below."""
@@ -199,26 +200,6 @@ TRACKER_CLASSES: dict[str, Callable[[Path, Any], Tracker]] = {
 """The scalar trackers by logger name (`jsonl` is RunReporter's own file)."""
 
 
-def _bounded(fn: Callable[[], None], timeout_s: float) -> None:
-    """Run `fn` in a daemon thread; raise TimeoutError if it has not returned after `timeout_s` (it is
-    abandoned: a hung tracker must not hold the run), or what it raised."""
-    box: dict[str, BaseException] = {}
-
-    def target():
-        try:
-            fn()
-        except BaseException as e:  # noqa: BLE001 - handed back to the caller's thread
-            box["error"] = e
-
-    thread = threading.Thread(target=target, daemon=True, name="tracker-close")
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise TimeoutError(f"did not return within {timeout_s:g}s; abandoned")
-    if "error" in box:
-        raise box["error"]
-
-
 class Trackers:
     """The run's scalar trackers behind one interface. `say(line)` reports a dropped tracker; `record(r)`
     logs a `{"phase": "tracker_dropped", ...}` record (RunReporter.log), so the drop is in metrics.jsonl too.
@@ -278,7 +259,7 @@ class Trackers:
         """Close each tracker within the timeout; one that raises or hangs is reported and abandoned."""
         for tracker in list(self.active):
             try:
-                _bounded(tracker.close, self.timeout_s)
+                run_bounded(tracker.close, self.timeout_s, f"{tracker.name}.close()")
             except BaseException as e:  # noqa: BLE001
                 self._drop(tracker.name, "close", e, tracker)
             else:

@@ -54,3 +54,17 @@ def test_close_awaits_the_owners_shutdown_then_cancels_what_is_left():
     runner.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         runner.call(asyncio.sleep(0), 1, "late")
+
+
+def test_run_bounded_returns_reraises_and_gives_up_at_its_deadline():
+    import threading
+
+    from rayllm_rl.loop_thread import run_bounded
+
+    assert run_bounded(lambda: 42, 1.0, "the quick one") == 42
+    with pytest.raises(ValueError, match="boom"):
+        run_bounded(lambda: (_ for _ in ()).throw(ValueError("boom")), 1.0, "the failing one")
+    release = threading.Event()
+    with pytest.raises(TimeoutError, match=r"the stuck one did not return within 0.2s"):
+        run_bounded(lambda: release.wait(5), 0.2, "the stuck one")
+    release.set()

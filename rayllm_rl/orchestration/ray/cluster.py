@@ -17,6 +17,7 @@ from rayllm_rl.orchestration.ray.actors import (
     ReplayBufferActor,
 )
 from rayllm_rl.inference.registry import placed_options
+from rayllm_rl.loop_thread import run_bounded
 from rayllm_rl.orchestration.factories import build_episode_filter, needs_reference
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.ray.placement import Placement, plan_placement
@@ -267,8 +268,8 @@ def join_collective_group(cluster: Cluster, backend: str, timeout_s: float) -> N
     members = [cluster.learners[0], *cluster.replicas]
     what = f"Ray's {backend} collective group of learner rank 0 and {len(cluster.replicas)} replica(s)"
     try:
-        cluster.collective_group = _bounded(lambda: create_collective_group(members, backend=backend), timeout_s,
-                                            f"weight sync: {what} (ray.sync_timeout_s)")
+        cluster.collective_group = run_bounded(lambda: create_collective_group(members, backend=backend),
+                                               timeout_s, f"weight sync: {what} (ray.sync_timeout_s)")
     except TimeoutError:
         raise
     except Exception as exc:
@@ -284,31 +285,9 @@ def leave_collective_group(cluster: Cluster, timeout_s: float) -> None:
     if group is None:
         return
     try:
-        _bounded(lambda: destroy_collective_group(group), timeout_s, "destroying Ray's collective group")
+        run_bounded(lambda: destroy_collective_group(group), timeout_s, "destroying Ray's collective group")
     except Exception:  # noqa: BLE001 - tearing a group down: its members may be dead already
         pass
-
-
-def _bounded(fn, timeout_s: float, what: str):
-    """`fn()` on a thread, waited for at most `timeout_s` (Ray's collective-group calls have no deadline)."""
-    import threading
-
-    box: dict[str, Any] = {}
-
-    def run():
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # re-raised in the waiting thread
-            box["error"] = exc
-
-    th = threading.Thread(target=run, name="rayllm-bounded", daemon=True)
-    th.start()
-    th.join(timeout_s)
-    if th.is_alive():
-        raise TimeoutError(f"{what} did not finish within {timeout_s:g}s")
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
 
 
 def restarted_replicas(cluster: Cluster, timeout_s: float = 120.0) -> list[int]:
