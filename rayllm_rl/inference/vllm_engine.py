@@ -158,6 +158,8 @@ class VLLMEngine:
         self._asleep: set[str] = set()
         """What `sleep` put down and `wake_up` has not brought back ("weights", "kv_cache"; or "scheduling")."""
         self.stats = {"requests": 0, "generated_tokens": 0, "updates": 0, "last_stall_s": 0.0, "last_receive_s": 0.0}
+        self.last_stall_parts: dict[str, float] = {}
+        """The last update's stall in parts: `stall_pause_s`, `stall_load_s`, `stall_finish_s` (re-processing)."""
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> "VLLMEngine":
@@ -347,8 +349,7 @@ class VLLMEngine:
         version = int(state["version"])
         receive_s = self.stats["last_receive_s"] = time.perf_counter() - t0
         stall = await self._apply(version, lambda: self._update_request(version))
-        return {"version": version, "receive_s": receive_s, "stall_s": stall,
-                **{k[len("last_"):]: v for k, v in self.stats.items() if k.startswith("last_stall_") and k.endswith("_s")}}
+        return {"version": version, "receive_s": receive_s, "stall_s": stall, **self.last_stall_parts}
 
     async def _update_request(self, version: int) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
@@ -362,15 +363,15 @@ class VLLMEngine:
         # (for the order of in-flight outputs, "not required for correctness") and clears the
         # multimodal cache, which a text-only policy does not have. The sleep was ~20% of the stall.
         await self._llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=True)
-        phases = {"pause_s": time.perf_counter() - t0}
+        parts = {"stall_pause_s": time.perf_counter() - t0}
         try:
             t = time.perf_counter()
             await self._llm.start_weight_update()
             await load()
-            phases["load_s"] = time.perf_counter() - t
+            parts["stall_load_s"] = time.perf_counter() - t
             t = time.perf_counter()
             await self._llm.finish_weight_update(weight_version=str(version))  # re-process (CPU: repack)
-            phases["finish_s"] = time.perf_counter() - t
+            parts["stall_finish_s"] = time.perf_counter() - t
             self._version = int(version)
         finally:
             if not self._asleep:  # asleep (colocated hand-over): wake_up resumes once the KV cache is back
@@ -378,7 +379,7 @@ class VLLMEngine:
         stall = time.perf_counter() - t0
         self.stats["updates"] += 1
         self.stats["last_stall_s"] = stall
-        self.stats.update({f"last_stall_{k}": v for k, v in phases.items()})
+        self.last_stall_parts = parts
         return stall
 
     async def load_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> int:
