@@ -378,8 +378,11 @@ class LearnerWorker(_Process):
     def reference_weights(self) -> dict[str, torch.Tensor]:
         """The full weights in host memory, for the reference actor (Ray hands it this result by
         reference); every rank must call it (an FSDP gather), non-zero ranks' copies are dropped."""
-        full = {name: t.detach().cpu() for name, t in self.learner.iter_named_tensors()}
-        return full if self.rank == 0 else {}
+        full = {}
+        for name, t in self.learner.iter_named_tensors():  # every rank joins each gather; rank 0 keeps a copy
+            if self.rank == 0:
+                full[name] = t.detach().cpu()
+        return full
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         return self.learner.named_tensors()
