@@ -115,8 +115,10 @@ def shard_model(model: torch.nn.Module, mesh) -> torch.nn.Module:
     return model
 
 
-def iter_full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(name, full detached tensor)` for every parameter, in `named_parameters()` order.
+def iter_full_tensors(model: torch.nn.Module, named: dict[str, torch.Tensor] | None = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(name, full detached tensor)` for every parameter, in `named_parameters()` order (or for
+    the `named` parameters of `model`, by those names: a LoRA adapter by PEFT name).
 
     DTensors are gathered with `full_tensor()` (a collective: every rank must exhaust this
     iterator in lockstep); plain tensors are yielded as is. Names equal the unsharded model's
@@ -124,7 +126,7 @@ def iter_full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tenso
     """
     from torch.distributed.tensor import DTensor
 
-    for name, p in model.named_parameters():
+    for name, p in (named.items() if named is not None else model.named_parameters()):
         t = p.detach()
         yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
 

@@ -29,6 +29,11 @@ A step whose loss or gradient is not finite is skipped (weights and optimizer st
 and counted in `skipped_nonfinite_steps`. Every public method that touches the model
 (`compute_logprobs`, `train_step`, `named_tensors`, `iter_named_tensors`, checkpointing) is a
 collective: all ranks must call it, in the same order, with the same batch.
+
+LoRA (`lora=LoraOptions(rank > 0)`, rayllm_rl/lora.py): the adapter is injected with peft before
+sharding, only it requires grad and only it is in AdamW; weight sync and checkpoints carry the adapter
+alone (PEFT names); the reference policy is the same model with the adapter off
+(`reference_logprobs`), computed inside `train_step` when the loss needs it, so no second copy.
 """
 from __future__ import annotations
 
@@ -58,6 +63,7 @@ from rayllm_rl.learner.logprobs import (
     token_budget_micro_batches,
     token_logprobs,
 )
+from rayllm_rl.lora import LoraOptions
 from rayllm_rl.objectives.base import Loss
 from rayllm_rl.objectives.ppo_decoupled import loglinear_prox_logp
 
@@ -146,13 +152,20 @@ class Learner:
 
     def __init__(self, model_path: str, optim: OptimConfig, *, temperature: float = 1.0,
                  seed: int = 0, dtype: torch.dtype = torch.float32, model: torch.nn.Module | None = None,
-                 dist: DistConfig | None = None):
+                 dist: DistConfig | None = None, lora: LoraOptions | None = None):
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
         self.dist = dist if dist is not None else DistConfig()
         self.rank, self.world_size = self.dist.rank, self.dist.world_size
         self.model = model if model is not None else AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        self.model_path = model_path
+        self.lora = lora if lora is not None and lora.enabled else None
+        """The policy's LoRA adapter (None: every weight trains)."""
+        if self.lora is not None:  # before sharding, seeded alike on every rank: the same lora_A everywhere
+            from rayllm_rl.lora import inject
+
+            inject(self.model, self.lora, model_path)
         self.model.train()
         if optim.activation_checkpointing:  # before sharding: the layers' __call__ wraps FSDP's hooks
             set_activation_checkpointing(self.model, True)
@@ -204,11 +217,29 @@ class Learner:
         With FSDP every rank runs the forward on ALL rows (a forward-only pass, cheap next to the
         update) and returns the full `[N, T]`; the call is collective (parameter all-gathers).
         """
-        out = batched_token_logprobs(self.model, td, self.cfg.max_tokens_per_micro_batch, self.temperature,
-                                     self.device, chunk_size=self.cfg.logprob_chunk_size,
-                                     max_rows=self.cfg.micro_batch_size)
+        training = self.model.training
+        if self.lora is not None:
+            self.model.eval()  # no LoRA dropout in a logprob recomputation
+        try:
+            out = batched_token_logprobs(self.model, td, self.cfg.max_tokens_per_micro_batch, self.temperature,
+                                         self.device, chunk_size=self.cfg.logprob_chunk_size,
+                                         max_rows=self.cfg.micro_batch_size)
+        finally:
+            self.model.train(training)
         reshard(self.model)
         return out
+
+    @torch.no_grad()
+    def reference_logprobs(self, td: TensorDict) -> torch.Tensor:
+        """LoRA: logprobs `[N, T]` of the reference policy, the base model (this model with the adapter
+        off); collective under FSDP, like `compute_logprobs`."""
+        from rayllm_rl.lora import adapter_off
+
+        if self.lora is None:
+            raise RuntimeError("reference_logprobs: this learner has no LoRA adapter; its reference is a separate "
+                               "frozen model (learner/reference.py)")
+        with adapter_off(self.model):
+            return self.compute_logprobs(td)
 
     # ------------------------------------------------------------------ update
     def _lr_scale(self) -> float:
@@ -223,11 +254,15 @@ class Learner:
         returns `{"empty_batch": 1.0}`."""
         if "advantages" not in td.keys():
             raise ValueError("train_step needs an 'advantages' entry ([N] or [N, T]) in the batch")
-        if getattr(loss_fn, "needs_ref_logp", False) and "ref_logprobs" not in td.keys():
+        needs_ref = getattr(loss_fn, "needs_ref_logp", False) and "ref_logprobs" not in td.keys()
+        if needs_ref and self.lora is None:
             raise ValueError(f"{type(loss_fn).__name__} needs 'ref_logprobs' in the batch (KL to reference is on)")
         n = td.batch_size[0]
         if n == 0:  # e.g. every group dropped by a selector: nothing to learn from (the same on every rank)
             return {"empty_batch": 1.0}
+        if needs_ref:  # LoRA: the reference is this model with the adapter off, before the update
+            td = td.clone(False)
+            td["ref_logprobs"] = self.reference_logprobs(td)
         if getattr(loss_fn, "needs_prox_logp", False) and "prox_logprobs" not in td.keys():
             method = getattr(loss_fn, "prox_logp_method", "recompute")
             if method == "recompute":
@@ -331,16 +366,25 @@ class Learner:
     def iter_named_tensors(self):
         """Stream `(name, full detached tensor)` per parameter (weight sync); collective under FSDP.
 
-        Names are the unsharded model's `named_parameters()` names. Every rank must exhaust the
-        iterator in lockstep (each item is a `full_tensor()` all-gather); non-zero ranks may discard.
+        Names are the unsharded model's `named_parameters()` names (LoRA: the adapter's parameters
+        only, by PEFT name). Every rank must exhaust the iterator in lockstep (each item is a
+        `full_tensor()` all-gather); non-zero ranks may discard.
         """
-        return iter_full_tensors(self.model)
+        return iter_full_tensors(self.model, self._synced_parameters())
+
+    def _synced_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """What weight sync carries, by the name it carries: every parameter, or the LoRA adapter."""
+        if self.lora is None:
+            return dict(self.model.named_parameters())
+        from rayllm_rl.lora import adapter_parameters
+
+        return adapter_parameters(self.model)
 
     def weight_metas(self):
         """TensorMeta of every tensor `iter_named_tensors` yields, from global shapes (no gather)."""
         from rayllm_rl.weight_sync.buckets import TensorMeta
 
-        return [TensorMeta(name, tuple(p.shape), p.dtype) for name, p in self.model.named_parameters()]
+        return [TensorMeta(name, tuple(p.shape), p.dtype) for name, p in self._synced_parameters().items()]
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """Full, detached weights by name (what weight sync sends to inference); on every rank.
