@@ -5,7 +5,8 @@ An engine is a class with:
 * ``Options``: a dataclass of its own options (docstring under each field), filled from
   `inference.options.*` in the job config and checked before any actor starts;
 * ``requires``: the package it needs (None: always there), for a clear error when it is missing;
-* ``build(model_path, *, seed, dtype, version, tensor_parallel_size, options)``: the engine;
+* ``build(model_path, *, seed, dtype, version, tensor_parallel_size, options, lora)``: the engine (`lora`:
+  a `rayllm_rl.lora.LoraOptions` of a LoRA policy, or None);
 * ``check_job(job: EngineJob)``: raises ValueError naming the key a job sets that the engine cannot serve;
 * ``placement_defaults(colocated)``: options the placement sets unless the job does (vLLM's GPU share);
 * ``kv_cache_plan(options, ...)``: the dry run's KV-cache budget;
@@ -43,6 +44,8 @@ class EngineJob:
     """The engine's `Options`, as `engine_options` typed them (placement defaults included)."""
     colocated: bool = False
     """`ray.placement=colocated`: each replica shares its GPU with a learner rank and sleeps while it trains."""
+    lora_rank: int = 0
+    """`model.lora.rank`: > 0 serves a LoRA policy (the base model plus an adapter that every update replaces)."""
 
 
 def engine_class(name: str) -> type:
@@ -77,15 +80,18 @@ def placed_options(name: str, values: Mapping[str, Any] | None, *, colocated: bo
 
 
 def build_engine(name: str, model_path: str, *, seed: int = 0, dtype: str = "float32", version: int = 0,
-                 tensor_parallel_size: int = 1, options: Mapping[str, Any] | None = None, revision: str = ""):
+                 tensor_parallel_size: int = 1, options: Mapping[str, Any] | None = None, revision: str = "",
+                 lora=None):
     """The engine `name` over `model_path` (call `await engine.start()` on the loop that serves it).
 
     `model_path` (a local directory, a hub id, or the driver's snapshot directory) is resolved on this
-    node first (`resolve_model_path`), so every engine gets a local directory."""
+    node first (`resolve_model_path`), so every engine gets a local directory. `lora`: the policy's
+    `LoraOptions` (rank > 0: updates carry the adapter only), or None."""
     from rayllm_rl.hub import resolve_model_path
 
     cls = engine_class(name)
     if not engine_installed(name):
         raise ImportError(f"inference.engine={name} needs the {cls.requires} package: {cls.install_hint}")
     return cls.build(resolve_model_path(model_path, revision), seed=seed, dtype=dtype, version=version,
-                     tensor_parallel_size=tensor_parallel_size, options=engine_options(name, options))
+                     tensor_parallel_size=tensor_parallel_size, options=engine_options(name, options),
+                     lora=lora if lora is not None and lora.enabled else None)

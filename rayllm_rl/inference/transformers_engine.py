@@ -152,8 +152,8 @@ class TransformersEngine:
 
     @classmethod
     def build(cls, model_path: str, *, seed: int, dtype: str, version: int, tensor_parallel_size: int,
-              options: TransformersOptions) -> "TransformersEngine":
-        return cls(model_path, seed=seed, version=version, dtype=getattr(torch, dtype),
+              options: TransformersOptions, lora=None) -> "TransformersEngine":
+        return cls(model_path, seed=seed, version=version, dtype=getattr(torch, dtype), lora=lora,
                    max_batch_size=options.max_batch_size, batch_wait_s=options.batch_wait_s, device=options.device)
 
     @classmethod
@@ -201,6 +201,7 @@ class TransformersEngine:
         batch_wait_s: float = 0.0,
         model: torch.nn.Module | None = None,
         device: str | torch.device | None = "auto",
+        lora=None,  # a LoRA policy's rayllm_rl.lora.LoraOptions: updates carry and swap the adapter alone
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -227,6 +228,10 @@ class TransformersEngine:
         self._weights_lock = DecodeLock()
         self._params = dict(self.model.named_parameters())  # what weight sync carries
         self._buffers = dict(self.model.named_buffers())
+        if lora is not None and lora.enabled:  # adapter by PEFT name; base weights move with the buffers at sleep
+            from rayllm_rl.lora import engine_tensors
+            self._params, frozen = engine_tensors(self.model, lora, model_path)
+            self._buffers.update(frozen)
         self._receiver = None  # this engine's end of the weight sync, once built
         self._borrowed: set[str] = set()  # parameters whose storage came from a transport
         # Holds on generation, changed under the decode lock and read by every decode step in it.

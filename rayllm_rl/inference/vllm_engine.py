@@ -11,7 +11,10 @@ Weights live in vLLM's worker process; the sink drives the backend in
 `collective_rpc`. The receive overlaps generation; the stall is pause → `load_weights` →
 resume, with running requests kept and re-prefilled under the new weights.
 
-Only this module and `vllm_worker` import vllm, and only when a vLLM engine is built.
+LoRA policies (`lora`): vLLM serves the base model with one LoRA slot; the adapter arrives through the
+same weight sync, is written in PEFT format and loaded in place in the same pause (`vllm_lora.py`).
+
+Only this module, `vllm_worker` and `vllm_lora` import vllm, and only when a vLLM engine is built.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from rayllm_rl.inference.protocol import LLMRequest, LLMResponse, check_request, weights_checksum
+from rayllm_rl.lora import LoraOptions
 from rayllm_rl.weight_sync.registry import SyncSpec
 
 WORKER_EXTENSION = "rayllm_rl.inference.vllm_worker.RayllmWorkerExtension"
@@ -54,6 +58,9 @@ class VLLMOptions:
     sleep_level: int = 1
     """Colocated, while the learner trains: 1 = weights to host memory and back (safe), 2 = weights dropped
     and refilled by the weight sync that follows (less copying; every buffer must be in the sync)."""
+    max_lora_rank: int = 0
+    """With model.lora.rank > 0: vLLM's max_lora_rank (one of 1, 8, 16, 32, 64, 128, 256, 320, 512, >= the
+    rank); 0 = the smallest of those that holds model.lora.rank."""
 
 
 def cpu_thread_binding(workers: int) -> str:
@@ -87,9 +94,9 @@ class VLLMEngine:
 
     @classmethod
     def build(cls, model_path: str, *, seed: int, dtype: str, version: int, tensor_parallel_size: int,
-              options: VLLMOptions) -> "VLLMEngine":
+              options: VLLMOptions, lora: LoraOptions | None = None) -> "VLLMEngine":
         return cls(model_path, seed=seed, version=version, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
-                   options=options)
+                   options=options, lora=lora)
 
     @classmethod
     def placement_defaults(cls, colocated: bool) -> dict[str, Any]:
@@ -115,6 +122,13 @@ class VLLMEngine:
             raise ValueError(f"inference.engine=vllm with rollout.top_p={job.top_p}, rollout.top_k={job.top_k}: "
                              "vLLM's logprobs are then of the truncated distribution, which the learner does not "
                              "recompute; use top_p=1.0 and top_k=0")
+        if job.lora_rank > 0:
+            from rayllm_rl.inference.vllm_lora import max_lora_rank
+
+            max_lora_rank(job.lora_rank, job.options.max_lora_rank)  # raises naming the key
+        elif job.options.max_lora_rank:
+            raise ValueError(f"inference.options.max_lora_rank={job.options.max_lora_rank} is read only with "
+                             "model.lora.rank > 0")
 
     @classmethod
     def kv_cache_plan(cls, options: VLLMOptions, *, gpus_per_replica: float, weights_bytes: float, per_token: int,
@@ -133,7 +147,7 @@ class VLLMEngine:
         return out
 
     def __init__(self, model_path: str, *, seed: int = 0, version: int = 0, dtype: str = "float32",
-                 tensor_parallel_size: int = 1, options: VLLMOptions | None = None):
+                 tensor_parallel_size: int = 1, options: VLLMOptions | None = None, lora: LoraOptions | None = None):
         from transformers import AutoConfig, AutoTokenizer
 
         # vLLM logs every request and cache reset at INFO; keep warnings unless the user asked for more.
@@ -160,6 +174,10 @@ class VLLMEngine:
         self.stats = {"requests": 0, "generated_tokens": 0, "updates": 0, "last_stall_s": 0.0, "last_receive_s": 0.0}
         self.last_stall_parts: dict[str, float] = {}
         """The last update's stall in parts: `stall_pause_s`, `stall_load_s`, `stall_finish_s` (re-processing)."""
+        self.lora = lora if lora is not None and lora.enabled else None
+        """A LoRA policy: the adapter is what updates carry (vllm_lora.py); None = full weights."""
+        self._adapters = None  # vllm_lora.AdapterDirWriter: the adapter versions on disk
+        self._lora_request = None  # what every request carries (the current version's directory)
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> "VLLMEngine":
@@ -171,6 +189,11 @@ class VLLMEngine:
         async with self._start_lock:
             if self._llm is None:
                 await asyncio.to_thread(self._build)
+                if self.lora is not None:  # the base model's output until the first update: an all-zero adapter
+                    from rayllm_rl.inference.vllm_lora import AdapterDirWriter
+
+                    self._adapters = AdapterDirWriter(self.model_path, self.lora, self.dtype)
+                    await self._load_adapter(self._adapters.zeros(self._version))
                 await self._llm.update_weight_version(str(self._version))
         return self
 
@@ -200,6 +223,7 @@ class VLLMEngine:
             **({"kv_cache_memory_bytes": int(o.kv_cache_mb) << 20} if on_cpu
                else {"gpu_memory_utilization": o.gpu_memory_utilization or self.placement_defaults(False)[
                    "gpu_memory_utilization"], "enable_sleep_mode": o.enable_sleep_mode}),
+            **(self._lora_args() if self.lora is not None else {}),
         )
         self._llm = AsyncLLM.from_engine_args(args)
 
@@ -208,6 +232,8 @@ class VLLMEngine:
         (the other order makes the handler see a dead engine and log an error). Idempotent; the
         AsyncLLM is shut down even if cancelling its handler fails, and no reference to it is kept."""
         llm, self._llm = self._llm, None
+        if self._adapters is not None:
+            self._adapters.close()
         if llm is None:
             return
         try:
@@ -249,7 +275,7 @@ class VLLMEngine:
         final = None
         # vLLM's renderer turns the token ids into its engine input (a raw prompt is deprecated and warned about)
         (prompt,) = await self._llm.renderer.render_cmpl_async([TokensPrompt(prompt_token_ids=list(request.input_ids))])
-        async for out in self._llm.generate(prompt, self._sampling(request),
+        async for out in self._llm.generate(prompt, self._sampling(request), lora_request=self._lora_request,
                                             request_id=f"{request.rid}-{uuid.uuid4().hex[:8]}"):
             final = out
         comp = final.outputs[0]
@@ -267,8 +293,14 @@ class VLLMEngine:
 
     # ---------------------------------------------------------------- weight sink
     def weight_metadata(self) -> list[tuple[str, tuple[int, ...], str]]:
-        """HF names and shapes from the checkpoint's safetensors headers, in the engine's dtype."""
+        """HF names and shapes from the checkpoint's safetensors headers, in the engine's dtype (a LoRA
+        policy: the adapter's PEFT names and shapes)."""
         from safetensors import safe_open
+
+        if self.lora is not None:
+            from rayllm_rl.lora import adapter_metas
+
+            return adapter_metas(self.model_path, self.lora, self.dtype)
 
         files = sorted(f for f in os.listdir(self.model_path) if f.endswith(".safetensors"))
         if not files:
@@ -286,6 +318,8 @@ class VLLMEngine:
         themselves, one where this actor receives for them."""
         from rayllm_rl.weight_sync.registry import transport_info
 
+        if self.lora is not None:  # this actor receives the adapter and writes it for vLLM to load
+            return 1
         return 1 if transport_info(transport).receiver_needs_ray else self.tensor_parallel_size
 
     async def init_update_group(self, spec: SyncSpec) -> None:
@@ -307,6 +341,9 @@ class VLLMEngine:
         await self.close_update_group()
         self._sync_timeout_s = spec.timeout_s
         self._pulls = spec.info.pulls
+        if self.lora is not None:  # the adapter: received here over any transport, written to disk (vllm_lora.py)
+            self._receiver = await asyncio.to_thread(build_receiver, spec, self._adapters)
+            return
         if spec.info.receiver_needs_ray:
             from rayllm_rl.inference.staging import StagingWriter
 
@@ -331,6 +368,8 @@ class VLLMEngine:
         if timeout is None:
             raise RuntimeError("receive_update: init_update_group was not called on this engine")
         t0 = time.perf_counter()
+        if self.lora is not None:
+            return await self._receive_adapter(handoff, t0)
         for_workers = handoff if self._pulls else None
         if self._receiver is not None:  # fetch here, then stage for the worker (vLLM keeps generating)
             for_workers = await asyncio.to_thread(self._receiver.receive, handoff)
@@ -356,8 +395,9 @@ class VLLMEngine:
 
         await self._llm.update_weights(WeightTransferUpdateRequest(update_info={"version": version}))
 
-    async def _apply(self, version: int, load) -> float:
-        """pause(keep, clear KV) → load → finish(version) → resume; returns the stall in seconds."""
+    async def _apply(self, version: int, load, reload: bool = True) -> float:
+        """pause(keep, clear KV) → load → finish(version) → resume; returns the stall in seconds. `reload`:
+        vLLM's layerwise reload of the base weights around `load` (not for a LoRA adapter)."""
         t0 = time.perf_counter()
         # The engine core's pause, not `AsyncLLM.pause_generation`: that adds a fixed 20 ms sleep
         # (for the order of in-flight outputs, "not required for correctness") and clears the
@@ -366,11 +406,15 @@ class VLLMEngine:
         parts = {"stall_pause_s": time.perf_counter() - t0}
         try:
             t = time.perf_counter()
-            await self._llm.start_weight_update()
+            if reload:
+                await self._llm.start_weight_update()
             await load()
             parts["stall_load_s"] = time.perf_counter() - t
             t = time.perf_counter()
-            await self._llm.finish_weight_update(weight_version=str(version))  # re-process (CPU: repack)
+            if reload:
+                await self._llm.finish_weight_update(weight_version=str(version))  # re-process (CPU: repack)
+            else:
+                await self._llm.update_weight_version(str(version))
             parts["stall_finish_s"] = time.perf_counter() - t
             self._version = int(version)
         finally:
@@ -387,6 +431,10 @@ class VLLMEngine:
         from safetensors.torch import save
 
         await self.start()
+        if self.lora is not None:
+            directory = await asyncio.to_thread(self._adapters.write, named_tensors, int(version))
+            await self._apply(int(version), lambda: self._load_adapter(directory), reload=False)
+            return self._version
         blob = save({k: v.detach().cpu().contiguous() for k, v in named_tensors.items()})
 
         async def load():
@@ -433,6 +481,8 @@ class VLLMEngine:
     async def weights_checksum(self) -> float:
         """Checksum of the weights vLLM last loaded (the checkpoint's until the first update)."""
         await self.start()
+        if self.lora is not None:
+            return float(self._adapters.checksum)
         loaded = await self._rpc("rayllm_loaded_checksum")
         if loaded is not None:
             return float(loaded)
@@ -452,6 +502,31 @@ class VLLMEngine:
             receiver.close()
         if staging is not None:
             staging.close()
+
+    # ---------------------------------------------------------------- LoRA policy (vllm_lora.py)
+    def _lora_args(self) -> dict[str, Any]:
+        from rayllm_rl.inference.vllm_lora import engine_args
+
+        return engine_args(self.lora, self.options.max_lora_rank)
+
+    async def _load_adapter(self, directory: str) -> None:
+        """Load the adapter in `directory` into the policy's slot (in place) and make later requests carry it."""
+        from rayllm_rl.inference.vllm_lora import lora_request
+
+        timeout = self._sync_timeout_s or 120.0
+        if not await asyncio.wait_for(self._llm.add_lora(lora_request(directory, in_place=True)), timeout):
+            raise RuntimeError(f"vLLM did not load the LoRA adapter in {directory}")
+        self._lora_request = lora_request(directory)
+        self._adapters.prune()
+
+    async def _receive_adapter(self, handoff: Any, t0: float) -> dict[str, float]:
+        """Receive the adapter here and write it (vLLM generates meanwhile), then load it in the update pause."""
+        version = await asyncio.to_thread(self._receiver.receive, handoff)
+        await asyncio.to_thread(self._receiver.swap, version)  # AdapterDirWriter: one PEFT directory per version
+        receive_s = self.stats["last_receive_s"] = time.perf_counter() - t0
+        _, directory = self._adapters.latest()
+        stall = await self._apply(int(version), lambda: self._load_adapter(directory), reload=False)
+        return {"version": int(version), "receive_s": receive_s, "stall_s": stall, **self.last_stall_parts}
 
     async def _rpc(self, method: str, *args):
         results = await self._llm.collective_rpc(method, timeout=self._sync_timeout_s or 120.0, args=args)
