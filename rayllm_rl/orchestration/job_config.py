@@ -14,6 +14,7 @@ import inspect
 from typing import Any, Literal
 
 from rayllm_rl.learner.learner import OptimConfig
+from rayllm_rl.lora import LoraOptions
 from rayllm_rl.objectives import AdvantageConfig, make_loss
 from rayllm_rl.orchestration.object_path import import_object
 
@@ -51,6 +52,10 @@ class ModelConfig(_TracksPresets):
     """Weights of the learner and the inference engine. 'auto' = bfloat16 when the learner ranks and the
     replicas get GPUs (ray.gpus_per_learner > 0 and ray.gpus_per_replica > 0), else float32 (exact
     logprobs on CPU); resolved before anything reads it."""
+    lora: LoraOptions = dataclasses.field(default_factory=LoraOptions)
+    """LoRA adapter (`model.lora.rank > 0`): the learner trains the adapter only, weight sync sends only the
+    adapter, the KL reference is the base model (adapter off), checkpoints are PEFT adapters; rank 0 (the
+    default) trains every weight. With it the learning rates' presets are LORA_LR_PRESETS (docs/lora.md)."""
 
 
 @dataclasses.dataclass
@@ -388,6 +393,18 @@ TASK_PRESETS: dict[str, dict[str, Any]] = {
 """Per task, the value each task-dependent field (left None) takes at `GRPOJobConfig.resolve()`;
 the same keys for every task. docs/recipes.md says why each value."""
 
+LORA_LR_PRESETS: dict[str, dict[str, Any]] = {
+    # the tiny demo model is random before its SFT warm start: the adapter needs more steps, and SFT at
+    # 10x (1e-2) diverges there
+    "arithmetic": {"optim.lr": 5e-4, "sft.lr": 3e-3, "sft.steps": 400},
+    "gsm8k": {"optim.lr": 1e-5, "sft.lr": 1e-4},
+    "math": {"optim.lr": 1e-5, "sft.lr": 1e-4},
+    "ifeval": {"optim.lr": 1e-5, "sft.lr": 1e-4},
+}
+"""With `model.lora.rank > 0`, these replace TASK_PRESETS' values: an adapter is trained at about 10x the
+full-weight learning rate (the usual LoRA rule, e.g. Thinking Machines' "LoRA Without Regret"; TRL's LoRA
+examples use 1e-5..2e-4). A value the user sets still wins (docs/lora.md)."""
+
 def _section(cfg: Any, key: str) -> tuple[Any, str]:
     """(section object, field name) of a dotted key such as "rollout.max_new_tokens"."""
     *path, last = key.split(".")
@@ -477,6 +494,15 @@ class GRPOJobConfig:
             raise ValueError("rollout.workflow=env needs a task with a ChatEnv (gsm8k, math, ifeval); task=arithmetic "
                              "has none: use rollout.workflow=rlvr or multi_turn")
 
+    def _check_lora(self) -> None:
+        """`model.lora.*` and what a LoRA policy cannot do, each naming the key."""
+        self.model.lora.check("model.lora")
+        if self.model.lora.rank > 0 and self.algo.kl_reward_coef > 0:
+            raise ValueError(f"algo.kl_reward_coef={self.algo.kl_reward_coef} with model.lora.rank={self.model.lora.rank}: "
+                             "a LoRA policy's reference is its own base model (the learner, adapter off), which "
+                             "serves the loss's KL (algo.kl_coef) inside the train step but not the reward before it; "
+                             "use algo.kl_coef, or model.lora.rank=0")
+
     def resolve(self) -> "GRPOJobConfig":
         """Fill every field left None from `TASK_PRESETS[task]` and `model.dtype=auto` from the placement,
         in place; returns self. Idempotent. A value filled here is recorded on its section: if `task` or
@@ -486,6 +512,8 @@ class GRPOJobConfig:
         its values the user's; set a field to None to hand it back to the preset."""
         wanted = dict(TASK_PRESETS.get(self.task, {}))  # an unknown task is reported by validate()
         wanted["model.dtype"] = auto_dtype(self)
+        if self.model.lora.rank > 0:  # an adapter learns at a higher rate than full weights (docs/lora.md)
+            wanted.update(LORA_LR_PRESETS.get(self.task, {}))
         for key, value in wanted.items():
             section, field = _section(self, key)
             current, filled = getattr(section, field), _filled(section)
@@ -550,7 +578,9 @@ class GRPOJobConfig:
         engine_class(self.inference.engine).check_job(EngineJob(
             backend=self.trainer.backend, gpus_per_replica=rc.gpus_per_replica,
             tensor_parallel_size=rc.tensor_parallel_size, dtype=self.model.dtype, top_p=self.rollout.top_p,
-            top_k=self.rollout.top_k, environment=environment, options=options, colocated=colocated))
+            top_k=self.rollout.top_k, environment=environment, options=options, colocated=colocated,
+            lora_rank=self.model.lora.rank))
+        self._check_lora()
         from rayllm_rl.weight_sync.registry import plan_transport
 
         # what can be checked before any actor starts (the nodes are known only then)

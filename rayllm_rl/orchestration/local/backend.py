@@ -43,8 +43,10 @@ class LocalBackend:
         model_path = resolve_model_path(model_path, cfg.model.revision)  # a hub id -> its local snapshot
         self.cfg, self.model_path, self.task, self.tokenizer = cfg, model_path, task, tokenizer
         self.timeout_s = cfg.ray.call_timeout_s
-        self.engine = TransformersEngine(model_path, seed=cfg.trainer.seed, device="cpu")  # one process, on the CPU
-        self.learner = Learner(model_path, cfg.optim, temperature=cfg.rollout.temperature, seed=cfg.trainer.seed)
+        lora = cfg.model.lora  # a LoRA policy: the learner trains the adapter, the engine swaps it in
+        self.engine = TransformersEngine(model_path, seed=cfg.trainer.seed, device="cpu", lora=lora)  # on the CPU
+        self.learner = Learner(model_path, cfg.optim, temperature=cfg.rollout.temperature, seed=cfg.trainer.seed,
+                               lora=lora)
         self.loss = cfg.algo.build_loss(cfg.rollout.max_new_tokens)
         self.workflow = build_workflow(cfg, task, tokenizer, make_tools=local_python_tools)
         self.episode_filter = build_episode_filter(cfg)

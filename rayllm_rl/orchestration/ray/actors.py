@@ -80,13 +80,13 @@ class InferenceReplica(_Process):
     """
 
     def __init__(self, engine: str, model_path: str, seed: int = 0, num_threads: int = 1,
-                 dtype: str = "float32", options: dict | None = None, tensor_parallel_size: int = 1):
+                 dtype: str = "float32", options: dict | None = None, tensor_parallel_size: int = 1, lora=None):
         """`engine`: a name of the engine registry; `options`: its `inference.options`."""
         from rayllm_rl.inference.registry import build_engine
 
         torch.set_num_threads(num_threads)
         self.engine = build_engine(engine, model_path, seed=seed, dtype=dtype, options=options,
-                                   tensor_parallel_size=tensor_parallel_size)
+                                   tensor_parallel_size=tensor_parallel_size, lora=lora)  # lora: LoraOptions or None
         self.versions_held = [self.engine.version]  # every version this replica ever generated with
         with warnings.catch_warnings():  # Ray's own property reads its deprecated `actor_id` inside
             warnings.simplefilter("ignore")
@@ -301,7 +301,8 @@ class LearnerWorker(_Process):
         return ip, find_free_port(ip)
 
     def setup(self, model_path: str, optim, algo, temperature: float, seed: int, master_addr: str, master_port: int,
-              max_new_tokens: int | None = None, dtype: str = "float32", use_gpu: bool = False) -> bool:
+              max_new_tokens: int | None = None, dtype: str = "float32", use_gpu: bool = False, lora=None) -> bool:
+        """`lora`: the policy's `LoraOptions` (rank > 0: the learner trains and sends the adapter only)."""
         from rayllm_rl.learner.distributed import DistConfig
         from rayllm_rl.learner.learner import Learner
 
@@ -309,7 +310,7 @@ class LearnerWorker(_Process):
         dist = DistConfig(rank=self.rank, world_size=self.world_size, master_addr=master_addr,
                           master_port=master_port, backend=backend) if self.world_size > 1 or use_gpu else None
         self.learner = Learner(resolve_model_path(model_path), optim, temperature=temperature, seed=seed, dist=dist,
-                               dtype=getattr(torch, dtype))
+                               dtype=getattr(torch, dtype), lora=lora)
         self.loss = algo.build_loss(max_new_tokens)
         return True
 

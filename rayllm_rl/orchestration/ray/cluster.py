@@ -199,7 +199,7 @@ def build_cluster(cfg: GRPOJobConfig, model_path: str, task, workflow_factory) -
                      rc.tensor_parallel_size) for i in range(rc.num_replicas)]
     check_inlined("inference replica", replica_args[0])
     replicas = [InferenceReplica.options(name=f"inference-{i}", namespace=ns, max_restarts=rc.replica_restarts,
-                                         **placement.replica_options[i]).remote(*replica_args[i])
+                                         **placement.replica_options[i]).remote(*replica_args[i], lora=cfg.model.lora)
                 for i in range(rc.num_replicas)]
     batch = cfg.rollout.prompts_per_step
     capacity = rc.buffer_episodes or 2 * (cfg.rollout.max_staleness + 1) * batch
@@ -228,7 +228,7 @@ def build_cluster(cfg: GRPOJobConfig, model_path: str, task, workflow_factory) -
 
     host, port = cluster.get(learners[0].address.remote())
     cluster.learner_call("setup", model_path, cfg.optim, cfg.algo, cfg.rollout.temperature, seed, host, port,
-                         cfg.rollout.max_new_tokens, cfg.model.dtype, rc.gpus_per_learner > 0)
+                         cfg.rollout.max_new_tokens, cfg.model.dtype, rc.gpus_per_learner > 0, cfg.model.lora)
     cluster.get([r.ready.remote() for r in replicas])  # vLLM: engine cores up before the group forms
     cluster.replica_pids = cluster.get([r.pid.remote() for r in replicas])
     form_sync_group(cluster, cfg)
