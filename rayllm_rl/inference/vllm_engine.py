@@ -55,6 +55,10 @@ class VLLMOptions:
     """Sequences decoded together."""
     enable_sleep_mode: bool = False
     """GPU only: vLLM's sleep mode (CUDA's memory pool that `sleep` can offload); on by placement when colocated."""
+    double_buffer_weights: bool = True
+    """CPU only: load each weight update into a second copy of the model in vLLM's worker while the live one
+    generates, then swap the two between engine steps (the stall is the swap, not vLLM's load and repacking),
+    at the cost of one more copy of the weights in host memory. On GPUs updates load in place (CUDA graphs)."""
     sleep_level: int = 1
     """Colocated, while the learner trains: 1 = weights to host memory and back (safe), 2 = weights dropped
     and refilled by the weight sync that follows (less copying; every buffer must be in the sync)."""
@@ -356,6 +360,7 @@ class VLLMEngine:
                                 "timeout_s": spec.timeout_s}}
         else:
             info = {"spec": spec.as_dict()}
+        info["double_buffer"] = bool(self.options.double_buffer_weights)
         await asyncio.wait_for(self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info)),
                                spec.timeout_s + 30)
 

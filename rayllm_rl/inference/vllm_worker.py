@@ -53,6 +53,9 @@ class RayllmInitInfo(WeightTransferInitInfo):
 
     spec: dict | None = None
     staging: dict | None = None
+    double_buffer: bool = False
+    """Load updates into a shadow copy of the model while the live one generates, and swap between
+    steps (vllm_shadow.py); honoured on CPU only (on GPUs CUDA graphs hold the parameters' addresses)."""
 
 
 @dataclasses.dataclass
@@ -63,18 +66,20 @@ class RayllmUpdateInfo(WeightTransferUpdateInfo):
 
 
 class _LoadTarget:
-    """What our receivers hand tensors to: `model.load_weights` (a copy into vLLM's fused params)."""
+    """What our receivers hand tensors to: `model.load_weights` (a copy into vLLM's fused params), or
+    a :class:`~rayllm_rl.inference.vllm_shadow.ShadowModel`'s load (the back copy, while the live one generates)."""
 
     copies_on_swap = True
     """`swap_weights` copies what it is handed into vLLM's parameters (vLLM's layerwise reload may hold a
     layer's tensors until `finish_weight_update`; `_load` keeps no device tensor after), so a CUDA IPC
     receiver hands it the learner's tensors themselves: one device copy, no second buffer."""
 
-    def __init__(self, model: torch.nn.Module, metas, device: torch.device | None = None):
+    def __init__(self, model: torch.nn.Module, metas, device: torch.device | None = None, shadow=None):
         self.model = model
         self.metas = metas
         self.device = device
         """The worker's device (a receiver that opens memory on it, CUDA IPC, needs its index)."""
+        self.shadow = shadow
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """Names, shapes and dtypes an update may carry (meta tensors: no memory of their own)."""
@@ -84,13 +89,13 @@ class _LoadTarget:
         """Copy the received tensors into vLLM's parameters (names were checked against the
         checkpoint when the group was joined); returns the seconds it took."""
         t0 = time.perf_counter()
-        _load(self.model, named)
+        _load(self.model, named, shadow=self.shadow)
         return time.perf_counter() - t0
 
 
 class _ExpectedReloadWarnings(logging.Filter):
     """Drops vLLM's "<Layer>: Failed to load weights" for layers with nothing to load by design:
-    rotary embeddings (no checkpoint tensors) and a tied lm_head (re-tied by `_retie_lm_head`).
+    rotary embeddings (no checkpoint tensors) and a tied lm_head (re-tied by `retie_lm_head`).
     Any other layer that fails to load still warns."""
 
     def __init__(self, tied: bool):
@@ -102,7 +107,7 @@ class _ExpectedReloadWarnings(logging.Filter):
         return not ("Failed to load weights" in str(record.msg) and args and args[0] in self.quiet)
 
 
-def _retie_lm_head(model: torch.nn.Module) -> None:
+def retie_lm_head(model: torch.nn.Module) -> None:
     """Point a tied lm_head at the freshly loaded embedding again and re-process it.
 
     With tied embeddings the checkpoint has no `lm_head.weight`, so vLLM's layerwise reload
@@ -126,8 +131,9 @@ def _retie_lm_head(model: torch.nn.Module) -> None:
 _LAST_LOADED: dict[str, Any] = {}
 
 
-def _load(model: torch.nn.Module, named: dict[str, torch.Tensor], *, keep: bool = True) -> None:
-    """`model.load_weights` (HF names in, vLLM fuses and repacks them) and remember what was loaded.
+def _load(model: torch.nn.Module, named: dict[str, torch.Tensor], *, keep: bool = True, shadow=None) -> None:
+    """`model.load_weights` (HF names in, vLLM fuses and repacks them), or `shadow.load` (the back copy,
+    loaded and processed in full; the live model is untouched until the swap), and remember what was loaded.
 
     vLLM's CPU kernels repack linear weights into storage that `named_parameters()` no longer
     shows, so a checksum is taken of the tensors handed to vLLM, not read back from it; it is
@@ -135,8 +141,11 @@ def _load(model: torch.nn.Module, named: dict[str, torch.Tensor], *, keep: bool 
     otherwise be freed), or any tensor on a device, stores the checksum right away instead: device
     memory is never held between updates (it may be the learner's, lent through CUDA IPC, which
     offloads right after the hand-over, or a buffer that takes room from the KV cache)."""
-    with torch.no_grad():
-        model.load_weights(list(named.items()))
+    if shadow is not None:
+        shadow.load(named.items())
+    else:
+        with torch.no_grad():
+            model.load_weights(list(named.items()))
     keep = keep and all(t.device.type == "cpu" for t in named.values())
     _LAST_LOADED.clear()
     _LAST_LOADED.update({"named": named} if keep else {"checksum": weights_checksum(named)})
@@ -157,24 +166,34 @@ class RayllmWeightTransfer(WeightTransferEngine[RayllmInitInfo, RayllmUpdateInfo
         self._received: int | None = None
         self._error: BaseException | None = None
         self.receive_s = 0.0
+        self.shadow = None
+        """The back copy of the model (double-buffered updates), built once and kept across re-inits."""
         tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_ExpectedReloadWarnings(tied))
 
     def init_transfer_engine(self, init_info: RayllmInitInfo) -> None:
         self.shutdown()
+        if init_info.double_buffer and self.device.type == "cpu" and self.shadow is None:
+            from rayllm_rl.inference.vllm_shadow import ShadowModel
+
+            self.shadow = ShadowModel(self.model, self.vllm_config, self.device)
+        elif not init_info.double_buffer:
+            self.shadow = None
         if init_info.staging is not None:
             from rayllm_rl.inference.staging import StagingReader
 
             staging = init_info.staging
             self.timeout_s = float(staging["timeout_s"])
-            self.receiver = _StagedReceiver(_LoadTarget(self.model, metas_from_spec(staging["metas"]), self.device),
+            self.receiver = _StagedReceiver(self._target(staging["metas"]),
                                             StagingReader(staging["segment"], metas_from_spec(staging["metas"])))
             return
         spec = SyncSpec.from_dict(init_info.spec)
         self.timeout_s = spec.timeout_s
         rank = spec.rank + _tensor_parallel_rank()  # each worker of a replica is a rank of its own
-        self.receiver = build_receiver(spec.for_rank(rank),
-                                       _LoadTarget(self.model, metas_from_spec(spec.metas), self.device))
+        self.receiver = build_receiver(spec.for_rank(rank), self._target(spec.metas))
+
+    def _target(self, metas) -> _LoadTarget:
+        return _LoadTarget(self.model, metas_from_spec(metas), self.device, self.shadow)
 
     # ------------------------------------------------------------------ receive while generating
     def begin_receive(self, header_timeout_s: float, handoff: Any = None) -> None:
@@ -190,7 +209,10 @@ class RayllmWeightTransfer(WeightTransferEngine[RayllmInitInfo, RayllmUpdateInfo
         def run():
             t0 = time.perf_counter()
             try:
-                self._received = self.receiver.receive(handoff, header_timeout_s=header_timeout_s)
+                version = self.receiver.receive(handoff, header_timeout_s=header_timeout_s)
+                if self.shadow is not None:  # load and process it now, into the back copy
+                    self.receiver.swap(version)
+                self._received = version
             except BaseException as exc:  # reported to the actor by receive_state / receive_weights
                 self._error = exc
             self.receive_s = time.perf_counter() - t0
@@ -207,17 +229,20 @@ class RayllmWeightTransfer(WeightTransferEngine[RayllmInitInfo, RayllmUpdateInfo
     # ------------------------------------------------------------------ vLLM's update lifecycle
     def start_weight_update(self) -> None:
         """Layerwise reload: vLLM restores each layer's loadable parameters (a platform may have
-        repacked them after the first load), so checkpoint-format tensors load as at start-up."""
+        repacked them after the first load), so checkpoint-format tensors load as at start-up.
+        Double-buffered: nothing, the update was loaded and processed in the shadow already."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        initialize_layerwise_reload(self.model)
+        if self.shadow is None:
+            initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
         """Re-process the loaded layers (fusing, repacking) exactly as after the first load."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        finalize_layerwise_reload(self.model, self.model_config)
-        _retie_lm_head(self.model)
+        if self.shadow is None:
+            finalize_layerwise_reload(self.model, self.model_config)
+            retie_lm_head(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
@@ -234,7 +259,13 @@ class RayllmWeightTransfer(WeightTransferEngine[RayllmInitInfo, RayllmUpdateInfo
         self._thread = None
         if self._error is not None:
             raise RuntimeError(f"rayllm weight transfer: receiving failed: {self._error}") from self._error
-        self.receiver.swap(int(update_info.version))
+        if self.shadow is not None:
+            if self._received != int(update_info.version):
+                raise RuntimeError(f"rayllm weight transfer: version {update_info.version} asked, the shadow "
+                                   f"holds {self._received}")
+            self.shadow.swap_into()  # the processed update becomes live; the shadow keeps the old weights
+        else:
+            self.receiver.swap(int(update_info.version))
 
     def shutdown(self) -> None:
         receiver, self.receiver = self.receiver, None
@@ -290,7 +321,11 @@ class RayllmWorkerExtension:
         does not keep tensors nested in lists), during a paused update."""
         from safetensors.torch import load
 
-        _load(self.model_runner.get_model(), load(blob), keep=False)
+        engine = getattr(self, "weight_transfer_engine", None)
+        shadow = getattr(engine, "shadow", None)
+        _load(self.model_runner.get_model(), load(blob), keep=False, shadow=shadow)
+        if shadow is not None:
+            shadow.swap_into()
 
     def rayllm_loaded_checksum(self) -> float | None:
         """Checksum of the last weights loaded into this worker (None: still the checkpoint's).
