@@ -23,6 +23,7 @@ from rayllm_rl.learner.checkpoint import prune_checkpoints
 from rayllm_rl.orchestration.backend import Backend, RoleCrashed
 from rayllm_rl.orchestration.factories import build_task, needs_reference
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.orchestration.lora_base import lora_base_model
 from rayllm_rl.orchestration.reporting import RunReporter
 from rayllm_rl.orchestration.sft_warmup import sft_warm_start
 
@@ -46,6 +47,7 @@ def train(cfg: GRPOJobConfig) -> dict:
     # a hub id resolves to its snapshot in this node's HF cache before any actor starts (a miss fails here)
     model_path = resolve_model_path(cfg.model.path, cfg.model.revision) if cfg.model.path else ensure_tiny_model()
     task, tokenizer = build_task(cfg), AutoTokenizer.from_pretrained(model_path)
+    model_path = lora_base_model(cfg, model_path, task, tokenizer, reporter)  # LoRA on the demo: its SFT-warmed base
     backend = open_backend(cfg, model_path, task, tokenizer)
     run = RunState(t_start=t_start, checkpoint=cfg.resume or None)
     try:
