@@ -7,7 +7,6 @@ Every model here is the offline tiny Qwen2 (`tiny_model_path`), loaded with from
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import os
 import threading
@@ -18,10 +17,10 @@ import torch
 from rayllm_rl.learner.learner import Learner, OptimConfig
 from rayllm_rl.lora import LoraOptions, adapter_parameters, peft_name
 from rayllm_rl.objectives import GRPOLoss
+from test_engine_contract import LoopThread  # one event loop thread, as a replica actor drives its engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 LORA = LoraOptions(rank=8, alpha=16.0)
-TIMEOUT_S = 300
 
 
 def rl_batch(path: str, rows: int = 6, seed: int = 0):
@@ -216,20 +215,6 @@ def test_export_merges_into_a_full_model(tiny_model_path, batch, tmp_path):
 
 
 # ---------------------------------------------------------------------------- sync and engines
-class LoopThread:
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout_s: float = TIMEOUT_S):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-    def close(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
 def sync_adapter(loop, engine, learner: Learner, version: int, transport: str = "gloo"):
     """Learner → engine over a real transport (this process is learner rank 0): returns (engine result, stats)."""
     from rayllm_rl.weight_sync import find_free_port, metas_to_spec
