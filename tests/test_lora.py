@@ -187,20 +187,16 @@ def test_checkpoint_is_a_peft_adapter_and_resumes(tiny_model_path, batch, tmp_pa
         load_checkpoint(Learner(tiny_model_path, OptimConfig(), lora=LoraOptions(rank=4)), tmp_path / "ck")
 
 
-def test_export_merges_into_a_full_model(tiny_model_path, batch, tmp_path):
-    import subprocess
-    import sys
-
+def test_export_merges_into_a_full_model(tiny_model_path, batch, tmp_path, capsys):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from rayllm_rl.export_lora import main
     from rayllm_rl.learner.checkpoint import save_checkpoint
 
     learner = trained_learner(tiny_model_path, batch)
     save_checkpoint(learner, tmp_path / "ck")
-    out = subprocess.run([sys.executable, "-m", "rayllm_rl.export_lora", str(tmp_path / "ck"), str(tmp_path / "full")],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
+    assert main([str(tmp_path / "ck"), str(tmp_path / "full")]) == 0  # `python -m rayllm_rl.export_lora ck full`
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "full").eval()
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_path), str(tmp_path / "ck")).eval()
     ids, am = batch["input_ids"], batch["attention_mask"].long()
@@ -209,9 +205,9 @@ def test_export_merges_into_a_full_model(tiny_model_path, batch, tmp_path):
                       - peft(input_ids=ids, attention_mask=am).logits).abs().max())
     assert diff <= 1e-4
     assert not any("lora" in n for n, _ in merged.named_parameters())
-    bad = subprocess.run([sys.executable, "-m", "rayllm_rl.export_lora", str(tmp_path), str(tmp_path / "x")],
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0 and "not a PEFT LoRA adapter" in bad.stderr
+    capsys.readouterr()
+    assert main([str(tmp_path), str(tmp_path / "x")]) == 2
+    assert "not a PEFT LoRA adapter" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------- sync and engines
