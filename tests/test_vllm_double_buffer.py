@@ -7,6 +7,7 @@ in-place path (what GPUs use) gives the same results.
 """
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -15,12 +16,14 @@ import torch
 
 from test_engine_contract import LoopThread, chat_ids, forward_logprobs, generate, greedy_reference, perturbed
 
-from rayllm_rl.inference.protocol import SamplingParams
+from rayllm_rl.inference.protocol import LLMRequest, SamplingParams
 from rayllm_rl.weight_sync import find_free_port, metadata_of
 from rayllm_rl.weight_sync.registry import build_sender, make_spec
 
 pytestmark = pytest.mark.vllm
 GREEDY = SamplingParams(max_new_tokens=8, greedy=True, ignore_eos=True)
+LONG = SamplingParams(max_new_tokens=64, greedy=True, ignore_eos=True)
+"""Requests running while the update is received and loaded into the shadow."""
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +68,17 @@ def test_update_loads_behind_generation_and_swaps_between_steps(tiny_model_path,
                 send.start()
                 # The bytes arrive (and, double-buffered, are loaded into the shadow) while vLLM serves requests.
                 loop.run(engine._rpc("rayllm_begin_receive", 60.0, None))
+                during = [asyncio.run_coroutine_threadsafe(engine.agenerate(LLMRequest(input_ids=prompt, sampling=LONG)),
+                                                           loop.loop) for _ in range(4)]
                 deadline = time.monotonic() + 120
                 while not (state := loop.run(engine._rpc("rayllm_receive_state")))["done"]:
                     assert time.monotonic() < deadline, "the receive did not finish"
                     time.sleep(0.01)
                 send.join(60)
                 assert state["error"] is None and state["version"] == version
+                for r in [f.result(120) for f in during]:  # generated beside the load, all by version - 1
+                    assert r.output_versions == [version - 1] * LONG.max_new_tokens
+                    assert r.output_tokens[:8] == old_tokens
                 (before,) = generate(loop, engine, [prompt], GREEDY)
                 assert before.output_versions == [version - 1] * 8
                 assert before.output_tokens == old_tokens  # the live model still holds version - 1

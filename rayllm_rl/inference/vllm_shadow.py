@@ -46,7 +46,10 @@ class ShadowModel:
 
     def _build(self) -> torch.nn.Module:
         """A model of the live one's architecture, config and sharding (this worker's TP rank), whose
-        attention layers register in a forward context of its own: vLLM refuses a layer name twice."""
+        attention layers register in a forward context of its own (vLLM refuses a layer name twice) and
+        which shares no module with the live one: vLLM caches rotary embeddings across models, and a
+        reload of the shadow puts each of its modules on the meta device for a moment."""
+        from vllm.model_executor.layers import rotary_embedding
         from vllm.model_executor.model_loader.utils import initialize_model
         from vllm.utils.torch_utils import set_default_torch_dtype
 
@@ -56,8 +59,20 @@ class ShadowModel:
         if hasattr(compilation, "static_all_moe_layers"):
             compilation.static_all_moe_layers = []
         object.__setattr__(cfg, "compilation_config", compilation)
-        with set_default_torch_dtype(cfg.model_config.dtype), self.device:
-            model = initialize_model(vllm_config=cfg)
+        cached = dict(rotary_embedding._ROPE_DICT)
+        rotary_embedding._ROPE_DICT.clear()
+        try:
+            with set_default_torch_dtype(cfg.model_config.dtype), self.device:
+                model = initialize_model(vllm_config=cfg)
+        finally:
+            rotary_embedding._ROPE_DICT.clear()
+            rotary_embedding._ROPE_DICT.update(cached)
+        live = {id(m): name for name, m in self.live.named_modules(remove_duplicate=False)}
+        shared = sorted({live[id(m)] for m in model.modules() if id(m) in live})
+        if shared:
+            raise RuntimeError(f"shadow model: modules shared with the live model (a reload would touch them while "
+                               f"it generates): {shared[:5]}; set inference.options.double_buffer_weights=false "
+                               "to load updates in place")
         return model.eval()
 
     def load(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
