@@ -32,6 +32,17 @@ def weights(seed: int) -> dict[str, torch.Tensor]:
             "empty": torch.empty(0, 3)}
 
 
+def big_weights(seed: int) -> dict[str, torch.Tensor]:
+    """Tensors of a few MiB, which travel in pieces (object_store.PIECE_BYTES), between small ones."""
+    g = torch.Generator().manual_seed(seed)
+    return {"small.a": torch.randn(3, generator=g), "big.w": torch.randn(700, 1000, generator=g),
+            "odd.bf16": torch.randn(1_048_577, generator=g).to(torch.bfloat16), "small.b": torch.randn(5, 7, generator=g),
+            "piece.exact": torch.randn(((1 << 20) - 64) // 4, generator=g)}
+
+
+MAKERS = {"weights": weights, "big": big_weights}
+
+
 def spec_of(named, bucket_bytes=200_000, timeout_s=5.0):
     metas = metadata_of(named)
     return make_spec("object_store", [(m.name, m.shape, str(m.dtype)[6:]) for m in metas], receivers=2,
@@ -57,26 +68,31 @@ class Target:
 
 @ray.remote(num_cpus=0)
 class Learner:
-    def __init__(self, spec, seed):
-        self.named = weights(seed)
+    def __init__(self, spec, seed, make="weights"):
+        self.make = MAKERS[make]
+        self.named = self.make(seed)
         self.sender = build_sender(spec, metadata_of(self.named))
 
     def publish(self, version, seed):
-        self.named = weights(seed)
+        self.named = self.make(seed)
         stats, handoff = self.sender.send(iter(reversed(list(self.named.items()))), version)  # any order
         return {"bytes": stats.bytes, "buckets": stats.buckets, "handoff": handoff}
 
 
 @ray.remote(num_cpus=0)
 class Replica:
-    def __init__(self, spec, rank):
-        self.receiver = build_receiver(spec.for_rank(rank), Target(weights(0)))
+    def __init__(self, spec, rank, make="weights"):
+        self.receiver = build_receiver(spec.for_rank(rank), Target(MAKERS[make](0)))
 
-    def receive(self, published):
+    def receive(self, published, tensors=False):
         out = self.receiver.receive_and_swap(published["handoff"])
         t = self.receiver.inner.target
         return {"version": out["version"], "checksum": {k: float(v.double().sum()) for k, v in t.params.items()},
-                "dtypes": {k: str(v.dtype) for k, v in t.params.items()}, "copied": self.receiver.inner.copied_bytes}
+                "dtypes": {k: str(v.dtype) for k, v in t.params.items()}, "copied": self.receiver.inner.copied_bytes,
+                **({"tensors": {k: v.clone() for k, v in t.params.items()}} if tensors else {})}
+
+    def held(self):
+        return {k: v.clone() for k, v in self.receiver.inner.target.params.items()}
 
 
 def test_two_replicas_fetch_what_the_learner_published_zero_copy(local_ray):
@@ -97,6 +113,37 @@ def test_two_replicas_fetch_what_the_learner_published_zero_copy(local_ray):
             assert out["checksum"] == {k: float(v.double().sum()) for k, v in expect.items()}
             assert out["dtypes"]["norm.scale"] == "torch.bfloat16"
             assert out["copied"] == 0  # every tensor is a read-only view of the shared store: no copy
+
+
+def test_tensors_of_a_few_mib_travel_in_pieces_and_arrive_as_one_zero_copy_view(local_ray):
+    """big.w (2.8 MB) and odd.bf16 (2,097,154 bytes) go as 3 pieces each, piece.exact as one: 5 + 2 + 1
+    buffers; each replica sees every tensor whole, equal to what was sent, over the store's memory."""
+    from rayllm_rl.weight_sync.object_store import PIECE_BYTES, _npieces
+
+    named = big_weights(1)
+    assert [_npieces(t.numel() * t.element_size()) for t in named.values()] == [1, 3, 3, 1, 1]
+    assert named["piece.exact"].numel() * 4 == PIECE_BYTES
+    spec, _ = spec_of(named, bucket_bytes=64 << 20)
+    learner = Learner.remote(spec, 1, "big")
+    replicas = [Replica.remote(spec, 1 + i, "big") for i in range(2)]
+    published = learner.publish.remote(1, 21)
+    for version, seed in [(1, 21), (2, 22)]:
+        outs = ray.get([r.receive.remote(published, True) for r in replicas], timeout=60)
+        expect = big_weights(seed)
+        assert ray.get(published, timeout=30)["buckets"] == 3  # buckets hold one dtype: f32, bf16, f32
+        for out in outs:
+            assert out["version"] == version and out["copied"] == 0
+            for k, v in expect.items():
+                assert torch.equal(out["tensors"][k], v), k
+        # The next version is published and this one's references dropped by the learner and the driver:
+        # the views the replicas swapped in keep this version's object alive, values unchanged.
+        del published, outs
+        published = learner.publish.remote(version + 1, seed + 1)
+        ray.get(published, timeout=30)
+        held = ray.get([r.held.remote() for r in replicas], timeout=60)
+        for tensors in held:
+            for k, v in expect.items():
+                assert torch.equal(tensors[k], v), k
 
 
 def test_a_replica_that_joins_later_fetches_the_kept_handoff(local_ray):
