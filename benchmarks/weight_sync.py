@@ -488,7 +488,8 @@ def main() -> None:
     p.add_argument("--replicas", type=int, default=2, help="Transformers replicas")
     p.add_argument("--hidden-size", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--bucket-mb", type=float, default=16.0, help="bucket size (the job's ray.sync_bucket_mb)")
+    p.add_argument("--bucket-mb", type=float, default=0.0,
+                   help="bucket size (the job's ray.sync_bucket_mb; 0 = each transport's default)")
     p.add_argument("--repeats", type=int, default=4, help="rounds per phase; each round visits every transport")
     p.add_argument("--syncs", type=int, default=2, help="timed syncs per transport per round (after a warm-up)")
     p.add_argument("--transports", default=",".join(t for t, i in TRANSPORTS.items() if not i.gpu_only),

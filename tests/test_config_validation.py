@@ -36,6 +36,7 @@ def test_enum_set_in_python_is_checked_too():
     (["rollout.workflow=env"], "task=arithmetic has none"),
     (["trainer.keep_checkpoints=-1"], "trainer.keep_checkpoints=-1: must be >= 0"),
     (["ray.env_worker_restarts=-2"], "ray.env_worker_restarts=-2"),
+    (["ray.sync_bucket_mb=-1"], "ray.sync_bucket_mb=-1"),
 ])
 def test_fields_the_chosen_workflow_does_not_read_are_errors(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -57,6 +57,16 @@ def test_spec_payload_per_transport_and_rank_offsets():
         make_spec("gloo", METAS, receivers=1, timeout_s=7, bucket_bytes=1)
 
 
+def test_bucket_size_zero_is_the_transports_own_default():
+    """The object store puts a bucket as one Ray object (about a millisecond each), so its default is
+    256 MiB; group transports pack 16 MiB flat buffers. An explicit size wins; a negative one is refused."""
+    assert make_spec("object_store", METAS, receivers=1, timeout_s=7).bucket_bytes == 256 << 20
+    assert make_spec("gloo", METAS, receivers=1, timeout_s=7, host="h", port=1).bucket_bytes == 16 << 20
+    assert make_spec("object_store", METAS, receivers=1, timeout_s=7, bucket_bytes=1 << 20).bucket_bytes == 1 << 20
+    with pytest.raises(ValueError, match="bucket_bytes must be >= 0"):
+        make_spec("object_store", METAS, receivers=1, timeout_s=7, bucket_bytes=-1)
+
+
 def test_spec_crosses_into_vllms_worker_as_plain_fields():
     spec = make_spec("gloo", METAS, receivers=2, timeout_s=7, bucket_bytes=99, host="h", port=5).for_rank(2)
     d = spec.as_dict()

@@ -329,8 +329,9 @@ class RayConfig:
     (ray.placement=colocated on GPUs, one learner rank: the replica opens CUDA IPC handles of learner rank 0's
     tensors on their shared GPU and copies device to device), 'auto' (cuda_ipc colocated on GPUs with one learner
     rank; nccl with GPUs of their own on both sides; else object_store)."""
-    sync_bucket_mb: float = 16.0
-    """Weight-sync bucket size in MiB."""
+    sync_bucket_mb: float = 0.0
+    """Weight-sync bucket size in MiB; 0 = the transport's default (object_store 256: one Ray object per
+    bucket, and Ray pays about a millisecond per object; group transports 16: a flat buffer per bucket)."""
     sync_timeout_s: float = 120.0
     """Timeout of every weight-sync phase."""
     call_timeout_s: float = 600.0
@@ -557,7 +558,7 @@ class GRPOJobConfig:
             check_node_labels(key, getattr(rc, key))
         if not rc.namespace.strip():
             raise ValueError("ray.namespace must not be empty (default 'rayllm_rl')")
-        for key in ("env_worker_restarts", "replica_restarts"):
+        for key in ("env_worker_restarts", "replica_restarts", "sync_bucket_mb"):
             if getattr(rc, key) < 0:
                 raise ValueError(f"ray.{key}={getattr(rc, key)}: must be >= 0")
         for key in ("checkpoint_every", "keep_checkpoints", "max_recoveries"):

@@ -303,7 +303,7 @@ def actors_plan(cfg: GRPOJobConfig, placement: dict[str, Any]) -> list[dict[str,
 def transport_plan(cfg: GRPOJobConfig) -> dict[str, str]:
     """The registry's choice (`weight_sync.registry.plan_transport`) when every replica shares the
     learner's node, and when one does not (a transport that cannot cross nodes: the error)."""
-    from rayllm_rl.weight_sync.registry import plan_transport
+    from rayllm_rl.weight_sync.registry import TRANSPORTS, plan_transport
 
     def pick(nodes: set[str]) -> str:
         rc = cfg.ray
@@ -315,8 +315,9 @@ def transport_plan(cfg: GRPOJobConfig) -> dict[str, str]:
             return f"refused: {exc}"
 
     same, across = pick({"node-a"}), pick({"node-a", "node-b"})
+    chosen = same if same in TRANSPORTS else None
     return {"setting": cfg.ray.sync_transport, "same_node": same, "across_nodes": across,
-            "bucket_mb": cfg.ray.sync_bucket_mb}
+            "bucket_mb": cfg.ray.sync_bucket_mb or (TRANSPORTS[chosen].default_bucket_mb if chosen else None)}
 
 
 # ---------------------------------------------------------------------------------------- the plan
