@@ -17,6 +17,7 @@ from rayllm_rl.learner.learner import OptimConfig
 from rayllm_rl.lora import LoraOptions
 from rayllm_rl.objectives import AdvantageConfig, make_loss
 from rayllm_rl.orchestration.object_path import import_object
+from rayllm_rl.rewards.config import RewardConfig
 
 _FILLED = "_preset_filled"
 """Instance attribute (not a field) of a section: {field: value} of the fields `resolve()` filled there."""
@@ -474,6 +475,9 @@ class GRPOJobConfig:
     """Loop settings."""
     ray: RayConfig = dataclasses.field(default_factory=RayConfig)
     """Ray backend settings."""
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    """What the policy trains on beside the task's rule: a reward model and/or a judge (off by default;
+    docs/reward-models.md)."""
     resume: str = ""
     """Checkpoint directory to resume from (same step, version and data order)."""
 
@@ -565,6 +569,7 @@ class GRPOJobConfig:
             if getattr(self.trainer, key) < 0:
                 raise ValueError(f"trainer.{key}={getattr(self.trainer, key)}: must be >= 0")
         self.trainer.check_trackers()
+        self.reward.check(self.trainer.backend, environment)
         for key in ("data.eval_size", "sft.steps", "sft.time_budget_s", "trainer.time_budget_s"):
             if _get(self, key) < 0:
                 raise ValueError(f"{key}={_get(self, key)}: must be >= 0 (0 = {'none' if 'size' in key or 'steps' in key else 'no limit'})")

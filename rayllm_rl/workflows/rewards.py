@@ -147,6 +147,11 @@ class RewardCaller:
         return (await self.score(prompt, completions, prompt_ids, completion_ids, **row))["reward"]
 
     def counters(self) -> dict[str, int]:
-        """Calls and failures by kind, as reported in a run's summary (`reward_failures`)."""
-        return {"reward_calls": self.num_calls, "reward_errors": self.num_errors, "reward_timeouts": self.num_timeouts,
-                "reward_nonfinite": self.num_nonfinite}
+        """Calls and failures by kind, as reported in a run's summary (`reward_failures`), plus the reward
+        function's own `counters()` if it has them (a `CombinedReward`'s parts; a shared name adds up)."""
+        out = {"reward_calls": self.num_calls, "reward_errors": self.num_errors, "reward_timeouts": self.num_timeouts,
+               "reward_nonfinite": self.num_nonfinite}
+        inner = getattr(self.reward_fn, "counters", None)
+        for key, value in (inner() if callable(inner) else {}).items():
+            out[key] = out.get(key, 0) + value
+        return out
