@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import typing
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -46,11 +46,24 @@ def local_python_tools() -> list:
     return [PythonInterpreter(done_when_no_code=True)]
 
 
-def build_workflow(cfg: GRPOJobConfig, task: Task, tokenizer, make_tools: Callable[[], list] = local_python_tools):
+def training_task(cfg: GRPOJobConfig, task: Task, reward_scorers: Mapping[str, Any] | None = None) -> Task:
+    """`task` with the reward the policy trains on: its rule alone, or (with `reward.model` / `reward.judge`
+    on) the rule, the reward model and the judge combined by their weights, over the backend's scorers."""
+    if not cfg.reward.enabled:
+        return task
+    from rayllm_rl.rewards.combined import CombinedReward
+
+    return task.with_reward(CombinedReward.from_config(cfg.reward, task.reward_fn, reward_scorers or {}))
+
+
+def build_workflow(cfg: GRPOJobConfig, task: Task, tokenizer, make_tools: Callable[[], list] = local_python_tools,
+                   reward_scorers: Mapping[str, Any] | None = None):
     """The rollout workflow named by `rollout.workflow` ('auto': the task's env if it has one).
 
-    `make_tools()` builds one episode's tools for `python_tool`; each backend hands in its own
-    (in-process sandboxes, or the Ray tool service), so nothing here asks which backend runs."""
+    `make_tools()` builds one episode's tools for `python_tool`; `reward_scorers` ({"model": ..., "judge":
+    ...}) score for `reward.*`; each backend hands in its own (in-process, or Ray actors), so nothing here
+    asks which backend runs."""
+    task = training_task(cfg, task, reward_scorers)
     r = cfg.rollout
     kind = r.workflow
     if kind not in WORKFLOWS:

@@ -297,6 +297,11 @@ def actors_plan(cfg: GRPOJobConfig, placement: dict[str, Any]) -> list[dict[str,
                              f"on learner-0's GPU, {cfg.model.dtype}" if gpus else f"CPU, {cfg.model.dtype}"))
     if cfg.rollout.workflow == "python_tool":
         actors.append(_actor("python-executor", "sandboxed code execution service", 0.0, 1, None))
+    m, j = cfg.reward.model, cfg.reward.judge
+    actors += [_actor(f"reward-model-{i}", "reward model (sequence classification)", m.gpus_per_actor, t, None,
+                      f"weight {m.weight:g}, batches of <= {m.batch_size}") for i in range(m.num_actors if m.path else 0)]
+    actors += [_actor(f"judge-{i}", f"judge replica ({j.engine})", j.gpus_per_replica, t, None, f"weight {j.weight:g}")
+               for i in range(j.num_replicas if j.path else 0)]
     return actors
 
 

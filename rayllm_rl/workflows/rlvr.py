@@ -65,10 +65,13 @@ class RLVRWorkflow(RolloutWorkflow):
         ])
         prompt_text = self.tokenizer.decode(prompt_ids)
         row = row_fields(data)
+        completions = [self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True) for resp in responses]
+        # the group's completions are scored at once: a reward model or judge batches them together
+        all_scores = await asyncio.gather(*[self.reward.score(prompt_text, completion, resp.input_tokens,
+                                                              resp.output_tokens, **row)
+                                            for resp, completion in zip(responses, completions)])
         trajs = []
-        for resp in responses:
-            completion = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
-            scores = await self.reward.score(prompt_text, completion, resp.input_tokens, resp.output_tokens, **row)
+        for resp, scores in zip(responses, all_scores):
             traj = TrajectoryBuilder()
             traj.add_prompt(resp.input_tokens)
             traj.add_generated(resp)

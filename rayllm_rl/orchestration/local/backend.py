@@ -9,6 +9,7 @@ trains (the engine takes new weights between two decode steps, under its lock).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from typing import Any
@@ -27,6 +28,7 @@ from rayllm_rl.orchestration.batch_prep import prepare_batch
 from rayllm_rl.rollout.collector import LLMCollector, run_and_store
 from rayllm_rl.orchestration.fault_ledger import FaultLedger
 from rayllm_rl.orchestration.factories import build_episode_filter, build_workflow, local_python_tools
+from rayllm_rl.orchestration.local.reward_scorers import local_reward_scorers
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.rollout.staleness import StalenessController
 from rayllm_rl.workflows.evaluation import evaluate_greedy
@@ -48,7 +50,9 @@ class LocalBackend:
         self.learner = Learner(model_path, cfg.optim, temperature=cfg.rollout.temperature, seed=cfg.trainer.seed,
                                lora=lora)
         self.loss = cfg.algo.build_loss(cfg.rollout.max_new_tokens)
-        self.workflow = build_workflow(cfg, task, tokenizer, make_tools=local_python_tools)
+        self.reward_scorers = local_reward_scorers(cfg)  # {} unless reward.model / reward.judge is on
+        self.workflow = build_workflow(cfg, task, tokenizer, make_tools=local_python_tools,
+                                       reward_scorers=self.reward_scorers)
         self.episode_filter = build_episode_filter(cfg)
         self.reference = None
         self.faults = FaultLedger(ROLE_KINDS)
@@ -161,7 +165,9 @@ class LocalBackend:
                 "buffer": self.loop.run(self.buffer.buffer.stats),
                 "reward_failures": reward.counters() if reward is not None else {},
                 "replica_versions_held": [list(self.versions_held)], "weight_transport": "in-process",
-                "learner_checksums_equal_replicas": weights_checksum(self.learner.named_tensors()) == engine_sum}
+                "learner_checksums_equal_replicas": weights_checksum(self.learner.named_tensors()) == engine_sum,
+                "reward_services": {"reward-model": dataclasses.asdict(self.reward_scorers["model"].stats)}
+                if "model" in self.reward_scorers else {}}
 
     def recover(self, crash) -> None:
         """Nothing to restart: in one process a crashed role is a crashed run."""
@@ -173,3 +179,5 @@ class LocalBackend:
     def shutdown(self) -> None:
         self.loop.run(self.collector.stop)
         self.loop.close()
+        for scorer in self.reward_scorers.values():
+            scorer.close()

@@ -1,7 +1,8 @@
 """Ray actor shells: each a thin `@ray.remote` class over a plain, Ray-free component.
 
 Names on the dashboard: `inference-<i>`, `env-<i>`, `learner-<rank>`, `collector`, `replay-buffer`,
-`reference` (only with a reference-KL term).
+`reference` (only with a reference-KL term); `reward-model-<i>` and `judge-<i>` with `reward.*`
+(reward_actors.py).
 
 Every actor process starts with `ACTOR_ENV_VARS` (no HF progress bars: Ray forwards actor output to
 the driver's console). A restartable actor (env worker, inference replica) takes only small
@@ -80,8 +81,10 @@ class InferenceReplica(_Process):
     """
 
     def __init__(self, engine: str, model_path: str, seed: int = 0, num_threads: int = 1,
-                 dtype: str = "float32", options: dict | None = None, tensor_parallel_size: int = 1, lora=None):
-        """`engine`: a name of the engine registry; `options`: its `inference.options`."""
+                 dtype: str = "float32", options: dict | None = None, tensor_parallel_size: int = 1,
+                 frozen: bool = False, lora=None):
+        """`engine`: a name of the engine registry; `options`: its `inference.options`; `frozen`: weights never
+        synced (a judge's `judge-<i>`), so a restarted process serves at once."""
         from rayllm_rl.inference.registry import build_engine
 
         torch.set_num_threads(num_threads)
@@ -90,8 +93,8 @@ class InferenceReplica(_Process):
         self.versions_held = [self.engine.version]  # every version this replica ever generated with
         with warnings.catch_warnings():  # Ray's own property reads its deprecated `actor_id` inside
             warnings.simplefilter("ignore")
-            self.serving = not ray.get_runtime_context().was_current_actor_reconstructed
-        """False in a process Ray restarted after a crash, until the current weights arrive: it refuses
+            self.serving = frozen or not ray.get_runtime_context().was_current_actor_reconstructed
+        """False in a process Ray restarted after a crash (unless frozen), until the current weights arrive: it refuses
         requests (the router waits or goes elsewhere) instead of generating with the checkpoint's weights."""
 
     async def ready(self) -> int:

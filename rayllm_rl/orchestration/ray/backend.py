@@ -23,6 +23,7 @@ from rayllm_rl.hub import resolve_model_path
 from rayllm_rl.orchestration.factories import build_worker_task, build_workflow
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.ray.router import ReplicaRouter
+from rayllm_rl.orchestration.ray.reward_actors import ray_reward_scorers, reward_service_stats
 from rayllm_rl.orchestration.ray.tool_services import ray_python_tools
 from rayllm_rl.workflows.evaluation import evaluate_greedy
 
@@ -43,11 +44,13 @@ def session_for_job():
 
 def make_workflow(cfg: GRPOJobConfig, model_path: str):
     """Top-level (picklable) factory run inside each EnvWorker: the task's reward and env, no dataset (the
-    collector hands each episode its row), and the tokenizer from `model_path` resolved on this node."""
+    collector hands each episode its row), the tokenizer from `model_path` resolved on this node, and the
+    `reward.*` scorers over the reward-model and judge actors."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model_path, cfg.model.revision))
-    return build_workflow(cfg, build_worker_task(cfg), tokenizer, make_tools=ray_python_tools)
+    return build_workflow(cfg, build_worker_task(cfg), tokenizer, make_tools=ray_python_tools,
+                          reward_scorers=ray_reward_scorers(cfg))
 
 
 def _crash_aware(method):
@@ -304,7 +307,8 @@ class RayBackend:
         return {"failed_episodes": col["failed_episodes"], **self.faults.summary(),
                 "buffer": self._get(c.buffer.stats.remote()), "reward_failures": self._reward_counters(),
                 "replica_versions_held": self._get([r.version_history.remote() for r in c.replicas]),
-                "weight_transport": c.transport, "learner_checksums_equal_replicas": len(set(sums)) == 1}
+                "weight_transport": c.transport, "learner_checksums_equal_replicas": len(set(sums)) == 1,
+                "reward_services": reward_service_stats(c.services, c.timeout_s)}
 
     def publish(self, record: dict[str, Any]) -> None:
         self._metrics.update(record)

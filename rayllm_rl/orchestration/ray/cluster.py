@@ -21,6 +21,7 @@ from rayllm_rl.loop_thread import run_bounded
 from rayllm_rl.orchestration.factories import build_episode_filter, needs_reference
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.ray.placement import Placement, plan_placement
+from rayllm_rl.orchestration.ray.reward_actors import start_reward_actors
 from rayllm_rl.orchestration.ray.turns import make_turns
 
 
@@ -56,6 +57,9 @@ class Cluster:
     """Each replica's process id when the weight-sync group last formed (a restart changes it)."""
     turns: Any = None
     """How generation and training share the hardware (turns.py: separate, or colocated turns)."""
+    services: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The `reward.*` actors by name (`reward-model-<i>`, `judge-<i>`): shut down with the job, but not roles
+    whose death rolls it back (a dead one costs scores, 0 and a counter each)."""
 
     def get(self, refs, timeout_s: float | None = None):
         """ray.get with the job's timeout: a hang becomes a GetTimeoutError naming the wait."""
@@ -111,12 +115,13 @@ class Cluster:
         """Close sync groups, shared segments and engine cores, kill every actor; with `namespace`,
         also wait until their names are free again (so the job can be rebuilt under the same names)."""
         try:  # unlink shared segments, close sync groups and vLLM engine cores before the processes go
-            self.get([a.close.remote() for a in self.learners + self.replicas], timeout_s=close_timeout_s)
+            self.get([a.close.remote() for a in self.learners + self.replicas + list(self.services.values())],
+                     timeout_s=close_timeout_s)
         except Exception:  # noqa: BLE001 - shutting down anyway
             pass
         leave_collective_group(self, timeout_s=close_timeout_s)
-        names = list(self.roles())
-        for a in self.roles().values():
+        names = list(self.roles()) + list(self.services)
+        for a in [*self.roles().values(), *self.services.values()]:
             ray.kill(a, no_restart=True)
         if self.placement is not None:
             self.placement.remove()
@@ -190,6 +195,11 @@ def build_cluster(cfg: GRPOJobConfig, model_path: str, task, workflow_factory) -
                                rc.tensor_parallel_size, rc.sync_timeout_s, replica_labels=rc.replica_node_labels,
                                learner_labels=rc.learner_node_labels, env_worker_labels=rc.env_worker_node_labels,
                                colocated=colocated, reference=needs_reference(cfg))
+    try:  # after the placement group took its GPUs; before any other actor, so a failure leaves nothing behind
+        services = start_reward_actors(cfg)  # env workers look them up by name when they start
+    except BaseException:
+        placement.remove()
+        raise
     inf = cfg.inference
     options = placed_options(inf.engine, inf.options, colocated=colocated)
     ns = rc.namespace  # every named actor lives here: `ray.get_actor("env-0", namespace=...)` from any driver
@@ -223,7 +233,7 @@ def build_cluster(cfg: GRPOJobConfig, model_path: str, task, workflow_factory) -
         task.train, env_workers, buffer, batch, cfg.rollout.max_staleness, seed, rc.call_timeout_s)
     buffer.set_collector.remote(collector)
     cluster = Cluster(replicas, env_workers, learners, buffer, collector, rc.call_timeout_s, rc.sync_timeout_s,
-                      placement=placement)
+                      placement=placement, services=services)
     cluster.turns = make_turns(rc.placement, cluster)
 
     host, port = cluster.get(learners[0].address.remote())

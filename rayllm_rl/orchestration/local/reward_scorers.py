@@ -1,0 +1,57 @@
+"""The `reward.*` scorers of the single-process backend: the reward model and the judge in this process.
+
+The reward model is the same `RewardModelScorer` the `reward-model-<i>` actors wrap (its batching
+thread takes requests from any thread or loop); the judge's engine runs on an event loop thread of its
+own (`LoopThreadEngine`), so the judge can be asked from the collector's loop and from env steps run
+in worker threads alike. Both on the CPU (validation refuses GPUs and several actors here).
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from rayllm_rl.hub import resolve_model_path
+from rayllm_rl.loop_thread import EventLoopThread
+from rayllm_rl.orchestration.job_config import GRPOJobConfig
+
+
+class LoopThreadEngine:
+    """An engine served on its own event loop thread; `agenerate` may be awaited on any loop."""
+
+    def __init__(self, engine: Any, name: str, start_timeout_s: float = 600.0):
+        self.engine = engine
+        self.loop = EventLoopThread(name)
+        self.loop.call(engine.start(), start_timeout_s, f"starting {name}")
+
+    async def agenerate(self, request):
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.engine.agenerate(request), self.loop.loop))
+
+    def close(self) -> None:
+        self.loop.close(self.engine.aclose())
+
+
+def local_reward_scorers(cfg: GRPOJobConfig) -> dict[str, Any]:
+    """{"model": RewardModelScorer, "judge": Judge} for the parts `cfg.reward` turns on; each has `close()`."""
+    import torch
+
+    r = cfg.reward
+    scorers: dict[str, Any] = {}
+    if r.model.path:
+        from rayllm_rl.rewards.reward_model import RewardModelScorer
+
+        m = r.model
+        scorers["model"] = RewardModelScorer(resolve_model_path(m.path), batch_size=m.batch_size,
+                                             batch_wait_s=m.batch_wait_s, max_length=m.max_length,
+                                             activation=m.activation, device="cpu", dtype=getattr(torch, m.dtype))
+    if r.judge.path:
+        from transformers import AutoTokenizer
+
+        from rayllm_rl.inference.registry import build_engine
+        from rayllm_rl.rewards.judge import Judge
+
+        j = r.judge
+        path = resolve_model_path(j.path)
+        engine = build_engine(j.engine, path, seed=cfg.trainer.seed, dtype=j.dtype, options={**j.options, "device": "cpu"})
+        scorers["judge"] = Judge.from_config(j, LoopThreadEngine(engine, "rayllm-local-judge"),
+                                             AutoTokenizer.from_pretrained(path))
+    return scorers

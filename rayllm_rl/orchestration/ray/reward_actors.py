@@ -1,0 +1,159 @@
+"""The reward services of `reward.*` as Ray actors, and the scorers env workers reach them through.
+
+* `reward-model-<i>` (`RewardModelActor`): a thin shell over `rewards.reward_model.RewardModelScorer`;
+  the concurrent `score` calls of every env worker are gathered into batched forwards there. With
+  `reward.model.gpus_per_actor > 0` each asks Ray for that many GPUs and runs its model on the GPU.
+* `judge-<i>`: an `InferenceReplica` of the judge model (the registry's engine, `reward.judge.engine`),
+  frozen: it never joins the weight sync, and serves again at once when Ray restarts it.
+
+`start_reward_actors` creates them before the env workers and waits, bounded by `ray.call_timeout_s`,
+until each has loaded its model (a job asking for GPUs the cluster lacks fails there, naming the key).
+They restart like replicas (`ray.replica_restarts`); a dead one costs scores (0 and a counter), never
+the run. `ray_reward_scorers` is what `make_workflow` hands `build_workflow` inside each env worker.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any, Mapping
+
+import ray
+import torch
+
+from rayllm_rl.hub import resolve_model_path
+from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.orchestration.ray.actors import InferenceReplica, _actor, _Process
+from rayllm_rl.rewards.reward_model import rm_sample
+
+
+@_actor
+class RewardModelActor(_Process):
+    """`reward-model-<i>`: a sequence-classification reward model scoring batches of completions."""
+
+    def __init__(self, path: str, batch_size: int, batch_wait_s: float, max_length: int, activation: str,
+                 dtype: str, timeout_s: float, num_threads: int = 1):
+        from rayllm_rl.rewards.reward_model import RewardModelScorer
+
+        torch.set_num_threads(num_threads)
+        on_gpu = bool(ray.get_gpu_ids()) and torch.cuda.is_available()  # Ray's logical GPUs on CPU: the CPU
+        self.timeout_s = timeout_s
+        self.scorer = RewardModelScorer(resolve_model_path(path), batch_size=batch_size, batch_wait_s=batch_wait_s,
+                                        max_length=max_length, activation=activation,
+                                        device="cuda" if on_gpu else "cpu", dtype=getattr(torch, dtype))
+
+    async def score(self, samples: list[dict]) -> list[float]:
+        """Scores of `samples` (`rm_sample` dicts), batched with the other calls in flight."""
+        return await self.scorer.ascore(samples, self.timeout_s)
+
+    def stats(self) -> dict[str, int]:
+        """Forwards run, sequences scored, the largest batch."""
+        return dataclasses.asdict(self.scorer.stats)
+
+    def devices(self) -> dict[str, Any]:
+        """The GPUs Ray gave this actor (placement.visible_devices) and the device its model is on."""
+        from rayllm_rl.orchestration.ray.placement import visible_devices
+
+        return {**visible_devices(), "device": str(self.scorer.device)}
+
+    def close(self) -> None:
+        self.scorer.close()
+
+
+def start_reward_actors(cfg: GRPOJobConfig, timeout_s: float | None = None) -> dict[str, Any]:
+    """Create the reward-model and judge actors `cfg.reward` asks for and wait until each has its model
+    (at most `timeout_s`, default `ray.call_timeout_s`, for all); {} when both are off. A timeout (e.g.
+    GPUs the cluster does not have) or a failed start kills them and raises, naming the key."""
+    from rayllm_rl.inference.registry import placed_options
+
+    r, rc = cfg.reward, cfg.ray
+    common = {"namespace": rc.namespace, "max_restarts": rc.replica_restarts, "num_cpus": 0}
+    actors: dict[str, Any] = {}
+    waits: dict[str, tuple] = {}
+    if r.model.path:
+        m = r.model
+        args = (m.path, m.batch_size, m.batch_wait_s, m.max_length, m.activation, m.dtype, m.timeout_s,
+                rc.threads_per_actor)
+        for i in range(m.num_actors):
+            name = f"reward-model-{i}"
+            actors[name] = RewardModelActor.options(name=name, num_gpus=m.gpus_per_actor, max_concurrency=1000,
+                                                    **common).remote(*args)
+            waits[name] = (actors[name].pid.remote(), "reward.model", m.path, f"gpus_per_actor={m.gpus_per_actor:g}")
+    if r.judge.path:
+        j = r.judge
+        options = placed_options(j.engine, j.options, colocated=False)
+        for i in range(j.num_replicas):
+            name = f"judge-{i}"
+            actors[name] = InferenceReplica.options(name=name, num_gpus=j.gpus_per_replica, **common).remote(
+                j.engine, j.path, cfg.trainer.seed + i, rc.threads_per_actor, j.dtype, options, 1, frozen=True)
+            waits[name] = (actors[name].ready.remote(), "reward.judge", j.path, f"gpus_per_replica={j.gpus_per_replica:g}")
+    try:
+        _wait_started(waits, rc.call_timeout_s if timeout_s is None else timeout_s)
+    except BaseException:
+        for handle in actors.values():
+            ray.kill(handle, no_restart=True)
+        raise
+    return actors
+
+
+def _wait_started(waits: dict[str, tuple], timeout_s: float) -> None:
+    """Wait for every actor's first answer within one deadline; `waits`: name -> (ref, section key, model
+    path, its GPU setting). The error names the actor and its keys."""
+    deadline = time.monotonic() + timeout_s
+    for name, (ref, key, path, gpus) in waits.items():
+        try:
+            ray.get(ref, timeout=max(deadline - time.monotonic(), 0.1))
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(
+                f"{name} did not start within {timeout_s:g}s ({key}.path={path!r}, {key}.{gpus}; the cluster has "
+                f"GPU={ray.cluster_resources().get('GPU', 0):g} in total, GPU={ray.available_resources().get('GPU', 0):g} "
+                "free)") from None
+        except ray.exceptions.RayError as exc:
+            raise RuntimeError(f"{name} failed to start ({key}.path={path!r}): {exc}") from exc
+
+
+class RemoteRewardModel:
+    """The reward-model part as an env worker sees it: each completion goes to the least-busy
+    `reward-model-<i>` actor, which batches it with the other requests in flight; bounded by `timeout_s`."""
+
+    def __init__(self, actors: list[Any], timeout_s: float):
+        if not actors:
+            raise ValueError("RemoteRewardModel needs at least one reward-model actor")
+        self.actors, self.timeout_s = list(actors), timeout_s
+        self.in_flight = [0] * len(self.actors)
+
+    async def score(self, prompt: str, completion: str, row: Mapping[str, Any]) -> float:
+        idx = min(range(len(self.actors)), key=self.in_flight.__getitem__)
+        self.in_flight[idx] += 1
+        try:
+            ref = self.actors[idx].score.remote([rm_sample(prompt, completion, row)])
+            return (await asyncio.wait_for(ref, self.timeout_s))[0]
+        finally:
+            self.in_flight[idx] -= 1
+
+
+def ray_reward_scorers(cfg: GRPOJobConfig) -> dict[str, Any]:
+    """Inside an env worker: {"model": RemoteRewardModel, "judge": Judge over a router of the `judge-<i>`
+    replicas} for the parts `cfg.reward` turns on (looked up by name, so a restarted worker finds them)."""
+    from rayllm_rl.orchestration.ray.router import ReplicaRouter
+
+    r, ns = cfg.reward, cfg.ray.namespace
+    scorers: dict[str, Any] = {}
+    if r.model.path:
+        scorers["model"] = RemoteRewardModel([ray.get_actor(f"reward-model-{i}", namespace=ns)
+                                              for i in range(r.model.num_actors)], r.model.timeout_s)
+    if r.judge.path:
+        from transformers import AutoTokenizer
+
+        from rayllm_rl.rewards.judge import Judge
+
+        router = ReplicaRouter([ray.get_actor(f"judge-{i}", namespace=ns) for i in range(r.judge.num_replicas)],
+                               timeout_s=r.judge.timeout_s)
+        scorers["judge"] = Judge.from_config(r.judge, router, AutoTokenizer.from_pretrained(resolve_model_path(r.judge.path)))
+    return scorers
+
+
+def reward_service_stats(services: Mapping[str, Any], timeout_s: float) -> dict[str, dict[str, int]]:
+    """{`reward-model-<i>`: its forwards, sequences scored and largest batch}, for the run's summary."""
+    models = {name: a for name, a in services.items() if name.startswith("reward-model-")}
+    return dict(zip(models, ray.get([a.stats.remote() for a in models.values()], timeout=timeout_s)))
