@@ -1,0 +1,238 @@
+"""Tiny reward models and judges for the reward-model and judge tests, built here and saved with
+`save_pretrained` (the code under test loads them back with `from_pretrained`)."""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import random
+
+import torch
+
+from rayllm_rl.envs.arithmetic import arithmetic_reward
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Train tiny models on one torch thread: far faster than two on a busy 2-core box, and deterministic."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def tiny_tokenizer():
+    from transformers import AutoTokenizer
+
+    from rayllm_rl.models.tiny import ensure_tiny_model
+
+    return AutoTokenizer.from_pretrained(ensure_tiny_model())
+
+
+def build_tiny_reward_model(path, *, hidden: int = 64, layers: int = 2, seed: int = 0):
+    """A randomly initialised `Qwen2ForSequenceClassification` (num_labels=1) with the project's tiny
+    tokenizer, saved to `path`; returns (model, tokenizer) as built."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    tok = tiny_tokenizer()
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, num_labels=1,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = Qwen2ForSequenceClassification(config)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return model, tok
+
+
+def sft_tiny_lm(path, chats: list[list[dict]], steps: int, lr: float, batch: int = 0, seed: int = 0) -> str:
+    """The tiny causal LM, SFT'd on `chats` (loss on the assistant's tokens; AdamW, one torch thread; each
+    step a random `batch` of them, or all with 0), saved to `path` with its tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    from rayllm_rl.data.sft import make_sft_batch
+    from rayllm_rl.models.tiny import ensure_tiny_model
+
+    tok = tiny_tokenizer()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(ensure_tiny_model())
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    with one_thread():
+        for _ in range(steps):
+            data = make_sft_batch(tok, [rng.choice(chats) for _ in range(batch)] if batch else chats)
+            labels = data["input_ids"].masked_fill(~data["loss_mask"].bool(), -100)
+            loss = model(input_ids=data["input_ids"], attention_mask=data["attention_mask"], labels=labels).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def train_judge_to_answer(path, answer: str, steps: int = 40, seed: int = 0) -> str:
+    """The tiny causal LM, SFT'd to answer every judge prompt (the default template) with `answer`."""
+    from rayllm_rl.rewards.config import DEFAULT_JUDGE_TEMPLATE
+
+    rng = random.Random(seed)
+    chats = []
+    for _ in range(16):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        text = DEFAULT_JUDGE_TEMPLATE.format(question=f"{a}+{b}=", completion=f"<answer>{rng.randint(0, 18)}</answer>")
+        chats.append([{"role": "user", "content": text}, {"role": "assistant", "content": answer}])
+    return sft_tiny_lm(path, chats, steps, lr=3e-3, seed=seed)
+
+
+def sft_arithmetic_policy(path, rows, steps: int = 60, batch: int = 32, seed: int = 0) -> str:
+    """The tiny policy after the arithmetic demo's SFT warm start on `rows`, done as the driver does it (the
+    project's Learner and SFTLoss, sft.lr=1e-3 with sft.warmup_steps=20, `<answer>a+b</answer>` targets) and
+    saved as an HF checkpoint: the policy the reward model is trained for, and the job starts from."""
+    from rayllm_rl.data.sft import make_sft_batch
+    from rayllm_rl.envs.arithmetic import sft_target
+    from rayllm_rl.learner.checkpoint import save_checkpoint
+    from rayllm_rl.learner.learner import Learner, OptimConfig
+    from rayllm_rl.models.tiny import ensure_tiny_model
+    from rayllm_rl.objectives import SFTLoss
+
+    tok, rng, rows = tiny_tokenizer(), random.Random(seed), list(rows)
+    with one_thread():
+        learner = Learner(ensure_tiny_model(), OptimConfig(lr=1e-3, warmup_steps=20), seed=seed)
+        for _ in range(steps):
+            chats = [[*r["messages"], {"role": "assistant", "content": sft_target(r)}] for r in rng.choices(rows, k=batch)]
+            learner.train_step(make_sft_batch(tok, chats), SFTLoss())
+    save_checkpoint(learner, path, tokenizer=tok)
+    return str(path)
+
+
+def policy_samples(policy_path: str, rows, per_prompt: int, temperatures=(1.0, 1.5, 2.0),
+                   max_new_tokens: int = 8) -> list[tuple[dict, str, float]]:
+    """(row, completion, label): `per_prompt` completions of every row sampled from the policy at each
+    temperature (the policy's neighbourhood, where RL will look), labelled by the rule."""
+    from rayllm_rl.inference.protocol import LLMRequest, SamplingParams
+    from rayllm_rl.inference.transformers_engine import TransformersEngine
+    from rayllm_rl.workflows.rlvr import tokenize_prompt
+
+    engine = TransformersEngine(policy_path, seed=0, device="cpu")
+    asked = [(r, LLMRequest(input_ids=tokenize_prompt(engine.tokenizer, r["messages"]),
+                            sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=t)))
+             for t in temperatures for r in rows for _ in range(per_prompt)]
+    with one_thread():
+        responses = engine.generate([req for _, req in asked])
+    out = []
+    for (row, _), resp in zip(asked, responses):
+        out += _labelled({"messages": row["messages"], "answer": row["answer"]},
+                         [engine.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)])
+    return out
+
+
+NOISE = "0123456789<>/ answer\x7f\ufffd"
+"""Characters the corruptions insert (a policy's stray digits, tag pieces, spaces and undecodable bytes)."""
+
+
+def corrupt(text: str, rng: random.Random) -> str:
+    """`text` with one random edit: a character inserted, deleted or replaced, or cut and followed by noise."""
+    i = rng.randrange(len(text) + 1)
+    noise = "".join(rng.choice(NOISE) for _ in range(rng.randint(1, 4)))
+    kind = rng.choice(("insert", "delete", "replace", "cut"))
+    if kind == "insert":
+        return text[:i] + noise[0] + text[i:]
+    if kind == "delete":
+        return text[:i] + text[i + 1:]
+    if kind == "replace":
+        return text[:i] + noise[0] + text[i + 1:]
+    return text[:i] + noise
+
+
+def scramble(pieces: list[str], rng: random.Random) -> str:
+    """1 to 6 of `pieces` strung together at random (what a policy samples from the tokens it was taught)."""
+    return "".join(rng.choice(pieces) for _ in range(rng.randint(1, 6)))
+
+
+def _labelled(row: dict, completions: list[str]) -> list[tuple[dict, str, float]]:
+    """(row, completion, label) with the label the arithmetic task's rule (`arithmetic_reward`) gives."""
+    return [(row, c, arithmetic_reward("", c, [], [], answer=row["answer"])) for c in completions]
+
+
+def _row(a: int, b: int) -> dict:
+    return {"messages": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)}
+
+
+TAILS = [*"0123456789", "<", ">", ">>", "</", "</answer>", "<answer>", " ", " the", "\ufffd"]
+"""What a policy may write after a closing tag (the rule ignores it)."""
+
+
+def answer_table(pairs, max_answer: int = 18, seed: int = 0) -> list[tuple[dict, str, float]]:
+    """For each (a, b): every answer 0..max_answer in tags (and an empty one), alone and followed by a random
+    `TAILS` (so a policy finds no answer of these shapes the RM has not seen), and the right one 12 times more
+    in both shapes; labelled by the rule."""
+    rng = random.Random(seed)
+    out = []
+    for a, b in pairs:
+        s = a + b
+        answers = ["", *map(str, range(max_answer + 1))]
+        completions = [f"<answer>{n}</answer>" for n in answers]
+        completions += [f"<answer>{n}</answer>{rng.choice(TAILS)}" for n in answers]
+        completions += [f"<answer>{s}</answer>"] * 8 + [f"<answer>{s}</answer>{rng.choice(TAILS)}" for _ in range(4)]
+        out += _labelled(_row(a, b), completions)
+    return out
+
+
+def format_noise(pairs, corruptions: int = 20, scrambles: int = 40, seed: int = 0) -> list[tuple[dict, str, float]]:
+    """For each (a, b): `corruptions` one-edit corruptions of the right answer and `scrambles` random strings of
+    tag pieces and numbers, labelled by the rule. What a policy writes on its way to (or around) the format:
+    an RM that never saw such strings rates them by their look, and GRPO finds the ones it likes."""
+    rng = random.Random(seed)
+    out = []
+    for a, b in pairs:
+        s = a + b
+        pieces = ["<answer>", "</answer>", "<", ">", "</", "answer", "\ufffd", " ", str(s), str(s), str(s + 1),
+                  str(rng.randint(0, 9)), str(max(s - 1, 0))]
+        completions = [corrupt(f"<answer>{s}</answer>", rng) for _ in range(corruptions)]
+        completions += [scramble(pieces, rng) for _ in range(scrambles)]
+        out += _labelled(_row(a, b), completions)
+    return out
+
+
+def train_reward_classifier(path, groups: list[list[tuple[dict, str, float]]], shares: list[float],
+                            steps: int = 800, batch: int = 128, lr: float = 1e-3, seed: int = 0) -> list[float]:
+    """Train `build_tiny_reward_model(path)` with binary cross-entropy on labelled (row, completion, label)
+    examples (its logit is the log-odds of the rule's 1; AdamW, one torch thread), `shares[i]` of each batch
+    drawn from `groups[i]`; keep the best of the checks every 100 steps (by the worst group's accuracy) and
+    save it to `path`; returns its accuracy on each group (logit > 0 <=> label 1)."""
+    model, tok = build_tiny_reward_model(path, seed=seed)
+    tok.padding_side = "right"
+    examples = [e for group in groups for e in group]
+    texts = [tok.apply_chat_template([*row["messages"], {"role": "assistant", "content": c}], tokenize=False)
+             for row, c, _ in examples]
+    enc = tok(texts, padding=True, return_tensors="pt")  # one length for every group: batches concatenate
+    labels = torch.tensor([y for _, _, y in examples])
+    bounds = torch.tensor([0, *itertools.accumulate(len(g) for g in groups)])
+    encoded = [({k: v[lo:hi] for k, v in enc.items()}, labels[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:])]
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    best: tuple[list[float], dict | None] = ([-1.0], None)
+    with one_thread():
+        for step in range(1, steps + 1):
+            model.train()
+            picks = [(enc, labels, torch.randint(len(labels), (round(batch * share),), generator=gen))
+                     for (enc, labels), share in zip(encoded, shares)]
+            ids = torch.cat([enc["input_ids"][idx] for enc, _, idx in picks])
+            mask = torch.cat([enc["attention_mask"][idx] for enc, _, idx in picks])
+            logits = model(input_ids=ids, attention_mask=mask).logits[:, 0]
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, torch.cat([l[i] for _, l, i in picks]))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step % 100 == 0:
+                model.eval()
+                with torch.no_grad():
+                    accuracy = [float(((model(**enc).logits[:, 0] > 0).float() == labels).float().mean())
+                                for enc, labels in encoded]
+                if min(accuracy) > min(best[0]):
+                    best = (accuracy, {k: v.clone() for k, v in model.state_dict().items()})
+    model.load_state_dict(best[1])
+    model.save_pretrained(path)
+    return best[0]
