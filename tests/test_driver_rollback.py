@@ -106,7 +106,8 @@ class ScriptedBackend:
 
     def summary_stats(self):
         return {"failed_episodes": 0, **self.faults.summary(), "buffer": {}, "reward_failures": {},
-                "replica_versions_held": [], "weight_transport": "in-process", "learner_checksums_equal_replicas": True}
+                "replica_versions_held": [], "weight_transport": "in-process", "learner_checksums_equal_replicas": True,
+                "reward_services": {}}
 
     def recover(self, crash: RoleCrashed) -> None:
         self._call("recover", *crash.roles)

@@ -71,7 +71,8 @@ class Backend(Protocol):
         """Stop admitting and wait for the running episodes to land in the buffer."""
 
     def summary_stats(self) -> dict[str, Any]:
-        """The summary's backend part: buffer, failures, versions held, learner/engine checksums."""
+        """The summary's backend part: buffer, failures, versions held, learner/engine checksums, and the
+        reward-model scorers' batching figures (`reward_services`, {} without `reward.model`)."""
 
     def recover(self, crash: RoleCrashed) -> None:
         """Replace every role after `crash` (the driver then restores the last checkpoint into them)."""
