@@ -52,6 +52,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 from ray.experimental.collective import create_collective_group, destroy_collective_group  # noqa: E402
 
+from rayllm_rl.orchestration.ray.cluster import LOCAL_SYSTEM_CONFIG, handoff_arg  # noqa: E402
 from rayllm_rl.weight_sync.registry import TRANSPORTS, make_spec, transport_info  # noqa: E402
 
 TARGETS = {"object_store_vs_shm_generating": 0.9, "object_store_idle_vs_memcpy": 0.5, "stall_fraction_of_sync": 0.05}
@@ -280,12 +281,11 @@ class Bench:
         head = sender.send.options(tensor_transport=rdt) if rdt else sender.send
         t0 = time.perf_counter()
         sent = head.remote(key, v)
-        published = sent if info.pulls else None  # references only, never bytes
-        got = [r.receive_weights.remote(published) for r in replicas]
+        got = [r.receive_weights.remote(handoff_arg(info, sent)) for r in replicas]  # references only, never bytes
         # as Cluster.sync_weights: a replica's receive ends after the send; an RDT result is not fetchable here
         outs = self.get(got if rdt else got + [sent])[:len(got)]
         e2e = time.perf_counter() - t0
-        del sent, published
+        del sent
         stats = self.get(sender.last_stats.remote(key))
         sums = self.get([r.checksum.remote() for r in replicas])
         rel = max(abs(s - expected) / max(abs(expected), 1e-30) for s in sums)
@@ -522,7 +522,7 @@ def main() -> None:
 
     temp_dir = f"/tmp/rayllm-wsbench-{os.getpid()}"
     ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=True,
-             object_store_memory=(args.object_store_mb << 20) or None,
+             object_store_memory=(args.object_store_mb << 20) or None, _system_config=LOCAL_SYSTEM_CONFIG,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
                                        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
                                        # actors import rayllm_rl from this checkout, as the driver does

@@ -199,3 +199,34 @@ def test_a_sender_given_a_wrong_tensor_names_it_and_publishes_nothing(local_ray)
     with pytest.raises(WeightSyncError, match="layer.0.b"):
         sender.send(missing, 1)
     assert sender.handoff is None
+
+
+@ray.remote(num_cpus=0)
+class NeverPublishes:
+    def sync_weights(self, version):
+        time.sleep(60)
+
+
+def test_a_replica_awaits_the_handoff_reference_and_times_out_naming_the_phase(local_ray, tiny_model_path):
+    """The driver passes `[reference]` to rank 0's result (cluster.handoff_arg), so the replica's call runs
+    while rank 0 publishes; a rank 0 that never publishes fails the replica's receive after
+    ray.sync_timeout_s, naming the phase, and the replica still holds version 0."""
+    from transformers import AutoModelForCausalLM
+
+    from rayllm_rl.orchestration.ray.actors import InferenceReplica
+    from rayllm_rl.orchestration.ray.cluster import handoff_arg
+    from rayllm_rl.weight_sync.registry import transport_info
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    spec, _ = spec_of(dict(model.named_parameters()), timeout_s=1.0)
+    replica = InferenceReplica.remote("transformers", tiny_model_path)
+    assert ray.get(replica.init_update_group.remote(spec.for_rank(1)), timeout=120)
+    stuck = NeverPublishes.remote().sync_weights.remote(1)
+    arg = handoff_arg(transport_info("object_store"), stuck)
+    assert isinstance(arg, list) and arg[0] is stuck
+    t0 = time.monotonic()
+    with pytest.raises(ray.exceptions.RayTaskError, match=r"did not publish within ray.sync_timeout_s=1s \(phase: handoff\)"):
+        ray.get(replica.receive_weights.remote(arg), timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert ray.get(replica.version.remote(), timeout=30) == 0
+    ray.kill(replica, no_restart=True)

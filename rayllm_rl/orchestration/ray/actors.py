@@ -133,12 +133,24 @@ class InferenceReplica(_Process):
     async def init_update_group(self, spec) -> bool:
         """Build the engine's receiving end(s) of the weight sync (`weight_sync.registry.SyncSpec`)."""
         await self.engine.init_update_group(spec)
+        self._sync_timeout_s = spec.timeout_s
         return True
 
-    async def receive_weights(self, published: dict | None = None) -> dict[str, float]:
+    async def receive_weights(self, published: dict | list | None = None) -> dict[str, float]:
         """Receive while generating, then apply between two decode steps (the engine's sink).
         `published`: learner rank 0's `sync_weights` result, for a transport whose receivers fetch
-        what it published (Ray resolved the reference the driver passed; it holds references only)."""
+        what it published (it holds references only): resolved by Ray before this call, or passed as
+        `[reference]` (`cluster.handoff_arg`) and awaited here, so that Ray schedules this call while
+        rank 0 is still publishing (bounded by `ray.sync_timeout_s`, naming the phase)."""
+        if isinstance(published, list):
+            timeout = getattr(self, "_sync_timeout_s", None)
+            if timeout is None:
+                raise RuntimeError("receive_weights: init_update_group was not called on this replica")
+            try:
+                published = await asyncio.wait_for(published[0], timeout)
+            except asyncio.TimeoutError as exc:
+                raise TimeoutError(f"weight sync: learner rank 0 did not publish within ray.sync_timeout_s={timeout:g}s "
+                                   "(phase: handoff)") from exc
         out = await self.engine.receive_update(None if published is None else published["handoff"])
         self._turn("weights received")
         self.versions_held.append(int(out["version"]))

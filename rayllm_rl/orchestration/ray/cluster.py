@@ -25,6 +25,14 @@ from rayllm_rl.orchestration.ray.reward_actors import start_reward_actors
 from rayllm_rl.orchestration.ray.turns import make_turns
 
 
+LOCAL_SYSTEM_CONFIG = {"free_objects_period_milliseconds": 0}
+"""Ray settings of a local Ray this package starts. Ray frees an object nobody references in batches,
+once a second by default; a weight version published meanwhile lands in memory the store has never
+given out, and the first touch of each page costs the publish ~100 ms for 101.5 MB (30,000 page faults
+against none, measured here). Freed at once, versions reuse the same memory. A cluster you start
+yourself takes it from the environment: `RAY_free_objects_period_milliseconds=0 ray start ...`."""
+
+
 def init_ray(cfg: GRPOJobConfig) -> None:
     """Join RAY_ADDRESS / cfg.ray.address, or start a local Ray (auth stays on, dashboard on 127.0.0.1)."""
     if ray.is_initialized():
@@ -35,7 +43,7 @@ def init_ray(cfg: GRPOJobConfig) -> None:
         ray.init(address=address, log_to_driver=True)
     else:
         ray.init(address="local", _temp_dir=cfg.ray.temp_dir or None, include_dashboard=False,
-                 runtime_env=runtime_env, log_to_driver=True)
+                 runtime_env=runtime_env, log_to_driver=True, _system_config=LOCAL_SYSTEM_CONFIG)
 
 
 @dataclasses.dataclass
@@ -101,8 +109,7 @@ class Cluster:
         if info.tensor_transport is not None:  # Ray keeps the result's tensors with rank 0 and sends them to each replica
             head = head.options(tensor_transport=info.tensor_transport)
         sent = [head.remote(version)] + [l.sync_weights.remote(version) for l in self.learners[1:]]
-        published = sent[0] if info.pulls else None
-        got = [r.receive_weights.remote(published) for r in self.replicas]
+        got = [r.receive_weights.remote(handoff_arg(info, sent[0])) for r in self.replicas]
         # A replica's receive ends after rank 0's sync (it waits for rank 0's result or its group's ack);
         # a Ray Direct Transport result cannot be fetched here: only the replicas receive its tensors.
         waited = got + (sent[1:] if info.tensor_transport is not None else sent)
@@ -127,6 +134,16 @@ class Cluster:
             self.placement.remove()
         if namespace is not None:
             wait_names_free(names, namespace)
+
+
+def handoff_arg(info, published):
+    """What the driver passes each replica's `receive_weights` for learner rank 0's result `published`:
+    nothing (a push transport's bytes travel in its group), the reference itself (Ray Direct Transport:
+    Ray moves the result's tensors to the replica before the call runs), or `[reference]` (every other
+    pull transport), which the replica awaits, so Ray schedules its call while rank 0 still publishes."""
+    if not info.pulls:
+        return None
+    return published if info.tensor_transport is not None else [published]
 
 
 def wait_names_free(names: list[str], namespace: str, timeout_s: float = 60.0) -> None:
