@@ -55,8 +55,14 @@ class Nodes:
     """A `Cluster` of a learner head node and one inference node (replaced after a node loss)."""
 
     def __init__(self, temp_dir: str):
+        import os
+
+        from ray._private.utils import get_ray_address_file
         from ray.cluster_utils import Cluster
 
+        # Cluster writes the head's address to Ray's default temp dir (/tmp/ray) whatever temp_dir says,
+        # and fails if that directory does not exist (a machine where no Ray ran with the default yet).
+        os.makedirs(os.path.dirname(get_ray_address_file(None)), exist_ok=True)
         self.cluster = Cluster(initialize_head=True, head_node_args={
             **NODE_ARGS, "labels": LEARNER, "temp_dir": temp_dir, "include_dashboard": False})
         self.inference = self.add_inference_node()
