@@ -2,9 +2,13 @@
 `save_pretrained` (the code under test loads them back with `from_pretrained`)."""
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import itertools
 import random
+import shutil
+import tempfile
 
 import torch
 
@@ -79,11 +83,21 @@ def train_judge_to_answer(path, answer: str, steps: int = 40, seed: int = 0) -> 
 
     rng = random.Random(seed)
     chats = []
-    for _ in range(16):
+    for k in range(32):  # answers and junk alike: a policy's early completions are mostly junk
         a, b = rng.randint(0, 9), rng.randint(0, 9)
-        text = DEFAULT_JUDGE_TEMPLATE.format(question=f"{a}+{b}=", completion=f"<answer>{rng.randint(0, 18)}</answer>")
+        completion = (f"<answer>{rng.randint(0, 18)}</answer>" if k % 2 else
+                      "".join(rng.choice(NOISE + "abcdefghij") for _ in range(rng.randint(0, 12))))
+        text = DEFAULT_JUDGE_TEMPLATE.format(question=f"{a}+{b}=", completion=completion)
         chats.append([{"role": "user", "content": text}, {"role": "assistant", "content": answer}])
     return sft_tiny_lm(path, chats, steps, lr=3e-3, seed=seed)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_judge(answer: str = "Score: 7") -> str:
+    """`train_judge_to_answer(answer)` once per test process (in a temporary directory removed at exit)."""
+    path = tempfile.mkdtemp(prefix="rayllm-tiny-judge-")
+    atexit.register(shutil.rmtree, path, True)
+    return train_judge_to_answer(path, answer)
 
 
 def sft_arithmetic_policy(path, rows, steps: int = 60, batch: int = 32, seed: int = 0) -> str:

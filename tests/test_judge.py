@@ -15,7 +15,7 @@ from rayllm_rl.rewards.combined import CombinedReward
 from rayllm_rl.rewards.config import DEFAULT_JUDGE_REGEX, DEFAULT_JUDGE_TEMPLATE, check_template
 from rayllm_rl.rewards.judge import Judge, JudgeParseError, ScoreParser
 from rayllm_rl.workflows.rewards import RewardCaller
-from reward_model_helpers import build_tiny_reward_model, train_judge_to_answer
+from reward_model_helpers import build_tiny_reward_model, tiny_judge
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -105,9 +105,9 @@ def test_bad_judge_settings_fail_validation_naming_the_key(overrides, message):
 
 # ---------------------------------------------------------------- a real (tiny) judge in process
 @pytest.fixture(scope="module")
-def judge_path(tmp_path_factory) -> str:
-    """The tiny causal LM SFT'd to answer every judge prompt with 'Score: 7'."""
-    return train_judge_to_answer(tmp_path_factory.mktemp("judge"), "Score: 7")
+def judge_path() -> str:
+    """The tiny causal LM SFT'd to answer every judge prompt with 'Score: 7' (once per test process)."""
+    return tiny_judge("Score: 7")
 
 
 def local_judge(path: str, *overrides: str):
@@ -117,6 +117,7 @@ def local_judge(path: str, *overrides: str):
     return cfg, local_reward_scorers(cfg)["judge"]
 
 
+@pytest.mark.slow  # the tiny judge is SFT'd first (about 10 s)
 def test_judge_scores_through_its_engine_and_combines_with_rule_and_rm(judge_path, tmp_path):
     """reward = 0.5 * rule + 2 * rm + 3 * judge, every part real: the rule, a tiny RM and the SFT'd judge
     (its 'Score: 7' reads 0.7), all completions of a group in flight at once."""
@@ -146,6 +147,7 @@ def test_judge_scores_through_its_engine_and_combines_with_rule_and_rm(judge_pat
     assert reward.counters()["reward_judge_calls"] == 3 and reward.counters()["reward_judge_errors"] == 0
 
 
+@pytest.mark.slow  # the tiny judge is SFT'd first (about 10 s)
 def test_unparseable_verdict_scores_zero_and_counts(judge_path):
     """The same judge read with the yes/no parser: its 'Score: 7' is garbage, so 0, a warning and counters."""
     _, judge = local_judge(judge_path, "reward.judge.parser=yes_no")

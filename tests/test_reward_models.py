@@ -105,7 +105,7 @@ def _raise(ids):
 
 
 def _hang(ids):
-    time.sleep(1.5)
+    time.sleep(0.8)
     return torch.zeros(ids.shape[0], 1)
 
 
@@ -216,6 +216,32 @@ def test_the_default_job_trains_on_its_rule_alone(rm_path, tokenizer):
     assert build_workflow(cfg, build_task(cfg), tokenizer).reward.reward_fn is arithmetic_reward
 
 
+@pytest.mark.slow
+def test_a_local_job_trains_on_rule_rm_and_judge(rm_path, tmp_path):
+    """trainer.backend=local: the in-process RM and judge (a tiny judge SFT'd here to say 'Score: 7') score
+    every rollout through the real driver; each step logs the components, the summary the counters."""
+    from rayllm_rl.orchestration.driver import train
+    from reward_model_helpers import tiny_judge
+
+    judge = tiny_judge("Score: 7")
+    cfg = load_config(GRPOJobConfig, [
+        "trainer.backend=local", "sft.steps=2", "data.eval_size=4", "data.max_operand=4", "rollout.prompts_per_step=2",
+        "rollout.group_size=2", "rollout.max_new_tokens=6", "trainer.steps=2", "trainer.eval_every=0",
+        f"trainer.run_dir={tmp_path / 'run'}", f"reward.model.path={rm_path}", f"reward.judge.path={judge}",
+        "reward.rule_weight=0.5", "reward.judge.weight=2"])
+    summary = train(cfg)
+    rl = [r for r in map(json.loads, (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines())
+          if r["phase"] == "rl"]
+    assert len(rl) == 2 and summary["failed_episodes"] == 0
+    for r in rl:
+        assert r["reward_judge"] == pytest.approx(0.7) and r["reward_judge_failed"] == 0 == r["reward_model_failed"]
+        assert r["reward"] == pytest.approx(0.5 * r["reward_rule"] + r["reward_model"] + 2 * 0.7, abs=1e-5)
+    failures = summary["reward_failures"]
+    assert failures["reward_model_calls"] == failures["reward_judge_calls"] >= 8
+    assert failures["reward_model_errors"] == failures["reward_judge_errors"] == failures["reward_judge_unparsed"] == 0
+    assert summary["reward_services"]["reward-model"]["scored"] == failures["reward_model_calls"]
+
+
 # ---------------------------------------------------------------- Ray: actors, placement, learning
 @pytest.fixture(scope="module")
 def ray_with_two_gpus():
@@ -296,15 +322,15 @@ def test_reward_model_actors_that_cannot_get_their_gpus_fail_naming_the_key(ray_
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_judge_replicas_are_frozen_actors_on_logical_gpus(ray_with_two_gpus, tmp_path):
+def test_judge_replicas_are_frozen_actors_on_logical_gpus(ray_with_two_gpus):
     """`judge-<i>`: InferenceReplica actors of a tiny judge SFT'd here to answer 'Score: 7', one logical GPU each,
     reached by env workers through a router; they never take a weight update."""
     import ray
 
     from rayllm_rl.orchestration.ray.reward_actors import ray_reward_scorers, start_reward_actors
-    from reward_model_helpers import train_judge_to_answer
+    from reward_model_helpers import tiny_judge
 
-    judge_path = train_judge_to_answer(tmp_path / "judge", "Score: 7")
+    judge_path = tiny_judge("Score: 7")
     cfg = load_config(GRPOJobConfig, [f"reward.judge.path={judge_path}", "reward.judge.num_replicas=2",
                                       "reward.judge.gpus_per_replica=1", "ray.namespace=judges"]).validate()
     actors = start_reward_actors(cfg)
