@@ -8,7 +8,8 @@ the kept tokens, which the learner does not: docs/design-choices.md.
 
 Weights live in vLLM's worker process; the sink drives the backend in
 :mod:`rayllm_rl.inference.vllm_worker` through vLLM's weight-transfer API and
-`collective_rpc`. The receive overlaps generation; the stall is pause → `load_weights` →
+`collective_rpc`. The receive overlaps generation (on CPU so does the load, into a shadow copy of the
+model: vllm_shadow.py); the stall is the paused update (a swap on CPU, `load_weights` on GPUs) up to the
 resume, with running requests kept and re-prefilled under the new weights.
 
 LoRA policies (`lora`): vLLM serves the base model with one LoRA slot; the adapter arrives through the
@@ -401,14 +402,18 @@ class VLLMEngine:
         await self._llm.update_weights(WeightTransferUpdateRequest(update_info={"version": version}))
 
     async def _apply(self, version: int, load, reload: bool = True) -> float:
-        """pause(keep, clear KV) → load → finish(version) → resume; returns the stall in seconds. `reload`:
-        vLLM's layerwise reload of the base weights around `load` (not for a LoRA adapter)."""
+        """pause(keep, clear KV) → load → finish(version) → resume; returns the stall in seconds: from the
+        pause taking effect to the resume. The pause itself (`stall_pause_s`, reported apart) mostly waits
+        for the running engine step to end, which keeps generating, as the Transformers engine's decode lock
+        does; idle it takes about a millisecond. `reload`: vLLM's update lifecycle around `load` (for a
+        LoRA adapter, only its version)."""
         t0 = time.perf_counter()
         # The engine core's pause, not `AsyncLLM.pause_generation`: that adds a fixed 20 ms sleep
         # (for the order of in-flight outputs, "not required for correctness") and clears the
         # multimodal cache, which a text-only policy does not have. The sleep was ~20% of the stall.
         await self._llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=True)
-        parts = {"stall_pause_s": time.perf_counter() - t0}
+        paused = time.perf_counter()
+        parts = {"stall_pause_s": paused - t0}
         try:
             t = time.perf_counter()
             if reload:
@@ -425,7 +430,7 @@ class VLLMEngine:
         finally:
             if not self._asleep:  # asleep (colocated hand-over): wake_up resumes once the KV cache is back
                 await self._llm.resume_generation()
-        stall = time.perf_counter() - t0
+        stall = time.perf_counter() - paused
         self.stats["updates"] += 1
         self.stats["last_stall_s"] = stall
         self.last_stall_parts = parts
