@@ -393,7 +393,10 @@ class VLLMEngine:
             raise RuntimeError(f"vLLM replica: receiving weights failed: {state['error']}")
         version = int(state["version"])
         receive_s = self.stats["last_receive_s"] = time.perf_counter() - t0
-        stall = await self._apply(version, lambda: self._update_request(version))
+        if state.get("shadow_loaded"):  # loaded and processed in the worker's shadow model: only a swap is left
+            stall = await self._apply(version, lambda: self._rpc("rayllm_swap_shadow", version), reload=False)
+        else:
+            stall = await self._apply(version, lambda: self._update_request(version))
         return {"version": version, "receive_s": receive_s, "stall_s": stall, **self.last_stall_parts}
 
     async def _update_request(self, version: int) -> None:

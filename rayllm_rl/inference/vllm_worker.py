@@ -221,10 +221,12 @@ class RayllmWeightTransfer(WeightTransferEngine[RayllmInitInfo, RayllmUpdateInfo
         self._thread.start()
 
     def receive_state(self) -> dict[str, Any]:
-        """`{"done": bool, "version": int | None, "error": str | None, "receive_s": float}`."""
+        """`{"done": bool, "version": int | None, "error": str | None, "receive_s": float, "shadow_loaded": bool}`;
+        `shadow_loaded`: the update sits processed in the shadow model, so `swap_shadow` is all that is left."""
         done = self._thread is None or not self._thread.is_alive()
         err = None if self._error is None else f"{type(self._error).__name__}: {self._error}"
-        return {"done": done, "version": self._received, "error": err, "receive_s": self.receive_s}
+        return {"done": done, "version": self._received, "error": err, "receive_s": self.receive_s,
+                "shadow_loaded": done and self.shadow is not None and self._received is not None}
 
     # ------------------------------------------------------------------ vLLM's update lifecycle
     def start_weight_update(self) -> None:
@@ -248,6 +250,11 @@ class RayllmWeightTransfer(WeightTransferEngine[RayllmInitInfo, RayllmUpdateInfo
         self.receive_weights(self.parse_update_info(update_info))
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+
+    def swap_shadow(self, version: int) -> None:
+        """Make the update loaded into the shadow live (generation paused); vLLM's update lifecycle, which
+        reloads the live model, is not needed around it."""
+        self.receive_weights(RayllmUpdateInfo(version=int(version)))
 
     def receive_weights(self, update_info: RayllmUpdateInfo) -> None:
         """Load the received update (called while generation is paused)."""
@@ -315,6 +322,9 @@ class RayllmWorkerExtension:
 
     def rayllm_receive_state(self) -> dict[str, Any]:
         return self._rayllm().receive_state()
+
+    def rayllm_swap_shadow(self, version: int) -> None:
+        self._rayllm().swap_shadow(version)
 
     def rayllm_load_named(self, blob: bytes) -> None:
         """Direct load of tensors sent inside the RPC as safetensors bytes (vLLM's RPC encoding
