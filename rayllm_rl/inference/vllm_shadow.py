@@ -10,7 +10,7 @@ millisecond. The previous version then sits in the shadow, which the next update
 
 Only where no one holds the parameters' addresses: CPU (vLLM's CPU build runs eagerly here).
 On GPUs CUDA graphs keep the addresses, so the live load (a device copy) stays; see
-docs/weight-sync.md. Costs one more copy of the weights (and of CPU kernels' packed weights) in
+docs/inference-engines.md. Costs one more copy of the weights (and of CPU kernels' packed weights) in
 the worker's memory.
 """
 from __future__ import annotations
