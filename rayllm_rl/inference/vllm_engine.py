@@ -57,9 +57,10 @@ class VLLMOptions:
     enable_sleep_mode: bool = False
     """GPU only: vLLM's sleep mode (CUDA's memory pool that `sleep` can offload); on by placement when colocated."""
     double_buffer_weights: bool = True
-    """CPU only: load each weight update into a second copy of the model in vLLM's worker while the live one
-    generates, then swap the two between engine steps (the stall is the swap, not vLLM's load and repacking),
-    at the cost of one more copy of the weights in host memory. On GPUs updates load in place (CUDA graphs)."""
+    """CPU and eager only: load each weight update into a second copy of the model in vLLM's worker while the
+    live one generates, then swap the two between engine steps (the stall is the swap, not vLLM's load and
+    repacking), at the cost of one more copy of the weights in host memory. On GPUs, or with compilation
+    (enforce_eager=false), updates load in place: CUDA graphs and compiled code hold the parameters."""
     sleep_level: int = 1
     """Colocated, while the learner trains: 1 = weights to host memory and back (safe), 2 = weights dropped
     and refilled by the weight sync that follows (less copying; every buffer must be in the sync)."""
@@ -169,6 +170,7 @@ class VLLMEngine:
         self.max_positions = self.options.max_model_len or int(config.max_position_embeddings)
         self._version = int(version)
         self._llm = None
+        self._eager = True  # set by _build: no CUDA graphs or torch.compile
         self._start_lock: asyncio.Lock | None = None
         self._sync_timeout_s: float | None = None  # set when the update group is joined
         self._receiver = self._staging = None  # this actor's receiving end and staging segment, if any
@@ -214,12 +216,13 @@ class VLLMEngine:
 
         o = self.options
         on_cpu = not torch.cuda.is_available()
+        self._eager = on_cpu if o.enforce_eager is None else bool(o.enforce_eager)
         if on_cpu and self.tensor_parallel_size > 1:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(self.tensor_parallel_size))
         args = AsyncEngineArgs(
             model=self.model_path, tokenizer=self.model_path, dtype=self.dtype, seed=self.seed,
             max_model_len=self.max_positions, enable_prefix_caching=o.enable_prefix_caching,
-            enforce_eager=on_cpu if o.enforce_eager is None else o.enforce_eager, max_num_seqs=o.max_num_seqs, logprobs_mode="processed_logprobs",
+            enforce_eager=self._eager, max_num_seqs=o.max_num_seqs, logprobs_mode="processed_logprobs",
             tensor_parallel_size=self.tensor_parallel_size, worker_extension_cls=WORKER_EXTENSION,
             weight_transfer_config={"backend": "rayllm"}, disable_log_stats=True,
             use_tqdm_on_load=False,  # no loading bar: Ray forwards it to the driver's console
@@ -361,7 +364,8 @@ class VLLMEngine:
                                 "timeout_s": spec.timeout_s}}
         else:
             info = {"spec": spec.as_dict()}
-        info["double_buffer"] = bool(self.options.double_buffer_weights)
+        # The shadow's swap moves parameters to other storage: only where nothing compiled holds them.
+        info["double_buffer"] = bool(self.options.double_buffer_weights) and self._eager
         await asyncio.wait_for(self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info)),
                                spec.timeout_s + 30)
 
