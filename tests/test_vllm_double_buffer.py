@@ -76,6 +76,7 @@ def test_update_loads_behind_generation_and_swaps_between_steps(tiny_model_path,
                     time.sleep(0.01)
                 send.join(60)
                 assert state["error"] is None and state["version"] == version
+                assert state["shadow_loaded"] is double_buffer  # the update waits, processed, in the shadow
                 for r in [f.result(120) for f in during]:  # generated beside the load, all by version - 1
                     assert r.output_versions == [version - 1] * LONG.max_new_tokens
                     assert r.output_tokens[:8] == old_tokens
@@ -83,7 +84,11 @@ def test_update_loads_behind_generation_and_swaps_between_steps(tiny_model_path,
                 assert before.output_versions == [version - 1] * 8
                 assert before.output_tokens == old_tokens  # the live model still holds version - 1
 
-                stall = loop.run(engine._apply(version, lambda: engine._update_request(version)))
+                if double_buffer:  # as receive_update applies it: one swap inside the pause
+                    apply = engine._apply(version, lambda: engine._rpc("rayllm_swap_shadow", version), reload=False)
+                else:  # vLLM's update lifecycle: layerwise reload around load_weights
+                    apply = engine._apply(version, lambda: engine._update_request(version))
+                stall = loop.run(apply)
                 (after,) = generate(loop, engine, [prompt], GREEDY)
                 assert stall > 0 and engine.version == version
                 assert after.output_versions == [version] * 8
