@@ -411,9 +411,14 @@ def test_policy_learns_arithmetic_from_a_reward_model_alone(ray_with_two_gpus, t
                       "greedy_train_prompts_after": greedy_train[80], "eval_reward_before": summary["eval_reward_before"],
                       "eval_reward_after": summary["eval_reward_after"], "eval_reward_gain": summary["eval_reward_gain"],
                       "rl_seconds": summary["rl_seconds"]}))
+    trained = [r["reward"] for r in rl]  # the RM's score, what the policy optimises
+    trained_first, trained_last = statistics.fmean(trained[:15]), statistics.fmean(trained[-15:])
     assert rm_gap < 0.15  # the RM's score tracks the rule on the policy's own rollouts
-    assert last > first + 0.1, (first, last)
-    assert greedy_train[80] > greedy_train[0] + 0.1, greedy_train
+    assert trained_last > trained_first + 0.1, (trained_first, trained_last)
+    # Six runs (docs/reward-models.md): the rule on sampled (temperature 1) rollouts 0.19-0.22 -> 0.25-0.47;
+    # greedy answers to the training prompts 0.25 -> 0.55-0.75.
+    assert last > first, (first, last)
+    assert greedy_train[80] >= greedy_train[0] + 0.2, greedy_train
 
 
 def greedy_rule_reward(checkpoint: Path, rows) -> float:
