@@ -67,15 +67,16 @@ def _flat_bytes(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
+def _npieces(nbytes: int) -> int:
+    """How many out-of-band buffers a tensor of `nbytes` travels as."""
+    return 1 if nbytes <= PIECE_BYTES or nbytes >= WHOLE_BYTES else -(-nbytes // PIECE_BYTES)
+
+
 def _pieces(buf: np.ndarray) -> list[np.ndarray]:
     """`buf` cut into the views that travel as its out-of-band buffers (no copy)."""
-    if buf.nbytes <= PIECE_BYTES or buf.nbytes >= WHOLE_BYTES:
+    if _npieces(buf.nbytes) == 1:
         return [buf]
     return [buf[i:i + PIECE_BYTES] for i in range(0, buf.nbytes, PIECE_BYTES)]
-
-
-def _npieces(nbytes: int) -> int:
-    return 1 if nbytes <= PIECE_BYTES or nbytes >= WHOLE_BYTES else -(-nbytes // PIECE_BYTES)
 
 
 def _joined(parts: list[np.ndarray]) -> np.ndarray:
@@ -143,6 +144,8 @@ class ObjectStoreReceiver(_HeldReceiver):
                  rank: int = 1):
         self._ep = _HandoffPlan(metas, bucket_bytes, timeout_s, rank, "object store")
         self._dtypes = target_dtypes(target, self._ep.metas, "ObjectStoreReceiver")
+        self._pieces = [[_npieces(m.nbytes) for m in bucket] for bucket in self._ep.buckets]
+        """Per bucket, the buffers each tensor arrives as (from the plan, as the sender cut them)."""
         self.target = target
         self.copied_bytes = 0
         """Bytes of the last receive that are not read-only views of the node's store (a dtype
@@ -171,12 +174,11 @@ class ObjectStoreReceiver(_HeldReceiver):
                 raise plan.error(phase, f"version {handoff.version}: the object did not arrive", True) from exc
             except ray.exceptions.RayError as exc:  # owner (learner) died, object lost, ...
                 raise plan.error(phase, f"version {handoff.version}: {type(exc).__name__}: {exc}") from exc
-            if len(arrays) != sum(_npieces(m.nbytes) for m in bucket):
-                raise plan.error(phase, f"{len(arrays)} buffers fetched for {len(bucket)} tensors, "
-                                        f"{sum(_npieces(m.nbytes) for m in bucket)} planned")
+            pieces = self._pieces[i]
+            if len(arrays) != sum(pieces):
+                raise plan.error(phase, f"{len(arrays)} buffers fetched for {len(bucket)} tensors, {sum(pieces)} planned")
             at = 0
-            for m in bucket:
-                k = _npieces(m.nbytes)
+            for m, k in zip(bucket, pieces):
                 buf, at = _joined(arrays[at:at + k]), at + k
                 t = _tensor_of(buf, m)
                 if buf.flags.writeable or t.dtype != self._dtypes[m.name]:  # a private copy, not the store's memory
