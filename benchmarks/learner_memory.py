@@ -73,9 +73,10 @@ class TodayLearner(Learner):
         metrics: dict[str, float] = {}
         for mb in _today_micro_batches(td, self.cfg.micro_batch_size):
             mask = mb["loss_mask"]
-            logp, entropy = today_token_logprobs(self.model, mb["input_ids"].to(self.device),
-                                                 mb["attention_mask"].to(self.device), self.temperature,
-                                                 with_entropy=True)
+            with self.precision.autocast(self.device):  # both paths: float32 masters, bf16 compute when asked
+                logp, entropy = today_token_logprobs(self.model, mb["input_ids"].to(self.device),
+                                                     mb["attention_mask"].to(self.device), self.temperature,
+                                                     with_entropy=True)
             if self.device.type != "cpu":
                 mb = mb.to(self.device)
             ent = float(torch.where(mb["loss_mask"] != 0, entropy, torch.zeros_like(entropy)).sum()) / total_tokens
@@ -173,7 +174,7 @@ def run_path(args) -> dict:
     optim = OptimConfig(lr=0.0, grad_clip=0.0, micro_batch_size=args.today_micro_batch_size if today else 0,
                         max_tokens_per_micro_batch=args.max_tokens, logprob_chunk_size=args.chunk,
                         activation_checkpointing=args.activation_checkpointing and not today)
-    learner = (TodayLearner if today else Learner)("", optim, model=model)
+    learner = (TodayLearner if today else Learner)("", optim, model=model, dtype=getattr(torch, args.dtype))
     loss = GRPOLoss()
     mem = PeakMemory(args.device)
     real_tokens = int(batch["attention_mask"].sum())

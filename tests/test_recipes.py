@@ -149,11 +149,13 @@ def test_every_recipe_passes_the_dry_run(path, offline_hub, capsys):
         assert plan["model"]["config_source"].startswith(str(offline_hub / "hf" / "hub"))
     else:
         assert arch["hidden_size"] == 128 and arch["num_layers"] == 3  # the tiny model's spec
-    # learner: params + grads + 2 AdamW moments in model.dtype, sharded over the ranks (FSDP2)
+    # learner: params + grads + 2 AdamW moments in float32 (master weights), sharded over the ranks (FSDP2);
+    # one bf16 rank also holds autocast's bf16 copy of the weights
     b = 2 if plan["model"]["dtype"] == "bfloat16" else 4
     lm = memory["learner_per_rank"]
-    states = 4 * arch["params"] * b / learners
+    states = 4 * arch["params"] * 4 / learners
     assert abs(lm["bytes"]["params"] + lm["bytes"]["grads"] + lm["bytes"]["adamw_state"] - states) <= 4
+    assert lm["bytes"]["autocast_weight_copies"] == (arch["params"] * 2 if b == 2 and learners == 1 else 0)
     assert lm["total_bytes"] > states and lm["bytes"]["activations"] > 0 and lm["bytes"]["logits"] > 0
     if learner_gpus > 0:
         assert lm["total_bytes"] < GPU_MEMORY_GIB * GiB, f"{path.name}: {lm['total_bytes'] / GiB:.1f} GiB per rank"
@@ -176,7 +178,8 @@ def test_hub_model_numbers_in_the_plan(offline_hub, capsys):
     assert "gpu_memory_utilization=0.5 of each" in kv["budget"]
     eight = dry_run_json(capsys, f"config={ROOT / 'recipes' / 'math_qwen2.5-7b_8gpu.yaml'}")
     lm = eight["memory"]["learner_per_rank"]
-    assert lm["bytes"]["params"] == int(7_615_616_512 * 2 / 4)  # bf16, 4 ranks: 3.55 GiB each
+    assert lm["bytes"]["params"] == int(7_615_616_512 * 4 / 4)  # float32 masters, 4 ranks: 7.09 GiB each
+    assert lm["bytes"]["fsdp_gathered"] > 0 and lm["bytes"]["autocast_weight_copies"] == 0  # FSDP: gathered in bf16
     assert lm["assumed"]["micro_batch_tokens"] == 2 * (200 + 1024)
     assert 10 * GiB < lm["total_bytes"] < 60 * GiB
 

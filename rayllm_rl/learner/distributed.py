@@ -88,22 +88,24 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard")
 
 
-def shard_model(model: torch.nn.Module, mesh) -> torch.nn.Module:
+def shard_model(model: torch.nn.Module, mesh, mp_policy=None) -> torch.nn.Module:
     """FSDP2 `fully_shard` every decoder layer, then the root (embeddings, final norm, lm_head).
 
     Tied embeddings stay tied: embed_tokens and lm_head share one Parameter, which lands in the
     root's parameter group, and FSDP2 swaps in one DTensor Parameter on both modules. Gradient
     reduction is a plain SUM (divide factor 1): the learner already normalises every rank's loss
     by the GLOBAL token / sequence count, so summing ranks gives the full-batch gradient.
-    Parameter names are unchanged (FSDP2 adds no wrapper modules).
+    Parameter names are unchanged (FSDP2 adds no wrapper modules). `mp_policy`: FSDP2's
+    `MixedPrecisionPolicy` (learner/precision.py), or None (gathered and reduced in the parameters' dtype).
     """
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = emb is not None and head is not None and head.weight is emb.weight
+    extra = {"mp_policy": mp_policy} if mp_policy is not None else {}
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **extra)
+    fully_shard(model, mesh=mesh, **extra)
     if tied and model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
         raise RuntimeError("fully_shard untied lm_head.weight from embed_tokens.weight")
     for m in model.modules():

@@ -63,6 +63,7 @@ from rayllm_rl.learner.logprobs import (
     token_budget_micro_batches,
     token_logprobs,
 )
+from rayllm_rl.learner.precision import Precision
 from rayllm_rl.lora import LoraOptions
 from rayllm_rl.objectives.base import Loss
 from rayllm_rl.objectives.ppo_decoupled import loglinear_prox_logp
@@ -158,7 +159,10 @@ class Learner:
         torch.manual_seed(seed)
         self.dist = dist if dist is not None else DistConfig()
         self.rank, self.world_size = self.dist.rank, self.dist.world_size
-        self.model = model if model is not None else AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        self.precision = Precision.of(dtype, sharded=self.world_size > 1)
+        """float32 master weights, compute in `dtype` (learner/precision.py)."""
+        self.model = model if model is not None else AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=self.precision.master)
         self.model_path = model_path
         self.lora = lora if lora is not None and lora.enabled else None
         """The policy's LoRA adapter (None: every weight trains)."""
@@ -166,6 +170,7 @@ class Learner:
             from rayllm_rl.lora import inject
 
             inject(self.model, self.lora, model_path)
+        self.precision.place(self.model)  # trainable: master dtype; a LoRA base: the compute dtype
         self.model.train()
         if optim.activation_checkpointing:  # before sharding: the layers' __call__ wraps FSDP's hooks
             set_activation_checkpointing(self.model, True)
@@ -174,7 +179,7 @@ class Learner:
             self.mesh = init_distributed(self.dist)
             if len(set(all_gather_objects(seed))) != 1:
                 raise ValueError("every FSDP rank must use the same seed (minibatch permutations must agree)")
-            shard_model(self.model, self.mesh)  # moves the shards to the mesh device (cuda for nccl)
+            shard_model(self.model, self.mesh, self.precision.fsdp_policy())  # moves the shards to the mesh device (cuda for nccl)
         elif self.dist.backend == "nccl":  # one GPU learner: no process group, the model on this rank's GPU
             self.model.to(torch.device("cuda", torch.cuda.current_device()))
         self.device = next(self.model.parameters()).device
@@ -221,9 +226,10 @@ class Learner:
         if self.lora is not None:
             self.model.eval()  # no LoRA dropout in a logprob recomputation
         try:
-            out = batched_token_logprobs(self.model, td, self.cfg.max_tokens_per_micro_batch, self.temperature,
-                                         self.device, chunk_size=self.cfg.logprob_chunk_size,
-                                         max_rows=self.cfg.micro_batch_size)
+            with self.precision.autocast(self.device):
+                out = batched_token_logprobs(self.model, td, self.cfg.max_tokens_per_micro_batch, self.temperature,
+                                             self.device, chunk_size=self.cfg.logprob_chunk_size,
+                                             max_rows=self.cfg.micro_batch_size)
         finally:
             self.model.train(training)
         reshard(self.model)
@@ -315,9 +321,10 @@ class Learner:
         for mb in mbs:
             mask = mb["loss_mask"]
             # logprobs only where the loss reads them: the gradient is the same, the LM head does less
-            logp, entropy = token_logprobs(self.model, mb["input_ids"].to(self.device),
-                                           mb["attention_mask"].to(self.device), self.temperature,
-                                           with_entropy=True, positions=(mask != 0).to(self.device), chunk_size=chunk)
+            with self.precision.autocast(self.device):
+                logp, entropy = token_logprobs(self.model, mb["input_ids"].to(self.device),
+                                               mb["attention_mask"].to(self.device), self.temperature, with_entropy=True,
+                                               positions=(mask != 0).to(self.device), chunk_size=chunk)
             if self.device.type != "cpu":
                 mb = mb.to(self.device)
             # true policy entropy over the trained tokens (the loss only sees sampled-token logprobs)
@@ -367,10 +374,12 @@ class Learner:
         """Stream `(name, full detached tensor)` per parameter (weight sync); collective under FSDP.
 
         Names are the unsharded model's `named_parameters()` names (LoRA: the adapter's parameters
-        only, by PEFT name). Every rank must exhaust the iterator in lockstep (each item is a
-        `full_tensor()` all-gather); non-zero ranks may discard.
+        only, by PEFT name), tensors in the compute dtype (float32 masters: a copy, what replicas hold).
+        Every rank must exhaust the iterator in lockstep (each item is a `full_tensor()` all-gather);
+        non-zero ranks may discard.
         """
-        return iter_full_tensors(self.model, self._synced_parameters())
+        return ((name, self.precision.for_sync(t)) for name, t in iter_full_tensors(self.model,
+                                                                                     self._synced_parameters()))
 
     def _synced_parameters(self) -> dict[str, torch.nn.Parameter]:
         """What weight sync carries, by the name it carries: every parameter, or the LoRA adapter."""
@@ -384,7 +393,8 @@ class Learner:
         """TensorMeta of every tensor `iter_named_tensors` yields, from global shapes (no gather)."""
         from rayllm_rl.weight_sync.buckets import TensorMeta
 
-        return [TensorMeta(name, tuple(p.shape), p.dtype) for name, p in self._synced_parameters().items()]
+        return [TensorMeta(name, tuple(p.shape), self.precision.sync_dtype(p.dtype))
+                for name, p in self._synced_parameters().items()]
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """Full, detached weights by name (what weight sync sends to inference); on every rank.

@@ -137,8 +137,20 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
 
 def chunked_head_logprobs(hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor, temperature: float = 1.0,
                           chunk_size: int = DEFAULT_CHUNK, with_entropy: bool = False):
-    """`(logp [N], entropy [N] or empty)` of `targets` under `head(hidden) / temperature`, hidden `[N, H]`."""
-    return ChunkedHeadLogprobs.apply(hidden, head.weight, head.bias, targets, float(temperature), int(chunk_size),
+    """`(logp [N], entropy [N] or empty)` of `targets` under `head(hidden) / temperature`, hidden `[N, H]`.
+
+    Under autocast (the learner's float32 masters, learner/precision.py) the head runs as `F.linear` would
+    there: hidden and weight cast to the autocast dtype, logits accumulated in float32; the weight's
+    gradient flows back through the cast to the float32 master."""
+    weight, bias, device = head.weight, head.bias, hidden.device.type
+    if torch.is_autocast_enabled(device):
+        dt = torch.get_autocast_dtype(device)
+        hidden, weight = hidden.to(dt), weight.to(dt)
+        bias = bias.to(dt) if bias is not None else None
+        with torch.autocast(device, enabled=False):  # the function sets every dtype itself
+            return ChunkedHeadLogprobs.apply(hidden, weight, bias, targets, float(temperature), int(chunk_size),
+                                             bool(with_entropy))
+    return ChunkedHeadLogprobs.apply(hidden, weight, bias, targets, float(temperature), int(chunk_size),
                                      bool(with_entropy))
 
 
