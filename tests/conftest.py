@@ -22,7 +22,7 @@ def tokenizer(tiny_model_path):
 def engine(tiny_model_path):
     from rayllm_rl.inference.transformers_engine import TransformersEngine
 
-    return TransformersEngine(tiny_model_path, seed=0)
+    return TransformersEngine(tiny_model_path, seed=0, device="cpu")  # CPU tests, also where a GPU is seen
 
 
 def pytest_collection_modifyitems(config, items):
