@@ -26,7 +26,7 @@ Transports (see docs/ray-orchestration.md, "Weight sync"):
 * ``nccl``: buckets broadcast over a private NCCL group between GPUs (never run on a GPU here).
 * ``cuda_ipc``: colocated on one GPU: learner rank 0 exports CUDA IPC handles of its own tensors, the
   driver hands them over as plain data, the replica opens them on the same device and copies device to
-  device (weight_sync/cuda_ipc.py; never run on a GPU here).
+  device (weight_sync/cuda_ipc.py; ran on an H200 between two processes: benchmarks/gpu_weight_sync.py).
 """
 from __future__ import annotations
 
