@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import torch  # noqa: E402
 
-from gpu_check import build_model_dir, describe_model, device_copy_seconds, sync  # noqa: E402
+from gpu_check import _positive, build_model_dir, describe_model, device_copy_seconds, sync  # noqa: E402
 
 GROUP = 4
 """Rows per GRPO group of the learner's batch."""
@@ -294,19 +294,6 @@ def run(args: argparse.Namespace) -> dict:
             sender.close()
         replica.close()
     return out
-
-
-def _positive(kind: type):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
-        return value
-
-    return parse
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -13,23 +13,9 @@ import torch
 from rayllm_rl.learner.distributed import DistConfig
 from rayllm_rl.learner.learner import Learner, OptimConfig
 from rayllm_rl.objectives import GRPOLoss
+from test_learner_precision import make_batch  # tokenised chats with advantages and behaviour logprobs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-
-
-def make_batch(path: str, rows: int = 8):
-    from transformers import AutoTokenizer
-
-    from rayllm_rl.data.sft import make_sft_batch
-
-    tok = AutoTokenizer.from_pretrained(path)
-    g = torch.Generator().manual_seed(3)
-    chats = [[{"role": "user", "content": f"What is {i}+{i}?"},
-              {"role": "assistant", "content": f"<answer>{2 * i}</answer>" + " so" * (i % 3)}] for i in range(rows)]
-    batch = make_sft_batch(tok, chats)
-    batch["advantages"] = torch.randn(rows, generator=g)
-    batch["logprobs"] = -torch.rand(batch["loss_mask"].shape, generator=g) * batch["loss_mask"]
-    return batch
 
 
 def host_state(learner: Learner) -> tuple[dict, dict]:
