@@ -50,9 +50,10 @@ class ModelConfig(_TracksPresets):
     revision: str = ""
     """Hub revision (branch, tag or commit) of a hub-id `path`; empty = "main". Ignored for a local directory."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Weights of the learner and the inference engine. 'auto' = bfloat16 when the learner ranks and the
-    replicas get GPUs (ray.gpus_per_learner > 0 and ray.gpus_per_replica > 0), else float32 (exact
-    logprobs on CPU); resolved before anything reads it."""
+    """The inference engine's weights and the learner's compute; with bfloat16 the learner keeps float32
+    master weights and AdamW state and trains in bf16 (learner/precision.py). 'auto' = bfloat16 when the
+    learner ranks and the replicas get GPUs (ray.gpus_per_learner > 0 and ray.gpus_per_replica > 0), else
+    float32 (exact logprobs on CPU); resolved before anything reads it."""
     lora: LoraOptions = dataclasses.field(default_factory=LoraOptions)
     """LoRA adapter (`model.lora.rank > 0`): the learner trains the adapter only, weight sync sends only the
     adapter, the KL reference is the base model (adapter off), checkpoints are PEFT adapters; rank 0 (the
