@@ -23,19 +23,20 @@ class Task:
     {"reward": float, **components}."""
     sft_target: Callable[[dict], str] | None = None
     """Row -> assistant demonstration text for the SFT warm start (None: no warm start)."""
-    make_env: Callable[..., Any] | None = None
-    """`make_env(tokenizer, seed=...)` -> the task's DatasetChatEnv (batch 1, no dataset: each reset
-    carries the episode's row), for the env workflow."""
     env_cls: Any = None
-    """The DatasetChatEnv class `make_env` builds (None: the task has no env)."""
+    """The task's DatasetChatEnv class (None: the task has no env)."""
+
+    @functools.cached_property
+    def make_env(self) -> Callable[..., Any] | None:
+        """`make_env(tokenizer, seed=...)` -> the task's DatasetChatEnv scoring with `reward_fn` (batch 1, no
+        dataset: each reset carries the episode's row), for the env workflow; None without an env. One
+        factory per task (its envs share one RewardCaller's counters); `with_reward` makes a new task."""
+        return None if self.env_cls is None else _row_fed_env_factory(self.env_cls, self.reward_fn)
 
     def with_reward(self, reward_fn: Callable[..., Any]) -> "Task":
-        """This task scoring with `reward_fn` instead of its rule (its env, if any, built around it), e.g. the
-        weighted rule + reward model + judge of `reward.*`; rows and SFT target unchanged."""
-        if self.make_env is not None and self.env_cls is None:
-            raise ValueError(f"task {self.name!r} has an env factory but no env_cls to rebuild it with another reward")
-        make_env = None if self.env_cls is None else _row_fed_env_factory(self.env_cls, reward_fn)
-        return dataclasses.replace(self, reward_fn=reward_fn, make_env=make_env)
+        """This task scoring with `reward_fn` instead of its rule (its env, if any, too), e.g. the weighted
+        rule + reward model + judge of `reward.*`; rows and SFT target unchanged."""
+        return dataclasses.replace(self, reward_fn=reward_fn)
 
 
 DEFAULT_CONFIGS: dict[str, str | None] = {"gsm8k": "main", "math": "default", "ifeval": None}
@@ -98,8 +99,7 @@ def _dataset_task(name: str, data_cfg: Any, seed: int) -> Task:
                 "file, or leave it empty to hold out data.eval_size rows of data.path")
     train, eval_ = split_held_out(rows, data_cfg.eval_size, seed, held)
     train, eval_ = add_messages(train, make_messages), add_messages(eval_, make_messages) if len(eval_) else eval_
-    return Task(name, in_memory(train), in_memory(eval_), reward_fn, sft_target, _row_fed_env_factory(env_cls, reward_fn),
-                env_cls)
+    return Task(name, in_memory(train), in_memory(eval_), reward_fn, sft_target, env_cls)
 
 
 def in_memory(dataset):
@@ -125,7 +125,7 @@ def make_worker_task(name: str) -> Task:
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; available: {list(TASKS)}")
     env_cls, _, reward_fn, sft_target = _task_parts(name)
-    return Task(name, None, None, reward_fn, sft_target, _row_fed_env_factory(env_cls, reward_fn), env_cls)
+    return Task(name, None, None, reward_fn, sft_target, env_cls)
 
 
 def _make_env(env_cls, reward_fn, tokenizer, seed: int = 0):
