@@ -57,9 +57,14 @@ class Precision:
                 p.data = p.data.to(want)
         return model
 
+    @property
+    def uses_autocast(self) -> bool:
+        """Mixed on one rank: forwards run under autocast (FSDP's policy casts instead)."""
+        return self.mixed and not self.sharded
+
     def autocast(self, device: torch.device):
-        """The context every forward of the learner runs in (a no-op unless mixed and unsharded)."""
-        if not self.mixed or self.sharded:
+        """The context every forward of the learner runs in (a no-op unless `uses_autocast`)."""
+        if not self.uses_autocast:
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=self.compute)
 

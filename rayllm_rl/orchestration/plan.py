@@ -12,13 +12,14 @@ Memory model (bytes, per learner rank, `b` = bytes of model.dtype, P = parameter
 params, grads and the two AdamW moments are each P*m/W with m = max(b, 4) (FSDP2 shards them; the
 learner keeps float32 master weights, learner/precision.py); with W > 1 one decoder layer plus the root
 (embeddings, lm_head) is gathered whole at a time, in model.dtype; with W = 1 and b < 4, autocast's
-model.dtype copy of every weight (P*b) lives through the backward. Activations: tokens of one micro-batch x layers x (8H + 3*kv_dim + 4I) elements saved for the
-backward (the two RMSNorms' inputs and outputs, q/k/v before and after RoPE, the attention output, the
-gated MLP's gate, up, SiLU and product), or one H per layer per token plus one layer's full set with
-activation checkpointing. A micro-batch holds min(optim.max_tokens_per_micro_batch // sequence length,
-optim.micro_batch_size if set) rows. Logits: with optim.logprob_chunk_size > 0, chunk x vocabulary x
-12 bytes (a float32 block, a second one for the entropy, one in backward); without, all the
-micro-batch's tokens x vocabulary x (b + 12): the logits, their float32 copy, log_softmax, gradient.
+model.dtype copy of every weight (P*b) lives through the backward. Activations: tokens of one
+micro-batch x layers x (8H + 3*kv_dim + 4I) elements saved for the backward (the two RMSNorms' inputs
+and outputs, q/k/v before and after RoPE, the attention output, the gated MLP's gate, up, SiLU and
+product), or one H per layer per token plus one layer's full set with activation checkpointing. A
+micro-batch holds min(optim.max_tokens_per_micro_batch // sequence length, optim.micro_batch_size if
+set) rows. Logits: with optim.logprob_chunk_size > 0, chunk x vocabulary x 12 bytes (a float32 block, a
+second one for the entropy, one in backward); without, all the micro-batch's tokens x vocabulary x
+(b+12): the logits, their float32 copy, log_softmax, gradient.
 """
 from __future__ import annotations
 
@@ -203,12 +204,16 @@ def learner_memory(cfg: GRPOJobConfig, arch: dict) -> dict[str, Any]:
     chunk = int(_optim(cfg, "logprob_chunk_size", 0) or 0)
     # chunked LM head: one [chunk, V] float32 block, two while the entropy is computed, one more in backward
     logit_bytes = min(mb_tokens, chunk) * V * 12 if chunk > 0 else mb_tokens * V * (b + 12)
-    m = max(b, 4)  # float32 master weights, gradients and AdamW state (learner/precision.py)
-    shard = P * m / W
+    import torch
+
+    from rayllm_rl.learner.precision import Precision
+
+    precision = Precision.of(getattr(torch, cfg.model.dtype), sharded=W > 1)  # the learner's own decision
+    shard = P * precision.master.itemsize / W  # master weights, their gradients and AdamW state
     gathered = (arch["layer_params"] + arch["embedding_params"] * (1 if arch["tie_word_embeddings"] else 2)) * b \
         if W > 1 else 0.0
     # one process under autocast: the compute-dtype casts of every weight are kept for backward
-    casts = P * b if W == 1 and m != b else 0.0
+    casts = P * b if precision.uses_autocast else 0.0
     parts = {"params": shard, "grads": shard, "adamw_state": 2 * shard, "fsdp_gathered": gathered,
              "autocast_weight_copies": casts, "activations": act_elems * b, "logits": logit_bytes}
     return {"bytes": {k: int(v) for k, v in parts.items()}, "total_bytes": int(sum(parts.values())),
