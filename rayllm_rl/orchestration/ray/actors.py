@@ -96,6 +96,8 @@ class InferenceReplica(_Process):
             self.serving = frozen or not ray.get_runtime_context().was_current_actor_reconstructed
         """False in a process Ray restarted after a crash (unless frozen), until the current weights arrive: it refuses
         requests (the router waits or goes elsewhere) instead of generating with the checkpoint's weights."""
+        self._sync_timeout_s: float | None = None
+        """`ray.sync_timeout_s`, from the spec of the weight-sync group this replica joined (None: not joined)."""
 
     async def ready(self) -> int:
         """Start the engine (vLLM spawns its engine core here) on the actor's event loop."""
@@ -143,7 +145,7 @@ class InferenceReplica(_Process):
         `[reference]` (`cluster.handoff_arg`) and awaited here, so that Ray schedules this call while
         rank 0 is still publishing (bounded by `ray.sync_timeout_s`, naming the phase)."""
         if isinstance(published, list):
-            timeout = getattr(self, "_sync_timeout_s", None)
+            timeout = self._sync_timeout_s
             if timeout is None:
                 raise RuntimeError("receive_weights: init_update_group was not called on this replica")
             try:
