@@ -179,7 +179,8 @@ class Learner:
             self.mesh = init_distributed(self.dist)
             if len(set(all_gather_objects(seed))) != 1:
                 raise ValueError("every FSDP rank must use the same seed (minibatch permutations must agree)")
-            shard_model(self.model, self.mesh, self.precision.fsdp_policy())  # moves the shards to the mesh device (cuda for nccl)
+            # moves the shards to the mesh device (cuda for nccl); bf16 gathers over float32 masters when mixed
+            shard_model(self.model, self.mesh, self.precision.fsdp_policy())
         elif self.dist.backend == "nccl":  # one GPU learner: no process group, the model on this rank's GPU
             self.model.to(torch.device("cuda", torch.cuda.current_device()))
         self.device = next(self.model.parameters()).device

@@ -143,15 +143,15 @@ def chunked_head_logprobs(hidden: torch.Tensor, head: torch.nn.Linear, targets: 
     there: hidden and weight cast to the autocast dtype, logits accumulated in float32; the weight's
     gradient flows back through the cast to the float32 master."""
     weight, bias, device = head.weight, head.bias, hidden.device.type
+    context = contextlib.nullcontext()
     if torch.is_autocast_enabled(device):
         dt = torch.get_autocast_dtype(device)
         hidden, weight = hidden.to(dt), weight.to(dt)
         bias = bias.to(dt) if bias is not None else None
-        with torch.autocast(device, enabled=False):  # the function sets every dtype itself
-            return ChunkedHeadLogprobs.apply(hidden, weight, bias, targets, float(temperature), int(chunk_size),
-                                             bool(with_entropy))
-    return ChunkedHeadLogprobs.apply(hidden, weight, bias, targets, float(temperature), int(chunk_size),
-                                     bool(with_entropy))
+        context = torch.autocast(device, enabled=False)  # the function sets every dtype itself
+    with context:
+        return ChunkedHeadLogprobs.apply(hidden, weight, bias, targets, float(temperature), int(chunk_size),
+                                         bool(with_entropy))
 
 
 def linear_head(model: torch.nn.Module) -> torch.nn.Linear | None:
