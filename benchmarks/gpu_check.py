@@ -330,6 +330,29 @@ def device_copy_seconds(nbytes: int, device: str, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+def trajectory_batch(responses, generator: torch.Generator):
+    """Engine responses as a trajectory batch `[N, T]` with random per-row rewards (drawn from `generator`)
+    and GRPO advantages over groups of `GROUP` rows."""
+    from rayllm_rl.data.trajectory import TrajectoryBuilder, concat_padded
+    from rayllm_rl.objectives import AdvantageConfig, compute_advantages
+
+    rows = []
+    for i, r in enumerate(responses):
+        b = TrajectoryBuilder()
+        b.add_prompt(r.input_tokens)
+        b.add_generated(r)
+        rows.append(b.build(reward=float(torch.randn((), generator=generator)), group_id=i // GROUP))
+    batch = concat_padded(rows)
+    batch["advantages"] = compute_advantages(batch["rewards"], batch["group_id"], AdvantageConfig())
+    return batch
+
+
+def logprob_abs_diff(learner, batch) -> torch.Tensor:
+    """|learner - engine| logprob of every sampled token of `batch`, `[tokens]` (float32 on the CPU)."""
+    lp = learner.compute_logprobs(batch).float()
+    return (lp - batch["logprobs"]).abs()[batch["loss_mask"]]
+
+
 def build_model_dir(name: str, workdir: Path, seed: int, dtype: torch.dtype) -> str:
     """The speed-figure model as a local HF directory: the tiny model's cache, or a random-init Qwen2 of
     Qwen2.5-0.5B's shape written with save_pretrained beside the tiny model's tokenizer."""
@@ -449,25 +472,10 @@ class GPUCheck:
         return out, time.perf_counter() - t0
 
     def to_batch(self, responses):
-        """The responses as a trajectory batch `[N, T]` with random per-row rewards and GRPO advantages."""
-        from rayllm_rl.data.trajectory import TrajectoryBuilder, concat_padded
-        from rayllm_rl.objectives import AdvantageConfig, compute_advantages
-
-        rows = []
-        for i, r in enumerate(responses):
-            b = TrajectoryBuilder()
-            b.add_prompt(r.input_tokens)
-            b.add_generated(r)
-            rows.append(b.build(reward=float(torch.randn((), generator=self.rng)), group_id=i // GROUP))
-        batch = concat_padded(rows)
-        batch["advantages"] = compute_advantages(batch["rewards"], batch["group_id"], AdvantageConfig())
-        return batch
+        return trajectory_batch(responses, self.rng)
 
     def logprob_diff(self, batch) -> torch.Tensor:
-        """|learner - engine| logprob of every sampled token `[tokens]` (float32 on the CPU)."""
-        mask = batch["loss_mask"]
-        lp = self.learner.compute_logprobs(batch).float()
-        return (lp - batch["logprobs"]).abs()[mask]
+        return logprob_abs_diff(self.learner, batch)
 
     # -------------------------------------------------------------- phases
     def run(self) -> dict:

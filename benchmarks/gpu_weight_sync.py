@@ -40,11 +40,9 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import torch  # noqa: E402
 
-from gpu_check import _positive, build_model_dir, describe_model, device_copy_seconds, sync  # noqa: E402
-
-GROUP = 4
-"""Rows per GRPO group of the learner's batch."""
-
+from gpu_check import (  # noqa: E402
+    _positive, build_model_dir, describe_model, device_copy_seconds, logprob_abs_diff, sync, trajectory_batch,
+)
 
 # ---------------------------------------------------------------------------- the replica process
 def _requests(n: int, prompt_len: int, new_tokens: int, vocab: tuple[int, int], seed: int):
@@ -155,27 +153,13 @@ class Replica:
 
 # ---------------------------------------------------------------------------- the learner side
 def to_batch(responses, seed: int):
-    """The replica's responses as a trajectory batch `[N, T]` with seeded rewards and GRPO advantages."""
-    from rayllm_rl.data.trajectory import TrajectoryBuilder, concat_padded
-    from rayllm_rl.objectives import AdvantageConfig, compute_advantages
-
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for i, r in enumerate(responses):
-        b = TrajectoryBuilder()
-        b.add_prompt(r.input_tokens)
-        b.add_generated(r)
-        rows.append(b.build(reward=float(torch.randn((), generator=g)), group_id=i // GROUP))
-    batch = concat_padded(rows)
-    batch["advantages"] = compute_advantages(batch["rewards"], batch["group_id"], AdvantageConfig())
-    return batch
+    """The replica's responses as a trajectory batch `[N, T]` (seeded rewards, GRPO advantages)."""
+    return trajectory_batch(responses, torch.Generator().manual_seed(seed))
 
 
 def logprob_diff(learner, responses) -> float:
     """max |learner − replica| logprob over the sampled tokens of `responses`."""
-    batch = to_batch(responses, 0)
-    lp = learner.compute_logprobs(batch).float()
-    return float((lp - batch["logprobs"]).abs()[batch["loss_mask"]].max())
+    return float(logprob_abs_diff(learner, to_batch(responses, 0)).max())
 
 
 def per_tensor_copy_seconds(tensors: list[torch.Tensor], device: str, repeats: int = 5) -> float:
