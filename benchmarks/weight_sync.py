@@ -1,9 +1,10 @@
 """Weight sync learner -> replicas over every CPU transport of the registry, in one Ray run.
 
-Ray's object store (`object_store`), Ray Direct Transport over gloo (`rdt_gloo`), the shared-memory
-double buffer (`shm`) and gloo buckets (`gloo`) side by side, each built by `weight_sync.registry`
-as a job builds them (rdt_*: a Ray collective group of the sender and the replicas, as
-`cluster.join_collective_group` makes it):
+Ray's object store (`object_store`), Ray's mutable-object channels (`ray_channel`), Ray Direct Transport
+over gloo (`rdt_gloo`), the shared-memory double buffer (`shm`) and gloo buckets (`gloo`) side by side,
+each built by `weight_sync.registry` as a job builds them (rdt_*: a Ray collective group of the sender
+and the replicas, as `cluster.join_collective_group` makes it; ray_channel: the sender's end first, its
+channels then handed to the replicas, as `cluster.form_sync_group` does):
 
 * sender: a benchmark-local actor standing in for learner rank 0, one per group. It holds the
   model's weights (`from_pretrained`), perturbs them before every sync (so each version has its own
@@ -84,14 +85,15 @@ class Sender:
         ip = ray.util.get_node_ip_address()
         return ip, find_free_port(ip)
 
-    def open(self, key: str, spec) -> bool:
-        """Build the sending end of group `key` (a group transport waits here for every receiver)."""
+    def open(self, key: str, spec) -> dict:
+        """Build the sending end of group `key` (a group transport waits here for every receiver);
+        returns what it made for the receivers (Ray channels), as `LearnerWorker.init_weight_sender`."""
         from rayllm_rl.weight_sync import metadata_of
-        from rayllm_rl.weight_sync.registry import build_sender
+        from rayllm_rl.weight_sync.registry import build_sender, receiver_payload
 
         self.close(key)
         self.ends[key] = build_sender(spec, metadata_of(self.named))
-        return True
+        return receiver_payload(spec, self.ends[key])
 
     def size(self) -> tuple[int, int]:
         """(parameters, bytes) of what a sync carries."""
@@ -251,11 +253,15 @@ class Bench:
         t0 = time.perf_counter()
         host, port = self.get(sender.address.remote())
         ranks = self.get([r.receiving_processes.remote(transport) for r in replicas])
+        info = transport_info(transport)
+        readers = list(zip(replicas, self.get([r.node_id.remote() for r in replicas]))) if info.sender_first else ()
         spec = make_spec(transport, self.metas, receivers=sum(ranks), timeout_s=self.timeout_s,
-                         bucket_bytes=self.bucket_bytes, host=host, port=port)
+                         bucket_bytes=self.bucket_bytes, host=host, port=port, readers=readers)
         first = [1 + sum(ranks[:i]) for i in range(len(replicas))]
-        self.get([sender.open.remote(key, spec)]
-                 + [r.init_update_group.remote(spec.for_rank(k)) for r, k in zip(replicas, first)])
+        opened = sender.open.remote(key, spec)
+        if info.sender_first:  # as cluster.form_sync_group: the sender's end first, then the replicas'
+            spec = spec.with_payload(**self.get(opened))
+        self.get([opened] + [r.init_update_group.remote(spec.for_rank(k)) for r, k in zip(replicas, first)])
         backend = getattr(spec.info, "tensor_transport", None)
         if backend and key not in self.collective:  # Ray Direct Transport: a Ray collective group of sender + replicas
             self.collective[key] = bounded(lambda: create_collective_group([sender, *replicas], backend=backend),
@@ -443,7 +449,7 @@ def run_setup(runner, args, model_path, metas, transports, prompt_ids) -> tuple[
     return out, bench
 
 
-RAY_PATHS = ("object_store", "rdt_gloo")
+RAY_PATHS = ("object_store", "ray_channel", "rdt_gloo")
 """The Ray transports the issue's targets are checked for (the object store is the one it names)."""
 
 

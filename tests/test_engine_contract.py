@@ -14,7 +14,7 @@ import torch
 
 from rayllm_rl.inference.protocol import LLMRequest, PromptTooLongError, SamplingParams
 from rayllm_rl.weight_sync import find_free_port, metadata_of
-from rayllm_rl.weight_sync.registry import TRANSPORTS, build_sender, make_spec
+from rayllm_rl.weight_sync.registry import TRANSPORTS, build_sender, make_spec, receiver_payload
 
 ENGINES = ["transformers", pytest.param("vllm", marks=pytest.mark.vllm)]
 TIMEOUT_S = 300
@@ -154,14 +154,20 @@ def update_over_group(loop, engine, named, version, transport):
     """Learner rank 0 in this process: send `named` stamped `version` through the engine's own sink,
     both ends built by the transport registry."""
     metas = metadata_of(named)
+    info = TRANSPORTS[transport]
     spec = make_spec(transport, [(m.name, m.shape, str(m.dtype).removeprefix("torch.")) for m in metas],
-                     receivers=1, timeout_s=60.0, bucket_bytes=1 << 16, host="127.0.0.1", port=find_free_port())
+                     receivers=1, timeout_s=60.0, bucket_bytes=1 << 16, host="127.0.0.1", port=find_free_port(),
+                     readers=[reader_stand_in()] if info.sender_first else ())
     box: dict = {}
-    t = threading.Thread(target=lambda: box.setdefault("sender", build_sender(spec, metas)))  # groups wait for peers
-    t.start()
-    loop.run(engine.init_update_group(spec.for_rank(1)))
-    t.join(60)
-    sender = box["sender"]
+    if info.sender_first:  # learner rank 0's end makes what the receiver reads (Ray channels): built first
+        sender = build_sender(spec, metas)
+        loop.run(engine.init_update_group(spec.with_payload(**receiver_payload(spec, sender)).for_rank(1)))
+    else:
+        t = threading.Thread(target=lambda: box.setdefault("sender", build_sender(spec, metas)))  # groups wait for peers
+        t.start()
+        loop.run(engine.init_update_group(spec.for_rank(1)))
+        t.join(60)
+        sender = box["sender"]
     if spec.info.pulls:  # publish first, then the receiver fetches what the handoff names
         stats, handoff = sender.send(named, version)
         result = loop.run(engine.receive_update(handoff))
@@ -173,6 +179,21 @@ def update_over_group(loop, engine, named, version, transport):
         stats = box["sent"][0]
     assert stats.version == version and stats.bytes == sum(m.nbytes for m in metas)
     return result, sender
+
+
+def reader_stand_in():
+    """(actor handle, node id) standing for this process as a channel's reader: Ray counts a channel's
+    readers by actor, and the engine reads here, in the driver (Ray's Compiled Graphs stand a proxy actor
+    in for the driver the same way)."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class ReaderStandIn:
+        def node_id(self) -> str:
+            return ray.get_runtime_context().get_node_id()
+
+    handle = ReaderStandIn.remote()
+    return handle, ray.get(handle.node_id.remote(), timeout=60)
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ def rl_records(summary) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["phase"] == "rl"]
 
 
-@pytest.mark.parametrize("transport", ["object_store", "rdt_gloo", "shm", "gloo"])  # every CPU transport of the registry
+@pytest.mark.parametrize("transport", ["object_store", "ray_channel", "rdt_gloo", "shm", "gloo"])  # every CPU transport of the registry
 def test_sync_makes_replica_weights_equal(local_ray, tmp_path, transport):
     from rayllm_rl.models.tiny import ensure_tiny_model
     from rayllm_rl.orchestration.factories import build_task

@@ -32,7 +32,7 @@ def vllm_cfg(tmp_path, *extra: str) -> GRPOJobConfig:
     ])
 
 
-@pytest.mark.parametrize("transport", ["object_store", "rdt_gloo", "shm", "gloo"])  # every CPU transport of the registry
+@pytest.mark.parametrize("transport", ["object_store", "ray_channel", "rdt_gloo", "shm", "gloo"])  # every CPU transport of the registry
 def test_vllm_replica_logprobs_equal_learner_after_sync(local_ray, tmp_path, transport):
     from transformers import AutoTokenizer
 

@@ -323,9 +323,11 @@ class RayConfig:
     """torch intra-op threads of each actor."""
     buffer_episodes: int = 0
     """Replay buffer capacity in episodes (0 = 2 * (max_staleness + 1) * prompts_per_step)."""
-    sync_transport: Literal["auto", "object_store", "rdt_gloo", "rdt_nccl", "shm", "gloo", "nccl", "cuda_ipc"] = "auto"
+    sync_transport: Literal["auto", "object_store", "ray_channel", "rdt_gloo", "rdt_nccl", "shm", "gloo", "nccl",
+                            "cuda_ipc"] = "auto"
     """Weight transport (weight_sync/registry.py): 'object_store' (learner rank 0 puts buckets in Ray's object
-    store, replicas fetch them: zero-copy on its node, Ray's transfer across nodes), 'rdt_gloo' / 'rdt_nccl' (Ray
+    store, replicas fetch them: zero-copy on its node, Ray's transfer across nodes), 'ray_channel' (two of Ray's
+    mutable shared-memory channels, written in turn; replicas read in place; same node), 'rdt_gloo' / 'rdt_nccl' (Ray
     Direct Transport: Ray sends the tensors learner to replica over a Ray collective group), 'shm' (shared-memory double
     buffer, same node), 'gloo' (TCP buckets), 'nccl' (GPU broadcast over a stateless NCCL group), 'cuda_ipc'
     (ray.placement=colocated on GPUs, one learner rank: the replica opens CUDA IPC handles of learner rank 0's

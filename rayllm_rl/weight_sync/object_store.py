@@ -36,7 +36,7 @@ from rayllm_rl.weight_sync.transport import (
     SyncStats, _EndpointView, _HandoffPlan, _HeldReceiver, _Source, target_dtypes,
 )
 
-__all__ = ["Handoff", "ObjectStoreSender", "ObjectStoreReceiver"]
+__all__ = ["Handoff", "ObjectStoreSender", "ObjectStoreReceiver", "flat_pieces", "tensors_of_buffers"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +103,27 @@ def _tensor_of(buf: np.ndarray, meta: TensorMeta) -> torch.Tensor:
         return torch.from_numpy(buf).view(meta.dtype).view(meta.shape)
 
 
+def flat_pieces(tensors: Iterable[torch.Tensor]) -> list[np.ndarray]:
+    """The out-of-band buffers tensors travel as: each one's bytes, cut as `_pieces` cuts them (no copy
+    for contiguous CPU tensors)."""
+    return [p for t in tensors for p in _pieces(_flat_bytes(t))]
+
+
+def tensors_of_buffers(arrays: Sequence[np.ndarray], metas: Sequence[TensorMeta], pieces: Sequence[int],
+                       dtypes: Mapping[str, torch.dtype], out: dict[str, torch.Tensor]) -> int:
+    """Put into `out` the tensor of each of `metas` over its `pieces[i]` buffers of `arrays` (a fetched
+    object's read-only views: no copy), converted to `dtypes[name]` where that differs; returns the bytes
+    that are private copies (a conversion, or a buffer Ray handed back writable) rather than the store's."""
+    copied, at = 0, 0
+    for m, k in zip(metas, pieces):
+        buf, at = _joined(list(arrays[at:at + k])), at + k
+        t = _tensor_of(buf, m)
+        if buf.flags.writeable or t.dtype != dtypes[m.name]:
+            copied += m.nbytes
+        out[m.name] = t if t.dtype == dtypes[m.name] else t.to(dtypes[m.name])
+    return copied
+
+
 class ObjectStoreSender(_EndpointView):
     """Learner rank 0: puts each bucket of a version into the object store; returns the references."""
 
@@ -124,7 +145,7 @@ class ObjectStoreSender(_EndpointView):
         with plan.publishing(source):
             for i, bucket in enumerate(plan.buckets):
                 phase = f"publish bucket {i + 1}/{len(plan.buckets)}"
-                refs.append(ray.put([p for m in bucket for p in _pieces(_flat_bytes(plan.take(source, m, phase)))]))
+                refs.append(ray.put(flat_pieces(plan.take(source, m, phase) for m in bucket)))
         self.handoff = Handoff(int(version), plan.fingerprint, tuple(refs), plan.total_bytes)
         return plan.sent(t0, len(refs), version), self.handoff
 
@@ -177,12 +198,6 @@ class ObjectStoreReceiver(_HeldReceiver):
             pieces = self._pieces[i]
             if len(arrays) != sum(pieces):
                 raise plan.error(phase, f"{len(arrays)} buffers fetched for {len(bucket)} tensors, {sum(pieces)} planned")
-            at = 0
-            for m, k in zip(bucket, pieces):
-                buf, at = _joined(arrays[at:at + k]), at + k
-                t = _tensor_of(buf, m)
-                if buf.flags.writeable or t.dtype != self._dtypes[m.name]:  # a private copy, not the store's memory
-                    copied += m.nbytes
-                named[m.name] = t if t.dtype == self._dtypes[m.name] else t.to(self._dtypes[m.name])
+            copied += tensors_of_buffers(arrays, bucket, pieces, self._dtypes, named)
         self.copied_bytes = copied
         return self._hold(handoff.version, named, t0, n)

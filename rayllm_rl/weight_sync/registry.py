@@ -18,6 +18,9 @@ Transports (see docs/ray-orchestration.md, "Weight sync"):
 
 * ``object_store``: Ray's object store (the default on CPU and across nodes). Learner rank 0 puts
   buckets, the driver hands the references over, receivers fetch (zero-copy on the learner's node).
+* ``ray_channel``: two of Ray's mutable shared-memory objects (Compiled Graphs' channels) on the learner's
+  node, written in turn: learner rank 0 makes them when the group forms, the driver hands them to the
+  replicas, then passes versions only; replicas read in place (weight_sync/ray_channel.py).
 * ``shm``: two shared-memory segments per job on the learner's node, control over a gloo group.
 * ``gloo``: buckets broadcast over a private gloo group (TCP).
 * ``rdt_gloo`` / ``rdt_nccl``: Ray Direct Transport: the driver passes the reference to learner rank
@@ -42,7 +45,7 @@ from rayllm_rl.weight_sync.gloo_group import StatelessGlooGroup, StatelessNcclGr
 from rayllm_rl.weight_sync.transport import SyncStats
 
 __all__ = ["SyncSpec", "TransportInfo", "TRANSPORTS", "transport_info", "plan_transport", "make_spec",
-           "build_sender", "build_receiver"]
+           "build_sender", "build_receiver", "receiver_payload"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +77,9 @@ class TransportInfo:
     device_local: bool = False
     """Receivers open the sender's own GPU memory (CUDA IPC), so each must sit on learner rank 0's GPU:
     the colocated placement with one learner rank (replica i shares GPU i with learner rank i)."""
+    sender_first: bool = False
+    """The receivers' ends are built from what learner rank 0's end made (`receiver_payload`): the driver
+    builds the sender first, then the receivers (Ray channels: the writer makes them, readers attach)."""
     default_bucket_mb: float = 16.0
     """Bucket size when `ray.sync_bucket_mb` is 0. Group transports pack a bucket into a flat buffer of
     this size on each end. The object store puts a bucket as one object, and every object costs Ray
@@ -93,6 +99,8 @@ TRANSPORTS: dict[str, TransportInfo] = {t.name: t for t in (
                   tensor_transport="gloo", single_learner_rank=True),
     TransportInfo("rdt_nccl", pulls=True, receiver_needs_ray=True, cross_node=True, gpu_only=True, group=False,
                   tensor_transport="nccl", shared_device=False),
+    TransportInfo("ray_channel", pulls=False, receiver_needs_ray=True, cross_node=False, gpu_only=False, group=False,
+                  sender_first=True),
     TransportInfo("shm", pulls=False, receiver_needs_ray=False, cross_node=False, gpu_only=False, group=True),
     TransportInfo("gloo", pulls=False, receiver_needs_ray=False, cross_node=True, gpu_only=False, group=True),
     TransportInfo("nccl", pulls=False, receiver_needs_ray=False, cross_node=True, gpu_only=True, group=True,
@@ -124,7 +132,9 @@ class SyncSpec:
     timeout_s: float
     bucket_bytes: int
     payload: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    """Per transport: `host`, `port` (group rendezvous), `segments` (shm)."""
+    """Per transport: `host`, `port` (group rendezvous), `segments` (shm), `readers` (ray_channel: the
+    replicas' actor handles and node ids, for learner rank 0) and `channels` (ray_channel: what it made,
+    for the replicas)."""
     rank: int = 0
 
     @property
@@ -135,6 +145,9 @@ class SyncSpec:
         if not 0 < rank < self.world_size:
             raise ValueError(f"weight sync: receiver rank {rank} is outside [1, {self.world_size})")
         return dataclasses.replace(self, rank=int(rank))
+
+    def with_payload(self, **more: Any) -> "SyncSpec":
+        return dataclasses.replace(self, payload={**self.payload, **more})
 
     def as_dict(self) -> dict[str, Any]:
         """Plain fields (crosses into vLLM's worker, whose RPC carries dicts and lists)."""
@@ -185,9 +198,10 @@ def plan_transport(requested: str, *, learner_gpus: bool, replica_gpus: bool, le
 
 
 def make_spec(transport: str, metas: Sequence, *, receivers: int, timeout_s: float, bucket_bytes: int = 0,
-              host: str = "", port: int = 0) -> SyncSpec:
+              host: str = "", port: int = 0, readers: Sequence[tuple[Any, str]] = ()) -> SyncSpec:
     """The spec of one setup with `receivers` receiving processes (ranks 1..receivers); `bucket_bytes`
-    0 is the transport's own default (`TransportInfo.default_bucket_mb`)."""
+    0 is the transport's own default (`TransportInfo.default_bucket_mb`). `readers`: (actor handle, node
+    id) of each receiving process, for a transport whose sender makes what they read (ray_channel)."""
     info = transport_info(transport)
     if bucket_bytes < 0:
         raise ValueError(f"weight sync: bucket_bytes must be >= 0 (0 = the transport's default), got {bucket_bytes}")
@@ -201,6 +215,11 @@ def make_spec(transport: str, metas: Sequence, *, receivers: int, timeout_s: flo
     if transport == "shm":
         prefix = f"rayllm_{uuid.uuid4().hex[:12]}"
         payload["segments"] = (f"{prefix}_0", f"{prefix}_1")
+    if info.sender_first:
+        if len(readers) != int(receivers):
+            raise ValueError(f"weight sync over {transport}: {int(receivers)} receiving processes but {len(readers)} "
+                             "readers (actor handle, node id) given")
+        payload["readers"] = tuple((h, str(n)) for h, n in readers)
     return SyncSpec(transport, metas, 1 + int(receivers), float(timeout_s), int(bucket_bytes), payload)
 
 
@@ -236,6 +255,10 @@ def build_sender(spec: SyncSpec, metas: Sequence[TensorMeta]):
         from rayllm_rl.weight_sync.object_store import ObjectStoreSender
 
         return ObjectStoreSender(metas, spec.bucket_bytes, spec.timeout_s)  # already of the common shape
+    if spec.transport == "ray_channel":
+        from rayllm_rl.weight_sync.ray_channel import ChannelSender
+
+        return ChannelSender(metas, spec.timeout_s, spec.payload["readers"])  # of the common shape
     if spec.transport == "cuda_ipc":
         from rayllm_rl.weight_sync.cuda_ipc import CudaIpcSender
 
@@ -259,6 +282,14 @@ def build_sender(spec: SyncSpec, metas: Sequence[TensorMeta]):
     except BaseException:
         group.close()
         raise
+
+
+def receiver_payload(spec: SyncSpec, sender) -> dict[str, Any]:
+    """What learner rank 0's end made for the receivers (`TransportInfo.sender_first`): the driver adds it
+    to the spec it hands them (`SyncSpec.with_payload`); empty for every other transport."""
+    if spec.transport == "ray_channel":
+        return {"channels": list(sender.channels)}
+    return {}
 
 
 class _Receiver:
@@ -312,6 +343,13 @@ def build_receiver(spec: SyncSpec, target: Any):
         from rayllm_rl.weight_sync.object_store import ObjectStoreReceiver
 
         return _Receiver(ObjectStoreReceiver(target, metas, spec.bucket_bytes, spec.timeout_s, spec.rank))
+    if spec.transport == "ray_channel":
+        from rayllm_rl.weight_sync.ray_channel import ChannelReceiver
+
+        if "channels" not in spec.payload:
+            raise ValueError("weight sync over ray_channel: the spec has no channels; build learner rank 0's end "
+                             "first and hand its receiver_payload to the receivers (SyncSpec.with_payload)")
+        return _Receiver(ChannelReceiver(target, metas, spec.timeout_s, spec.rank, spec.payload["channels"]))
     if spec.transport == "cuda_ipc":
         from rayllm_rl.weight_sync.cuda_ipc import CudaIpcReceiver
 

@@ -128,6 +128,9 @@ class InferenceReplica(_Process):
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
     def receiving_processes(self, transport) -> int:
         """How many processes of this replica receive over `transport` (the ranks it takes)."""
         return self.engine.receiving_processes(transport)
@@ -356,13 +359,16 @@ class LearnerWorker(_Process):
     def reset_optimizer(self, optim) -> None:
         self.learner.reset_optimizer(optim)
 
-    def init_weight_sender(self, spec) -> None:
+    def init_weight_sender(self, spec) -> dict:
         """Rank 0 builds the sending end of `spec` (`weight_sync.registry.SyncSpec`); a group
-        transport waits here for every receiver to join."""
-        from rayllm_rl.weight_sync.registry import build_sender
+        transport waits here for every receiver to join. Returns what the end made for the receivers
+        (`registry.receiver_payload`: Ray channels; empty for most transports)."""
+        from rayllm_rl.weight_sync.registry import build_sender, receiver_payload
 
-        if self.rank == 0:
-            self.sender = build_sender(spec, self.learner.weight_metas())
+        if self.rank != 0:
+            return {}
+        self.sender = build_sender(spec, self.learner.weight_metas())
+        return receiver_payload(spec, self.sender)
 
     def weight_metadata(self) -> tuple:
         """`(name, shape, dtype)` of every tensor a sync sends, in send order (no gather needed)."""

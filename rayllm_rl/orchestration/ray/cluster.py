@@ -265,7 +265,7 @@ def build_cluster(cfg: GRPOJobConfig, model_path: str, task, workflow_factory) -
 def form_sync_group(cluster: Cluster, cfg: GRPOJobConfig) -> None:
     """The weight sync of learner rank 0 and every replica: the registry plans the transport from the
     placement and builds both ends; each replica takes as many ranks as it has receiving processes."""
-    from rayllm_rl.weight_sync.registry import make_spec, plan_transport
+    from rayllm_rl.weight_sync.registry import make_spec, plan_transport, transport_info
 
     rc, learners, replicas = cfg.ray, cluster.learners, cluster.replicas
     sync_host, sync_port = cluster.get(learners[0].address.remote())
@@ -275,12 +275,17 @@ def form_sync_group(cluster: Cluster, cfg: GRPOJobConfig) -> None:
                                colocated=rc.placement == "colocated")
     cluster.transport = transport
     ranks = cluster.get([r.receiving_processes.remote(transport) for r in replicas])
+    info = transport_info(transport)
+    # a transport whose sender makes what the replicas read (Ray channels) gets their actors and nodes
+    readers = list(zip(replicas, cluster.get([r.node_id.remote() for r in replicas]))) if info.sender_first else ()
     spec = make_spec(transport, cluster.get(learners[0].weight_metadata.remote()), receivers=sum(ranks),
                      timeout_s=rc.sync_timeout_s, bucket_bytes=int(rc.sync_bucket_mb * (1 << 20)),
-                     host=sync_host, port=sync_port)
+                     host=sync_host, port=sync_port, readers=readers)
     first = [1 + sum(ranks[:i]) for i in range(len(replicas))]
-    refs = [l.init_weight_sender.remote(spec) for l in learners]
-    refs += [r.init_update_group.remote(spec.for_rank(k)) for r, k in zip(replicas, first)]
+    senders = [l.init_weight_sender.remote(spec) for l in learners]
+    if info.sender_first:  # learner rank 0's end first: the replicas' spec carries what it made for them
+        spec = spec.with_payload(**cluster.get(senders[0], timeout_s=rc.sync_timeout_s + 30))
+    refs = senders + [r.init_update_group.remote(spec.for_rank(k)) for r, k in zip(replicas, first)]
     cluster.get(refs, timeout_s=rc.sync_timeout_s + 30)
     if spec.info.tensor_transport is not None:
         join_collective_group(cluster, spec.info.tensor_transport, rc.sync_timeout_s)
