@@ -52,3 +52,20 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ray_importing_tests():
+    """A local Ray (2 CPUs) whose workers can import the test modules, so a test module's own actor
+    classes run there; shut down after the module."""
+    import os
+
+    import ray
+
+    import tempfile
+
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="/tmp/rt"),
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))}})
+    yield
+    ray.shutdown()

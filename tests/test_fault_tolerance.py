@@ -143,10 +143,11 @@ def test_env_worker_sigkill_restarts_and_loses_no_episode(local_ray, tmp_path):
     assert summary["learner_checksums_equal_replicas"]
 
 
-def test_replica_sigkill_rejoins_with_the_current_weights_without_a_rollback(local_ray, tmp_path):
+@pytest.mark.parametrize("transport", ["auto", "ray_channel"])  # the object store; Ray's channels, made anew
+def test_replica_sigkill_rejoins_with_the_current_weights_without_a_rollback(local_ray, tmp_path, transport):
     """Ray restarts the replica; it refuses requests (the router waits) until the next sync, which
     fails, re-forms the sync group with the new process and sends the current weights again."""
-    summary = run_and_kill(tmp_path, "inference-0", 3)
+    summary = run_and_kill(tmp_path, "inference-0", 3, f"ray.sync_transport={transport}")
     assert summary["steps"] == STEPS and summary["version"] == STEPS
     assert summary["restarts"]["inference"] == 1 and summary["recoveries"] == []
     records = rl_records(Path(summary["run_dir"]))

@@ -2,7 +2,6 @@
 passes references only, replicas fetch them zero-copy on this node and swap them in."""
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -13,16 +12,7 @@ from rayllm_rl.weight_sync import WeightSyncError, WeightSyncTimeout, metadata_o
 from rayllm_rl.weight_sync.object_store import Handoff
 from rayllm_rl.weight_sync.registry import build_receiver, build_sender, make_spec
 
-pytestmark = pytest.mark.ray
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    tests_dir = os.path.dirname(os.path.abspath(__file__))  # the actors below are imported from this module
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=f"/tmp/rayllm-os-{os.getpid()}",
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))}})
-    yield
-    ray.shutdown()
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_importing_tests")]  # its actors run this module's classes
 
 
 def weights(seed: int) -> dict[str, torch.Tensor]:
@@ -95,7 +85,7 @@ class Replica:
         return {k: v.clone() for k, v in self.receiver.inner.target.params.items()}
 
 
-def test_two_replicas_fetch_what_the_learner_published_zero_copy(local_ray):
+def test_two_replicas_fetch_what_the_learner_published_zero_copy():
     named = weights(1)
     spec, _ = spec_of(named)
     learner = Learner.remote(spec, 1)
@@ -115,7 +105,7 @@ def test_two_replicas_fetch_what_the_learner_published_zero_copy(local_ray):
             assert out["copied"] == 0  # every tensor is a read-only view of the shared store: no copy
 
 
-def test_tensors_of_a_few_mib_travel_in_pieces_and_arrive_as_one_zero_copy_view(local_ray):
+def test_tensors_of_a_few_mib_travel_in_pieces_and_arrive_as_one_zero_copy_view():
     """big.w (2.8 MB) and odd.bf16 (2,097,154 bytes) go as 3 pieces each, piece.exact as one: 5 + 2 + 1
     buffers; each replica sees every tensor whole, equal to what was sent, over the store's memory."""
     from rayllm_rl.weight_sync.object_store import PIECE_BYTES, _npieces
@@ -146,7 +136,7 @@ def test_tensors_of_a_few_mib_travel_in_pieces_and_arrive_as_one_zero_copy_view(
                 assert torch.equal(tensors[k], v), k
 
 
-def test_a_replica_that_joins_later_fetches_the_kept_handoff(local_ray):
+def test_a_replica_that_joins_later_fetches_the_kept_handoff():
     """A restarted replica gets the current weights from the last handoff (the learner keeps it)."""
     named = weights(2)
     spec, _ = spec_of(named)
@@ -158,7 +148,7 @@ def test_a_replica_that_joins_later_fetches_the_kept_handoff(local_ray):
     assert out["version"] == 7 and out["checksum"]["layer.0.w"] == float(weights(21)["layer.0.w"].double().sum())
 
 
-def test_a_fetch_that_never_completes_times_out_naming_its_phase(local_ray):
+def test_a_fetch_that_never_completes_times_out_naming_its_phase():
     named = weights(3)
     spec, metas = spec_of(named, bucket_bytes=1 << 30, timeout_s=1.0)
     receiver = build_receiver(spec.for_rank(1), Target(named))
@@ -177,7 +167,7 @@ def test_a_fetch_that_never_completes_times_out_naming_its_phase(local_ray):
     ray.cancel(ref, force=True)
 
 
-def test_a_handoff_of_another_plan_is_refused_before_any_fetch(local_ray):
+def test_a_handoff_of_another_plan_is_refused_before_any_fetch():
     named = weights(4)
     spec, metas = spec_of(named)
     receiver = build_receiver(spec.for_rank(1), Target(named))
@@ -188,7 +178,7 @@ def test_a_handoff_of_another_plan_is_refused_before_any_fetch(local_ray):
         receiver.receive(handoff)
 
 
-def test_a_sender_given_a_wrong_tensor_names_it_and_publishes_nothing(local_ray):
+def test_a_sender_given_a_wrong_tensor_names_it_and_publishes_nothing():
     named = weights(5)
     spec, metas = spec_of(named)
     sender = build_sender(spec, metas)
@@ -207,7 +197,7 @@ class NeverPublishes:
         time.sleep(60)
 
 
-def test_a_replica_awaits_the_handoff_reference_and_times_out_naming_the_phase(local_ray, tiny_model_path):
+def test_a_replica_awaits_the_handoff_reference_and_times_out_naming_the_phase(tiny_model_path):
     """The driver passes `[reference]` to rank 0's result (cluster.handoff_arg), so the replica's call runs
     while rank 0 publishes; a rank 0 that never publishes fails the replica's receive after
     ray.sync_timeout_s, naming the phase, and the replica still holds version 0."""

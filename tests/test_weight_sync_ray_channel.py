@@ -3,7 +3,6 @@ mutable store objects in turn, replicas read it in place and swap it in; Ray hol
 every replica has dropped that channel's previous version."""
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -14,16 +13,7 @@ import torch
 from rayllm_rl.weight_sync import WeightSyncError, WeightSyncTimeout, metadata_of
 from rayllm_rl.weight_sync.registry import build_receiver, build_sender, make_spec, plan_transport, receiver_payload
 
-pytestmark = pytest.mark.ray
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    tests_dir = os.path.dirname(os.path.abspath(__file__))  # the actors below are imported from this module
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=f"/tmp/rayllm-ch-{os.getpid()}",
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))}})
-    yield
-    ray.shutdown()
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_importing_tests")]  # its actors run this module's classes
 
 
 def weights(seed: int) -> dict[str, torch.Tensor]:
@@ -117,7 +107,7 @@ def setup(n=2, timeout_s=10.0, keep_old=False):
     return learner, replicas
 
 
-def test_two_replicas_read_every_version_in_place(local_ray):
+def test_two_replicas_read_every_version_in_place():
     learner, replicas = setup()
     nbytes = sum(t.numel() * t.element_size() for t in weights(0).values())
     for version in range(1, 5):  # both channels, twice each
@@ -133,7 +123,7 @@ def test_two_replicas_read_every_version_in_place(local_ray):
                 assert torch.equal(out["tensors"][k], v) and out["tensors"][k].dtype == v.dtype, k
 
 
-def test_a_write_waits_for_the_replicas_to_let_go_of_that_channel(local_ray):
+def test_a_write_waits_for_the_replicas_to_let_go_of_that_channel():
     """Version 2 goes to the other channel while the replicas decode with version 1; version 3 would
     overwrite version 1's channel, so it waits: here the replicas never read version 2, and the write
     times out naming its phase, while the replicas' version-1 weights stay as sent."""
@@ -155,7 +145,7 @@ def test_a_write_waits_for_the_replicas_to_let_go_of_that_channel(local_ray):
         ray.get(learner.send.remote(4, 24), timeout=60)
 
 
-def test_an_engine_that_keeps_old_weights_stalls_the_writer_not_its_memory(local_ray):
+def test_an_engine_that_keeps_old_weights_stalls_the_writer_not_its_memory():
     """A sink that keeps every swapped-out version holds channel 0's views past the next swap: the
     third write is refused (timeout) instead of overwriting memory the engine may still read."""
     learner, (replica,) = setup(n=1, timeout_s=1.5, keep_old=True)
@@ -166,14 +156,14 @@ def test_an_engine_that_keeps_old_weights_stalls_the_writer_not_its_memory(local
         ray.get(learner.send.remote(3, 33), timeout=60)
 
 
-def test_a_read_with_nothing_written_times_out_naming_its_phase(local_ray):
+def test_a_read_with_nothing_written_times_out_naming_its_phase():
     _, (replica,) = setup(n=1)
     name, message, waited = ray.get(replica.receive_error.remote(1.0), timeout=60)
     assert name == "WeightSyncTimeout" and waited < 10
     assert "phase 'read channel 0' timed out on rank 1" in message and "learner rank 0 wrote no version" in message
 
 
-def test_closing_the_sender_ends_a_waiting_read_before_its_timeout(local_ray):
+def test_closing_the_sender_ends_a_waiting_read_before_its_timeout():
     learner, (replica,) = setup(n=1, timeout_s=60.0)
     waiting = replica.receive_error.remote(60.0)
     time.sleep(1.0)
@@ -183,7 +173,7 @@ def test_closing_the_sender_ends_a_waiting_read_before_its_timeout(local_ray):
     assert "phase 'read channel 0' failed on rank 1" in message
 
 
-def test_setups_that_cannot_work_are_refused_naming_the_problem(local_ray):
+def test_setups_that_cannot_work_are_refused_naming_the_problem():
     named = weights(0)
     spec_metas = metas_spec(named)
     with pytest.raises(ValueError, match=r"2 receiving processes but 1 readers"):

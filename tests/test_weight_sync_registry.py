@@ -76,11 +76,12 @@ def test_spec_crosses_into_vllms_worker_as_plain_fields():
 
 
 def test_every_transport_is_described_by_properties_engines_may_ask():
-    assert set(TRANSPORTS) == {"object_store", "rdt_gloo", "rdt_nccl", "shm", "gloo", "nccl", "cuda_ipc"}
+    assert set(TRANSPORTS) == {"object_store", "ray_channel", "rdt_gloo", "rdt_nccl", "shm", "gloo", "nccl", "cuda_ipc"}
     assert [n for n, t in TRANSPORTS.items() if t.pulls] == ["object_store", "rdt_gloo", "rdt_nccl", "cuda_ipc"]
     assert {n: t.tensor_transport for n, t in TRANSPORTS.items() if t.tensor_transport} == {"rdt_gloo": "gloo",
                                                                                           "rdt_nccl": "nccl"}
-    assert [n for n, t in TRANSPORTS.items() if not t.cross_node] == ["shm", "cuda_ipc"]
+    assert [n for n, t in TRANSPORTS.items() if not t.cross_node] == ["ray_channel", "shm", "cuda_ipc"]
+    assert [n for n, t in TRANSPORTS.items() if t.sender_first] == ["ray_channel"]  # the driver builds its sender first
     assert transport_info("nccl").gpu_only and not transport_info("gloo").gpu_only
 
 
@@ -92,8 +93,9 @@ def test_a_vllm_replica_takes_a_rank_per_worker_only_where_its_workers_receive(t
     from rayllm_rl.inference.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(tiny_model_path, tensor_parallel_size=2)
-    assert {t: engine.receiving_processes(t) for t in TRANSPORTS} == {"object_store": 1, "rdt_gloo": 1, "rdt_nccl": 1,
-                                                                       "shm": 2, "gloo": 2, "nccl": 2, "cuda_ipc": 2}
+    assert {t: engine.receiving_processes(t) for t in TRANSPORTS} == {"object_store": 1, "ray_channel": 1, "rdt_gloo": 1,
+                                                                       "rdt_nccl": 1, "shm": 2, "gloo": 2, "nccl": 2,
+                                                                       "cuda_ipc": 2}
     assert {TransformersEngine(tiny_model_path).receiving_processes(t) for t in TRANSPORTS} == {1}
 
 

@@ -92,15 +92,24 @@ def _joined(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts)
 
 
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64,
+                 torch.int64: np.int64, torch.int32: np.int32, torch.int8: np.int8, torch.uint8: np.uint8,
+                 torch.bool: np.bool_}
+"""Dtypes numpy has: their views are made in numpy (a quarter of torch's per-tensor cost); bf16 in torch."""
+
+
 def _tensor_of(buf: np.ndarray, meta: TensorMeta) -> torch.Tensor:
-    """The tensor `meta` describes over `buf` (a read-only store view: no copy)."""
+    """The tensor `meta` describes over `buf` (a read-only store view: no copy). torch warns once per
+    process that the memory is not writable (it is the store's, on purpose): call it under
+    `warnings.catch_warnings()`, as `tensors_of_buffers` does for all of a version's tensors at once."""
     if buf.nbytes != meta.nbytes:
         raise ValueError(f"{meta.name}: {buf.nbytes} bytes fetched, {meta.nbytes} planned")
     if meta.numel == 0:
         return torch.empty(meta.shape, dtype=meta.dtype)
-    with warnings.catch_warnings():  # "non-writable NumPy array": read-only store memory, on purpose
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(buf).view(meta.dtype).view(meta.shape)
+    np_dtype = _NUMPY_DTYPES.get(meta.dtype)
+    if np_dtype is not None:
+        return torch.from_numpy(buf.view(np_dtype).reshape(meta.shape))
+    return torch.from_numpy(buf).view(meta.dtype).view(meta.shape)
 
 
 def flat_pieces(tensors: Iterable[torch.Tensor]) -> list[np.ndarray]:
@@ -115,12 +124,14 @@ def tensors_of_buffers(arrays: Sequence[np.ndarray], metas: Sequence[TensorMeta]
     object's read-only views: no copy), converted to `dtypes[name]` where that differs; returns the bytes
     that are private copies (a conversion, or a buffer Ray handed back writable) rather than the store's."""
     copied, at = 0, 0
-    for m, k in zip(metas, pieces):
-        buf, at = _joined(list(arrays[at:at + k])), at + k
-        t = _tensor_of(buf, m)
-        if buf.flags.writeable or t.dtype != dtypes[m.name]:
-            copied += m.nbytes
-        out[m.name] = t if t.dtype == dtypes[m.name] else t.to(dtypes[m.name])
+    with warnings.catch_warnings():  # "non-writable NumPy array": read-only store memory, on purpose
+        warnings.simplefilter("ignore", UserWarning)
+        for m, k in zip(metas, pieces):
+            buf, at = _joined(arrays[at:at + k]) if k > 1 else arrays[at], at + k
+            t = _tensor_of(buf, m)
+            if buf.flags.writeable or t.dtype != dtypes[m.name]:
+                copied += m.nbytes
+            out[m.name] = t if t.dtype == dtypes[m.name] else t.to(dtypes[m.name])
     return copied
 
 
