@@ -79,7 +79,7 @@ def _pieces(buf: np.ndarray) -> list[np.ndarray]:
     return [buf[i:i + PIECE_BYTES] for i in range(0, buf.nbytes, PIECE_BYTES)]
 
 
-def _joined(parts: list[np.ndarray]) -> np.ndarray:
+def _joined(parts: Sequence[np.ndarray]) -> np.ndarray:
     """One read-only 1-D view over a tensor's pieces where they lie back to back in the fetched object
     (no copy: the span is exactly the pieces' own bytes, and the first piece keeps the whole object
     alive, as every piece holds the store buffer they were cut from), else a copy (writable, so the
@@ -127,7 +127,7 @@ def tensors_of_buffers(arrays: Sequence[np.ndarray], metas: Sequence[TensorMeta]
     with warnings.catch_warnings():  # "non-writable NumPy array": read-only store memory, on purpose
         warnings.simplefilter("ignore", UserWarning)
         for m, k in zip(metas, pieces):
-            buf, at = _joined(arrays[at:at + k]) if k > 1 else arrays[at], at + k
+            buf, at = _joined(arrays[at:at + k]), at + k
             t = _tensor_of(buf, m)
             if buf.flags.writeable or t.dtype != dtypes[m.name]:
                 copied += m.nbytes

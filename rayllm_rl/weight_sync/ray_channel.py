@@ -124,7 +124,7 @@ class ChannelSender(_EndpointView):
 
     def close(self) -> None:
         """Close both channels: a replica waiting in a read gets an error at once, not at its timeout."""
-        channels, self.channels = getattr(self, "channels", []), []
+        channels, self.channels = self.channels, []
         for ch in channels:
             try:
                 ch.close()
