@@ -4,11 +4,16 @@ activations are checkpointed, for every aggregation and both std conventions, on
 rows that have no trained token; and a non-finite loss or gradient skips the optimizer step
 without touching the weights.
 
-Everything runs in float64 (a tiny Qwen2 in float64, the learner keeps float64 logprobs). The
-reference is one micro-batch through the full-vocabulary path (`[B, T, V]` logits, the learner's
-computation before chunking). Observed differences are ~1e-15 relative; the 1e-10 bound is far
-above float64 rounding and far below any weighting error: weighting micro-batches by rows instead
-of non-empty rows moves the seq-mean gradient by tens of percent.
+Everything runs in float64 (a tiny Qwen2 in float64, the learner keeps float64 logprobs), attention
+included: the model uses SDPA, which computes in the inputs' dtype. transformers' eager attention
+takes its softmax in float32 even for a float64 model, so a row's logits then differ by ~1e-8
+between its padded and trimmed forms, by an amount that depends on the length and the CPU's vector
+width (AVX2 vs AVX-512); that broke the bound below on AVX2-only machines. The reference is one
+micro-batch through the full-vocabulary path (`[B, T, V]` logits, the learner's computation before
+chunking). Observed differences are 1.6e-16 (ATEN_CPU_CAPABILITY=avx2) and 2.5e-16 (avx512)
+relative; the 1e-10 bound is far above float64 rounding and far below any weighting error:
+weighting micro-batches by rows instead of non-empty rows moves the seq-mean gradient by tens of
+percent (`test_weighting_by_rows_would_be_wrong_on_this_batch`).
 """
 from __future__ import annotations
 
@@ -50,7 +55,7 @@ def tiny_model(tie: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-                      tie_word_embeddings=tie, attn_implementation="eager")
+                      tie_word_embeddings=tie, attn_implementation="sdpa")
     return Qwen2ForCausalLM(cfg).to(F64)
 
 
