@@ -20,6 +20,8 @@ from typing import Any, Iterable, Sequence
 import torch
 from tensordict import TensorClass, lazy_stack
 
+from rayllm_rl.data.chat_template import assistant_token_mask
+
 __all__ = ["History", "ChatHistory", "CHATML_NAMES", "IM_START", "IM_END"]
 
 IM_START = "<|im_start|>"
@@ -155,7 +157,9 @@ class History(TensorClass["nocast"]):
 
         Returns, for a single conversation: the text (`tokenize=False`), a LongTensor of ids
         (`tokenize=True`), or `{"input_ids": LongTensor, "assistant_masks": BoolTensor}`
-        (`return_assistant_tokens_mask=True`, which implies tokenizing); for a batch, a list
+        (`return_assistant_tokens_mask=True`, which implies tokenizing; the mask covers each assistant
+        message's text and end-of-turn token, from the template's `{% generation %}` marks or, for a
+        template without them, from renders of the chat's prefixes: data/chat_template.py); for a batch, a list
         of texts / list of tensors / dict of lists. A trailing incomplete message is rendered
         open (HF `continue_final_message`) unless a generation prompt is asked for.
         """
@@ -174,21 +178,16 @@ class History(TensorClass["nocast"]):
                 tokenize=tokenize,
                 **kwargs,
             )
+            if return_assistant_tokens_mask:  # also for templates without {% generation %} marks (SmolLM2, Qwen)
+                results.append(assistant_token_mask(tokenizer, chat, add_generation_prompt=add_generation_prompt,
+                                                    chat_template=chat_template, continue_final_message=cont, **kwargs))
+                continue
             if chat_template is not None:
                 call["chat_template"] = chat_template
             if tokenize:
                 call["return_dict"] = True
-                call["return_assistant_tokens_mask"] = return_assistant_tokens_mask
             out = tokenizer.apply_chat_template(chat, **call)
-            if not tokenize:
-                results.append(out)
-                continue
-            ids = torch.as_tensor(list(out["input_ids"]), dtype=torch.long)
-            if return_assistant_tokens_mask:
-                mask = torch.as_tensor(list(out["assistant_masks"]), dtype=torch.bool)
-                results.append({"input_ids": ids, "assistant_masks": mask})
-            else:
-                results.append(ids)
+            results.append(torch.as_tensor(list(out["input_ids"]), dtype=torch.long) if tokenize else out)
         if self.batch_dims == 1:
             return results[0]
         if return_assistant_tokens_mask:

@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping
 
 from tensordict import TensorDict
 
+from rayllm_rl.data.chat_template import next_turn_text
 from rayllm_rl.data.trajectory import TrajectoryBuilder
 from rayllm_rl.inference.protocol import InferenceEngine, LLMRequest, SamplingParams
 from rayllm_rl.workflows.base import RolloutWorkflow
@@ -22,8 +23,9 @@ from rayllm_rl.workflows.rlvr import row_fields, row_messages, tokenize_prompt
 def feedback_suffix_ids(tokenizer, last_tokens: list[int], content: str, role: str = "user") -> list[int]:
     """Tokens that close the assistant turn (if generation was cut) and open the next one."""
     closing = "" if last_tokens and last_tokens[-1] == tokenizer.eos_token_id else tokenizer.eos_token
-    turn = tokenizer.apply_chat_template([{"role": role, "content": content}], add_generation_prompt=True, tokenize=False)
-    return list(tokenizer.encode(closing + "\n" + turn, add_special_tokens=False))
+    # not a render of the lone message: SmolLM2's and Qwen's templates would put a default system turn before it
+    turn = next_turn_text(tokenizer, role, content)
+    return list(tokenizer.encode(closing + turn, add_special_tokens=False))
 
 
 class MultiTurnWorkflow(RolloutWorkflow):
