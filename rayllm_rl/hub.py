@@ -114,8 +114,10 @@ def _where(repo_id: str, revision: str) -> str:
     )
 
 
-def resolve_model_path(path: str, revision: str = "") -> str:
-    """A local model directory for `path`: the directory itself, or the hub id's snapshot in the HF cache.
+def resolve_model_path(path: str, revision: str = "", gguf_file: str = "") -> str:
+    """A local model directory for `path`: the directory itself, the hub id's snapshot in the HF cache, or
+    the cached conversion of a GGUF file (`models/gguf.py`: a `.gguf` path, a directory holding one, or a
+    hub repo's `gguf_file`), made on the first call.
 
     Online, a hub id missing from the cache is downloaded (`snapshot_download`, which locks the
     cache, so concurrent callers on one node are safe), only the files a model needs
@@ -128,7 +130,17 @@ def resolve_model_path(path: str, revision: str = "") -> str:
     """
     if not isinstance(path, str) or not path.strip():
         raise HubResolutionError(f"model.path is empty ({path!r}): give a local model directory or a hub id 'org/name'")
+    from rayllm_rl.models import gguf
+
+    source = gguf.gguf_source(path, gguf_file, revision)
+    if source is not None:
+        return gguf.ensure_dequantized(source)
     local = os.path.expanduser(path)
+    if not os.path.exists(local) and gguf.looks_converted(local):
+        raise HubResolutionError(
+            f"model.path {path!r} is a GGUF conversion this node does not have: the driver converted the GGUF "
+            "file on its node; put RAYLLM_RL_CACHE on a filesystem every node shares, or give each node the "
+            "converted directory at the same path (docs/models-and-data.md, 'GGUF')")
     if os.path.isdir(local):
         if not os.path.isfile(os.path.join(local, "config.json")):
             raise HubResolutionError(

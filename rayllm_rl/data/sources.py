@@ -376,11 +376,14 @@ def check_fields(dataset, required: Sequence[str], source: str, check_row: RowCh
 
 
 def split_held_out(dataset, eval_size: int, seed: int = 0, eval_source=None):
-    """(train, eval): `eval_source` if given, else `eval_size` rows held out by a seeded shuffle.
+    """(train, eval): `eval_size` rows of `eval_source` if given (a seeded sample when it has more; 0 =
+    none), else `eval_size` rows held out of `dataset` by a seeded shuffle.
 
     A small file with fewer rows than `eval_size` keeps a fifth of them for evaluation (logged)."""
     if eval_source is not None:
-        return dataset, eval_source
+        if eval_size >= len(eval_source):
+            return dataset, eval_source
+        return dataset, eval_source.shuffle(seed=seed).select(range(eval_size))
     if eval_size <= 0:
         return dataset, dataset.select([])
     if eval_size >= len(dataset):

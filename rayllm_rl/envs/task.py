@@ -5,7 +5,7 @@ import dataclasses
 import functools
 from typing import Any, Callable
 
-TASKS = ("arithmetic", "gsm8k", "math", "ifeval")
+TASKS = ("arithmetic", "gsm8k", "math", "ifeval", "reasoning_gym")
 
 
 @dataclasses.dataclass
@@ -115,17 +115,29 @@ def in_memory(dataset):
     return dataset.flatten_indices(keep_in_memory=True)
 
 
-def make_worker_task(name: str) -> Task:
+def make_worker_task(name: str, data_cfg: Any = None) -> Task:
     """The part of a task an env worker needs: its reward fn and env factory, no dataset (`train` and
-    `eval` are None). The driver loads and checks the rows once; workers get each row per episode."""
+    `eval` are None). The driver loads and checks the rows once; workers get each row per episode.
+    `data_cfg` (a DataConfig) is read by the tasks whose reward depends on it (reasoning_gym)."""
     if name == "arithmetic":
         from rayllm_rl.envs.arithmetic import arithmetic_reward, sft_target
 
         return Task("arithmetic", None, None, arithmetic_reward, sft_target)
+    if name == "reasoning_gym":
+        from rayllm_rl.envs import reasoning_gym_task as rg
+
+        return Task(name, None, None, rg.make_reward(_rg_config(data_cfg)), None, rg.ReasoningGymEnv)
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; available: {list(TASKS)}")
     env_cls, _, reward_fn, sft_target = _task_parts(name)
     return Task(name, None, None, reward_fn, sft_target, env_cls)
+
+
+def _rg_config(data_cfg: Any):
+    """The `data.reasoning_gym` section of a DataConfig (its defaults when none is given)."""
+    from rayllm_rl.envs.reasoning_gym_task import ReasoningGymConfig
+
+    return ReasoningGymConfig() if data_cfg is None else data_cfg.reasoning_gym
 
 
 def _make_env(env_cls, reward_fn, tokenizer, seed: int = 0):
@@ -164,6 +176,12 @@ def make_task(name: str, data_cfg: Any = None, seed: int = 0) -> Task:
         kwargs = {} if data_cfg is None else {"max_operand": data_cfg.max_operand, "eval_size": data_cfg.eval_size}
         train, eval_ = make_arithmetic_splits(seed=seed, **kwargs)
         return Task("arithmetic", train, eval_, arithmetic_reward, sft_target)
+    if name == "reasoning_gym":
+        from rayllm_rl.envs import reasoning_gym_task as rg
+
+        cfg = _rg_config(data_cfg)
+        train, eval_ = rg.make_splits(cfg, 200 if data_cfg is None else data_cfg.eval_size)
+        return Task(name, in_memory(train), in_memory(eval_), rg.make_reward(cfg), None, rg.ReasoningGymEnv)
     if name in TASKS:
         return _dataset_task(name, data_cfg, seed)
     raise ValueError(f"unknown task {name!r}; available: {list(TASKS)}")

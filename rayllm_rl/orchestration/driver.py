@@ -44,8 +44,10 @@ def train(cfg: GRPOJobConfig) -> dict:
 
     t_start = time.perf_counter()
     reporter = RunReporter(cfg.trainer.run_dir, config=dataclasses.asdict(cfg), trainer=cfg.trainer)
-    # a hub id resolves to its snapshot in this node's HF cache before any actor starts (a miss fails here)
-    model_path = resolve_model_path(cfg.model.path, cfg.model.revision) if cfg.model.path else ensure_tiny_model()
+    # a hub id resolves to its snapshot in this node's HF cache, a GGUF file to its cached conversion, before
+    # any actor starts (a miss or a GGUF transformers cannot dequantize fails here)
+    model = cfg.model
+    model_path = resolve_model_path(model.path, model.revision, model.gguf_file) if model.path else ensure_tiny_model()
     task, tokenizer = build_task(cfg), AutoTokenizer.from_pretrained(model_path)
     model_path = lora_base_model(cfg, model_path, task, tokenizer, reporter)  # LoRA on the demo: its SFT-warmed base
     backend = open_backend(cfg, model_path, task, tokenizer)

@@ -23,7 +23,7 @@ def build_task(cfg: GRPOJobConfig) -> Task:
 
 def build_worker_task(cfg: GRPOJobConfig) -> Task:
     """The task as an env worker needs it: reward fn and env factory, no dataset (rows come per episode)."""
-    return make_worker_task(cfg.task)
+    return make_worker_task(cfg.task, cfg.data)
 
 
 def build_sampling(cfg: GRPOJobConfig) -> SamplingParams:

@@ -13,6 +13,7 @@ import dataclasses
 import inspect
 from typing import Any, Literal
 
+from rayllm_rl.envs.reasoning_gym_task import ReasoningGymConfig
 from rayllm_rl.learner.learner import OptimConfig
 from rayllm_rl.lora import LoraOptions
 from rayllm_rl.objectives import AdvantageConfig, make_loss
@@ -49,6 +50,11 @@ class ModelConfig(_TracksPresets):
     (HF_HOME, HF_HUB_OFFLINE honoured) for every role; empty = build the offline tiny Qwen2."""
     revision: str = ""
     """Hub revision (branch, tag or commit) of a hub-id `path`; empty = "main". Ignored for a local directory."""
+    gguf_file: str = ""
+    """A GGUF checkpoint inside `path` (a local directory or a hub repo) to train, e.g.
+    "SmolLM2-135M-Instruct.Q4_1.gguf"; empty = `path` is an HF model, a `.gguf` file itself, or a directory
+    whose only .gguf it is. A GGUF file is dequantized once to float32 safetensors, cached by its content
+    (models/gguf.py), and every role loads that directory; `--dry-run` says which."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """The inference engine's weights and the learner's compute; with bfloat16 the learner keeps float32
     master weights and AdamW state and trains in bf16 (learner/precision.py). 'auto' = bfloat16 when the
@@ -89,10 +95,14 @@ class DataConfig(_TracksPresets):
     its "test" split (not `split`), and the same rows as `path` are refused. Empty = hold out `eval_size`
     rows of `path`."""
     eval_size: int | None = None
-    """Held-out prompts (never trained on) for greedy evaluation; None = the task's preset
-    (arithmetic 200, gsm8k 500, math 500, ifeval 300)."""
+    """Held-out prompts (never trained on) for greedy evaluation, for every task: held out of `path`, or
+    a seeded sample of `eval_path` when that has more rows; None = the task's preset (arithmetic 200, gsm8k
+    500, math 500, ifeval 300, reasoning_gym 200)."""
     max_operand: int = 29
     """Arithmetic task only: operands are drawn from 0..max_operand."""
+    reasoning_gym: ReasoningGymConfig = dataclasses.field(default_factory=ReasoningGymConfig)
+    """task=reasoning_gym only: the generator (`dataset`), its `options`, the train/eval seeds, the prompt's
+    instruction and system line, and the format reward (envs/reasoning_gym_task.py, docs/tasks.md)."""
 
 
 @dataclasses.dataclass
@@ -394,6 +404,9 @@ TASK_PRESETS: dict[str, dict[str, Any]] = {
     "ifeval": {  # <think> plus a response that may be asked to run to several hundred words
         "rollout.max_new_tokens": 1024, "data.eval_size": 300, "sft.steps": 0, "sft.lr": 1e-5,
         "sft.time_budget_s": 0.0, "trainer.time_budget_s": 0.0, "optim.lr": 1e-6},
+    "reasoning_gym": {  # generators range from one-line sums to puzzles: GSM8K's budget, a smaller eval
+        "rollout.max_new_tokens": 512, "data.eval_size": 200, "sft.steps": 0, "sft.lr": 1e-5,
+        "sft.time_budget_s": 0.0, "trainer.time_budget_s": 0.0, "optim.lr": 1e-6},
 }
 """Per task, the value each task-dependent field (left None) takes at `GRPOJobConfig.resolve()`;
 the same keys for every task. docs/recipes.md says why each value."""
@@ -405,6 +418,7 @@ LORA_LR_PRESETS: dict[str, dict[str, Any]] = {
     "gsm8k": {"optim.lr": 1e-5, "sft.lr": 1e-4},
     "math": {"optim.lr": 1e-5, "sft.lr": 1e-4},
     "ifeval": {"optim.lr": 1e-5, "sft.lr": 1e-4},
+    "reasoning_gym": {"optim.lr": 1e-5, "sft.lr": 1e-4},
 }
 """With `model.lora.rank > 0`, these replace TASK_PRESETS' values: an adapter is trained at about 10x the
 full-weight learning rate (the usual LoRA rule, e.g. Thinking Machines' "LoRA Without Regret"; TRL's LoRA
@@ -462,8 +476,9 @@ class GRPOJobConfig:
     """Model to train."""
     inference: InferenceConfig = dataclasses.field(default_factory=InferenceConfig)
     """Inference engine of the replicas."""
-    task: Literal["arithmetic", "gsm8k", "math", "ifeval"] = "arithmetic"
-    """Task: arithmetic (built-in demo, a+b in <answer> tags), gsm8k, math, ifeval (these read data.path)."""
+    task: Literal["arithmetic", "gsm8k", "math", "ifeval", "reasoning_gym"] = "arithmetic"
+    """Task: arithmetic (built-in demo, a+b in <answer> tags), gsm8k, math, ifeval (these read data.path),
+    reasoning_gym (a reasoning-gym generator, data.reasoning_gym.*, scored by its own scorer)."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     """Dataset source and evaluation split."""
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
@@ -499,8 +514,19 @@ class GRPOJobConfig:
         if r.workflow == "openai_agent":
             import_object(r.agent)  # an agent that cannot be imported fails here, not in the env workers
         if r.workflow == "env" and self.task == "arithmetic":
-            raise ValueError("rollout.workflow=env needs a task with a ChatEnv (gsm8k, math, ifeval); task=arithmetic "
-                             "has none: use rollout.workflow=rlvr or multi_turn")
+            raise ValueError("rollout.workflow=env needs a task with a ChatEnv (gsm8k, math, ifeval, reasoning_gym); "
+                             "task=arithmetic has none: use rollout.workflow=rlvr or multi_turn")
+
+    def _check_task_data(self) -> None:
+        """`data.reasoning_gym.*` is read by task=reasoning_gym only, which checks it (generator, options, seeds)."""
+        if self.task == "reasoning_gym":
+            self.data.reasoning_gym.check()
+            for key in ("path", "eval_path"):
+                if getattr(self.data, key):
+                    raise ValueError(f"data.{key}={getattr(self.data, key)!r} is not read by task=reasoning_gym: its rows "
+                                     "are generated (data.reasoning_gym.*, data.eval_size); unset it")
+        elif self.data.reasoning_gym != ReasoningGymConfig():
+            raise ValueError(f"data.reasoning_gym.* is read only by task=reasoning_gym, not task={self.task}")
 
     def _check_lora(self) -> None:
         """`model.lora.*` and what a LoRA policy cannot do, each naming the key."""
@@ -549,6 +575,7 @@ class GRPOJobConfig:
             raise ValueError(f"task={self.task!r} has no preset for {unresolved}; set them or use one of "
                              f"{sorted(TASK_PRESETS)}")
         self._check_rollout_fields()
+        self._check_task_data()
         self.algo.build_loss(self.rollout.max_new_tokens)  # a field the loss does not read fails here
         rc = self.ray
         colocated = rc.placement == "colocated"

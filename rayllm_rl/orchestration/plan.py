@@ -75,6 +75,25 @@ def read_model_config(cfg: GRPOJobConfig) -> tuple[dict | None, str]:
         return json.load(f), found
 
 
+def gguf_plan(cfg: GRPOJobConfig) -> dict[str, Any] | None:
+    """What a GGUF `model.path` will load (None for an HF model): the file, its architecture and tensor
+    types, and the converted directory every role loads, with whether it is already cached. Reads only the
+    metadata; a file transformers cannot dequantize raises PlanError naming its architecture."""
+    from rayllm_rl.models.gguf import GGUFError, converted_dir, gguf_source, inspect_gguf, is_converted
+
+    try:
+        source = gguf_source(cfg.model.path, cfg.model.gguf_file, cfg.model.revision)
+        if source is None:
+            return None
+        info = inspect_gguf(source)
+    except GGUFError as error:
+        raise PlanError(str(error)) from error
+    target = converted_dir(source)
+    return {"file": source, "architecture": info.architecture, "model_type": info.model_type, "name": info.name,
+            "tensor_types": info.tensor_types, "size_bytes": info.size_bytes, "converted_dir": str(target),
+            "cached": is_converted(target), "config": info.config}
+
+
 def _source_plan(source: str, split: str, field: str, default_config: str | None) -> dict[str, Any]:
     """What the job will read for one data source, checked without loading rows: a local path must exist;
     a hub dataset's config and split are checked against the local `datasets` cache. Offline (where the
@@ -122,6 +141,12 @@ def data_plan(cfg: GRPOJobConfig) -> dict[str, Any] | None:
 
     if cfg.task == "arithmetic":
         return None
+    if cfg.task == "reasoning_gym":  # generated on the driver at start: nothing to read, nothing to download
+        rg = cfg.data.reasoning_gym
+        return {"train": {"kind": "generator", "source": f"reasoning-gym {rg.dataset} {rg.options}",
+                          "status": f"{rg.train_size} rows of seed {rg.seed}, minus the eval questions"},
+                "eval": {"kind": "generator", "source": f"reasoning-gym {rg.dataset} {rg.options}",
+                         "status": f"{cfg.data.eval_size} rows of seed {rg.eval_seed}"}}
     if not cfg.data.path:
         raise PlanError(f"task={cfg.task} reads its prompts from data.path (e.g. data.path={KNOWN_DATASETS[cfg.task]}); "
                         "none was given")
@@ -371,7 +396,12 @@ def job_plan(cfg: GRPOJobConfig) -> dict[str, Any]:
         placement = placement_plan(cfg)
         plan.update(actors=actors_plan(cfg, placement), placement=placement, weight_transport=transport_plan(cfg))
     plan["total_gpus"] = plan["placement"]["total_gpus"]
-    config, source = read_model_config(cfg)
+    gguf = gguf_plan(cfg) if cfg.model.path else None
+    if gguf is None:
+        config, source = read_model_config(cfg)
+    else:  # the config transformers derives from the file's metadata
+        config, source = gguf.pop("config"), f"GGUF metadata of {gguf['file']}"
+        plan["model"]["gguf"] = gguf
     plan["data"] = data_plan(cfg)
     plan["model"]["config_source"] = source
     if config is None:

@@ -1,0 +1,269 @@
+"""GGUF checkpoints as `model.path`: dequantized once into a cached HF safetensors directory.
+
+transformers reads GGUF (`from_pretrained(folder, gguf_file=name)`) by dequantizing every tensor to
+float32, but a model loaded that way is flagged quantized (it refuses `save_pretrained`), vLLM's
+engines want a plain HF directory, and the dequantization costs tens of seconds per load. So a GGUF
+file is converted once: a model built from the file's config (without `quantization_config`) takes
+the dequantized state dict and is saved as ordinary float32 safetensors, with the tokenizer
+(vocabulary, merges and chat template from the GGUF metadata) and a generation config, in
+`<cache>/gguf/<sha256[:16] of the file>`. The key is the file's content, so a renamed copy
+hits the cache and a changed file misses it. Every role (learner, both engines, reference,
+tokenizer) then loads that directory like any other model. `inspect_gguf` reads only the metadata
+(milliseconds), so a file transformers cannot dequantize fails with its architecture named before
+any actor starts, and the dry run can say what it will load.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+CONVERTER_VERSION = 1
+"""Bumped when the converted directory's layout changes: part of the cache key's record, checked on reuse."""
+SOURCE_RECORD = "gguf_source.json"
+"""The record a converted directory carries: the GGUF file's sha256, architecture, tensor types, and the
+converter and transformers versions; its presence marks a complete conversion."""
+
+
+class GGUFError(ValueError):
+    """A GGUF `model.path` that cannot be used: unreadable, not GGUF, or an architecture transformers
+    cannot dequantize into a causal LM. The message names the file and the reason."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFInfo:
+    """What a GGUF file's metadata says, read without touching its tensors."""
+
+    path: str
+    """The .gguf file."""
+    architecture: str
+    """`general.architecture` (llama.cpp's name, e.g. 'llama', 'qwen2')."""
+    model_type: str
+    """The transformers model type it becomes (e.g. 'llama', 'mistral', 'qwen2_moe')."""
+    name: str
+    """`general.name`, or '' when the file has none."""
+    tensor_types: dict[str, int]
+    """{GGML tensor type name: number of tensors of that type}, e.g. {'Q4_1': 211, 'F32': 61}."""
+    size_bytes: int
+    config: dict
+    """The HF config transformers derives from the metadata (`to_dict()` of its config)."""
+
+    @property
+    def num_tensors(self) -> int:
+        return sum(self.tensor_types.values())
+
+
+def default_gguf_cache_dir() -> Path:
+    """`$RAYLLM_RL_CACHE/gguf` (default `~/.cache/rayllm_rl/gguf`): where converted GGUF models live."""
+    from rayllm_rl.models.tiny import default_cache_dir
+
+    return default_cache_dir() / "gguf"
+
+
+def file_sha256(path: str, chunk: int = 1 << 22) -> str:
+    """The sha256 of a file's bytes (about 0.3 s for SmolLM2's 98 MB here)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def inspect_gguf(path: str) -> GGUFInfo:
+    """Read a GGUF file's metadata and check that transformers can dequantize it into a causal LM.
+
+    Raises GGUFError naming the file: not a GGUF file (bad magic, truncated), an architecture
+    transformers' GGUF loader does not know (its list is in the message), a model type that is not a
+    causal LM (e.g. T5), or a tensor type the `gguf` package cannot dequantize."""
+    if not os.path.isfile(path):
+        raise GGUFError(f"GGUF file {path!r} does not exist")
+    try:
+        import gguf  # noqa: F401 - transformers' loader needs it; say so here rather than mid-load
+        from gguf import GGUFReader
+        from gguf.quants import _type_traits
+        from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES, load_gguf_checkpoint
+    except ImportError as error:  # pragma: no cover - both are project dependencies
+        raise GGUFError(f"reading GGUF file {path!r} needs the 'gguf' and 'accelerate' packages: {error}") from error
+    try:
+        reader = GGUFReader(path)
+        architecture = str(_field(reader, "general.architecture"))
+        name = str(_field(reader, "general.name") or "")
+        types: dict[str, int] = {}
+        for tensor in reader.tensors:
+            types[tensor.tensor_type.name] = types.get(tensor.tensor_type.name, 0) + 1
+            unsupported = tensor.tensor_type not in _type_traits and tensor.tensor_type.name not in ("F32", "F16")
+            if unsupported:
+                raise GGUFError(f"GGUF file {path!r}: tensor {tensor.name!r} is of type {tensor.tensor_type.name}, "
+                                "which the installed gguf package cannot dequantize")
+    except GGUFError:
+        raise
+    except Exception as error:  # noqa: BLE001 - GGUFReader raises ValueError, struct.error, IndexError, ...
+        raise GGUFError(f"{path!r} is not a readable GGUF file: {type(error).__name__}: {error}") from error
+    try:
+        parsed = load_gguf_checkpoint(path, return_tensors=False)
+    except ValueError as error:
+        raise GGUFError(f"GGUF file {path!r} has architecture {architecture!r}, which transformers cannot dequantize "
+                        f"({error}); its GGUF loader knows {sorted(GGUF_SUPPORTED_ARCHITECTURES)}") from error
+    config = dict(parsed["config"])
+    model_type = str(config.get("model_type", architecture))
+    _check_causal_lm(path, architecture, model_type)
+    return GGUFInfo(path=os.path.abspath(path), architecture=architecture, model_type=model_type, name=name,
+                    tensor_types=types, size_bytes=os.path.getsize(path), config=config)
+
+
+def _field(reader, key: str):
+    """One scalar or string field of a GGUF reader, or None when absent."""
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    return field.contents()
+
+
+def _check_causal_lm(path: str, architecture: str, model_type: str) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise GGUFError(f"GGUF file {path!r} has architecture {architecture!r} (transformers model type "
+                        f"{model_type!r}), which is not a causal language model: a policy must be one")
+
+
+def converted_dir(path: str, sha256: str | None = None, cache_dir: str | Path | None = None) -> Path:
+    """Where the conversion of GGUF file `path` lives: `<cache>/<sha256[:16] of its bytes>`, whatever its name
+    (its record, `gguf_source.json`, names the file it came from)."""
+    root = Path(cache_dir) if cache_dir else default_gguf_cache_dir()
+    return root / (sha256 or file_sha256(path))[:16]
+
+
+def is_converted(directory: str | Path) -> bool:
+    """True when `directory` holds a complete conversion of this converter version."""
+    record = Path(directory) / SOURCE_RECORD
+    if not record.is_file():
+        return False
+    try:
+        return json.loads(record.read_text()).get("converter_version") == CONVERTER_VERSION
+    except (OSError, ValueError):
+        return False
+
+
+def dequantize_gguf(path: str):
+    """(model, tokenizer) of GGUF file `path`, dequantized by transformers to float32; the model is a
+    plain one (built from the config, no `quantization_config`), so it saves as ordinary safetensors."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
+    tied = {k for k in missing if k.endswith("lm_head.weight") and getattr(config, "tie_word_embeddings", False)}
+    if set(missing) - tied or unexpected:
+        raise GGUFError(f"GGUF file {path!r}: the dequantized weights do not fit {type(plain).__name__} "
+                        f"(missing {sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]})")
+    plain.tie_weights()
+    plain.eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return plain, tokenizer
+
+
+def ensure_dequantized(path: str, cache_dir: str | Path | None = None) -> str:
+    """The HF model directory of GGUF file `path`, converting it on the first call (atomically: a
+    concurrent converter either wins or finds it done). Raises GGUFError before converting when the
+    file cannot be used (`inspect_gguf`)."""
+    sha = file_sha256(path)
+    final = converted_dir(path, sha, cache_dir)
+    if is_converted(final):
+        return str(final)
+    info = inspect_gguf(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=final.parent))
+    try:
+        model, tokenizer = dequantize_gguf(path)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        _write_record(tmp, info, sha)
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared cache from other users
+        shutil.rmtree(final, ignore_errors=True)  # an older converter's output
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not is_converted(final):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(final)
+
+
+def _write_record(directory: Path, info: GGUFInfo, sha: str) -> None:
+    import transformers
+
+    record = {"source": info.path, "sha256": sha, "architecture": info.architecture, "model_type": info.model_type,
+              "name": info.name, "tensor_types": info.tensor_types, "size_bytes": info.size_bytes,
+              "converter_version": CONVERTER_VERSION, "transformers_version": transformers.__version__}
+    (directory / SOURCE_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def gguf_file_in(directory: str, gguf_file: str = "") -> str | None:
+    """The .gguf file a local directory names: `gguf_file` inside it, or its only .gguf when it has no
+    config.json; None for an HF model directory (config.json, no `gguf_file`). Several .gguf files and
+    no `gguf_file` is an error listing them."""
+    if gguf_file:
+        candidate = os.path.join(directory, gguf_file)
+        if not os.path.isfile(candidate):
+            found = sorted(p.name for p in Path(directory).glob("*.gguf"))
+            raise GGUFError(f"model.gguf_file={gguf_file!r} is not in {directory!r} (its .gguf files: {found or 'none'})")
+        return candidate
+    if os.path.isfile(os.path.join(directory, "config.json")):
+        return None
+    found = sorted(p.name for p in Path(directory).glob("*.gguf"))
+    if len(found) > 1:
+        raise GGUFError(f"{directory!r} holds several GGUF files {found}: name one with model.gguf_file=<name>")
+    return os.path.join(directory, found[0]) if found else None
+
+
+def looks_converted(path: str) -> bool:
+    """True when `path` has the shape of a conversion directory (`.../gguf/<16 hex>`), existing or not:
+    a role on another node handed a conversion its node lacks gets an error that says so."""
+    p = Path(path)
+    return p.parent.name == "gguf" and len(p.name) == 16 and all(c in "0123456789abcdef" for c in p.name)
+
+
+def gguf_source(path: str, gguf_file: str = "", revision: str = "") -> str | None:
+    """The local .gguf file that `model.path` (+ `model.gguf_file`) names, or None when it names an HF
+    model directory or a hub model repo. A `.gguf` path is the file itself; a local directory goes
+    through `gguf_file_in`; a hub id with `gguf_file` downloads that one file into the HF cache
+    (offline: from the cache only)."""
+    local = os.path.expanduser(path)
+    if os.path.isfile(local):
+        if not local.endswith(".gguf"):
+            return None
+        if gguf_file and os.path.basename(local) != gguf_file:
+            raise GGUFError(f"model.path={path!r} is a GGUF file and model.gguf_file={gguf_file!r} names another: "
+                            "give the file in one of them")
+        return os.path.abspath(local)
+    if os.path.isdir(local):
+        found = gguf_file_in(local, gguf_file)
+        return os.path.abspath(found) if found else None
+    if not gguf_file:
+        if local.endswith(".gguf"):
+            raise GGUFError(f"GGUF file {path!r} does not exist")
+        return None
+    from rayllm_rl.hub import hub_cache_dir, hub_offline, is_hub_id
+
+    if not is_hub_id(path):
+        raise GGUFError(f"model.gguf_file={gguf_file!r} with model.path={path!r}: the path is neither a local "
+                        "directory nor a hub id 'org/name'")
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return hf_hub_download(path, gguf_file, revision=revision or None, cache_dir=hub_cache_dir(),
+                               local_files_only=hub_offline())
+    except Exception as error:  # noqa: BLE001 - offline miss, unknown repo or file: say which
+        raise GGUFError(f"cannot get {gguf_file!r} of hub repo {path!r} (revision {revision or 'main'!r}, "
+                        f"offline {'on' if hub_offline() else 'off'}): {type(error).__name__}: {error}") from error
