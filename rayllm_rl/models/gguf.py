@@ -189,7 +189,8 @@ def ensure_dequantized(path: str, cache_dir: str | Path | None = None) -> str:
         tokenizer.save_pretrained(tmp)
         _write_record(tmp, info, sha)
         os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared cache from other users
-        shutil.rmtree(final, ignore_errors=True)  # an older converter's output
+        if final.exists() and not is_converted(final):  # an older converter's or an interrupted one's output
+            shutil.rmtree(final, ignore_errors=True)
         try:
             os.rename(tmp, final)
         except OSError:
