@@ -132,7 +132,7 @@ def resolve_model_path(path: str, revision: str = "", gguf_file: str = "") -> st
         raise HubResolutionError(f"model.path is empty ({path!r}): give a local model directory or a hub id 'org/name'")
     from rayllm_rl.models import gguf
 
-    source = gguf.gguf_source(path, gguf_file, revision)
+    source = gguf_source(path, gguf_file, revision)
     if source is not None:
         return gguf.ensure_dequantized(source)
     local = os.path.expanduser(path)
@@ -235,3 +235,38 @@ def add_to_hub_cache(model_dir: str, repo_id: str, *, cache_dir: str | None = No
     with open(os.path.join(storage, "refs", ref), "w") as f:
         f.write(commit)
     return snapshot
+
+
+def gguf_source(path: str, gguf_file: str = "", revision: str = "") -> str | None:
+    """The local .gguf file that `model.path` (+ `model.gguf_file`) names, or None when it names an HF
+    model directory or a hub model repo. A `.gguf` path is the file itself; a local directory goes
+    through `gguf_file_in`; a hub id with `gguf_file` downloads that one file into the HF cache
+    (offline: from the cache only)."""
+    from rayllm_rl.models import gguf
+
+    local = os.path.expanduser(path)
+    if os.path.isfile(local):
+        if not local.endswith(".gguf"):
+            return None
+        if gguf_file and os.path.basename(local) != gguf_file:
+            raise gguf.GGUFError(f"model.path={path!r} is a GGUF file and model.gguf_file={gguf_file!r} names another: "
+                            "give the file in one of them")
+        return os.path.abspath(local)
+    if os.path.isdir(local):
+        found = gguf.gguf_file_in(local, gguf_file)
+        return os.path.abspath(found) if found else None
+    if not gguf_file:
+        if local.endswith(".gguf"):
+            raise gguf.GGUFError(f"GGUF file {path!r} does not exist")
+        return None
+    if not is_hub_id(path):
+        raise gguf.GGUFError(f"model.gguf_file={gguf_file!r} with model.path={path!r}: the path is neither a local "
+                        "directory nor a hub id 'org/name'")
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return hf_hub_download(path, gguf_file, revision=revision or None, cache_dir=hub_cache_dir(),
+                               local_files_only=hub_offline())
+    except Exception as error:  # noqa: BLE001 - offline miss, unknown repo or file: say which
+        raise gguf.GGUFError(f"cannot get {gguf_file!r} of hub repo {path!r} (revision {revision or 'main'!r}, "
+                        f"offline {'on' if hub_offline() else 'off'}): {type(error).__name__}: {error}") from error

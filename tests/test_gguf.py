@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from rayllm_rl.hub import HubResolutionError, resolve_model_path
-from rayllm_rl.models.gguf import (GGUFError, SOURCE_RECORD, converted_dir, dequantize_gguf, gguf_source,
+from rayllm_rl.hub import HubResolutionError, gguf_source, resolve_model_path
+from rayllm_rl.models.gguf import (GGUFError, SOURCE_RECORD, converted_dir, dequantize_gguf,
                                    inspect_gguf, looks_converted)
 
 

@@ -233,38 +233,3 @@ def looks_converted(path: str) -> bool:
     a role on another node handed a conversion its node lacks gets an error that says so."""
     p = Path(path)
     return p.parent.name == "gguf" and len(p.name) == 16 and all(c in "0123456789abcdef" for c in p.name)
-
-
-def gguf_source(path: str, gguf_file: str = "", revision: str = "") -> str | None:
-    """The local .gguf file that `model.path` (+ `model.gguf_file`) names, or None when it names an HF
-    model directory or a hub model repo. A `.gguf` path is the file itself; a local directory goes
-    through `gguf_file_in`; a hub id with `gguf_file` downloads that one file into the HF cache
-    (offline: from the cache only)."""
-    local = os.path.expanduser(path)
-    if os.path.isfile(local):
-        if not local.endswith(".gguf"):
-            return None
-        if gguf_file and os.path.basename(local) != gguf_file:
-            raise GGUFError(f"model.path={path!r} is a GGUF file and model.gguf_file={gguf_file!r} names another: "
-                            "give the file in one of them")
-        return os.path.abspath(local)
-    if os.path.isdir(local):
-        found = gguf_file_in(local, gguf_file)
-        return os.path.abspath(found) if found else None
-    if not gguf_file:
-        if local.endswith(".gguf"):
-            raise GGUFError(f"GGUF file {path!r} does not exist")
-        return None
-    from rayllm_rl.hub import hub_cache_dir, hub_offline, is_hub_id
-
-    if not is_hub_id(path):
-        raise GGUFError(f"model.gguf_file={gguf_file!r} with model.path={path!r}: the path is neither a local "
-                        "directory nor a hub id 'org/name'")
-    from huggingface_hub import hf_hub_download
-
-    try:
-        return hf_hub_download(path, gguf_file, revision=revision or None, cache_dir=hub_cache_dir(),
-                               local_files_only=hub_offline())
-    except Exception as error:  # noqa: BLE001 - offline miss, unknown repo or file: say which
-        raise GGUFError(f"cannot get {gguf_file!r} of hub repo {path!r} (revision {revision or 'main'!r}, "
-                        f"offline {'on' if hub_offline() else 'off'}): {type(error).__name__}: {error}") from error

@@ -79,7 +79,8 @@ def gguf_plan(cfg: GRPOJobConfig) -> dict[str, Any] | None:
     """What a GGUF `model.path` will load (None for an HF model): the file, its architecture and tensor
     types, and the converted directory every role loads, with whether it is already cached. Reads only the
     metadata; a file transformers cannot dequantize raises PlanError naming its architecture."""
-    from rayllm_rl.models.gguf import GGUFError, converted_dir, gguf_source, inspect_gguf, is_converted
+    from rayllm_rl.hub import gguf_source
+    from rayllm_rl.models.gguf import GGUFError, converted_dir, inspect_gguf, is_converted
 
     try:
         source = gguf_source(cfg.model.path, cfg.model.gguf_file, cfg.model.revision)
