@@ -82,8 +82,6 @@ class ShadowModel:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-        from rayllm_rl.inference.vllm_worker import retie_lm_head
-
         model_config = self.vllm_config.model_config
         with self.lock, torch.no_grad(), set_current_vllm_config(self.vllm_config):
             if not self.loaded:
@@ -122,6 +120,25 @@ class ShadowModel:
 
 
 _MISSING = object()
+
+
+def retie_lm_head(model: torch.nn.Module) -> None:
+    """Point a tied lm_head at the freshly loaded embedding again and re-process it.
+
+    With tied embeddings the checkpoint has no `lm_head.weight`, so vLLM's layerwise reload
+    finds nothing to load for the head and puts its old kernel tensors back: the head would
+    keep scoring with the previous policy's embedding (seen on CPU, where the head holds a
+    repacked copy). Re-tying and re-running the head's post-load processing fixes both.
+    """
+    config = getattr(model, "config", None)
+    head, inner = getattr(model, "lm_head", None), getattr(model, "model", None)
+    embed = getattr(inner, "embed_tokens", None)
+    if not getattr(config, "tie_word_embeddings", False) or head is None or embed is None:
+        return
+    head.weight = embed.weight
+    method = getattr(head, "quant_method", None)
+    if method is not None and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(head)
 
 
 def _set(module: torch.nn.Module, key: str, value) -> None:

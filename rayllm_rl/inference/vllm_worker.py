@@ -39,6 +39,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from rayllm_rl.inference.protocol import weights_checksum
+from rayllm_rl.inference.vllm_shadow import ShadowModel, retie_lm_head
 from rayllm_rl.weight_sync import metas_from_spec
 from rayllm_rl.weight_sync.registry import SyncSpec, build_receiver
 
@@ -107,25 +108,6 @@ class _ExpectedReloadWarnings(logging.Filter):
         return not ("Failed to load weights" in str(record.msg) and args and args[0] in self.quiet)
 
 
-def retie_lm_head(model: torch.nn.Module) -> None:
-    """Point a tied lm_head at the freshly loaded embedding again and re-process it.
-
-    With tied embeddings the checkpoint has no `lm_head.weight`, so vLLM's layerwise reload
-    finds nothing to load for the head and puts its old kernel tensors back: the head would
-    keep scoring with the previous policy's embedding (seen on CPU, where the head holds a
-    repacked copy). Re-tying and re-running the head's post-load processing fixes both.
-    """
-    config = getattr(model, "config", None)
-    head, inner = getattr(model, "lm_head", None), getattr(model, "model", None)
-    embed = getattr(inner, "embed_tokens", None)
-    if not getattr(config, "tie_word_embeddings", False) or head is None or embed is None:
-        return
-    head.weight = embed.weight
-    method = getattr(head, "quant_method", None)
-    if method is not None and hasattr(method, "process_weights_after_loading"):
-        method.process_weights_after_loading(head)
-
-
 # What this worker process last loaded: the tensors (a transport's host buffer, which keeps these
 # values until the next update starts) or just their checksum.
 _LAST_LOADED: dict[str, Any] = {}
@@ -174,8 +156,6 @@ class RayllmWeightTransfer(WeightTransferEngine[RayllmInitInfo, RayllmUpdateInfo
     def init_transfer_engine(self, init_info: RayllmInitInfo) -> None:
         self.shutdown()
         if init_info.double_buffer and self.device.type == "cpu" and self.shadow is None:
-            from rayllm_rl.inference.vllm_shadow import ShadowModel
-
             self.shadow = ShadowModel(self.model, self.vllm_config, self.device)
         elif not init_info.double_buffer:
             self.shadow = None
