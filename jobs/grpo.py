@@ -8,10 +8,9 @@ line always wins. Ready-made configs: recipes/*.yaml. Under `ray job submit --wo
 python jobs/grpo.py` it joins that cluster. `trainer.backend=local` runs everything in one process.
 The last stdout line is a JSON summary.
 
---dry-run validates the config and prints the plan (data sources, actors, CPUs/GPUs, placement,
+--dry-run validates the config and prints the job's plan (data sources, actors, CPUs/GPUs, placement,
 weight transport, engine, learner and KV-cache memory estimates) without starting Ray or loading any
-weights or rows; a data path that does not exist (or, offline, a hub dataset not in the cache) fails
-it; --json prints it as one JSON object instead.
+weights or rows; --json prints it as one JSON object instead.
 """
 from __future__ import annotations
 
@@ -23,140 +22,29 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
 from rayllm_rl.config import describe, load_config  # noqa: E402
-from rayllm_rl.orchestration.job_config import TASK_PRESETS, GRPOJobConfig  # noqa: E402
+from rayllm_rl.orchestration.job_config import GRPOJobConfig  # noqa: E402
 
 FLAGS = ("--dry-run", "--json")
 
 
-def describe_presets() -> str:
-    """The TASK PRESETS table of `--help`: each task-dependent key and its value per task."""
-    tasks = list(TASK_PRESETS)
-    keys = list(TASK_PRESETS[tasks[0]])
-    width = max(len(k) for k in keys) + 2
-    lines = ["TASK PRESETS (what a field left None becomes; model.dtype=auto: bfloat16 with GPU learners and "
-             "replicas, else float32):", " " * (width + 2) + "".join(f"{t:>12}" for t in tasks)]
-    lines += [f"  {k:<{width}}" + "".join(f"{TASK_PRESETS[t][k]!s:>12}" for t in tasks) for k in keys]
-    return "\n".join(lines)
-
-
-def _gib(n: float) -> str:
-    return f"{n / (1 << 30):.2f} GiB"
-
-
-def _gguf_lines(gguf: dict | None) -> list[str]:
-    """What the job does with a GGUF model.path: dequantize once (or reuse the cached conversion)."""
-    if not gguf:
-        return []
-    types = ", ".join(f"{n} {t}" for t, n in gguf["tensor_types"].items())
-    action = ("reuses the cached conversion" if gguf["cached"] else
-              "dequantizes it once to float32 safetensors (cached by the file's sha256)")
-    return [f"GGUF: {gguf['file']} ({gguf['size_bytes'] / 1e6:.0f} MB, architecture {gguf['architecture']} -> "
-            f"transformers {gguf['model_type']}; tensors: {types}): the job {action}",
-            f"  every role loads {gguf['converted_dir']}"]
-
-
-def format_plan(plan: dict) -> str:
-    """The dry-run plan as text."""
-    m, e = plan["model"], plan["engine"]
-    source = "not in the HF cache" if "unknown" in plan["memory"] else m["config_source"]
-    out = [f"DRY RUN: nothing started. task={plan['task']} algo={plan['algo']} backend={plan['backend']}",
-           f"model: {m['path']} (revision {m['revision']}), dtype {m['dtype']}; config.json: {source}",
-           *_gguf_lines(m.get("gguf")),
-           f"engine: {e['name']} x {e['replicas']} replica(s), tensor_parallel_size={e['tensor_parallel_size']}"
-           + ("" if e["installed_here"] else f" ({e['name']} is not installed on this machine; the job's machines need it)"),
-           "rollout: {prompts_per_step} prompts x {group_size} samples per step, max_new_tokens={max_new_tokens}, "
-           "max_staleness={max_staleness}".format(**plan["rollout"]),
-           "schedule: sft.steps={sft_steps}, trainer.steps={rl_steps}, optim.lr={optim_lr:g}, "
-           "trainer.time_budget_s={trainer_time_budget_s:g}; eval: {eval}".format(**plan["schedule"])]
-    for role, key in (("train", "data.path"), ("eval", "data.eval_path")):
-        src = (plan.get("data") or {}).get(role)
-        if src and src["kind"] == "generator":
-            out.append(f"data ({role}): {src['source']}: {src['status']}")
-        elif src and src["kind"] == "hub":
-            out.append(f"data ({role}): {key}={src['source']} (hub dataset {src['name']}, config "
-                       f"{src['config'] or '(chosen at start)'}, split {src['split']}): {src['status']}")
-        elif src:
-            out.append(f"data ({role}): {key}={src['source']}: {src['status']}"
-                       + (f", split {src['split']}" if "split" in src else ""))
-    if plan.get("note"):
-        out.append(plan["note"])
-    if plan["actors"]:
-        out.append(f"actors ({len(plan['actors'])}):")
-        for a in plan["actors"]:
-            where = f"bundle {a['bundle']}" if a["bundle"] is not None else "no bundle"
-            out.append(f"  {a['name']:<16} cpus={a['num_cpus']:g} gpus={a['num_gpus']:g} threads={a['torch_threads']} "
-                       f"{where:<10} {a['role']}" + (f" [{a['note']}]" if a.get("note") else ""))
-    p = plan["placement"]
-    if p["placement_group"]:
-        shares: dict[int, list[str]] = {}
-        for a in plan["actors"]:
-            if a["bundle"] is not None:
-                shares.setdefault(a["bundle"], []).append(a["name"])
-        turns = ("; colocated: each bundle's replica and learner rank share its GPU and take turns (the replica "
-                 "sleeps while the learner trains)") if p.get("placement") == "colocated" else ""
-        out.append(f"placement: one placement group, strategy {p['strategy']}, {len(p['bundles'])} bundles, "
-                   f"{p['total_gpus']:g} GPU(s) in total{turns}")
-        for i, b in enumerate(p["bundles"]):
-            res = ", ".join(f"{k}={v:g}" for k, v in b.items() if k != "for")
-            out.append(f"  bundle {i}: {res} <- {', '.join(shares.get(i, [b['for']]))}")
-    else:
-        out.append("placement: no GPU asked for, no placement group (0 GPUs in total)")
-    t = plan["weight_transport"]
-    how = t["same_node"] if t["same_node"] == t["across_nodes"] else \
-        f"{t['same_node']} when every replica shares the learner's node, else {t['across_nodes']}"
-    where = "trainer.backend=local" if t["setting"] == "in-process" else f"ray.sync_transport={t['setting']}"
-    out.append(f"weight transport: {how} ({where})")
-    mem = plan["memory"]
-    if "unknown" in mem:
-        out.append(f"memory estimate: {mem['unknown']} (model {m['path']})")
-        return "\n".join(out)
-    arch = m["architecture"]
-    out.append(f"model size: {arch['params'] / 1e9:.3f}B parameters ({arch['model_type']}, {arch['num_layers']} layers, "
-               f"hidden {arch['hidden_size']}, vocabulary {arch['vocab_size']})")
-    lm = mem["learner_per_rank"]
-    parts = ", ".join(f"{k} {_gib(v)}" for k, v in lm["bytes"].items())
-    a = lm["assumed"]
-    out.append(f"learner memory per rank: ~{_gib(lm['total_bytes'])} ({parts})")
-    out.append(f"  assuming {a['micro_batch_rows']} rows x {a['sequence_tokens']} tokens per micro-batch "
-               f"(prompt ~{a['prompt_tokens']} tokens), logits of {a['logits_tokens_at_once']} tokens at once, "
-               f"activation checkpointing {'on' if a['activation_checkpointing'] else 'off'}")
-    kv = mem["kv_cache_per_replica"]
-    line = (f"KV cache per replica: {kv['bytes_per_token'] / 1024:.1f} KiB/token; {kv['concurrent_sequences']} sequences "
-            f"of {kv['sequence_tokens']} tokens need {_gib(kv['needed_bytes'])}; budget: {kv['budget']}")
-    if "sequences_that_fit" in kv:
-        line += f" (holds {kv['sequences_that_fit']} such sequences)"
-    out.append(line)
-    return "\n".join(out)
-
-
-def dry_run(cfg: GRPOJobConfig, as_json: bool) -> dict:
-    """Print the plan of a validated config; start nothing."""
-    from rayllm_rl.orchestration.plan import job_plan
-
-    plan = job_plan(cfg)
-    sys.stdout.write((json.dumps(plan) if as_json else format_plan(plan)) + "\n")
-    sys.stdout.flush()
-    return plan
-
-
 def main(argv: list[str]) -> dict:
     if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
-        print(describe(GRPOJobConfig()))
-        print(describe_presets())
+        from rayllm_rl.orchestration.plan_text import describe_presets
+
+        print(__doc__, describe(GRPOJobConfig()), describe_presets(), sep="\n")
         sys.exit(0)
     flags = {a for a in argv if a.startswith("--")}
-    unknown = flags - set(FLAGS)
-    if unknown:
-        raise SystemExit(f"unknown flag(s) {sorted(unknown)}; flags: {', '.join(FLAGS)}, -h/--help")
+    if flags - set(FLAGS):
+        raise SystemExit(f"unknown flag(s) {sorted(flags - set(FLAGS))}; flags: {', '.join(FLAGS)}, -h/--help")
     if "--json" in flags and "--dry-run" not in flags:
         raise SystemExit("--json goes with --dry-run (the job itself always ends with a JSON summary line)")
     cfg = load_config(GRPOJobConfig, [a for a in argv if a not in flags])
     if "--dry-run" in flags:  # a plan for the job's machines: this one need not have their packages
-        return dry_run(cfg.validate(environment=False), "--json" in flags)
-    cfg.validate()  # cross-field mistakes fail before any actor starts
+        from rayllm_rl.orchestration.plan_text import dry_run
+
+        return dry_run(cfg.validate(environment=False), as_json="--json" in flags)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    from rayllm_rl.orchestration.entry import train  # turns the HF libraries' progress bars off for the run
+    from rayllm_rl.orchestration.entry import train  # validates first: cross-field mistakes fail before any actor
 
     summary = train(cfg)
     sys.stdout.write(json.dumps(summary, default=str) + "\n")

@@ -12,6 +12,7 @@ import os
 import pytest
 
 from rayllm_rl.config import load_config
+from rayllm_rl.orchestration.job_plan import make_plan
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 
 COLOCATED = ("ray.placement=colocated", "rollout.max_staleness=0")
@@ -81,7 +82,7 @@ def test_colocated_turns_sleep_train_hand_over_wake_and_nothing_generates_while_
     cfg = _cfg(*COLOCATED, f"inference.engine={engine}", f"trainer.run_dir={tmp_path}", "ray.call_timeout_s=120",
                "ray.namespace=rayllm_colo").validate()
     model_path = ensure_tiny_model()
-    backend = RayBackend(cfg, model_path, build_task(cfg), AutoTokenizer.from_pretrained(model_path))
+    backend = RayBackend(make_plan(cfg.validate()), model_path, build_task(cfg), AutoTokenizer.from_pretrained(model_path))
     try:
         assert backend.cluster.turns.colocated
         backend.sync_weights(0)
@@ -118,14 +119,14 @@ def test_colocated_turns_sleep_train_hand_over_wake_and_nothing_generates_while_
 
 @pytest.mark.parametrize("placement, learner, bundle", [("separate", 0.9, 1), ("colocated", 0.4, 0)])
 def test_the_plan_puts_the_reference_on_learner_0s_gpu_in_the_learners_dtype(placement, learner, bundle):
-    from rayllm_rl.orchestration.plan import actors_plan, placement_plan
+    from rayllm_rl.orchestration.plan import placement_plan
 
     staleness = "rollout.max_staleness=0" if placement == "colocated" else "rollout.max_staleness=1"
     cfg = _cfg(f"ray.placement={placement}", staleness, "ray.gpus_per_replica=1", "ray.gpus_per_learner=1",
                "inference.engine=vllm", "algo.kl_coef=0.05")
-    cfg.validate(environment=False)
-    plan = placement_plan(cfg)
-    actors = {a["name"]: a for a in actors_plan(cfg, plan)}
+    job = make_plan(cfg.validate(environment=False))
+    plan = placement_plan(job)
+    actors = {a.name: a.describe() for a in job.actors}
     assert actors["reference"]["num_gpus"] == 0.1 and actors["reference"]["bundle"] == actors["learner-0"]["bundle"] == bundle
     assert actors["learner-0"]["num_gpus"] == pytest.approx(learner) and "bfloat16" in actors["reference"]["note"]
     assert sum(a["num_gpus"] for a in actors.values()) == pytest.approx(plan["total_gpus"])

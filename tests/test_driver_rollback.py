@@ -127,7 +127,7 @@ def run(tmp_path, monkeypatch, crashes, *overrides, faults=None):
                                       "trainer.eval_every=0", f"trainer.run_dir={tmp_path}", *overrides])
     made = []
     monkeypatch.setattr(driver, "open_backend",
-                        lambda cfg, model_path, task, tokenizer: made.append(ScriptedBackend(cfg, tokenizer, crashes, faults))
+                        lambda plan, model_path, task, tokenizer: made.append(ScriptedBackend(plan.config, tokenizer, crashes, faults))
                         or made[0])
     try:
         out = driver.train(cfg.validate())

@@ -15,6 +15,7 @@ import pytest
 import ray
 
 from rayllm_rl.config import load_config
+from rayllm_rl.orchestration.job_plan import make_plan
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -91,7 +92,7 @@ def test_env_worker_restarts_after_the_driver_dropped_its_constructor_arguments(
                                       "ray.call_timeout_s=120", "ray.sync_timeout_s=60", f"ray.namespace={ns}"])
     model_path = ensure_tiny_model()
     factory, task = functools.partial(make_workflow, cfg, model_path), build_task(cfg)
-    cluster = build_cluster(cfg, model_path, task, factory)
+    cluster = build_cluster(make_plan(cfg.validate()), model_path, task, factory)
     try:
         del factory, task  # the driver keeps nothing it passed to a constructor (it holds no ObjectRef either)
         gc.collect()
@@ -200,7 +201,7 @@ def test_a_lone_replica_restarted_while_the_driver_waits_gets_the_weights_in_tha
                                       "rollout.max_staleness=0", "ray.num_replicas=1", "ray.call_timeout_s=60",
                                       "ray.sync_timeout_s=30", f"ray.namespace={NS}"])
     model_path = ensure_tiny_model()
-    backend = RayBackend(cfg, model_path, build_task(cfg), AutoTokenizer.from_pretrained(model_path))
+    backend = RayBackend(make_plan(cfg.validate()), model_path, build_task(cfg), AutoTokenizer.from_pretrained(model_path))
     try:
         backend.liveness_s = 1.0
         backend.sync_weights(0)

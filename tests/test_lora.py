@@ -58,8 +58,8 @@ def nbytes(named) -> int:
 
 # ---------------------------------------------------------------------------- config
 def test_config_defaults_unchanged_and_lora_presets():
-    from rayllm_rl.orchestration.factories import needs_reference
     from rayllm_rl.orchestration.job_config import GRPOJobConfig
+    from rayllm_rl.orchestration.job_plan import make_plan
 
     base = GRPOJobConfig().validate(environment=False)
     assert base.model.lora.rank == 0 and base.optim.lr == 5e-5 and base.sft.lr == 1e-3 and base.sft.steps == 250
@@ -73,9 +73,9 @@ def test_config_defaults_unchanged_and_lora_presets():
     assert mine.optim.lr == 2e-4 and mine.sft.lr == 1e-4  # the user's value wins; gsm8k's LoRA preset
     kl = GRPOJobConfig()
     kl.algo.kl_coef = 0.1
-    assert needs_reference(kl.validate(environment=False))
+    assert make_plan(kl.validate(environment=False)).needs_reference
     kl.model.lora.rank = 8
-    assert not needs_reference(kl.validate(environment=False))  # the learner's adapter-off model serves it
+    assert not make_plan(kl.validate(environment=False)).needs_reference  # the learner's adapter-off model serves it
 
 
 @pytest.mark.parametrize("overrides, match", [

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from rayllm_rl.config import load_config
+from rayllm_rl.orchestration.job_plan import make_plan
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 
 B, LEARNER, INFERENCE = 4, {"rayllm-role": "learner"}, {"rayllm-role": "inference"}
@@ -240,14 +241,16 @@ def assert_every_episode_once(summary: dict, steps: int) -> list[dict]:
 @pytest.mark.ray
 @pytest.mark.slow
 def test_no_node_with_the_labels_fails_in_time_naming_the_key(nodes):
+    from rayllm_rl.orchestration.placement_rules import gpu_layout
     from rayllm_rl.orchestration.ray.placement import PlacementError, plan_placement
 
+    layout = gpu_layout(1, 1, 0, 0, 1, 1.0)
     t0 = time.monotonic()
     with pytest.raises(PlacementError, match=r"no live node carries ray.replica_node_labels=\{'rayllm-role': "
                                              r"'gpu'\} within 1s \(the live nodes' labels: .*'rayllm-role': 'learner'"):
-        plan_placement(1, 1, 0, 0, 1, timeout_s=1.0, replica_labels={"rayllm-role": "gpu"}, learner_labels=LEARNER)
+        plan_placement(layout, 1.0, replica_labels={"rayllm-role": "gpu"}, learner_labels=LEARNER)
     assert time.monotonic() - t0 < 10
-    placement = plan_placement(1, 1, 0, 0, 1, timeout_s=1.0, replica_labels=INFERENCE, learner_labels=LEARNER,
+    placement = plan_placement(layout, 1.0, replica_labels=INFERENCE, learner_labels=LEARNER,
                                env_worker_labels=INFERENCE)
     assert placement.replica_options == [{"num_cpus": 0, "label_selector": INFERENCE}]
     assert placement.learner_options == [{"num_cpus": 0, "label_selector": LEARNER}]
@@ -339,7 +342,7 @@ def test_a_node_lost_after_the_last_sync_gets_the_weights_for_the_drain_and_the_
     cfg = job_cfg(tmp_path, nodes, ns, "rollout.max_staleness=1",
                   "ray.call_timeout_s=60")
     model_path = ensure_tiny_model()
-    backend = RayBackend(cfg, model_path, build_task(cfg), AutoTokenizer.from_pretrained(model_path))
+    backend = RayBackend(make_plan(cfg.validate()), model_path, build_task(cfg), AutoTokenizer.from_pretrained(model_path))
     try:
         backend.liveness_s = 1.0
         backend.sync_weights(0)

@@ -22,8 +22,18 @@ from rayllm_rl.orchestration.ray.placement import (  # noqa: E402
     plan_placement,
     visible_devices,
 )
+from rayllm_rl.orchestration.placement_rules import gpu_layout  # noqa: E402
 
 pytestmark = [pytest.mark.ray]
+
+
+def _reserve(num_replicas, num_learners, gpus_per_replica, gpus_per_learner, tensor_parallel_size, timeout_s, *,
+             replica_labels=None, learner_labels=None, env_worker_labels=None, colocated=False, reference=False):
+    """The job's two steps: decide the layout (checks the settings), then reserve it."""
+    layout = gpu_layout(num_replicas, num_learners, gpus_per_replica, gpus_per_learner, tensor_parallel_size,
+                        timeout_s, colocated=colocated, reference=reference)
+    return plan_placement(layout, timeout_s, replica_labels=replica_labels, learner_labels=learner_labels,
+                          env_worker_labels=env_worker_labels)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +80,7 @@ def _check_in_planned_bundles(placement: Placement, reports: list[dict[str, Any]
 
 
 def test_whole_gpus_give_distinct_devices(gpu_ray):
-    placement = plan_placement(2, 2, gpus_per_replica=1, gpus_per_learner=1, tensor_parallel_size=1, timeout_s=30)
+    placement = _reserve(2, 2, gpus_per_replica=1, gpus_per_learner=1, tensor_parallel_size=1, timeout_s=30)
     try:
         replicas, learners = _probe_all(placement)
         reports = replicas + learners
@@ -89,7 +99,7 @@ def test_whole_gpus_give_distinct_devices(gpu_ray):
 def test_colocated_pairs_share_one_gpu_each_and_pairs_do_not_share(gpu_ray):
     """ray.placement=colocated: bundle i = one GPU for replica i and learner rank i, each asking half of it;
     Ray hands both the same device (one CUDA_VISIBLE_DEVICES), and the two pairs different ones."""
-    placement = plan_placement(2, 2, gpus_per_replica=1, gpus_per_learner=1, tensor_parallel_size=1, timeout_s=30,
+    placement = _reserve(2, 2, gpus_per_replica=1, gpus_per_learner=1, tensor_parallel_size=1, timeout_s=30,
                                colocated=True)
     try:
         assert [o["num_gpus"] for o in placement.replica_options + placement.learner_options] == [0.5] * 4
@@ -111,7 +121,7 @@ def test_colocated_pairs_share_one_gpu_each_and_pairs_do_not_share(gpu_ray):
 def test_the_reference_takes_a_share_of_learner_rank_0s_gpu(gpu_ray, colocated):
     """With a reference model and one-GPU learner ranks, the reference goes into learner rank 0's bundle with
     0.1 of its GPU (taken from the learner's share): Ray gives it learner rank 0's device."""
-    placement = plan_placement(1, 1, gpus_per_replica=1, gpus_per_learner=1, tensor_parallel_size=1, timeout_s=30,
+    placement = _reserve(1, 1, gpus_per_replica=1, gpus_per_learner=1, tensor_parallel_size=1, timeout_s=30,
                                colocated=colocated, reference=True)
     try:
         assert placement.learner_options[0]["num_gpus"] == pytest.approx(0.4 if colocated else 0.9)
@@ -130,7 +140,7 @@ def test_the_reference_takes_a_share_of_learner_rank_0s_gpu(gpu_ray, colocated):
 
 
 def test_tensor_parallel_replica_holds_all_its_gpus(gpu_ray):
-    placement = plan_placement(1, 2, gpus_per_replica=2, gpus_per_learner=1, tensor_parallel_size=2, timeout_s=30)
+    placement = _reserve(1, 2, gpus_per_replica=2, gpus_per_learner=1, tensor_parallel_size=2, timeout_s=30)
     try:
         replicas, learners = _probe_all(placement)
         assert len(replicas[0]["gpu_ids"]) == 2
@@ -145,7 +155,7 @@ def test_tensor_parallel_replica_holds_all_its_gpus(gpu_ray):
 
 
 def test_cpu_learners_stay_in_the_group_without_gpus(gpu_ray):
-    placement = plan_placement(1, 2, gpus_per_replica=1, gpus_per_learner=0, tensor_parallel_size=1, timeout_s=30)
+    placement = _reserve(1, 2, gpus_per_replica=1, gpus_per_learner=0, tensor_parallel_size=1, timeout_s=30)
     try:
         replicas, learners = _probe_all(placement)
         assert len(replicas[0]["gpu_ids"]) == 1
@@ -162,14 +172,14 @@ def test_too_many_gpus_fails_in_time_and_leaves_no_group(gpu_ray):
     before = _live_placement_groups()
     start = time.monotonic()
     with pytest.raises(PlacementError, match=r"could not reserve 6 GPUs within 5s.*GPU=4 in total"):
-        plan_placement(2, 2, gpus_per_replica=2, gpus_per_learner=1, tensor_parallel_size=1, timeout_s=5)
+        _reserve(2, 2, gpus_per_replica=2, gpus_per_learner=1, tensor_parallel_size=1, timeout_s=5)
     assert time.monotonic() - start < 15
     assert _live_placement_groups() == before
 
 
 def test_all_zero_gpus_need_no_group(gpu_ray):
     before = _live_placement_groups()
-    placement = plan_placement(2, 3, gpus_per_replica=0, gpus_per_learner=0, tensor_parallel_size=1, timeout_s=5)
+    placement = _reserve(2, 3, gpus_per_replica=0, gpus_per_learner=0, tensor_parallel_size=1, timeout_s=5)
     assert placement.placement_group is None
     assert placement.replica_options == [{"num_cpus": 0}] * 2
     assert placement.learner_options == [{"num_cpus": 0}] * 3
@@ -178,13 +188,13 @@ def test_all_zero_gpus_need_no_group(gpu_ray):
 
 
 def test_remove_releases_the_gpus(gpu_ray):
-    placement = plan_placement(2, 2, gpus_per_replica=1, gpus_per_learner=1, tensor_parallel_size=1, timeout_s=30)
+    placement = _reserve(2, 2, gpus_per_replica=1, gpus_per_learner=1, tensor_parallel_size=1, timeout_s=30)
     pg_id = placement.placement_group.id.hex()
     placement.remove()
     placement.remove()  # idempotent
     assert placement.placement_group is None
     assert ray.util.placement_group_table()[pg_id]["state"] == "REMOVED"
-    again = plan_placement(2, 2, gpus_per_replica=1, gpus_per_learner=1, tensor_parallel_size=1, timeout_s=30)
+    again = _reserve(2, 2, gpus_per_replica=1, gpus_per_learner=1, tensor_parallel_size=1, timeout_s=30)
     again.remove()
 
 
@@ -212,7 +222,7 @@ _GOOD: dict[str, Any] = dict(num_replicas=1, num_learners=1, gpus_per_replica=1,
 ])
 def test_bad_settings_name_the_key(changes, message):
     with pytest.raises(ValueError, match=message):
-        plan_placement(**{**_GOOD, **changes})
+        _reserve(**{**_GOOD, **changes})
 
 
 def test_an_actor_with_no_gpu_sees_none_on_a_gpu_node(gpu_ray):

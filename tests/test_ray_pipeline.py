@@ -12,6 +12,7 @@ import ray  # noqa: E402  (a core dependency: missing ray is a failure, not a sk
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 from rayllm_rl.config import load_config  # noqa: E402
+from rayllm_rl.orchestration.job_plan import make_plan
 from rayllm_rl.orchestration.job_config import GRPOJobConfig  # noqa: E402
 
 
@@ -48,8 +49,10 @@ def test_sync_makes_replica_weights_equal(local_ray, tmp_path, transport):
 
     cfg = small_cfg(tmp_path, "ray.num_replicas=2", "rollout.max_staleness=1", f"ray.sync_transport={transport}")
     path = ensure_tiny_model()
-    cluster = build_cluster(cfg, path, build_task(cfg), functools.partial(make_workflow, cfg, path))
+    plan = make_plan(cfg.validate())
+    cluster = build_cluster(plan, path, build_task(cfg), functools.partial(make_workflow, cfg, path))
     assert cluster.transport == transport
+    assert list(cluster.roles()) == [a.name for a in plan.actors]  # the actors the dry run lists, by name
     try:
         # Perturb the learner with one SFT-free RL-shaped step, then sync v1 to both replicas.
         import torch
@@ -60,14 +63,13 @@ def test_sync_makes_replica_weights_equal(local_ray, tmp_path, transport):
 
         tok = AutoTokenizer.from_pretrained(path)
         batch = make_sft_batch(tok, [[{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "<answer>2</answer>"}]])
-        cluster.learner_call("train_step", batch, SFTLoss())
-        before = cluster.get([r.checksum.remote() for r in cluster.replicas])
-        learner_sum = cluster.get(cluster.learners[0].checksum.remote())
+        cluster.learners.train_step(batch, SFTLoss())
+        before = cluster.replicas.checksums()
+        learner_sum = cluster.learners.checksums()[0]
         assert all(abs(b - learner_sum) > 1e-6 for b in before)
         stats = cluster.sync_weights(1)
-        after = cluster.get([r.checksum.remote() for r in cluster.replicas])
-        assert after == [learner_sum, learner_sum]
-        assert cluster.get([r.version.remote() for r in cluster.replicas]) == [1, 1]
+        assert cluster.replicas.checksums() == [learner_sum, learner_sum]
+        assert [held[-1] for held in cluster.replicas.versions_held()] == [1, 1]
         assert stats["sync_bytes"] > 0 and stats["stall_s"] < stats["sync_s"] + stats["receive_s"]
         named = cluster.get(cluster.learners[0].named_tensors.remote())
         assert sum(t.numel() for t in named.values()) * 4 <= stats["sync_bytes"]
@@ -117,7 +119,7 @@ def test_the_reference_is_the_learners_policy_built_without_the_driver_and_kl_is
 
     cfg = small_cfg(tmp_path, "algo.kl_coef=0.05", "ray.namespace=rayllm_ref_test").validate()
     model_path = ensure_tiny_model()
-    backend = RayBackend(cfg, model_path, build_task(cfg), AutoTokenizer.from_pretrained(model_path))
+    backend = RayBackend(make_plan(cfg.validate()), model_path, build_task(cfg), AutoTokenizer.from_pretrained(model_path))
     try:
         nbytes = sum(t.numel() * t.element_size() for t in ray.get(
             backend.cluster.learners[0].named_tensors.remote(), timeout=60).values())

@@ -12,6 +12,7 @@ import torch
 from tensordict import TensorDict
 
 from rayllm_rl.config import load_config
+from rayllm_rl.orchestration.job_plan import make_plan
 from rayllm_rl.learner.learner import Learner, OptimConfig
 from rayllm_rl.objectives import DecoupledPPOLoss, GRPOLoss, GRPOTISLoss
 from rayllm_rl.orchestration.batch_prep import rewards_to_advantages
@@ -232,7 +233,7 @@ def test_the_reference_model_takes_the_learners_token_budget_and_chunk(tiny_mode
 
     cfg = _job("trainer.backend=local", "optim.max_tokens_per_micro_batch=777", "optim.logprob_chunk_size=33",
                "algo.kl_coef=0.1", "data.eval_size=8").validate()
-    backend = LocalBackend(cfg, tiny_model_path, build_task(cfg), AutoTokenizer.from_pretrained(tiny_model_path))
+    backend = LocalBackend(make_plan(cfg.validate()), tiny_model_path, build_task(cfg), AutoTokenizer.from_pretrained(tiny_model_path))
     try:
         backend.start_reference(None)
         assert (backend.reference.max_tokens_per_micro_batch, backend.reference.logprob_chunk_size) == (777, 33)

@@ -23,7 +23,13 @@ class RoleCrashed(RuntimeError):
 
 
 class Backend(Protocol):
-    """Blocking calls, each bounded by the job's timeouts."""
+    """Blocking calls, each bounded by the job's timeouts. Built as `Backend(plan, model_path, task,
+    tokenizer)` from the job's plan (`job_plan.JobPlan`)."""
+
+    @staticmethod
+    def session() -> Any:
+        """A context manager around a whole job run by `entry.train` (the Ray backend shuts down a local
+        Ray it started)."""
 
     def train_step(self, batch: Any, loss: Any = None) -> dict[str, float]:
         """One optimizer update on every learner rank (`loss` None: the job's RL loss); rank 0's metrics.
@@ -82,8 +88,3 @@ class Backend(Protocol):
 
     def shutdown(self) -> None:
         """Release every role (processes, shared memory, sync groups)."""
-
-
-def buffer_capacity(cfg) -> int:
-    """Replay buffer capacity in episodes: `ray.buffer_episodes`, else two batches per version in flight."""
-    return cfg.ray.buffer_episodes or 2 * (cfg.rollout.max_staleness + 1) * cfg.rollout.prompts_per_step

@@ -21,28 +21,25 @@ from rayllm_rl.hub import resolve_model_path
 from rayllm_rl.models.tiny import ensure_tiny_model
 from rayllm_rl.learner.checkpoint import prune_checkpoints
 from rayllm_rl.orchestration.backend import Backend, RoleCrashed
-from rayllm_rl.orchestration.factories import build_task, needs_reference
+from rayllm_rl.orchestration.factories import build_task
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.orchestration.job_plan import JobPlan, make_plan
 from rayllm_rl.orchestration.lora_base import lora_base_model
 from rayllm_rl.orchestration.reporting import RunReporter
 from rayllm_rl.orchestration.sft_warmup import sft_warm_start
 
 
-def open_backend(cfg: GRPOJobConfig, model_path: str, task, tokenizer) -> Backend:
-    if cfg.trainer.backend == "local":
-        from rayllm_rl.orchestration.local.backend import LocalBackend
-
-        return LocalBackend(cfg, model_path, task, tokenizer)
-    from rayllm_rl.orchestration.ray.backend import RayBackend
-
-    return RayBackend(cfg, model_path, task, tokenizer)
+def open_backend(plan: JobPlan, model_path: str, task, tokenizer) -> Backend:
+    return plan.backend_class()(plan, model_path, task, tokenizer)
 
 
-def train(cfg: GRPOJobConfig) -> dict:
-    """Run a whole job; returns the summary (also written to the run directory)."""
+def train(cfg: GRPOJobConfig, plan: JobPlan | None = None) -> dict:
+    """Run a whole job of a validated config; returns the summary (also written to the run directory).
+    `plan`: the job's plan if the caller made it already (`make_plan(cfg)`)."""
     from transformers import AutoTokenizer
 
     t_start = time.perf_counter()
+    plan = plan or make_plan(cfg)
     reporter = RunReporter(cfg.trainer.run_dir, config=dataclasses.asdict(cfg), trainer=cfg.trainer)
     # a hub id resolves to its snapshot in this node's HF cache, a GGUF file to its cached conversion, before
     # any actor starts (a miss or a GGUF transformers cannot dequantize fails here)
@@ -50,12 +47,12 @@ def train(cfg: GRPOJobConfig) -> dict:
     model_path = resolve_model_path(model.path, model.revision, model.gguf_file) if model.path else ensure_tiny_model()
     task, tokenizer = build_task(cfg), AutoTokenizer.from_pretrained(model_path)
     model_path = lora_base_model(cfg, model_path, task, tokenizer, reporter)  # LoRA on the demo: its SFT-warmed base
-    backend = open_backend(cfg, model_path, task, tokenizer)
+    backend = open_backend(plan, model_path, task, tokenizer)
     run = RunState(t_start=t_start, checkpoint=cfg.resume or None)
     try:
         while True:
             try:
-                return _run(cfg, backend, reporter, task, run)
+                return _run(cfg, backend, reporter, task, run, reference=plan.needs_reference)
             except RoleCrashed as crash:  # roll every role back to the last checkpoint and go on
                 if run.checkpoint is None or len(run.recoveries) >= cfg.trainer.max_recoveries:
                     raise
@@ -82,7 +79,7 @@ class RunState:
     """What a time budget cut short (SFT warm start, RL), said in the summary."""
 
 
-def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run: RunState) -> dict:
+def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run: RunState, reference: bool) -> dict:
     if cfg.resume:
         step, version = backend.restore(cfg.resume)
     else:
@@ -92,7 +89,7 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
     backend.sync_weights(version)
     backend.set_version(version)
     # frozen: the policy after the SFT warm start, or the one the checkpoint saved
-    if needs_reference(cfg):
+    if reference:
         backend.start_reference(cfg.resume or None)
     if run.eval_before is None:
         run.eval_before = backend.evaluate()

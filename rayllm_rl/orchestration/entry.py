@@ -1,6 +1,6 @@
 """`train(config)`: one entry point for a job, from `jobs/grpo.py` or from Python.
 
-Runs the backend `trainer.backend` names and returns the same JSON-able summary the job prints.
+Makes the job's plan once (`job_plan.make_plan`), runs it on the backend the plan names, and returns the same JSON-able summary the job prints.
 """
 from __future__ import annotations
 
@@ -36,10 +36,8 @@ def train(config: GRPOJobConfig | None = None, overrides: list[str] | None = Non
 
     # the job's console holds one bar: no "Map"/"Flattening"/download/"Loading weights" bars from the HF
     # libraries in this process (actors start with HF_HUB_DISABLE_PROGRESS_BARS=1); put back after the run
-    with hf_progress_bars_off():
-        if cfg.trainer.backend == "local":
-            return run_driver(cfg)
-        from rayllm_rl.orchestration.ray.backend import session_for_job
+    from rayllm_rl.orchestration.job_plan import make_plan
 
-        with session_for_job():
-            return run_driver(cfg)
+    plan = make_plan(cfg)
+    with hf_progress_bars_off(), plan.backend_class().session():
+        return run_driver(cfg, plan)

@@ -112,12 +112,3 @@ def has_reward_variance(episode) -> bool:
 
 def build_episode_filter(cfg: GRPOJobConfig):
     return has_reward_variance if cfg.algo.dynamic_sampling else None
-
-
-def needs_reference(cfg: GRPOJobConfig) -> bool:
-    """A frozen reference model is needed for KL-to-reference in the loss or in the reward; not for a LoRA
-    policy (`model.lora.rank > 0`), whose learner serves its reference itself: the base model, adapter off."""
-    if cfg.model.lora.rank > 0:
-        return False
-    return cfg.algo.kl_reward_coef > 0 or bool(getattr(cfg.algo.build_loss(cfg.rollout.max_new_tokens),
-                                                       "needs_ref_logp", False))

@@ -590,6 +590,10 @@ class GRPOJobConfig:
                              f"(got {self.trainer.backend}; the local backend runs everything in one process already)")
         for key in NODE_LABEL_KEYS:
             check_node_labels(key, getattr(rc, key))
+        if colocated and dict(rc.replica_node_labels or {}) != dict(rc.learner_node_labels or {}):
+            raise ValueError("ray.placement=colocated puts replica i and learner rank i on one GPU: "
+                             f"ray.replica_node_labels ({rc.replica_node_labels or {}}) and ray.learner_node_labels "
+                             f"({rc.learner_node_labels or {}}) must be equal")
         if not rc.namespace.strip():
             raise ValueError("ray.namespace must not be empty (default 'rayllm_rl')")
         for key in ("env_worker_restarts", "replica_restarts", "sync_bucket_mb"):

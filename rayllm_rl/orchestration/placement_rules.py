@@ -6,6 +6,7 @@ group these functions describe (its docstring gives the design: PACK, replicas f
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import Any
@@ -107,6 +108,59 @@ def reference_on_gpu(learner_gpus: float, reference: bool) -> bool:
 def learner_gpus_asked(learner_gpus: float, colocated: bool, reference: bool) -> float:
     """What each learner rank asks of its bundle: its share, less the reference's on a one-GPU rank."""
     return actor_gpus(learner_gpus, colocated) - (REFERENCE_SHARE if reference_on_gpu(learner_gpus, reference) else 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuLayout:
+    """The job's GPU shape, decided once (`gpu_layout`): what each actor asks of its bundle, and the
+    placement group's bundles (none when no GPU is asked for). Replica i is bundle i; learner rank r is
+    `learner_bundle(r)`; the reference shares learner rank 0's bundle when it runs on a GPU."""
+
+    num_replicas: int
+    num_learners: int
+    replica_gpus: float
+    """GPUs per replica (all of its tensor-parallel group's), a checked whole number."""
+    learner_gpus: float
+    colocated: bool = False
+    reference: bool = False
+    """The job has a frozen reference model (KL)."""
+
+    @property
+    def uses_gpus(self) -> bool:
+        return self.replica_gpus > 0 or self.learner_gpus > 0
+
+    @property
+    def replica_asks(self) -> float:
+        return actor_gpus(self.replica_gpus, self.colocated)
+
+    @property
+    def learner_asks(self) -> float:
+        return learner_gpus_asked(self.learner_gpus, self.colocated, self.reference)
+
+    @property
+    def reference_asks(self) -> float:
+        return REFERENCE_SHARE if reference_on_gpu(self.learner_gpus, self.reference) else 0.0
+
+    def bundles(self) -> list[dict[str, float]]:
+        if not self.uses_gpus:
+            return []
+        return plan_bundles(self.num_replicas, self.num_learners, self.replica_gpus, self.learner_gpus, self.colocated)
+
+    def learner_bundle(self, rank: int) -> int:
+        return learner_bundle(self.num_replicas, rank, self.colocated)
+
+    def reference_bundle(self) -> int | None:
+        """Learner rank 0's bundle when the reference takes a share of its GPU, else None (CPU)."""
+        return self.learner_bundle(0) if self.reference_asks else None
+
+
+def gpu_layout(num_replicas: int, num_learners: int, gpus_per_replica: float, gpus_per_learner: float,
+               tensor_parallel_size: int, timeout_s: float, *, colocated: bool = False,
+               reference: bool = False) -> GpuLayout:
+    """Check the placement settings (`validate`, ValueError naming the `ray.*` key) and decide the layout."""
+    replica_gpus, learner_gpus = validate(num_replicas, num_learners, gpus_per_replica, gpus_per_learner,
+                                          tensor_parallel_size, timeout_s, colocated)
+    return GpuLayout(int(num_replicas), int(num_learners), replica_gpus, learner_gpus, colocated, reference)
 
 
 _LABEL = r"[a-zA-Z0-9]([a-zA-Z0-9_.-]{0,61}[a-zA-Z0-9])?"

@@ -1,12 +1,11 @@
-"""The dry-run plan of a job: what `jobs/grpo.py ... --dry-run` prints, computed without starting anything.
+"""The dry-run description of a job's plan: what `jobs/grpo.py ... --dry-run` prints, computed without starting anything.
 
-`job_plan(cfg)` takes a validated `GRPOJobConfig` and returns a JSON-able dict: the data sources (a
-local path must exist; a hub dataset's config and split are looked up in the local datasets cache,
-rows never loaded), the actors the Ray backend would create (names, Ray CPU/GPU requests, torch
-threads, placement bundle), the placement group (bundles and strategy, from `orchestration.placement_rules`'s
-checks and bundle shape), the weight transport (`weight_sync.registry.plan_transport`), the engine,
-and a memory estimate of each learner rank and of each replica's KV cache from the model's config.json
-(read from the HF cache, never downloaded; no weights are loaded, no Ray is started).
+`describe_plan(make_plan(cfg))` (or `job_plan(cfg)`) returns a JSON-able dict: the plan's decisions
+(`plan_decisions`: the engine, every actor with its Ray CPU/GPU request, torch threads, bundle and
+restarts, the placement group, the weight transport, all from `job_plan.JobPlan`), the data sources (a
+local path must exist; a hub dataset's config and split are looked up in the local datasets cache, rows
+never loaded), and a memory estimate of each learner rank and of each replica's KV cache from the model's
+config.json (read from the HF cache, never downloaded; no weights are loaded, no Ray is started).
 
 Memory model (bytes, per learner rank, `b` = bytes of model.dtype, P = parameters, W = learner ranks):
 params, grads and the two AdamW moments are each P*m/W with m = max(b, 4) (FSDP2 shards them; the
@@ -29,6 +28,7 @@ import os
 from typing import Any
 
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.orchestration.job_plan import JobPlan, make_plan
 
 GiB = float(1 << 30)
 
@@ -207,15 +207,11 @@ def _optim(cfg: GRPOJobConfig, name: str, default: Any) -> Any:
     return getattr(cfg.optim, name, default)
 
 
-def _ranks(cfg: GRPOJobConfig) -> tuple[int, int]:
-    """(replicas, learner ranks): the `ray.*` counts, or one of each in the local backend's one process."""
-    return (cfg.ray.num_replicas, cfg.ray.num_learners) if cfg.trainer.backend == "ray" else (1, 1)
-
-
-def learner_memory(cfg: GRPOJobConfig, arch: dict) -> dict[str, Any]:
+def learner_memory(plan: JobPlan, arch: dict) -> dict[str, Any]:
     """Estimated bytes held by one learner rank during a train step (see the module docstring)."""
+    cfg = plan.config
     b = DTYPE_BYTES[cfg.model.dtype]
-    P, W = arch["params"], _ranks(cfg)[1]
+    P, W = arch["params"], plan.learner_ranks
     H, I, L, V = arch["hidden_size"], arch["intermediate_size"], arch["num_layers"], arch["vocab_size"]
     kv_dim = arch["num_key_value_heads"] * arch["head_dim"]
     seq = PROMPT_TOKENS_ESTIMATE.get(cfg.task, 128) + cfg.rollout.max_new_tokens
@@ -250,165 +246,109 @@ def learner_memory(cfg: GRPOJobConfig, arch: dict) -> dict[str, Any]:
                         "activation_checkpointing": checkpointing, "dtype": cfg.model.dtype, "learner_ranks": W}}
 
 
-def kv_cache_memory(cfg: GRPOJobConfig, arch: dict) -> dict[str, Any]:
+def kv_cache_memory(plan: JobPlan, arch: dict) -> dict[str, Any]:
     """Per replica: KV bytes per token, what the step's sequences need, and the engine's budget."""
-    from rayllm_rl.inference.registry import engine_class, engine_options, placed_options
+    from rayllm_rl.inference.registry import engine_class, engine_options
 
+    cfg = plan.config
     b = DTYPE_BYTES[cfg.model.dtype]
     per_token = 2 * arch["num_layers"] * arch["num_key_value_heads"] * arch["head_dim"] * b
     seq = PROMPT_TOKENS_ESTIMATE.get(cfg.task, 128) + cfg.rollout.max_new_tokens
     in_flight = math.ceil(cfg.rollout.prompts_per_step * cfg.rollout.group_size * (cfg.rollout.max_staleness + 1)
-                          / _ranks(cfg)[0])
-    inf, rc = cfg.inference, cfg.ray
+                          / plan.replicas)
+    rc = cfg.ray
     out: dict[str, Any] = {"bytes_per_token": per_token, "sequence_tokens": seq}
     weights = arch["params"] * b / rc.tensor_parallel_size
-    out.update(engine_class(inf.engine).kv_cache_plan(
-        engine_options(inf.engine, placed_options(inf.engine, inf.options, colocated=rc.placement == "colocated")),
-        gpus_per_replica=rc.gpus_per_replica, weights_bytes=weights,
+    out.update(engine_class(plan.engine).kv_cache_plan(
+        engine_options(plan.engine, plan.engine_options), gpus_per_replica=rc.gpus_per_replica, weights_bytes=weights,
         per_token=per_token, sequence_tokens=seq, in_flight=in_flight))
     concurrent = out["concurrent_sequences"]
     out["needed_bytes"] = int(concurrent * seq * per_token)
     return out
 
 
-# ---------------------------------------------------------------------------------------- actors
+# ---------------------------------------------------------------------------------------- placement
 
 
-def _actor(name: str, role: str, gpus: float, threads: int, bundle: int | None, note: str = "") -> dict[str, Any]:
-    return {"name": name, "role": role, "num_cpus": 0, "num_gpus": gpus, "torch_threads": threads,
-            "bundle": bundle, **({"note": note} if note else {})}
+def placement_plan(plan: JobPlan) -> dict[str, Any]:
+    """The placement group the Ray backend reserves (`plan.layout`): bundles, replicas first, then learner
+    ranks, and strategy; none when no GPU is asked for (and none at all in the local backend)."""
+    from rayllm_rl.orchestration.job_plan import LEARNER, REPLICA
+    from rayllm_rl.orchestration.placement_rules import STRATEGY
 
-
-def placement_plan(cfg: GRPOJobConfig) -> dict[str, Any]:
-    """The placement group `plan_placement` would reserve: bundles (replicas first, then learner ranks)
-    and strategy, or none when no GPU is asked for."""
-    from rayllm_rl.orchestration.factories import needs_reference
-    from rayllm_rl.orchestration.placement_rules import (
-        REFERENCE_SHARE, STRATEGY, actor_gpus, learner_gpus_asked, plan_bundles, reference_on_gpu, validate,
-    )
-
-    rc = cfg.ray
-    colocated = rc.placement == "colocated"
-    replica_gpus, learner_gpus = validate(rc.num_replicas, rc.num_learners, rc.gpus_per_replica, rc.gpus_per_learner,
-                                          rc.tensor_parallel_size, rc.sync_timeout_s, colocated)
-    ref_gpu = reference_on_gpu(learner_gpus, needs_reference(cfg))
-    shared = {"placement": rc.placement, "replica_gpus": actor_gpus(replica_gpus, colocated),
-              "learner_gpus": learner_gpus_asked(learner_gpus, colocated, needs_reference(cfg)),
-              "reference_gpus": REFERENCE_SHARE if ref_gpu else 0.0}
-    if replica_gpus == 0 and learner_gpus == 0:
+    layout, rc = plan.layout, plan.config.ray
+    shared = {"replica_gpus": layout.replica_asks, "learner_gpus": layout.learner_asks,
+              "reference_gpus": layout.reference_asks}
+    if plan.actors:  # the Ray backend's actors are placed; the local backend has none
+        shared = {"placement": rc.placement, **shared}
+    if not layout.uses_gpus:
         return {"placement_group": False, "strategy": None, "bundles": [], "total_gpus": 0.0, **shared}
-    if colocated:
-        names = [f"inference-{i} + learner-{i} (sharing one GPU, taking turns)" for i in range(rc.num_replicas)]
+    if layout.colocated:
+        names = [f"{REPLICA.format(i)} + {LEARNER.format(i)} (sharing one GPU, taking turns)"
+                 for i in range(layout.num_replicas)]
     else:
-        names = [f"inference-{i}" for i in range(rc.num_replicas)] + [f"learner-{r}" for r in range(rc.num_learners)]
-    bundles = [{"for": name, **bundle} for name, bundle in
-               zip(names, plan_bundles(rc.num_replicas, rc.num_learners, replica_gpus, learner_gpus, colocated))]
+        names = [REPLICA.format(i) for i in range(layout.num_replicas)] + \
+            [LEARNER.format(r) for r in range(layout.num_learners)]
+    bundles = [{"for": name, **bundle} for name, bundle in zip(names, layout.bundles())]
     return {"placement_group": True, "strategy": STRATEGY, "bundles": bundles,
             "total_gpus": sum(b.get("GPU", 0.0) for b in bundles), **shared}
-
-
-def actors_plan(cfg: GRPOJobConfig, placement: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every actor the Ray backend creates (cluster.build_cluster, the reference and tool services)."""
-    from rayllm_rl.orchestration.factories import needs_reference
-    from rayllm_rl.orchestration.placement_rules import learner_bundle
-
-    rc, t = cfg.ray, cfg.ray.threads_per_actor
-    pg = placement["placement_group"]
-    tp = f"tensor_parallel_size={rc.tensor_parallel_size}" if rc.tensor_parallel_size > 1 else ""
-    actors = [_actor(f"inference-{i}", f"inference replica ({cfg.inference.engine})", placement["replica_gpus"], t,
-                     i if pg else None, tp) for i in range(rc.num_replicas)]
-    colocated = rc.placement == "colocated"
-    actors += [_actor(f"learner-{r}", "FSDP learner rank", placement["learner_gpus"], t,
-                      learner_bundle(rc.num_replicas, r, colocated) if pg else None,
-                      f"shares its GPU with inference-{r}; offloaded while it generates" if colocated else "")
-               for r in range(rc.num_learners)]
-    actors += [_actor(f"env-{i}", "env worker (rollout workflows, rewards)", 0.0, 1, None)
-               for i in range(rc.num_env_workers)]
-    actors += [_actor("replay-buffer", "replay buffer", 0.0, 1, None), _actor("collector", "collector", 0.0, 1, None)]
-    if needs_reference(cfg):
-        gpus = placement["reference_gpus"]
-        actors.append(_actor("reference", "frozen reference model (KL)", gpus, 1,
-                             learner_bundle(rc.num_replicas, 0, colocated) if gpus else None,
-                             f"on learner-0's GPU, {cfg.model.dtype}" if gpus else f"CPU, {cfg.model.dtype}"))
-    if cfg.rollout.workflow == "python_tool":
-        actors.append(_actor("python-executor", "sandboxed code execution service", 0.0, 1, None))
-    m, j = cfg.reward.model, cfg.reward.judge
-    actors += [_actor(f"reward-model-{i}", "reward model (sequence classification)", m.gpus_per_actor, t, None,
-                      f"weight {m.weight:g}, batches of <= {m.batch_size}") for i in range(m.num_actors if m.path else 0)]
-    actors += [_actor(f"judge-{i}", f"judge replica ({j.engine})", j.gpus_per_replica, t, None, f"weight {j.weight:g}")
-               for i in range(j.num_replicas if j.path else 0)]
-    return actors
-
-
-def transport_plan(cfg: GRPOJobConfig) -> dict[str, str]:
-    """The registry's choice (`weight_sync.registry.plan_transport`) when every replica shares the
-    learner's node, and when one does not (a transport that cannot cross nodes: the error)."""
-    from rayllm_rl.weight_sync.registry import TRANSPORTS, plan_transport
-
-    def pick(nodes: set[str]) -> str:
-        rc = cfg.ray
-        try:
-            return plan_transport(rc.sync_transport, learner_gpus=rc.gpus_per_learner > 0, learner_ranks=rc.num_learners,
-                                  replica_gpus=rc.gpus_per_replica > 0, learner_node="node-a", replica_nodes=nodes,
-                                  colocated=rc.placement == "colocated")
-        except ValueError as exc:
-            return f"refused: {exc}"
-
-    same, across = pick({"node-a"}), pick({"node-a", "node-b"})
-    chosen = same if same in TRANSPORTS else None
-    return {"setting": cfg.ray.sync_transport, "same_node": same, "across_nodes": across,
-            "bucket_mb": cfg.ray.sync_bucket_mb or (TRANSPORTS[chosen].default_bucket_mb if chosen else None)}
 
 
 # ---------------------------------------------------------------------------------------- the plan
 
 
-def _engine_installed(cfg: GRPOJobConfig) -> bool:
-    """Whether this machine could build the engine (a dry run may plan for other machines)."""
+def plan_decisions(plan: JobPlan) -> dict[str, Any]:
+    """What the plan decided, as the dry run shows it (JSON-able): backend, engine, rollout and schedule,
+    every actor, the placement group and the weight transport. Reads nothing from disk."""
     from rayllm_rl.inference.registry import engine_installed
 
-    return engine_installed(cfg.inference.engine)
-
-
-def job_plan(cfg: GRPOJobConfig) -> dict[str, Any]:
-    """The whole dry-run plan of a validated config (JSON-able); raises PlanError when it cannot be made."""
-    if any(v is None for v in (cfg.rollout.max_new_tokens, cfg.data.eval_size)) or cfg.model.dtype == "auto":
-        raise PlanError("job_plan needs a validated config (cfg.validate() fills the task presets and dtype)")
-    plan: dict[str, Any] = {
-        "task": cfg.task, "backend": cfg.trainer.backend, "algo": cfg.algo.name,
-        "model": {"path": cfg.model.path or "(built-in tiny Qwen2)", "revision": cfg.model.revision or "main",
-                  "dtype": cfg.model.dtype},
-        "engine": {"name": cfg.inference.engine, "replicas": _ranks(cfg)[0],
-                   "tensor_parallel_size": cfg.ray.tensor_parallel_size, "installed_here": _engine_installed(cfg)},
+    cfg = plan.config
+    out: dict[str, Any] = {
+        "task": cfg.task, "backend": plan.backend, "algo": cfg.algo.name,
+        "engine": {"name": plan.engine, "replicas": plan.replicas, "tensor_parallel_size": cfg.ray.tensor_parallel_size,
+                   "installed_here": engine_installed(plan.engine)},
         "rollout": {"prompts_per_step": cfg.rollout.prompts_per_step, "group_size": cfg.rollout.group_size,
                     "max_new_tokens": cfg.rollout.max_new_tokens, "max_staleness": cfg.rollout.max_staleness},
         "schedule": {"sft_steps": cfg.sft.steps, "rl_steps": cfg.trainer.steps, "optim_lr": cfg.optim.lr,
                      "trainer_time_budget_s": cfg.trainer.time_budget_s,
                      "eval": cfg.data.eval_path or f"{cfg.data.eval_size} prompts held out of the training rows"},
+        "actors": [a.describe() for a in plan.actors], "placement": placement_plan(plan),
+        "weight_transport": plan.transport.describe(), "needs_reference": plan.needs_reference,
+        "buffer_capacity": plan.buffer_capacity,
     }
-    if cfg.trainer.backend == "local":
-        plan.update(actors=[], placement={"placement_group": False, "strategy": None, "bundles": [],
-                                          "total_gpus": 0.0, "replica_gpus": 0.0, "learner_gpus": 0.0,
-                                          "reference_gpus": 0.0},
-                    weight_transport={"setting": "in-process", "same_node": "in-process",
-                                      "across_nodes": "in-process"},
-                    note="trainer.backend=local: every role runs in this process on CPU; no Ray")
-    else:
-        placement = placement_plan(cfg)
-        plan.update(actors=actors_plan(cfg, placement), placement=placement, weight_transport=transport_plan(cfg))
-    plan["total_gpus"] = plan["placement"]["total_gpus"]
+    if not plan.actors:
+        out["note"] = f"trainer.backend={plan.backend}: every role runs in this process on CPU; no Ray"
+    out["total_gpus"] = out["placement"]["total_gpus"]
+    return out
+
+
+def describe_plan(plan: JobPlan) -> dict[str, Any]:
+    """The whole dry-run description of a job's plan (JSON-able): its decisions (`plan_decisions`), the
+    data sources, the model's architecture and the memory estimates; raises PlanError when a source or
+    the model cannot be found."""
+    cfg = plan.config
+    out = plan_decisions(plan)
+    out["model"] = {"path": cfg.model.path or "(built-in tiny Qwen2)", "revision": cfg.model.revision or "main",
+                    "dtype": cfg.model.dtype}
     gguf = gguf_plan(cfg) if cfg.model.path else None
     if gguf is None:
         config, source = read_model_config(cfg)
     else:  # the config transformers derives from the file's metadata
         config, source = gguf.pop("config"), f"GGUF metadata of {gguf['file']}"
-        plan["model"]["gguf"] = gguf
-    plan["data"] = data_plan(cfg)
-    plan["model"]["config_source"] = source
+        out["model"]["gguf"] = gguf
+    out["data"] = data_plan(cfg)
+    out["model"]["config_source"] = source
     if config is None:
-        plan["memory"] = {"unknown": source}
+        out["memory"] = {"unknown": source}
     else:
         arch = architecture(config)
-        plan["model"]["architecture"] = arch
-        plan["memory"] = {"learner_per_rank": learner_memory(cfg, arch), "kv_cache_per_replica": kv_cache_memory(cfg, arch)}
-    return plan
+        out["model"]["architecture"] = arch
+        out["memory"] = {"learner_per_rank": learner_memory(plan, arch), "kv_cache_per_replica": kv_cache_memory(plan, arch)}
+    return out
+
+
+def job_plan(cfg: GRPOJobConfig) -> dict[str, Any]:
+    """The dry-run description of a validated config: `describe_plan(make_plan(cfg))`."""
+    if any(v is None for v in (cfg.rollout.max_new_tokens, cfg.data.eval_size)) or cfg.model.dtype == "auto":
+        raise PlanError("job_plan needs a validated config (cfg.validate() fills the task presets and dtype)")
+    return describe_plan(make_plan(cfg))

@@ -9,6 +9,7 @@ trains (the engine takes new weights between two decode steps, under its lock).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import random
 import time
@@ -23,13 +24,13 @@ from rayllm_rl.inference.protocol import weights_checksum
 from rayllm_rl.inference.transformers_engine import TransformersEngine
 from rayllm_rl.learner.learner import Learner
 from rayllm_rl.loop_thread import EventLoopThread
-from rayllm_rl.orchestration.backend import ROLE_KINDS, buffer_capacity
+from rayllm_rl.orchestration.backend import ROLE_KINDS
 from rayllm_rl.orchestration.batch_prep import prepare_batch
 from rayllm_rl.rollout.collector import LLMCollector, run_and_store
 from rayllm_rl.orchestration.fault_ledger import FaultLedger
 from rayllm_rl.orchestration.factories import build_episode_filter, build_workflow, local_python_tools
 from rayllm_rl.orchestration.local.reward_scorers import local_reward_scorers
-from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.orchestration.job_plan import JobPlan
 from rayllm_rl.rollout.staleness import StalenessController
 from rayllm_rl.workflows.evaluation import evaluate_greedy
 
@@ -37,7 +38,11 @@ from rayllm_rl.workflows.evaluation import evaluate_greedy
 class LocalBackend:
     """The driver's calls (backend.Backend) on in-process objects."""
 
-    def __init__(self, cfg: GRPOJobConfig, model_path: str, task, tokenizer):
+    session = staticmethod(contextlib.nullcontext)
+    """Around a job run by `entry.train`: nothing to start or stop outside this process."""
+
+    def __init__(self, plan: JobPlan, model_path: str, task, tokenizer):
+        self.plan, cfg = plan, plan.config
         random.seed(cfg.trainer.seed)
         torch.manual_seed(cfg.trainer.seed)
         if cfg.trainer.num_threads > 0:
@@ -49,7 +54,7 @@ class LocalBackend:
         self.engine = TransformersEngine(model_path, seed=cfg.trainer.seed, device="cpu", lora=lora)  # on the CPU
         self.learner = Learner(model_path, cfg.optim, temperature=cfg.rollout.temperature, seed=cfg.trainer.seed,
                                lora=lora)
-        self.loss = cfg.algo.build_loss(cfg.rollout.max_new_tokens)
+        self.loss = plan.loss
         self.reward_scorers = local_reward_scorers(cfg)  # {} unless reward.model / reward.judge is on
         self.workflow = build_workflow(cfg, task, tokenizer, make_tools=local_python_tools,
                                        reward_scorers=self.reward_scorers)
@@ -64,7 +69,7 @@ class LocalBackend:
 
     def _build_on_loop(self) -> None:
         cfg = self.cfg
-        self.buffer = AwaitableEpisodeBuffer(ReplayBuffer(buffer_capacity(cfg), cfg.rollout.max_staleness),
+        self.buffer = AwaitableEpisodeBuffer(ReplayBuffer(self.plan.buffer_capacity, cfg.rollout.max_staleness),
                                              on_dropped=lambda n: self.collector.on_dropped(n))
         self.collector = LLMCollector(PromptLoader(self.task.train, seed=cfg.trainer.seed), self._run_episode,
                                       StalenessController(cfg.rollout.prompts_per_step, cfg.rollout.max_staleness))

@@ -22,6 +22,7 @@ from rayllm_rl.orchestration.ray.cluster import (
 from rayllm_rl.hub import resolve_model_path
 from rayllm_rl.orchestration.factories import build_worker_task, build_workflow
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.orchestration.job_plan import REFERENCE, JobPlan
 from rayllm_rl.orchestration.ray.router import ReplicaRouter
 from rayllm_rl.orchestration.ray.reward_actors import ray_reward_scorers, reward_service_stats
 from rayllm_rl.orchestration.ray.tool_services import ray_python_tools
@@ -70,11 +71,14 @@ def _crash_aware(method):
 class RayBackend:
     """Replicas, env workers, learners, buffer and collector as named Ray actors (see cluster.py)."""
 
-    def __init__(self, cfg: GRPOJobConfig, model_path: str, task, tokenizer):
+    session = staticmethod(session_for_job)
+
+    def __init__(self, plan: JobPlan, model_path: str, task, tokenizer):
         from rayllm_rl.orchestration.ray.metrics import RayMetrics
 
-        init_ray(cfg)
-        self.cfg, self.model_path, self.task, self.tokenizer = cfg, model_path, task, tokenizer
+        init_ray(plan.config)
+        self.plan, self.cfg = plan, plan.config
+        self.model_path, self.task, self.tokenizer = model_path, task, tokenizer
         self.liveness_s = 10.0
         """While waiting for a batch, a drain or an eval, check every this many seconds that no role died
         (and send the current weights to a replica Ray restarted)."""
@@ -88,7 +92,7 @@ class RayBackend:
 
     def _build(self) -> None:
         cfg = self.cfg
-        self.cluster: Cluster = build_cluster(cfg, self.model_path, self.task,
+        self.cluster: Cluster = build_cluster(self.plan, self.model_path, self.task,
                                               functools.partial(make_workflow, cfg, self.model_path))
         self.reference = None
         self._pending_version = None  # the last set_version call, awaited at the next one
@@ -114,7 +118,7 @@ class RayBackend:
         ns = self.cfg.ray.namespace
         if self.reference is not None:
             ray.kill(self.reference, no_restart=True)
-            wait_names_free(["reference"], ns)
+            wait_names_free([REFERENCE], ns)
         self.cluster.shutdown(close_timeout_s=close_timeout_s, namespace=ns)
 
     def _take_fault_events(self, timeout_s: float | None = None, note_pids: bool = True) -> None:
@@ -140,12 +144,12 @@ class RayBackend:
         TensorDict made here (the SFT warm start's), put once for every rank."""
         if not isinstance(batch, ray.ObjectRef):
             batch = ray.put(self._through_driver(batch))
-        step = lambda: self.cluster.learner_call("train_step", batch, loss)  # noqa: E731
+        step = lambda: self.cluster.learners.train_step(batch, loss)  # noqa: E731
         return self._through_driver(self.cluster.turns.train(step))[0]
 
     @_crash_aware
     def reset_optimizer(self, optim_cfg) -> None:
-        self.cluster.learner_call("reset_optimizer", optim_cfg)
+        self.cluster.learners.reset_optimizer(optim_cfg)
 
     @_crash_aware
     def sync_weights(self, version: int) -> dict[str, float]:
@@ -175,7 +179,7 @@ class RayBackend:
         if not restarted:
             return None
         self.faults.replicas_restarted(len(restarted))
-        rejoin_sync_group(self.cluster, self.cfg, restarted)
+        rejoin_sync_group(self.cluster, self.plan, restarted)
         return self.cluster.sync_weights(version)
 
     @_crash_aware
@@ -224,11 +228,11 @@ class RayBackend:
         it by reference (every rank joins the gather; no rank's tensors come to the driver)."""
         weights = checkpoint
         if weights is None:
-            gathered = [l.reference_weights.remote() for l in self.cluster.learners]
+            gathered = self.cluster.learners.reference_weights()
             weights = gathered[0]
-        self.reference = ReferenceActor.options(name="reference", namespace=self.cfg.ray.namespace,
+        self.reference = ReferenceActor.options(name=REFERENCE, namespace=self.cfg.ray.namespace,
                                                 **self.cluster.placement.reference_options).remote(
-            self.model_path, self.cfg.rollout.temperature, weights, self.cfg.ray.threads_per_actor,
+            self.model_path, self.cfg.rollout.temperature, weights, self.plan.actor(REFERENCE).threads,
             self.cfg.optim.max_tokens_per_micro_batch, self.cfg.optim.logprob_chunk_size, self.cfg.model.dtype)
         if checkpoint is None:  # the other ranks' copies: waited for, not fetched
             done, _ = ray.wait(gathered, num_returns=len(gathered), timeout=self.cluster.timeout_s, fetch_local=False)
@@ -270,7 +274,7 @@ class RayBackend:
         self._take_fault_events(note_pids=False)  # the baseline below counts every episode lost before it
         extra = {"step": step, "version": version, "collector": collector_state,
                  "buffer": self._get(c.buffer.state_dict.remote())}
-        c.learner_call("save_checkpoint", str(path), self.model_path, extra)
+        c.learners.save_checkpoint(str(path), self.model_path, extra)
         if self.reference is not None:
             self._get(self.reference.save.remote(str(path)))
         self._get(c.collector.start.remote())
@@ -279,7 +283,7 @@ class RayBackend:
 
     @_crash_aware
     def restore(self, path: str) -> tuple[int, int]:
-        extra = self.cluster.learner_call("load_checkpoint", path)[0]
+        extra = self.cluster.learners.load_checkpoint(path)
         self._get(self.cluster.collector.load_state_dict.remote(extra["collector"]))
         self._get(self.cluster.buffer.load_state_dict.remote(extra["buffer"]))
         return extra["step"], extra["version"]
@@ -293,7 +297,7 @@ class RayBackend:
     def _reward_counters(self) -> dict[str, int]:
         """Reward calls, errors and timeouts summed over the env workers."""
         total: dict[str, int] = {}
-        for stats in self._get([w.stats.remote() for w in self.cluster.env_workers]):
+        for stats in self.cluster.env_workers.each(lambda w: w.stats.remote()):
             for k, v in stats.items():
                 if k.startswith("reward_"):
                     total[k] = total.get(k, 0) + v
@@ -301,12 +305,12 @@ class RayBackend:
 
     def summary_stats(self) -> dict[str, Any]:
         c = self.cluster
-        sums = self._get([l.checksum.remote() for l in c.learners] + [r.checksum.remote() for r in c.replicas])
+        sums = c.learners.checksums() + c.replicas.checksums()
         self._take_fault_events()
         col = self.collector_stats()
         return {"failed_episodes": col["failed_episodes"], **self.faults.summary(),
                 "buffer": self._get(c.buffer.stats.remote()), "reward_failures": self._reward_counters(),
-                "replica_versions_held": self._get([r.version_history.remote() for r in c.replicas]),
+                "replica_versions_held": c.replicas.versions_held(),
                 "weight_transport": c.transport, "learner_checksums_equal_replicas": len(set(sums)) == 1,
                 "reward_services": reward_service_stats(c.services, c.timeout_s)}
 

@@ -16,10 +16,11 @@ from rayllm_rl.orchestration.ray.actors import (
     RayLLMCollector,
     ReplayBufferActor,
 )
-from rayllm_rl.inference.registry import placed_options
 from rayllm_rl.loop_thread import run_bounded
-from rayllm_rl.orchestration.factories import build_episode_filter, needs_reference
+from rayllm_rl.orchestration.factories import build_episode_filter
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.orchestration.job_plan import BUFFER, COLLECTOR, ENV_WORKER, LEARNER, REPLICA, JobPlan
+from rayllm_rl.orchestration.ray.groups import ActorGroup, LearnerGroup, ReplicaGroup
 from rayllm_rl.orchestration.ray.placement import Placement, plan_placement
 from rayllm_rl.orchestration.ray.reward_actors import start_reward_actors
 from rayllm_rl.orchestration.ray.turns import make_turns
@@ -50,9 +51,9 @@ def init_ray(cfg: GRPOJobConfig) -> None:
 class Cluster:
     """Handles of one job's actors."""
 
-    replicas: list[Any]
-    env_workers: list[Any]
-    learners: list[Any]
+    replicas: ReplicaGroup
+    env_workers: ActorGroup
+    learners: LearnerGroup
     buffer: Any
     collector: Any
     timeout_s: float
@@ -75,10 +76,10 @@ class Cluster:
 
     def roles(self) -> dict[str, Any]:
         """Every actor of the job by its dashboard name."""
-        named = {f"inference-{i}": r for i, r in enumerate(self.replicas)}
-        named.update({f"env-{i}": w for i, w in enumerate(self.env_workers)})
-        named.update({f"learner-{i}": l for i, l in enumerate(self.learners)})
-        return {**named, "replay-buffer": self.buffer, "collector": self.collector}
+        named = {REPLICA.format(i): r for i, r in enumerate(self.replicas)}
+        named.update({LEARNER.format(i): l for i, l in enumerate(self.learners)})
+        named.update({ENV_WORKER.format(i): w for i, w in enumerate(self.env_workers)})
+        return {**named, BUFFER: self.buffer, COLLECTOR: self.collector}
 
     def dead_roles(self, extra: dict[str, Any] | None = None, timeout_s: float = 10.0) -> list[str]:
         """Names of the actors (the job's, and `extra` by name) whose process is gone for good; a busy
@@ -95,9 +96,6 @@ class Cluster:
                 pass
         return dead
 
-    def learner_call(self, method: str, *args) -> list:
-        return self.get([getattr(l, method).remote(*args) for l in self.learners])
-
     def sync_weights(self, version: int) -> dict[str, float]:
         """Learners send (rank 0) while every replica receives into its back buffer. A pull transport:
         the replicas get the reference to rank 0's result, so they fetch once it has published (the
@@ -105,25 +103,22 @@ class Cluster:
         from rayllm_rl.weight_sync.registry import transport_info
 
         info = transport_info(self.transport)
-        head = self.learners[0].sync_weights
-        if info.tensor_transport is not None:  # Ray keeps the result's tensors with rank 0 and sends them to each replica
-            head = head.options(tensor_transport=info.tensor_transport)
-        sent = [head.remote(version)] + [l.sync_weights.remote(version) for l in self.learners[1:]]
-        got = [r.receive_weights.remote(handoff_arg(info, sent[0])) for r in self.replicas]
+        # with Ray Direct Transport Ray keeps rank 0's result's tensors with it and sends them to each replica
+        sent = self.learners.send_weights(version, info.tensor_transport)
+        got = self.replicas.receive_weights(handoff_arg(info, sent[0]))
         # A replica's receive ends after rank 0's sync (it waits for rank 0's result or its group's ack);
         # a Ray Direct Transport result cannot be fetched here: only the replicas receive its tensors.
         waited = got + (sent[1:] if info.tensor_transport is not None else sent)
         replicas = self.get(waited, timeout_s=self.sync_timeout_s)[:len(got)]  # a dead replica fails at once
-        learner0 = self.get(self.learners[0].last_sync_stats.remote())
-        return {**learner0, "stall_s": max(r["stall_s"] for r in replicas),
+        return {**self.learners.last_send_stats(), "stall_s": max(r["stall_s"] for r in replicas),
                 "receive_s": max(r["receive_s"] for r in replicas)}
 
     def shutdown(self, close_timeout_s: float = 60.0, namespace: str | None = None) -> None:
         """Close sync groups, shared segments and engine cores, kill every actor; with `namespace`,
         also wait until their names are free again (so the job can be rebuilt under the same names)."""
         try:  # unlink shared segments, close sync groups and vLLM engine cores before the processes go
-            self.get([a.close.remote() for a in self.learners + self.replicas + list(self.services.values())],
-                     timeout_s=close_timeout_s)
+            self.get(self.learners.close_refs() + self.replicas.close_refs()
+                     + [a.close.remote() for a in self.services.values()], timeout_s=close_timeout_s)
         except Exception:  # noqa: BLE001 - shutting down anyway
             pass
         leave_collective_group(self, timeout_s=close_timeout_s)
@@ -203,89 +198,85 @@ def _first_ref(obj, depth: int = 0):
     return next((r for r in (_first_ref(x, depth + 1) for x in items) if r is not None), None)
 
 
-def build_cluster(cfg: GRPOJobConfig, model_path: str, task, workflow_factory) -> Cluster:
-    cfg.validate()
-    rc, threads = cfg.ray, cfg.ray.threads_per_actor
-    seed = cfg.trainer.seed
-    colocated = rc.placement == "colocated"
-    placement = plan_placement(rc.num_replicas, rc.num_learners, rc.gpus_per_replica, rc.gpus_per_learner,
-                               rc.tensor_parallel_size, rc.sync_timeout_s, replica_labels=rc.replica_node_labels,
-                               learner_labels=rc.learner_node_labels, env_worker_labels=rc.env_worker_node_labels,
-                               colocated=colocated, reference=needs_reference(cfg))
+def build_cluster(plan: JobPlan, model_path: str, task, workflow_factory) -> Cluster:
+    """Reserve the plan's GPUs and start its actors, in the order a restart-safe job needs: placement
+    group, reward services, replicas, buffer, env workers, learners, collector; then the learners' setup
+    and the weight-sync group."""
+    cfg = plan.config
+    rc, seed = cfg.ray, cfg.trainer.seed
+    placement = plan_placement(plan.layout, rc.sync_timeout_s, replica_labels=rc.replica_node_labels,
+                               learner_labels=rc.learner_node_labels, env_worker_labels=rc.env_worker_node_labels)
     try:  # after the placement group took its GPUs; before any other actor, so a failure leaves nothing behind
         services = start_reward_actors(cfg)  # env workers look them up by name when they start
     except BaseException:
         placement.remove()
         raise
-    inf = cfg.inference
-    options = placed_options(inf.engine, inf.options, colocated=colocated)
     ns = rc.namespace  # every named actor lives here: `ray.get_actor("env-0", namespace=...)` from any driver
+    replica_names = [REPLICA.format(i) for i in range(plan.replicas)]
     # A replica Ray restarts refuses requests until the driver re-forms the sync group and sends it the
     # current weights (RayBackend.sync_weights).
-    replica_args = [(inf.engine, model_path, seed + i, threads, cfg.model.dtype, options,
-                     rc.tensor_parallel_size) for i in range(rc.num_replicas)]
+    replica_args = [(plan.engine, model_path, seed + i, plan.actor(name).threads, cfg.model.dtype, plan.engine_options,
+                     rc.tensor_parallel_size) for i, name in enumerate(replica_names)]
     check_inlined("inference replica", replica_args[0])
-    replicas = [InferenceReplica.options(name=f"inference-{i}", namespace=ns, max_restarts=rc.replica_restarts,
+    replicas = ReplicaGroup([InferenceReplica.options(name=name, namespace=ns, max_restarts=plan.actor(name).restarts,
                                          **placement.replica_options[i]).remote(*replica_args[i], lora=cfg.model.lora)
-                for i in range(rc.num_replicas)]
-    batch = cfg.rollout.prompts_per_step
-    capacity = rc.buffer_episodes or 2 * (cfg.rollout.max_staleness + 1) * batch
-    buffer = ReplayBufferActor.options(name="replay-buffer", namespace=ns, max_concurrency=1000,
+                             for i, name in enumerate(replica_names)], rc.call_timeout_s)
+    buffer = ReplayBufferActor.options(name=BUFFER, namespace=ns, max_concurrency=1000,
                                        **placement.driver_node_options).remote(
-        capacity, cfg.rollout.max_staleness)
+        plan.buffer_capacity, cfg.rollout.max_staleness)
     # An env worker holds no state a restart loses: Ray restarts a dead one, and the collector runs
     # the episodes it had in flight again (the buffer stores each episode id once). Its constructor
     # takes names, not handles, and small inlined arguments only, so a restart never depends on an
     # object-store argument the driver may have dropped.
-    env_args = (workflow_factory, [f"inference-{i}" for i in range(rc.num_replicas)], "replay-buffer", ns,
-                build_episode_filter(cfg), rc.call_timeout_s, 1)
+    env_args = (workflow_factory, replica_names, BUFFER, ns, build_episode_filter(cfg), rc.call_timeout_s, 1)
     check_inlined("env worker", env_args)
-    env_workers = [EnvWorker.options(name=f"env-{i}", namespace=ns, max_concurrency=1000,
-                                     max_restarts=rc.env_worker_restarts, **placement.env_worker_options).remote(*env_args)
-                   for i in range(rc.num_env_workers)]
-    learners = [LearnerWorker.options(name=f"learner-{r}", namespace=ns, **placement.learner_options[r]).remote(
-        r, rc.num_learners, threads) for r in range(rc.num_learners)]
-    collector = RayLLMCollector.options(name="collector", namespace=ns, max_concurrency=1000,
+    env_names = [ENV_WORKER.format(i) for i in range(rc.num_env_workers)]
+    env_workers = ActorGroup([EnvWorker.options(name=name, namespace=ns, max_concurrency=1000,
+                                                max_restarts=plan.actor(name).restarts,
+                                                **placement.env_worker_options).remote(*env_args)
+                              for name in env_names], rc.call_timeout_s)
+    learners = LearnerGroup([LearnerWorker.options(name=LEARNER.format(r), namespace=ns,
+                                                   **placement.learner_options[r]).remote(
+        r, plan.learner_ranks, plan.actor(LEARNER.format(r)).threads) for r in range(plan.learner_ranks)], rc.call_timeout_s)
+    collector = RayLLMCollector.options(name=COLLECTOR, namespace=ns, max_concurrency=1000,
                                        **placement.driver_node_options).remote(
-        task.train, env_workers, buffer, batch, cfg.rollout.max_staleness, seed, rc.call_timeout_s)
+        task.train, list(env_workers), buffer, cfg.rollout.prompts_per_step, cfg.rollout.max_staleness, seed, rc.call_timeout_s)
     buffer.set_collector.remote(collector)
     cluster = Cluster(replicas, env_workers, learners, buffer, collector, rc.call_timeout_s, rc.sync_timeout_s,
                       placement=placement, services=services)
-    cluster.turns = make_turns(rc.placement, cluster)
+    cluster.turns = make_turns(plan.colocated, cluster)
 
-    host, port = cluster.get(learners[0].address.remote())
-    cluster.learner_call("setup", model_path, cfg.optim, cfg.algo, cfg.rollout.temperature, seed, host, port,
-                         cfg.rollout.max_new_tokens, cfg.model.dtype, rc.gpus_per_learner > 0, cfg.model.lora)
-    cluster.get([r.ready.remote() for r in replicas])  # vLLM: engine cores up before the group forms
-    cluster.replica_pids = cluster.get([r.pid.remote() for r in replicas])
-    form_sync_group(cluster, cfg)
+    host, port = learners.address()
+    learners.setup(model_path, cfg.optim, cfg.algo, cfg.rollout.temperature, seed, host, port,
+                   cfg.rollout.max_new_tokens, cfg.model.dtype, plan.layout.learner_gpus > 0, cfg.model.lora)
+    replicas.ready()  # vLLM: engine cores up before the group forms
+    cluster.replica_pids = replicas.pids()
+    form_sync_group(cluster, plan)
     return cluster
 
 
-def form_sync_group(cluster: Cluster, cfg: GRPOJobConfig) -> None:
-    """The weight sync of learner rank 0 and every replica: the registry plans the transport from the
-    placement and builds both ends; each replica takes as many ranks as it has receiving processes."""
-    from rayllm_rl.weight_sync.registry import make_spec, plan_transport, transport_info
+def form_sync_group(cluster: Cluster, plan: JobPlan) -> None:
+    """The weight sync of learner rank 0 and every replica: the plan picks the transport for the nodes
+    the actors landed on, and the registry builds both ends; each replica takes as many ranks as it has
+    receiving processes."""
+    from rayllm_rl.weight_sync.registry import make_spec, transport_info
 
-    rc, learners, replicas = cfg.ray, cluster.learners, cluster.replicas
-    sync_host, sync_port = cluster.get(learners[0].address.remote())
-    transport = plan_transport(rc.sync_transport, learner_gpus=rc.gpus_per_learner > 0, learner_ranks=rc.num_learners,
-                               replica_gpus=rc.gpus_per_replica > 0, learner_node=sync_host,
-                               replica_nodes=cluster.get([r.node_ip.remote() for r in replicas]),
-                               colocated=rc.placement == "colocated")
+    rc, learners, replicas = plan.config.ray, cluster.learners, cluster.replicas
+    sync_host, sync_port = learners.address()
+    transport = plan.pick_transport(sync_host, replicas.node_ips())
     cluster.transport = transport
-    ranks = cluster.get([r.receiving_processes.remote(transport) for r in replicas])
+    ranks = replicas.receiving_processes(transport)
     info = transport_info(transport)
     # a transport whose sender makes what the replicas read (Ray channels) gets their actors and nodes
-    readers = list(zip(replicas, cluster.get([r.node_id.remote() for r in replicas]))) if info.sender_first else ()
-    spec = make_spec(transport, cluster.get(learners[0].weight_metadata.remote()), receivers=sum(ranks),
+    readers = list(zip(replicas, replicas.node_ids())) if info.sender_first else ()
+    spec = make_spec(transport, learners.weight_metadata(), receivers=sum(ranks),
                      timeout_s=rc.sync_timeout_s, bucket_bytes=int(rc.sync_bucket_mb * (1 << 20)),
                      host=sync_host, port=sync_port, readers=readers)
     first = [1 + sum(ranks[:i]) for i in range(len(replicas))]
-    senders = [l.init_weight_sender.remote(spec) for l in learners]
+    senders = learners.init_weight_senders(spec)
     if info.sender_first:  # learner rank 0's end first: the replicas' spec carries what it made for them
         spec = spec.with_payload(**cluster.get(senders[0], timeout_s=rc.sync_timeout_s + 30))
-    refs = senders + [r.init_update_group.remote(spec.for_rank(k)) for r, k in zip(replicas, first)]
+    refs = senders + replicas.join_update_group([spec.for_rank(k) for k in first])
     cluster.get(refs, timeout_s=rc.sync_timeout_s + 30)
     if spec.info.tensor_transport is not None:
         join_collective_group(cluster, spec.info.tensor_transport, rc.sync_timeout_s)
@@ -340,11 +331,11 @@ def restarted_replicas(cluster: Cluster, timeout_s: float = 120.0) -> list[int]:
     return restarted
 
 
-def rejoin_sync_group(cluster: Cluster, cfg: GRPOJobConfig, restarted: list[int]) -> None:
+def rejoin_sync_group(cluster: Cluster, plan: JobPlan, restarted: list[int]) -> None:
     """After replicas were restarted: start their engines, then form the weight-sync group again
     with every member (the old group lost a member and cannot be repaired)."""
-    cluster.get([cluster.replicas[i].ready.remote() for i in restarted])
-    cluster.get([l.close.remote() for l in cluster.learners], timeout_s=cluster.sync_timeout_s + 30)
-    cluster.get([r.leave_update_group.remote() for r in cluster.replicas], timeout_s=cluster.sync_timeout_s + 30)
-    cluster.replica_pids = cluster.get([r.pid.remote() for r in cluster.replicas])
-    form_sync_group(cluster, cfg)
+    cluster.replicas.ready(restarted)
+    cluster.get(cluster.learners.close_refs(), timeout_s=cluster.sync_timeout_s + 30)
+    cluster.replicas.leave_update_group(cluster.sync_timeout_s + 30)
+    cluster.replica_pids = cluster.replicas.pids()
+    form_sync_group(cluster, plan)

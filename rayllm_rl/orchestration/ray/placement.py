@@ -1,8 +1,9 @@
 """Where the job's GPU actors go: one placement group for inference replicas and FSDP learner ranks.
 
-`plan_placement` turns the `ray.*` GPU settings into the kwargs of `ActorClass.options(**opts)`
-for every replica and learner rank, so the caller creates actors exactly as before and only
-merges these options in.
+`plan_placement` reserves the job's `GpuLayout` (decided once from the `ray.*` GPU settings, by
+`placement_rules.gpu_layout`) and returns the kwargs of `ActorClass.options(**opts)` for every
+replica and learner rank, so the caller creates actors exactly as before and only merges these
+options in.
 
 * All GPU counts 0 (the default, and every CPU test): no placement group; each actor gets
   `{"num_cpus": 0}`, which is what the actors already declare today.
@@ -60,10 +61,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from rayllm_rl.orchestration.placement_rules import (
-    REFERENCE_SHARE, STRATEGY, actor_gpus, learner_bundle, learner_gpus_asked, node_matches, plan_bundles,
-    reference_on_gpu, validate,
-)
+from rayllm_rl.orchestration.placement_rules import STRATEGY, GpuLayout, node_matches
 
 
 class PlacementError(RuntimeError):
@@ -127,26 +125,17 @@ def wait_for_labelled_nodes(selectors: dict[str, dict[str, str] | None], timeout
         time.sleep(poll_s)
 
 
-def plan_placement(num_replicas: int, num_learners: int, gpus_per_replica: float, gpus_per_learner: float,
-                   tensor_parallel_size: int, timeout_s: float, *, replica_labels: dict[str, str] | None = None,
+def plan_placement(layout: GpuLayout, timeout_s: float, *, replica_labels: dict[str, str] | None = None,
                    learner_labels: dict[str, str] | None = None,
-                   env_worker_labels: dict[str, str] | None = None, colocated: bool = False,
-                   reference: bool = False) -> Placement:
-    """Validate the settings, reserve the GPUs (waiting at most `timeout_s`) and return the actor options.
-    `*_labels`: node labels each role's actors need (their `label_selector`; {} or None = any node).
-    `colocated`: replica i and learner rank i in bundle i, each asking half of its one GPU.
-    `reference`: the job has a frozen reference model; with one-GPU learner ranks it takes
-    `REFERENCE_SHARE` of learner rank 0's bundle (so it runs on that GPU, in the learner's dtype).
+                   env_worker_labels: dict[str, str] | None = None) -> Placement:
+    """Reserve the GPUs of `layout` (decided and checked by `placement_rules.gpu_layout`), waiting at
+    most `timeout_s`, and return every role's actor options. `*_labels`: node labels each role's actors
+    need (their `label_selector`; {} or None = any node).
 
-    Raises ValueError on bad settings and PlacementError (leaving no placement group behind)
-    when the cluster cannot provide the requested GPUs, or no node carries a role's labels, in time.
+    Raises PlacementError (leaving no placement group behind) when the cluster cannot provide the
+    requested GPUs, or no node carries a role's labels, in time.
     """
-    replica_gpus, learner_gpus = validate(num_replicas, num_learners, gpus_per_replica, gpus_per_learner,
-                                          tensor_parallel_size, timeout_s, colocated)
-    if colocated and replica_labels != learner_labels:
-        raise ValueError("ray.placement=colocated puts replica i and learner rank i on one GPU: "
-                         f"ray.replica_node_labels ({replica_labels or {}}) and ray.learner_node_labels "
-                         f"({learner_labels or {}}) must be equal")
+    n_rep, n_learn = layout.num_replicas, layout.num_learners
     wait_for_labelled_nodes({"replica_node_labels": replica_labels, "learner_node_labels": learner_labels,
                              "env_worker_node_labels": env_worker_labels}, timeout_s)
     env_options = _with_labels({}, env_worker_labels)
@@ -154,35 +143,34 @@ def plan_placement(num_replicas: int, num_learners: int, gpus_per_replica: float
                                                                          soft=False)}
     others = {"env_worker_options": env_options, "driver_node_options": driver_node,
               "reference_options": _with_labels({}, learner_labels) if learner_labels else driver_node}
-    if replica_gpus == 0 and learner_gpus == 0:
-        return Placement([_with_labels({"num_cpus": 0}, replica_labels) for _ in range(num_replicas)],
-                         [_with_labels({"num_cpus": 0}, learner_labels) for _ in range(num_learners)], **others)
-    bundles = plan_bundles(num_replicas, num_learners, replica_gpus, learner_gpus, colocated)
-    selectors = ([dict(replica_labels or {})] * num_replicas
-                 + ([] if colocated else [dict(learner_labels or {})] * num_learners))
-    pg = placement_group(bundles, strategy=STRATEGY, bundle_label_selector=selectors if any(selectors) else None)
+    if not layout.uses_gpus:
+        return Placement([_with_labels({"num_cpus": 0}, replica_labels) for _ in range(n_rep)],
+                         [_with_labels({"num_cpus": 0}, learner_labels) for _ in range(n_learn)], **others)
+    selectors = ([dict(replica_labels or {})] * n_rep
+                 + ([] if layout.colocated else [dict(learner_labels or {})] * n_learn))
+    pg = placement_group(layout.bundles(), strategy=STRATEGY,
+                         bundle_label_selector=selectors if any(selectors) else None)
     try:
         ray.get(pg.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError as exc:
         remove_placement_group(pg)
-        requested = num_replicas * replica_gpus + num_learners * learner_gpus
+        requested = n_rep * layout.replica_gpus + n_learn * layout.learner_gpus
         where = (f", replicas on nodes labelled {replica_labels or {}}, learners on {learner_labels or {}}"
                  if any(selectors) else "")
         raise PlacementError(
             f"could not reserve {requested:g} GPUs within {timeout_s:g}s "
-            f"({num_replicas} replicas x ray.gpus_per_replica={replica_gpus:g} + "
-            f"{num_learners} learners x ray.gpus_per_learner={learner_gpus:g}{where}); "
+            f"({n_rep} replicas x ray.gpus_per_replica={layout.replica_gpus:g} + "
+            f"{n_learn} learners x ray.gpus_per_learner={layout.learner_gpus:g}{where}); "
             f"cluster has GPU={ray.cluster_resources().get('GPU', 0):g} in total, "
             f"GPU={ray.available_resources().get('GPU', 0):g} free") from exc
     except BaseException:
         remove_placement_group(pg)
         raise
-    learner_asks = learner_gpus_asked(learner_gpus, colocated, reference)
-    if reference_on_gpu(learner_gpus, reference):
-        others["reference_options"] = _actor_options(pg, learner_bundle(num_replicas, 0, colocated), REFERENCE_SHARE)
-    return Placement([_actor_options(pg, i, actor_gpus(replica_gpus, colocated)) for i in range(num_replicas)],
-                     [_actor_options(pg, learner_bundle(num_replicas, r, colocated), learner_asks)
-                      for r in range(num_learners)], pg, **others)
+    if layout.reference_bundle() is not None:
+        others["reference_options"] = _actor_options(pg, layout.reference_bundle(), layout.reference_asks)
+    return Placement([_actor_options(pg, i, layout.replica_asks) for i in range(n_rep)],
+                     [_actor_options(pg, layout.learner_bundle(r), layout.learner_asks) for r in range(n_learn)],
+                     pg, **others)
 
 
 def _bundle_index(pg_id: str) -> int | None:

@@ -1,4 +1,4 @@
-"""How generation and training share the hardware: decided once, from `ray.placement`, by `make_turns`.
+"""How generation and training share the hardware: `make_turns` follows the job plan's placement.
 
 * Separate placement (`SeparateTurns`): no turns. The replicas generate while the learners train
   (the asynchronous pipeline; `rollout.max_staleness` bounds how old a batch may be).
@@ -42,24 +42,24 @@ class ColocatedTurns:
     def __init__(self, cluster: Any):
         self.cluster = cluster
 
-    def _all(self, refs: list) -> list:
-        return self.cluster.get(refs, timeout_s=self.cluster.sync_timeout_s + 30)
+    def _timeout_s(self) -> float:
+        return self.cluster.sync_timeout_s + 30
 
     def train(self, step: Callable[[], T]) -> T:
         c = self.cluster
-        self._all([r.sleep.remote() for r in c.replicas])  # idempotent: SFT steps come one after another
-        self._all([l.onload.remote() for l in c.learners])
+        c.replicas.sleep(self._timeout_s())  # idempotent: SFT steps come one after another
+        c.learners.onload(self._timeout_s())
         return step()
 
     def hand_over(self, sync: Callable[[], T]) -> T:
         c = self.cluster
-        self._all([r.wake_up.remote(["weights"]) for r in c.replicas])
+        c.replicas.wake_up(["weights"], self._timeout_s())
         out = sync()
-        self._all([l.offload.remote() for l in c.learners])
-        self._all([r.wake_up.remote(["kv_cache"]) for r in c.replicas])
+        c.learners.offload(self._timeout_s())
+        c.replicas.wake_up(["kv_cache"], self._timeout_s())
         return out
 
 
-def make_turns(placement: str, cluster: Any) -> SeparateTurns | ColocatedTurns:
-    """The turns of `ray.placement` (the config check has refused anything else)."""
-    return ColocatedTurns(cluster) if placement == "colocated" else SeparateTurns()
+def make_turns(colocated: bool, cluster: Any) -> SeparateTurns | ColocatedTurns:
+    """The turns of the plan's placement: colocated pairs take turns on their GPU, separate roles do not."""
+    return ColocatedTurns(cluster) if colocated else SeparateTurns()

@@ -1,0 +1,132 @@
+"""A role's actors as one group: the learner ranks and the inference replicas each expose their group
+operations as methods (as slime's `RayTrainGroup` does), so no caller fans out by hand or names a
+method by a string. Each operation either waits for every member (bounded by the group's timeout) or,
+where the caller pipelines, returns the members' references."""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import ray
+
+
+class ActorGroup:
+    """Handles of one role's actors, in rank order, and the timeout every wait on them has."""
+
+    def __init__(self, handles: list[Any], timeout_s: float):
+        self.handles, self.timeout_s = list(handles), timeout_s
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.handles)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.handles[index]
+
+    def submit(self, call: Callable[[Any], Any]) -> list:
+        """`call(handle)` on every member (each returns an ObjectRef); the references, not waited for."""
+        return [call(h) for h in self.handles]
+
+    def each(self, call: Callable[[Any], Any], timeout_s: float | None = None) -> list:
+        """`call(handle)` on every member, then wait for all of them (at most `timeout_s`, else the group's)."""
+        return ray.get(self.submit(call), timeout=timeout_s or self.timeout_s)
+
+    def pids(self) -> list[int]:
+        return self.each(lambda a: a.pid.remote())
+
+    def checksums(self) -> list[float]:
+        return self.each(lambda a: a.checksum.remote())
+
+    def close_refs(self) -> list:
+        """Close every member's sync group, shared segments and engine (the caller waits, with its timeout)."""
+        return self.submit(lambda a: a.close.remote())
+
+
+class LearnerGroup(ActorGroup):
+    """The FSDP learner ranks (`actors.LearnerWorker`); rank 0 is the one that sends weights."""
+
+    def address(self) -> tuple[str, int]:
+        """Rank 0's host and a free port: the process group's rendezvous and the sync group's sender."""
+        return ray.get(self.handles[0].address.remote(), timeout=self.timeout_s)
+
+    def setup(self, *args) -> list:
+        return self.each(lambda l: l.setup.remote(*args))
+
+    def train_step(self, batch, loss=None) -> list[dict[str, float]]:
+        return self.each(lambda l: l.train_step.remote(batch, loss))
+
+    def reset_optimizer(self, optim_cfg) -> None:
+        self.each(lambda l: l.reset_optimizer.remote(optim_cfg))
+
+    def save_checkpoint(self, path: str, tokenizer_path: str | None, extra: dict) -> None:
+        self.each(lambda l: l.save_checkpoint.remote(path, tokenizer_path, extra))
+
+    def load_checkpoint(self, path: str) -> dict:
+        """Every rank loads its shard; rank 0's record (step, version, collector and buffer state)."""
+        return self.each(lambda l: l.load_checkpoint.remote(path))[0]
+
+    def onload(self, timeout_s: float) -> None:
+        self.each(lambda l: l.onload.remote(), timeout_s)
+
+    def offload(self, timeout_s: float) -> None:
+        self.each(lambda l: l.offload.remote(), timeout_s)
+
+    def reference_weights(self) -> list:
+        """Every rank joins the gather of the full weights; rank 0's reference holds them (not waited for)."""
+        return self.submit(lambda l: l.reference_weights.remote())
+
+    def send_weights(self, version: int, tensor_transport: str | None = None) -> list:
+        """Every rank joins the send of `version`; rank 0's call (with Ray Direct Transport: its result's
+        tensors stay with it until the replicas take them) comes first. Not waited for."""
+        head = self.handles[0].sync_weights
+        if tensor_transport is not None:
+            head = head.options(tensor_transport=tensor_transport)
+        return [head.remote(version)] + [l.sync_weights.remote(version) for l in self.handles[1:]]
+
+    def last_send_stats(self) -> dict[str, float]:
+        return ray.get(self.handles[0].last_sync_stats.remote(), timeout=self.timeout_s)
+
+    def weight_metadata(self) -> tuple:
+        return ray.get(self.handles[0].weight_metadata.remote(), timeout=self.timeout_s)
+
+    def init_weight_senders(self, spec) -> list:
+        return self.submit(lambda l: l.init_weight_sender.remote(spec))
+
+
+class ReplicaGroup(ActorGroup):
+    """The inference replicas (`actors.InferenceReplica`)."""
+
+    def ready(self, indices: list[int] | None = None) -> None:
+        """Engines up (vLLM: its engine core), for all replicas or those at `indices`."""
+        members = self.handles if indices is None else [self.handles[i] for i in indices]
+        ray.get([r.ready.remote() for r in members], timeout=self.timeout_s)
+
+    def node_ips(self) -> list[str]:
+        return self.each(lambda r: r.node_ip.remote())
+
+    def node_ids(self) -> list[str]:
+        return self.each(lambda r: r.node_id.remote())
+
+    def receiving_processes(self, transport: str) -> list[int]:
+        return self.each(lambda r: r.receiving_processes.remote(transport))
+
+    def join_update_group(self, specs: list) -> list:
+        """Replica i joins the weight-sync group with `specs[i]` (not waited for)."""
+        return [r.init_update_group.remote(spec) for r, spec in zip(self.handles, specs)]
+
+    def leave_update_group(self, timeout_s: float) -> None:
+        self.each(lambda r: r.leave_update_group.remote(), timeout_s)
+
+    def receive_weights(self, handoff) -> list:
+        """Every replica receives the version learner rank 0 publishes (`handoff`); not waited for."""
+        return self.submit(lambda r: r.receive_weights.remote(handoff))
+
+    def sleep(self, timeout_s: float) -> None:
+        self.each(lambda r: r.sleep.remote(), timeout_s)
+
+    def wake_up(self, tags: list[str], timeout_s: float) -> None:
+        self.each(lambda r: r.wake_up.remote(tags), timeout_s)
+
+    def versions_held(self) -> list[list[int]]:
+        return self.each(lambda r: r.version_history.remote())

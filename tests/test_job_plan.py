@@ -1,0 +1,92 @@
+"""The job plan: decided once from the validated config, and the same decisions the dry run showed
+before the plan existed (tests/data/plan_before/*.json, the `--dry-run --json` output at ca962e1 of
+every recipe, the default job and six placements; only the plan's decision sections are kept)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rayllm_rl.config import load_config
+from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.orchestration.job_plan import make_plan
+from rayllm_rl.orchestration.plan import plan_decisions
+
+ROOT = Path(__file__).resolve().parents[1]
+BEFORE = sorted((ROOT / "tests" / "data" / "plan_before").glob("*.json"))
+
+
+def _missing_or_changed(before, after, path="") -> list[str]:
+    """Every value of `before` that `after` lacks or holds differently, by path (fields `after` adds are fine)."""
+    if isinstance(before, dict):
+        if not isinstance(after, dict):
+            return [f"{path}: {after!r} is not a mapping"]
+        return [p for k, v in before.items()
+                for p in (_missing_or_changed(v, after[k], f"{path}.{k}") if k in after else [f"{path}.{k}: missing"])]
+    if isinstance(before, list):
+        if not isinstance(after, list) or len(after) != len(before):
+            return [f"{path}: {len(before)} items before, {after!r} now"]
+        return [p for i, (b, a) in enumerate(zip(before, after)) for p in _missing_or_changed(b, a, f"{path}[{i}]")]
+    return [] if before == after else [f"{path}: {before!r} before, {after!r} now"]
+
+
+def test_the_snapshots_cover_every_recipe():
+    names = {p.stem for p in BEFORE}
+    assert {p.stem for p in (ROOT / "recipes").glob("*.yaml")} <= names and len(BEFORE) >= 12
+
+
+@pytest.mark.parametrize("snapshot", BEFORE, ids=[p.stem for p in BEFORE])
+def test_the_plan_decides_what_the_dry_run_showed_before(snapshot, monkeypatch):
+    monkeypatch.chdir(ROOT)  # recipes name their files from the checkout's root
+    recorded = json.loads(snapshot.read_text())
+    plan = make_plan(load_config(GRPOJobConfig, recorded["args"]).validate(environment=False))
+    now = plan_decisions(plan)
+    assert _missing_or_changed(recorded["plan"], now) == []
+    # the plan's own fields agree with what it shows
+    assert [a["name"] for a in now["actors"]] == [a.name for a in plan.actors]
+    assert now["total_gpus"] == pytest.approx(sum(b.get("GPU", 0.0) for b in plan.layout.bundles()))
+    if plan.actors:  # every GPU the bundles hold is asked for by exactly the actors in them
+        asked = sum(a.num_gpus for a in plan.actors if a.bundle is not None)
+        assert asked == pytest.approx(now["total_gpus"])
+
+
+def test_a_wrong_snapshot_value_is_reported():
+    """The comparison itself fails on a changed value, a missing key and a shorter list."""
+    before = {"actors": [{"name": "learner-0", "num_gpus": 1.0}], "placement": {"bundles": [1, 2]}}
+    after = {"actors": [{"name": "learner-0", "num_gpus": 0.9, "max_restarts": 0}], "placement": {"bundles": [1]}}
+    assert _missing_or_changed(before, after) == [".actors[0].num_gpus: 1.0 before, 0.9 now",
+                                                 ".placement.bundles: 2 items before, [1] now"]
+    assert _missing_or_changed({"a": 1}, {}) == [".a: missing"]
+
+
+def test_the_plan_needs_a_validated_config():
+    with pytest.raises(ValueError, match="validated config"):
+        make_plan(GRPOJobConfig())
+
+
+def test_one_loss_decides_the_reference_and_the_buffer_holds_two_batches_per_version():
+    cfg = load_config(GRPOJobConfig, ["algo.kl_coef=0.05", "rollout.max_staleness=2",
+                                      "rollout.prompts_per_step=4"]).validate(environment=False)
+    plan = make_plan(cfg)
+    assert plan.needs_reference and plan.loss.needs_ref_logp
+    assert plan.buffer_capacity == 2 * (2 + 1) * 4
+    assert plan.actor("reference").threads == cfg.ray.threads_per_actor
+    lora = make_plan(load_config(GRPOJobConfig, ["algo.kl_coef=0.05", "model.lora.rank=8"]).validate(environment=False))
+    assert not lora.needs_reference and "reference" not in [a.name for a in lora.actors]
+    with pytest.raises(KeyError, match="no actor 'reference'"):
+        lora.actor("reference")
+
+
+def test_colocated_roles_on_labelled_nodes_must_share_the_labels():
+    with pytest.raises(ValueError, match="ray.replica_node_labels .* and ray.learner_node_labels .* must be equal"):
+        load_config(GRPOJobConfig, ["ray.placement=colocated", "rollout.max_staleness=0",
+                                    "ray.replica_node_labels={rayllm-role: a}"]).validate(environment=False)
+
+
+def test_the_backend_is_chosen_by_the_plan():
+    local = make_plan(load_config(GRPOJobConfig, ["trainer.backend=local"]).validate(environment=False))
+    ray_job = make_plan(GRPOJobConfig().validate(environment=False))
+    assert local.backend_class().__name__ == "LocalBackend" and local.actors == ()
+    assert ray_job.backend_class().__name__ == "RayBackend"
+    assert [a.name for a in ray_job.actors] == ["inference-0", "learner-0", "env-0", "replay-buffer", "collector"]
