@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rayllm_rl.hub import HubResolutionError, gguf_source, resolve_model_path
-from rayllm_rl.models.gguf import (GGUFError, SOURCE_RECORD, converted_dir, dequantize_gguf,
+from rayllm_rl.models.gguf import (GGUFError, SOURCE_RECORD, converted_dir, check_round_trip, probe_ids,
                                    inspect_gguf, looks_converted)
 
 
@@ -93,26 +93,27 @@ def test_dry_run_names_a_bad_gguf_and_starts_nothing(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_round_trip_logits_equal_the_gguf_loaded_model(tmp_path, smollm2_gguf, smollm2_path):
-    """The cached conversion loads through from_pretrained with exactly the GGUF-loaded model's logits and the
-    same tokenizer; a renamed copy of the file hits the cache (content key); the dry run reports it cached."""
+    """The cached conversion checked itself: loaded back, it gave exactly the GGUF-loaded model's logits on the
+    probe chat (its record says so; the conversion raises and caches nothing otherwise: the next test); it has
+    the GGUF's tokenizer; a renamed copy of the file hits the cache (content key); the dry run reports it cached."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path, gguf_file = smollm2_path, smollm2_gguf  # the default cache: converted once per machine (~30 s)
     assert path == str(converted_dir(gguf_file))
     record = json.loads(open(os.path.join(path, SOURCE_RECORD)).read())
     assert record["architecture"] == "llama" and record["tensor_types"] == {"Q8_0": 1, "F32": 61, "Q4_1": 210}
+    assert record["round_trip"] == {"probe_tokens": record["round_trip"]["probe_tokens"], "max_abs_logit_diff": 0.0,
+                                    "equal": True} and record["round_trip"]["probe_tokens"] > 20
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     assert sum(p.numel() for p in model.parameters()) == 134_515_008 and model.config.tie_word_embeddings
-    gguf_model, gguf_tokenizer = dequantize_gguf(gguf_file)
-    chat = [{"role": "user", "content": "What is 17 + 25? Answer with a number."}]
-    ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    assert ids["input_ids"].tolist() == gguf_tokenizer.apply_chat_template(
-        chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"].tolist()
+    gguf_tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf_file), gguf_file=os.path.basename(gguf_file))
+    ids = probe_ids(tokenizer)
+    assert ids.shape[1] == record["round_trip"]["probe_tokens"] and torch.equal(ids, probe_ids(gguf_tokenizer))
     assert tokenizer.chat_template == gguf_tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
     with torch.no_grad():
-        got, want = model(**ids).logits, gguf_model(**ids).logits
-    assert torch.equal(got, want)  # the same float32 weights, the same kernels: bit for bit
+        answer = tokenizer.decode(model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:])
+    assert "17 + 25" in answer or any(c.isdigit() for c in answer), answer  # the instruct model answers
     renamed = tmp_path / "renamed.gguf"
     shutil.copyfile(gguf_file, renamed)
     t0 = time.perf_counter()
@@ -126,3 +127,14 @@ def test_smollm2_round_trip_logits_equal_the_gguf_loaded_model(tmp_path, smollm2
     plan = job_plan(cfg.validate(environment=False))
     assert plan["model"]["gguf"]["cached"] and plan["model"]["gguf"]["converted_dir"] == path
     assert plan["model"]["architecture"]["params"] == 134_515_008
+
+
+def test_a_conversion_whose_logits_differ_is_refused_naming_the_file():
+    want = torch.zeros(1, 3, 5)
+    assert check_round_trip("m.gguf", want, want.clone()) == {"probe_tokens": 3, "max_abs_logit_diff": 0.0, "equal": True}
+    off = want.clone()
+    off[0, 1, 2] = 1e-6
+    with pytest.raises(GGUFError, match=r"'m.gguf'.*max \|diff\| 1e-06.*nothing was cached"):
+        check_round_trip("m.gguf", want, off)
+    with pytest.raises(GGUFError, match=r"max \|diff\| inf, shapes \(1, 2, 5\) / \(1, 3, 5\)"):
+        check_round_trip("m.gguf", want, want[:, :2])

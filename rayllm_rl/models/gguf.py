@@ -8,7 +8,9 @@ the dequantized state dict and is saved as ordinary float32 safetensors, with th
 (vocabulary, merges and chat template from the GGUF metadata) and a generation config, in
 `<cache>/gguf/<sha256[:16] of the file>`. The key is the file's content, so a renamed copy
 hits the cache and a changed file misses it. Every role (learner, both engines, reference,
-tokenizer) then loads that directory like any other model. `inspect_gguf` reads only the metadata
+tokenizer) then loads that directory like any other model. The conversion checks itself before it is
+cached: the saved directory, loaded back, must give exactly the GGUF-loaded model's logits on a probe
+chat (`round_trip` in its record). `inspect_gguf` reads only the metadata
 (milliseconds), so a file transformers cannot dequantize fails with its architecture named before
 any actor starts, and the dry run can say what it will load.
 """
@@ -21,9 +23,11 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
-CONVERTER_VERSION = 1
-"""Bumped when the converted directory's layout changes: part of the cache key's record, checked on reuse."""
+CONVERTER_VERSION = 2
+"""Bumped when the converted directory's layout or record changes (2: the record holds the round-trip check);
+part of the record, checked on reuse, so an older conversion is redone."""
 SOURCE_RECORD = "gguf_source.json"
 """The record a converted directory carries: the GGUF file's sha256, architecture, tensor types, and the
 converter and transformers versions; its presence marks a complete conversion."""
@@ -149,14 +153,47 @@ def is_converted(directory: str | Path) -> bool:
         return False
 
 
-def dequantize_gguf(path: str):
-    """(model, tokenizer) of GGUF file `path`, dequantized by transformers to float32; the model is a
-    plain one (built from the config, no `quantization_config`), so it saves as ordinary safetensors."""
+PROBE_CHAT = [{"role": "user", "content": "What is 17 + 25? Answer with a number."}]
+"""The conversion's round-trip probe: rendered with the file's own chat template (template tokens included)."""
+
+
+@dataclasses.dataclass
+class Dequantized:
+    """A GGUF file dequantized by transformers: a plain float32 model that saves as ordinary safetensors,
+    its tokenizer, and the GGUF-loaded model's logits on the probe, which the saved copy must reproduce."""
+
+    model: Any
+    tokenizer: Any
+    probe_ids: Any
+    """`[1, T]` token ids of `PROBE_CHAT` rendered with the tokenizer's chat template."""
+    probe_logits: Any
+    """`[1, T, V]` float32 logits of the model transformers loaded from the GGUF file itself."""
+
+
+def probe_ids(tokenizer):
+    """`PROBE_CHAT` as `[1, T]` ids: the chat template's render, or the plain text without a template."""
+    import torch
+
+    if tokenizer.chat_template:
+        ids = tokenizer.apply_chat_template(PROBE_CHAT, add_generation_prompt=True, return_dict=True)["input_ids"]
+    else:
+        ids = tokenizer(PROBE_CHAT[0]["content"])["input_ids"]
+    return torch.tensor([list(ids)])
+
+
+def dequantize_gguf(path: str) -> Dequantized:
+    """GGUF file `path` dequantized by transformers to float32. The model transformers loads is flagged
+    quantized (no `save_pretrained`), so a plain one built from the config (no `quantization_config`) takes
+    its state dict; the loaded one's logits on the probe are kept for the round-trip check."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder, name = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    ids = probe_ids(tokenizer)
+    with torch.no_grad():
+        logits = loaded(input_ids=ids).logits
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -168,14 +205,29 @@ def dequantize_gguf(path: str):
                         f"(missing {sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]})")
     plain.tie_weights()
     plain.eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    return plain, tokenizer
+    return Dequantized(plain, tokenizer, ids, logits)
+
+
+def check_round_trip(path: str, want, got) -> dict[str, Any]:
+    """The saved conversion's logits `got` against the GGUF-loaded model's `want` (`[1, T, V]`): the same
+    float32 weights through the same kernels give the same bits, so anything else means the saved
+    directory is not the GGUF's model (a wrong tie, a dropped tensor) and raises GGUFError."""
+    diff = (got - want).abs().max().item() if got.shape == want.shape else float("inf")
+    if diff != 0.0:
+        raise GGUFError(f"GGUF file {path!r}: the converted model's logits differ from the GGUF-loaded model's on "
+                        f"the probe chat (max |diff| {diff:.3g}, shapes {tuple(got.shape)} / {tuple(want.shape)}); "
+                        "nothing was cached")
+    return {"probe_tokens": int(want.shape[1]), "max_abs_logit_diff": diff, "equal": True}
 
 
 def ensure_dequantized(path: str, cache_dir: str | Path | None = None) -> str:
     """The HF model directory of GGUF file `path`, converting it on the first call (atomically: a
     concurrent converter either wins or finds it done). Raises GGUFError before converting when the
-    file cannot be used (`inspect_gguf`)."""
+    file cannot be used (`inspect_gguf`), and after, caching nothing, when the saved copy does not
+    reproduce the GGUF-loaded model's logits (`check_round_trip`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     sha = file_sha256(path)
     final = converted_dir(path, sha, cache_dir)
     if is_converted(final):
@@ -184,10 +236,13 @@ def ensure_dequantized(path: str, cache_dir: str | Path | None = None) -> str:
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=final.parent))
     try:
-        model, tokenizer = dequantize_gguf(path)
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        _write_record(tmp, info, sha)
+        done = dequantize_gguf(path)
+        done.model.save_pretrained(tmp)
+        done.tokenizer.save_pretrained(tmp)
+        with torch.no_grad():
+            reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+            round_trip = check_round_trip(path, done.probe_logits, reloaded(input_ids=done.probe_ids).logits)
+        _write_record(tmp, info, sha, round_trip)
         os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared cache from other users
         if final.exists() and not is_converted(final):  # an older converter's or an interrupted one's output
             shutil.rmtree(final, ignore_errors=True)
@@ -201,12 +256,13 @@ def ensure_dequantized(path: str, cache_dir: str | Path | None = None) -> str:
     return str(final)
 
 
-def _write_record(directory: Path, info: GGUFInfo, sha: str) -> None:
+def _write_record(directory: Path, info: GGUFInfo, sha: str, round_trip: dict[str, Any]) -> None:
     import transformers
 
     record = {"source": info.path, "sha256": sha, "architecture": info.architecture, "model_type": info.model_type,
               "name": info.name, "tensor_types": info.tensor_types, "size_bytes": info.size_bytes,
-              "converter_version": CONVERTER_VERSION, "transformers_version": transformers.__version__}
+              "converter_version": CONVERTER_VERSION, "transformers_version": transformers.__version__,
+              "round_trip": round_trip}
     (directory / SOURCE_RECORD).write_text(json.dumps(record, indent=1) + "\n")
 
 
