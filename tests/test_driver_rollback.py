@@ -14,7 +14,7 @@ from rayllm_rl.config import load_config
 from rayllm_rl.data.trajectory import concat_padded, make_trajectory
 from rayllm_rl.orchestration import driver
 from rayllm_rl.orchestration.backend import ROLE_KINDS, RoleCrashed
-from rayllm_rl.orchestration.batch_prep import prepare_batch
+from rayllm_rl.orchestration.batch_prep import make_batch_pipeline
 from rayllm_rl.orchestration.fault_ledger import LOST, RERUN, FaultLedger
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.reporting import SUMMARY_KEYS
@@ -73,7 +73,7 @@ class ScriptedBackend:
                                          [-1, -1, version, version], reward=float(r), group_id=gid) for r in range(G)]
         batch = concat_padded(episodes)
         ref = torch.zeros(batch["input_ids"].shape) if self.reference else None
-        batch, meta = prepare_batch(batch, self.cfg, version, ref)
+        batch, meta = make_batch_pipeline(self.cfg, self.reference).prepare(batch, version, ref)
         return batch, {**meta, "buffer_depth": 0}
 
     def start_reference(self, checkpoint):

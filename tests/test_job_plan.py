@@ -90,3 +90,16 @@ def test_the_backend_is_chosen_by_the_plan():
     assert local.backend_class().__name__ == "LocalBackend" and local.actors == ()
     assert ray_job.backend_class().__name__ == "RayBackend"
     assert [a.name for a in ray_job.actors] == ["inference-0", "learner-0", "env-0", "replay-buffer", "collector"]
+
+
+@pytest.mark.parametrize("argv, stages", [
+    ([], ["advantages", "prox_version"]),
+    (["algo.kl_coef=0.05"], ["reference_kl", "advantages", "prox_version"]),
+    (["rollout.keep_top_k=2"], ["top_k_selection", "advantages", "prox_version"]),
+    (["algo.kl_reward_coef=0.1", "model.lora.rank=0", "algo.overlong_buffer_len=4"],
+     ["overlong_shaping", "reference_kl", "advantages", "prox_version"]),
+])
+def test_the_batch_pipeline_has_the_stages_the_config_asks_for(argv, stages):
+    plan = make_plan(load_config(GRPOJobConfig, argv).validate(environment=False))
+    assert plan.batch_pipeline.names == stages == plan_decisions(plan)["batch_stages"]
+    assert ("reference_kl" in stages) == plan.needs_reference

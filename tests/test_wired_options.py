@@ -1,5 +1,5 @@
 """Config options that reach the job: `rollout.keep_top_k` (TopKRewardSelector in
-`rewards_to_advantages`), `algo.prox_logp_method=loglinear` (the learner's recompute-free
+the batch pipeline), `algo.prox_logp_method=loglinear` (the learner's recompute-free
 proximal logprobs), `algo.clip_ratio_c` and `algo.advantage.std_estimator`, against hand-derived
 numbers."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from rayllm_rl.config import load_config
 from rayllm_rl.orchestration.job_plan import make_plan
 from rayllm_rl.learner.learner import Learner, OptimConfig
 from rayllm_rl.objectives import DecoupledPPOLoss, GRPOLoss, GRPOTISLoss
-from rayllm_rl.orchestration.batch_prep import rewards_to_advantages
+from rayllm_rl.orchestration.batch_prep import make_batch_pipeline
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 
 EPS = 1e-6  # AdvantageConfig.eps
@@ -23,6 +23,11 @@ EPS = 1e-6  # AdvantageConfig.eps
 
 def _job(*argv: str) -> GRPOJobConfig:
     return load_config(GRPOJobConfig, list(argv))
+
+
+def rewards_to_advantages(batch: TensorDict, cfg: GRPOJobConfig, version: int = 0) -> TensorDict:
+    """The job's batch pipeline (no reference) on a rollout batch trained from `version`."""
+    return make_batch_pipeline(cfg, reference=False)(batch, version)
 
 
 # ---------------------------------------------------------------- rollout.keep_top_k
@@ -61,7 +66,7 @@ def test_keep_top_k_selects_before_advantages():
     # without selection the same groups have 4 members: group 7 rewards 1, 0, 3, 2 -> mean 1.5,
     # population std sqrt(1.25); row 4 (reward 3) gets 1.5 / (sqrt(1.25) + eps)
     full = rewards_to_advantages(_rollout_batch(), _job("rollout.group_size=4"))
-    assert full.batch_size[0] == 8 and "prox_version" not in full.keys()
+    assert full.batch_size[0] == 8 and full["prox_version"].tolist() == [0] * 8
     assert float(full["advantages"][4]) == pytest.approx(1.5 / (math.sqrt(1.25) + EPS), abs=1e-6)
 
 
@@ -139,8 +144,8 @@ def test_prox_logp_method_reaches_the_losses_that_use_prox():
         cfg.validate()
     with pytest.raises(ValueError, match=r"algo\.prox_logp_method"):
         _job("algo.prox_logp_method=linear")
-    with pytest.raises(ValueError, match="version"):  # the driver must pass the version it trains from
-        rewards_to_advantages(_rollout_batch(), _job("algo.name=ppo_decoupled", "algo.prox_logp_method=loglinear"))
+    stamped = rewards_to_advantages(_rollout_batch(), _job("algo.name=ppo_decoupled", "algo.prox_logp_method=loglinear"), 3)
+    assert stamped["prox_version"].tolist() == [3] * 8  # every batch carries the version it trains from
 
 
 class UniformLM(torch.nn.Module):

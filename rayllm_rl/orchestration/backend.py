@@ -49,7 +49,7 @@ class Backend(Protocol):
 
     def next_batch(self, n_episodes: int, version: int) -> tuple[Any, dict[str, Any]]:
         """The buffer's oldest `n_episodes` within the staleness bound at `version` (waits, no polling),
-        made a training batch where it is (`batch_prep.prepare_batch`: reference KL once
+        made a training batch where it is (the plan's `batch_prep.BatchPipeline`: reference KL once
         `start_reference` ran, advantages): (a handle `train_step` takes, its `step_metadata` plus
         `buffer_depth`, the episodes left in the buffer)."""
 

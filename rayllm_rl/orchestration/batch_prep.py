@@ -1,72 +1,143 @@
-"""Turn a rollout batch into a training batch (rewards -> advantages) and summarise it for the logs.
+"""From a rollout batch to a training batch: the named stages of the batch pipeline, built once.
 
-`prepare_batch` runs where the batch is (the replay buffer's actor on Ray, the driver's process
-locally), so the driver sees only `step_metadata`: scalars and short lists, never tensors.
+`make_batch_pipeline(cfg, reference)` builds the stages the job's config asks for, in their order:
+reward shaping (DAPO's overlong penalty), reference KL (and KL-in-reward), top-k selection, advantages,
+and the proximal version stamp. The job plan holds the pipeline; the replay buffer (the buffer's actor on
+Ray, the driver's process locally) gets it when it is made and runs it where the batch is, so the driver
+sees only `step_metadata`: scalars and short lists, never tensors. Every stage has one signature,
+`stage(batch [N, ...], version) -> batch [N', ...]` (only selection changes N).
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
 
-from rayllm_rl.orchestration.job_config import GRPOJobConfig
-
 SEQ_CORE = frozenset({"rewards", "group_id", "advantages", "prox_version"})
+
+
+@dataclasses.dataclass(frozen=True)
+class OverlongShaping:
+    """DAPO's overlong penalty on `rewards` `[N]`, from each completion's length."""
+
+    name = "overlong_shaping"
+    max_new_tokens: int
+    buffer_len: int
+    penalty: float
+
+    def __call__(self, batch, version: int):
+        from rayllm_rl.objectives.dapo import overlong_reward_shaping
+
+        lengths = batch["loss_mask"].sum(-1)
+        batch["rewards"] = batch["rewards"] + overlong_reward_shaping(lengths, self.max_new_tokens, self.buffer_len,
+                                                                      self.penalty)
+        return batch
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceKL:
+    """The frozen reference's logprobs (`ref_logprobs` `[N, T]`, put on the batch by the pipeline) become the
+    per-token `kl` `[N, T]` (TorchRL's RetrieveKL); with `reward_coef` > 0, `rewards -= coef * sum_t kl_t`."""
+
+    name = "reference_kl"
+    reward_coef: float
+
+    def __call__(self, batch, version: int):
+        from rayllm_rl.objectives.kl_reward import KLRewardTransform, RetrieveKL
+
+        if "ref_logprobs" not in batch.keys():
+            raise ValueError("the batch pipeline has a reference_kl stage but the batch came without the reference's "
+                             "logprobs (start the reference before taking batches)")
+        RetrieveKL(lambda b: b["ref_logprobs"])(batch)
+        if self.reward_coef > 0:
+            KLRewardTransform(self.reward_coef)(batch)
+        return batch
+
+
+@dataclasses.dataclass(frozen=True)
+class TopKSelection:
+    """TorchRL's TopKRewardSelector: of each group, at most `k` rows whose reward is above the group's
+    median (ties: the earlier row), so a uniform group keeps none and the batch may shrink to 0 rows."""
+
+    name = "top_k_selection"
+    k: int
+
+    def __call__(self, batch, version: int):
+        from rayllm_rl.data.selectors import TopKRewardSelector
+
+        return TopKRewardSelector(self.k)(batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class Advantages:
+    """`advantages` `[N]` from the rewards and groups of the rows left (`algo.advantage`)."""
+
+    name = "advantages"
+    config: Any
+
+    def __call__(self, batch, version: int):
+        from rayllm_rl.objectives import compute_advantages
+
+        batch["advantages"] = compute_advantages(batch["rewards"], batch["group_id"], self.config)
+        return batch
+
+
+@dataclasses.dataclass(frozen=True)
+class ProxVersion:
+    """`prox_version` `[N]`: the policy version the learner trains this batch from
+    (`algo.prox_logp_method=loglinear` interpolates the proximal logprobs with it)."""
+
+    name = "prox_version"
+
+    def __call__(self, batch, version: int):
+        batch["prox_version"] = torch.full(batch["rewards"].shape, int(version), dtype=torch.long)
+        return batch
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPipeline:
+    """The stages, in order; `prepare` runs them on one rollout batch."""
+
+    stages: tuple
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.stages]
+
+    def __call__(self, batch, version: int, ref_logprobs: torch.Tensor | None = None):
+        """Rollout batch `[N]` -> training batch `[N']` (use the returned batch: it may be smaller).
+        `ref_logprobs` `[N, T]`: the reference's logprobs of this batch, for a `reference_kl` stage."""
+        if ref_logprobs is not None:
+            batch["ref_logprobs"] = torch.as_tensor(ref_logprobs, dtype=torch.float32)
+        for stage in self.stages:
+            batch = stage(batch, version)
+        return batch
+
+    def prepare(self, batch, version: int, ref_logprobs: torch.Tensor | None = None) -> tuple[Any, dict]:
+        """(training batch, its step metadata) of a rollout batch trained from `version`."""
+        batch = self(batch, version, ref_logprobs)
+        return batch, step_metadata(batch, version)
+
+
+def make_batch_pipeline(cfg, reference: bool) -> BatchPipeline:
+    """The stages `cfg` asks for (`reference`: the job has a frozen reference model, `JobPlan.needs_reference`)."""
+    a = cfg.algo
+    stages: list = []
+    if a.overlong_buffer_len > 0:
+        stages.append(OverlongShaping(cfg.rollout.max_new_tokens, a.overlong_buffer_len, a.overlong_penalty))
+    if reference:
+        stages.append(ReferenceKL(a.kl_reward_coef))
+    if cfg.rollout.keep_top_k > 0:
+        stages.append(TopKSelection(cfg.rollout.keep_top_k))
+    stages += [Advantages(a.advantage), ProxVersion()]
+    return BatchPipeline(tuple(stages))
 
 
 def reward_component_means(batch) -> dict[str, float]:
     """Batch means of the per-sequence extras (reward components, success, truncated, num_turns)."""
     return {k: float(batch[k].float().mean()) for k in batch.keys()
             if k not in SEQ_CORE and batch[k].dim() == 1}
-
-
-def rewards_to_advantages(batch, cfg: GRPOJobConfig, ref_logprobs_fn=None, *, version: int | None = None):
-    """Rollout batch `[N]` -> training batch `[N']`; returns it (use the returned batch: it may be smaller).
-
-    In order: reward shaping (DAPO overlong), reference KL (reference logprobs, KL-in-reward),
-    then with `rollout.keep_top_k = k > 0` only the trajectories TorchRL's TopKRewardSelector
-    keeps: of each group, at most k of those whose shaped reward is above the group's median
-    (ties: the earlier row), so a uniform group keeps none and the batch may shrink to 0 rows
-    (N' = the kept rows, in their order); then `advantages` `[N']` from the rewards and groups of
-    the kept rows (a group that keeps one row gets advantage 0 with `algo.advantage.mean`). `version` is the policy
-    version the learner trains this batch from; when given it is stamped as `prox_version` `[N']`
-    (`algo.prox_logp_method=loglinear` needs it and raises without it).
-    """
-    from rayllm_rl.data.selectors import TopKRewardSelector
-    from rayllm_rl.objectives import compute_advantages
-    from rayllm_rl.objectives.kl_reward import KLRewardTransform, RetrieveKL
-
-    if cfg.algo.prox_logp_method == "loglinear" and version is None:
-        raise ValueError("algo.prox_logp_method=loglinear needs the policy version of the batch: "
-                         "call rewards_to_advantages(batch, cfg, ref_fn, version=version)")
-    shape_rewards(batch, cfg)
-    if ref_logprobs_fn is not None:
-        RetrieveKL(ref_logprobs_fn)(batch)
-        if cfg.algo.kl_reward_coef > 0:
-            KLRewardTransform(cfg.algo.kl_reward_coef)(batch)
-    if cfg.rollout.keep_top_k > 0:
-        batch = TopKRewardSelector(cfg.rollout.keep_top_k)(batch)
-    batch["advantages"] = compute_advantages(batch["rewards"], batch["group_id"], cfg.algo.advantage)
-    if version is not None:
-        batch["prox_version"] = torch.full(batch["rewards"].shape, int(version), dtype=torch.long)
-    return batch
-
-
-def shape_rewards(batch, cfg: GRPOJobConfig):
-    """Apply reward shaping that depends on the rollout (DAPO overlong penalty) in place."""
-    if cfg.algo.overlong_buffer_len > 0:
-        from rayllm_rl.objectives.dapo import overlong_reward_shaping
-
-        lengths = batch["loss_mask"].sum(-1)
-        batch["rewards"] = batch["rewards"] + overlong_reward_shaping(
-            lengths, cfg.rollout.max_new_tokens, cfg.algo.overlong_buffer_len, cfg.algo.overlong_penalty)
-    return batch
-
-
-def prepare_batch(batch, cfg: GRPOJobConfig, version: int, ref_logprobs: torch.Tensor | None = None):
-    """Rollout batch -> (training batch, its step metadata). `ref_logprobs` `[N, T]`: the frozen
-    reference's logprobs of the rollout batch (None: no KL term)."""
-    ref_fn = None if ref_logprobs is None else (lambda _batch: ref_logprobs)
-    batch = rewards_to_advantages(batch, cfg, ref_fn, version=version)
-    return batch, step_metadata(batch, version)
 
 
 def step_metadata(batch, version: int) -> dict:

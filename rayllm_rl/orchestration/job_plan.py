@@ -2,7 +2,7 @@
 
 `make_plan(cfg)` decides the backend, the engine and its options (placed), the GPU layout and bundles,
 whether a reference model is needed (and the loss that says so), every actor (name, role, GPUs, torch
-threads, bundle, restarts), the replay buffer's capacity and the weight transport. The dry run prints
+threads, bundle, restarts), the replay buffer's capacity and its batch pipeline, and the weight transport. The dry run prints
 it (`orchestration/plan.py`); both backends build from it; nothing below it decides these again.
 Ray-free: a plan can be made for machines this one is not.
 """
@@ -12,6 +12,7 @@ import dataclasses
 import importlib
 from typing import Any
 
+from rayllm_rl.orchestration.batch_prep import BatchPipeline, make_batch_pipeline
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.placement_rules import GpuLayout, gpu_layout
 
@@ -80,6 +81,8 @@ class JobPlan:
     actors: tuple[ActorPlan, ...]
     buffer_capacity: int
     """Replay buffer capacity in episodes."""
+    batch_pipeline: BatchPipeline
+    """The stages that make a rollout batch a training batch, run where the batch is (the buffer)."""
     transport: TransportChoice
 
     @property
@@ -182,4 +185,5 @@ def make_plan(cfg: GRPOJobConfig) -> JobPlan:
     options = placed_options(inf.engine, inf.options, colocated=layout.colocated)
     return JobPlan(config=cfg, backend=cfg.trainer.backend, engine=inf.engine, engine_options=options,
                    replicas=layout.num_replicas, learner_ranks=layout.num_learners, layout=layout, loss=loss,
-                   needs_reference=reference, actors=actors, buffer_capacity=capacity, transport=transport)
+                   needs_reference=reference, actors=actors, buffer_capacity=capacity,
+                   batch_pipeline=make_batch_pipeline(cfg, reference), transport=transport)

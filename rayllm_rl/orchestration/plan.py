@@ -314,7 +314,7 @@ def plan_decisions(plan: JobPlan) -> dict[str, Any]:
                      "eval": cfg.data.eval_path or f"{cfg.data.eval_size} prompts held out of the training rows"},
         "actors": [a.describe() for a in plan.actors], "placement": placement_plan(plan),
         "weight_transport": plan.transport.describe(), "needs_reference": plan.needs_reference,
-        "buffer_capacity": plan.buffer_capacity,
+        "buffer_capacity": plan.buffer_capacity, "batch_stages": plan.batch_pipeline.names,
     }
     if not plan.actors:
         out["note"] = f"trainer.backend={plan.backend}: every role runs in this process on CPU; no Ray"

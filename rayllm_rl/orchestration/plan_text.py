@@ -85,6 +85,9 @@ def format_plan(plan: dict) -> str:
         f"{t['same_node']} when every replica shares the learner's node, else {t['across_nodes']}"
     where = "trainer.backend=local" if t["setting"] == "in-process" else f"ray.sync_transport={t['setting']}"
     out.append(f"weight transport: {how} ({where})")
+    if plan.get("batch_stages"):
+        out.append(f"batch pipeline (in the replay buffer): {' -> '.join(plan['batch_stages'])}; "
+                   f"buffer capacity {plan['buffer_capacity']} episodes")
     mem = plan["memory"]
     if "unknown" in mem:
         out.append(f"memory estimate: {mem['unknown']} (model {m['path']})")

@@ -25,7 +25,6 @@ from rayllm_rl.inference.transformers_engine import TransformersEngine
 from rayllm_rl.learner.learner import Learner
 from rayllm_rl.loop_thread import EventLoopThread
 from rayllm_rl.orchestration.backend import ROLE_KINDS
-from rayllm_rl.orchestration.batch_prep import prepare_batch
 from rayllm_rl.rollout.collector import LLMCollector, run_and_store
 from rayllm_rl.orchestration.fault_ledger import FaultLedger
 from rayllm_rl.orchestration.factories import build_episode_filter, build_workflow, local_python_tools
@@ -115,7 +114,7 @@ class LocalBackend:
         batch, depth = self.loop.call(self.buffer.get_batch(n_episodes, version, self.timeout_s), self.timeout_s + 30,
                                       f"a batch of {n_episodes} episodes at version {version}")
         ref = None if self.reference is None else self.reference.compute_logprobs(batch)
-        batch, meta = prepare_batch(batch, self.cfg, version, ref)
+        batch, meta = self.plan.batch_pipeline.prepare(batch, version, ref)
         return batch, {**meta, "buffer_depth": depth}
 
     def driver_bytes(self) -> None:

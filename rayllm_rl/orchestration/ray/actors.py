@@ -23,7 +23,6 @@ import torch
 from rayllm_rl.rollout.replay_buffer import ReplayBuffer
 from rayllm_rl.hub import resolve_model_path
 from rayllm_rl.inference.protocol import LLMRequest, LLMResponse, weights_checksum
-from rayllm_rl.orchestration.batch_prep import prepare_batch
 from rayllm_rl.orchestration.fault_ledger import ENV_PID, LOST, RERUN
 from rayllm_rl.orchestration.ray.router import ReplicaNotReady, ReplicaRouter
 
@@ -245,9 +244,11 @@ class ReferenceActor(_Process):
 class ReplayBufferActor(_Process):
     """`replay-buffer`: bounded, version-aware episode buffer; env workers put, the driver awaits batches."""
 
-    def __init__(self, capacity_episodes: int, max_staleness: int):
+    def __init__(self, capacity_episodes: int, max_staleness: int, pipeline):
         from rayllm_rl.rollout.replay_buffer import AwaitableEpisodeBuffer
 
+        self.pipeline = pipeline
+        """The job's batch stages (`batch_prep.BatchPipeline`, from the job plan), run here on every batch taken."""
         self.buffer = ReplayBuffer(capacity_episodes, max_staleness)
         self.waiting = AwaitableEpisodeBuffer(self.buffer, on_dropped=self._tell_collector)
         self.collector = None
@@ -278,15 +279,15 @@ class ReplayBufferActor(_Process):
         return await self.waiting.get_batch(n_episodes, current_version, timeout_s)
 
     @ray.method(num_returns=2)
-    async def take_batch(self, n_episodes: int, current_version: int, timeout_s: float, cfg, reference=None):
-        """`get_batch`, made a training batch here (`batch_prep.prepare_batch`, with the `reference`
+    async def take_batch(self, n_episodes: int, current_version: int, timeout_s: float, reference=None):
+        """`get_batch`, made a training batch here by the job's batch pipeline (with the `reference`
         actor's logprobs for KL if given): two results, the batch (the learners take its reference)
         and its metadata (all the driver fetches)."""
         batch, depth = await self.waiting.get_batch(n_episodes, current_version, timeout_s)
         ref_logprobs = None
         if reference is not None:
             ref_logprobs = await asyncio.wait_for(reference.compute_logprobs.remote(batch), timeout_s)
-        batch, meta = prepare_batch(batch, cfg, current_version, ref_logprobs)
+        batch, meta = self.pipeline.prepare(batch, current_version, ref_logprobs)
         return batch, {**meta, "buffer_depth": depth}
 
     async def fail(self, reason: str) -> None:  # async: on the loop, so the waiters wake at once

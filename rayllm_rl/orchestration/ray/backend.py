@@ -200,7 +200,7 @@ class RayBackend:
         while waiting: a dead role ends the wait, and a restarted replica gets the current weights
         (it serves nothing until then, so with one replica the batch would never fill)."""
         c = self.cluster
-        batch, meta = c.buffer.take_batch.remote(n_episodes, version, c.timeout_s, self.cfg, self.reference)
+        batch, meta = c.buffer.take_batch.remote(n_episodes, version, c.timeout_s, self.reference)
         meta = self._await_live(meta, f"batch of {n_episodes} episodes at version {version}")
         return batch, self._through_driver(meta)
 

@@ -223,7 +223,7 @@ def build_cluster(plan: JobPlan, model_path: str, task, workflow_factory) -> Clu
                              for i, name in enumerate(replica_names)], rc.call_timeout_s)
     buffer = ReplayBufferActor.options(name=BUFFER, namespace=ns, max_concurrency=1000,
                                        **placement.driver_node_options).remote(
-        plan.buffer_capacity, cfg.rollout.max_staleness)
+        plan.buffer_capacity, cfg.rollout.max_staleness, plan.batch_pipeline)
     # An env worker holds no state a restart loses: Ray restarts a dead one, and the collector runs
     # the episodes it had in flight again (the buffer stores each episode id once). Its constructor
     # takes names, not handles, and small inlined arguments only, so a restart never depends on an
