@@ -200,19 +200,6 @@ def read_adapter(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
-def load_adapter_into(model: torch.nn.Module, named: Mapping[str, torch.Tensor]) -> None:
-    """Copy adapter tensors (PEFT names) into an injected, unsharded model; names and shapes must match."""
-    params = adapter_parameters(model)
-    missing, unknown = sorted(set(params) - set(named)), sorted(set(named) - set(params))
-    if missing or unknown:
-        raise KeyError(f"adapter mismatch: missing {missing[:3]}, unknown {unknown[:3]} (same model.lora.* as saved?)")
-    with torch.no_grad():
-        for name, p in params.items():
-            if tuple(p.shape) != tuple(named[name].shape):
-                raise ValueError(f"adapter {name}: shape {tuple(named[name].shape)}, the model has {tuple(p.shape)}")
-            p.copy_(named[name])
-
-
 def export_merged(adapter_dir: str | os.PathLike, out_dir: str | os.PathLike, base_model_path: str = "",
                   dtype: torch.dtype = torch.float32) -> str:
     """Merge a PEFT adapter into its base model and save a full HF model (`from_pretrained(out_dir)`).

@@ -25,11 +25,13 @@ Transports (see docs/ray-orchestration.md, "Weight sync"):
 * ``gloo``: buckets broadcast over a private gloo group (TCP).
 * ``rdt_gloo`` / ``rdt_nccl``: Ray Direct Transport: the driver passes the reference to learner rank
   0's result and Ray sends its tensors to each replica over a Ray collective group (gloo on CPU,
-  NCCL GPU to GPU; rdt_nccl never ran on a GPU here).
-* ``nccl``: buckets broadcast over a private NCCL group between GPUs (never run on a GPU here).
+  NCCL GPU to GPU).
+* ``nccl``: buckets broadcast over a private NCCL group between GPUs.
 * ``cuda_ipc``: colocated on one GPU: learner rank 0 exports CUDA IPC handles of its own tensors, the
   driver hands them over as plain data, the replica opens them on the same device and copies device to
-  device (weight_sync/cuda_ipc.py; ran on an H200 between two processes: benchmarks/gpu_weight_sync.py).
+  device (weight_sync/cuda_ipc.py).
+
+Which of them have run on a GPU, and where: docs/weight-sync.md.
 """
 from __future__ import annotations
 

@@ -257,10 +257,6 @@ class ShmWeightSender(Closing, _Base):
         del whole  # (a view of shm.buf: must not outlive the mapping)
 
     @property
-    def segment_bytes(self) -> int:
-        return self._shms[0].size if self._shms else 0
-
-    @property
     def next_segment(self) -> int:
         """The segment the next send writes."""
         return self._seq % 2

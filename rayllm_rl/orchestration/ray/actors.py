@@ -121,9 +121,6 @@ class InferenceReplica(_Process):
         await self.engine.wake_up(tags)
         self._turn("wake:" + "+".join(tags or ["all"]))
 
-    def version(self) -> int:
-        return self.engine.version
-
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
 

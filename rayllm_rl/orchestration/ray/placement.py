@@ -29,8 +29,8 @@ replica takes most of its GPU's memory by default.
 Tensor parallelism: a replica with `tensor_parallel_size` > 1 requests all `gpus_per_replica`
 GPUs for its one actor; Ray sets CUDA_VISIBLE_DEVICES to those devices and vLLM is expected to
 run its TP workers inside the actor's visible devices (the actor captures child tasks into its
-bundle, so Ray-spawned helpers stay there too). This has only been exercised with Ray's logical
-GPU resources on CPU; it has never been run on a real GPU.
+bundle, so Ray-spawned helpers stay there too). What of this has run on real GPUs: docs/inference-engines.md
+("Never run on a GPU").
 
 Node labels (`ray.replica_node_labels`, `ray.learner_node_labels`, `ray.env_worker_node_labels`): each
 role's actors get them as Ray's `label_selector`, so Ray starts them, and restarts them after a crash
