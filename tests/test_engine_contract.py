@@ -274,3 +274,14 @@ def test_direct_load_weights_sets_weights_and_version(served, hf_model, tokenize
     assert r.output_versions == [v + 1] * 8
     assert r.output_tokens == greedy_reference(fresh, p, 8)
     engine._test_reference = fresh
+
+
+@pytest.mark.parametrize("engine", ["transformers", "vllm"])
+def test_every_engine_is_a_weight_sink_with_generation_turns(engine):
+    """The two halves of the engine contract are separate protocols, and each engine class has both."""
+    from rayllm_rl.inference.protocol import GenerationTurns, WeightSink
+    from rayllm_rl.inference.registry import engine_class
+
+    cls = engine_class(engine)
+    assert issubclass(cls, WeightSink) and issubclass(cls, GenerationTurns)
+    assert not {"pause", "sleep", "wake_up", "resume"} & set(WeightSink.__dict__)

@@ -147,6 +147,20 @@ class WeightSink(Protocol):
         """Apply weights handed over directly (initial load, fallback); returns the new version."""
         ...
 
+    async def weights_checksum(self) -> float:
+        """Order-independent checksum of the engine's weights under their HF names."""
+        ...
+
+    async def close_update_group(self) -> None:
+        """Leave the update group (idempotent)."""
+        ...
+
+
+@runtime_checkable
+class GenerationTurns(Protocol):
+    """When an engine generates: held for a moment (`pause`/`resume`), or put to sleep while a colocated
+    learner trains on its GPU (`sleep`/`wake_up`, orchestration/ray/turns.py)."""
+
     async def pause(self) -> None:
         """Hold generation (running requests are kept and continue on resume)."""
         ...
@@ -164,14 +178,6 @@ class WeightSink(Protocol):
     async def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Undo `sleep` for `tags`: "weights" (before a weight sync writes them), "kv_cache" (generation
         resumes once both are up); None = both. Idempotent."""
-        ...
-
-    async def weights_checksum(self) -> float:
-        """Order-independent checksum of the engine's weights under their HF names."""
-        ...
-
-    async def close_update_group(self) -> None:
-        """Leave the update group (idempotent)."""
         ...
 
 

@@ -88,7 +88,7 @@ def _torch_dtype_name(dtype: str) -> str:
 
 
 class VLLMEngine:
-    """vLLM `AsyncLLM` (engine core in its own process) as an `InferenceEngine` + `WeightSink`.
+    """vLLM `AsyncLLM` (engine core in its own process) as an `InferenceEngine`, `WeightSink` and `GenerationTurns`.
 
     Construction is cheap; :meth:`start` (awaited from the event loop that will serve requests)
     starts vLLM. `agenerate` starts it on first use too.
