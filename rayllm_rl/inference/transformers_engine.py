@@ -20,7 +20,7 @@ import dataclasses
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -28,13 +28,13 @@ from rayllm_rl.inference.protocol import (
     LLMRequest, LLMResponse, PromptTooLongError, check_request, weights_checksum,
 )
 from rayllm_rl.inference.sampling import RowSampler
+from rayllm_rl.inference.transformers_job import DEVICES, TransformersJobSide, TransformersOptions, pick_device
+from rayllm_rl.inference.transformers_offload import SLEEP_TAGS, HostOffload
 from rayllm_rl.weight_sync.registry import SyncSpec
 
-__all__ = ["TransformersEngine", "PromptTooLongError", "EngineStats", "SLEEP_TAGS"]
+__all__ = ["TransformersEngine", "TransformersOptions", "PromptTooLongError", "EngineStats", "SLEEP_TAGS", "DEVICES",
+           "pick_device"]
 
-SLEEP_TAGS = ("weights", "kv_cache")
-"""What `sleep` puts down and `wake_up(tags)` brings back; the engine generates once both are up."""
-DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclasses.dataclass
@@ -90,34 +90,6 @@ class DecodeLock:
 
 
 @dataclasses.dataclass
-class TransformersOptions:
-    """The Transformers engine's options: `inference.options.*` with `inference.engine=transformers`."""
-
-    max_batch_size: int = 512
-    """Requests decoded together in one batch (more wait for the next batch)."""
-    batch_wait_s: float = 0.0
-    """Seconds the batching worker waits for more requests before it starts a batch."""
-    device: str = "auto"
-    """Where the model runs: "auto" (the replica's GPU when its process sees one, else the CPU), "cpu", "cuda"."""
-
-
-def pick_device(device: str | torch.device | None = "auto") -> torch.device:
-    """The engine's device: "auto" is CUDA's current device when torch sees a GPU, else the CPU."""
-    if device is None or device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"inference.options.device must be one of {DEVICES}, got {device!r}")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"inference.options.device={device}: torch sees no GPU in this process "
-                             f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES as Ray set it)")
-        if dev.index is None:  # an explicit index, so tensor.device == engine.device compares true
-            dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
-
-
-@dataclasses.dataclass
 class _Batch:
     """One batch's decoding state; it outlives a sleep (the KV cache is dropped, then re-prefilled)."""
 
@@ -143,52 +115,10 @@ class _Batch:
     step_pos: torch.Tensor | None = None
 
 
-class TransformersEngine:
-    """Batched KV-cache decoding over any local HF causal LM (loaded with from_pretrained)."""
-
-    Options = TransformersOptions
-    requires = None
-    install_hint = ""
-
-    @classmethod
-    def build(cls, model_path: str, *, seed: int, dtype: str, version: int, tensor_parallel_size: int,
-              options: TransformersOptions, lora=None) -> "TransformersEngine":
-        return cls(model_path, seed=seed, version=version, dtype=getattr(torch, dtype), lora=lora,
-                   max_batch_size=options.max_batch_size, batch_wait_s=options.batch_wait_s, device=options.device)
-
-    @classmethod
-    def placement_defaults(cls, colocated: bool) -> dict[str, Any]:
-        """No option depends on the placement: the engine takes no fixed GPU share (its KV cache grows
-        with the batch) and `sleep`/`wake_up` work without being switched on."""
-        return {}
-
-    @classmethod
-    def check_job(cls, job) -> None:
-        """What a job may not ask of this engine (`registry.EngineJob`): one process per replica, and
-        bfloat16 only on GPU replicas."""
-        if job.tensor_parallel_size > 1:
-            raise ValueError("ray.tensor_parallel_size > 1 needs inference.engine=vllm (the Transformers engine "
-                             "holds the whole model in one process)")
-        device = getattr(getattr(job, "options", None), "device", "auto")
-        if device not in DEVICES:
-            raise ValueError(f"inference.options.device must be one of {DEVICES}, got {device!r}")
-        if device == "cuda" and job.gpus_per_replica <= 0:
-            raise ValueError("inference.options.device=cuda needs ray.gpus_per_replica > 0 (a replica without "
-                             "a GPU of its own sees none)")
-        if job.dtype == "bfloat16" and (job.gpus_per_replica <= 0 or device == "cpu"):
-            raise ValueError(f"model.dtype=bfloat16 with inference.engine=transformers needs GPU replicas: "
-                             f"ray.gpus_per_replica={job.gpus_per_replica}"
-                             f"{', inference.options.device=cpu' if device == 'cpu' else ''} decodes on the CPU, "
-                             "where bfloat16 is slow and the logprob checks are float32; set model.dtype=float32, "
-                             "or ray.gpus_per_replica > 0")
-
-    @classmethod
-    def kv_cache_plan(cls, options: TransformersOptions, *, gpus_per_replica: float, weights_bytes: float,
-                      per_token: int, sequence_tokens: int, in_flight: int) -> dict[str, Any]:
-        """The dry run's KV budget of one replica: every request it holds decodes in one batch."""
-        where = "GPU memory" if gpus_per_replica > 0 and options.device != "cpu" else "host RAM"
-        return {"concurrent_sequences": min(options.max_batch_size, in_flight),
-                "budget": f"no fixed budget: the Transformers engine grows its cache with the batch ({where})"}
+class TransformersEngine(TransformersJobSide, HostOffload):
+    """Batched KV-cache decoding over any local HF causal LM (loaded with from_pretrained). What a job may
+    ask of it is in `TransformersJobSide` (transformers_job.py), its sleep and wake-up in `HostOffload`
+    (transformers_offload.py); serving and the weight updates are here."""
 
     def __init__(
         self,
@@ -416,90 +346,6 @@ class TransformersEngine:
         if self._paused:
             self._paused = False
             self._open_gate_if_free()
-
-    @property
-    def sleeping(self) -> bool:
-        """Whether `sleep` put anything down that `wake_up` has not brought back (no generation then)."""
-        return bool(self._asleep)
-
-    async def sleep(self, level: int = 1) -> None:
-        """Hold generation and free the GPU memory while a colocated learner trains.
-
-        Waits for the running decode step; a batch in flight drops its KV cache and re-prefills after
-        `wake_up`; requests that arrive wait. Level 1: weights to pinned host memory (back with
-        `wake_up(["weights"])`); level 2: weights dropped (the weight sync after `wake_up(["weights"])`
-        refills them; generating before that is an error). Buffers go to host memory at both levels.
-        On the CPU nothing moves: sleep only holds generation, and level 2 keeps the weights but marks
-        them as to be resent, like on a GPU. Idempotent (a level-2 sleep over a level-1 one drops them)."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep: level must be 1 (weights to host memory) or 2 (weights dropped), got {level!r}")
-        t0 = time.perf_counter()
-        await asyncio.to_thread(self._sleep_weights, int(level))
-        run = self._running
-        if run is not None and not run.done() and run.get_loop() is asyncio.get_running_loop():
-            await asyncio.wait([run])  # the batch in flight stops at its next step and drops its KV cache
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        self.stats.sleeps += 1
-        self.stats.last_sleep_s = time.perf_counter() - t0
-
-    def _sleep_weights(self, level: int) -> None:
-        with self._weights_lock.writer(), torch.no_grad():
-            asleep_before = "weights" in self._asleep
-            self._asleep = frozenset(SLEEP_TAGS)
-            if asleep_before and level <= self._sleep_level:
-                return
-            if self.device.type == "cuda":
-                if not asleep_before:
-                    self._to_host(self._buffers if level == 2 else {**self._params, **self._buffers})
-                if level == 2:  # one-element placeholders keep each parameter's shape and dtype
-                    for p in self._params.values():
-                        p.data = torch.empty((), dtype=p.dtype).expand(p.shape)
-                self._borrowed.clear()  # no parameter holds transport storage now
-            if level == 2:
-                self._stale = frozenset(self._params)
-            self._sleep_level = level
-
-    def _to_host(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Move `tensors` (device parameters or buffers) to pinned host memory, in place."""
-        host = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t.data, non_blocking=True)
-                for k, t in tensors.items()}
-        torch.cuda.synchronize(self.device)
-        for k, t in tensors.items():
-            t.data = host[k]
-
-    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """Bring back `tags`: "weights" (to the device: level 1's host copies, or level 2's empty storage
-        of the right shapes for the weight sync to fill), "kv_cache" (nothing to allocate: the cache
-        is per batch); None = both. Generation resumes once both are up. Idempotent."""
-        if isinstance(tags, str):
-            raise ValueError(f"wake_up: tags is a list of tag names such as ['weights'], got the string {tags!r}")
-        want = frozenset(SLEEP_TAGS if tags is None else tags)
-        bad = sorted(want.difference(SLEEP_TAGS))
-        if bad:
-            raise ValueError(f"wake_up: unknown tags {bad}; the tags are {list(SLEEP_TAGS)}")
-        if "weights" in want and "weights" in self._asleep:
-            t0 = time.perf_counter()
-            await asyncio.to_thread(self._wake_weights)
-            self.stats.last_wake_s = time.perf_counter() - t0
-        self._asleep = self._asleep.difference(want)
-        self._open_gate_if_free()
-
-    def _wake_weights(self) -> None:
-        with self._weights_lock.writer(), torch.no_grad():
-            if "weights" not in self._asleep:
-                return
-            if self.device.type == "cuda":
-                targets = {k: t for k, t in {**self._params, **self._buffers}.items() if t.device != self.device}
-                moved = {k: torch.empty(t.shape, dtype=t.dtype, device=self.device) for k, t in targets.items()}
-                for k, t in targets.items():
-                    if k not in self._stale:  # sleep(2)'s placeholders: empty storage for the weight sync
-                        moved[k].copy_(t, non_blocking=True)
-                torch.cuda.synchronize(self.device)
-                for k, t in targets.items():
-                    t.data = moved[k]
-            self._asleep = self._asleep.difference({"weights"})
-            self._sleep_level = 0
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> "TransformersEngine":
