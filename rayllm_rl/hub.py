@@ -250,7 +250,7 @@ def gguf_source(path: str, gguf_file: str = "", revision: str = "") -> str | Non
             return None
         if gguf_file and os.path.basename(local) != gguf_file:
             raise gguf.GGUFError(f"model.path={path!r} is a GGUF file and model.gguf_file={gguf_file!r} names another: "
-                            "give the file in one of them")
+                                 "give the file in one of them")
         return os.path.abspath(local)
     if os.path.isdir(local):
         found = gguf.gguf_file_in(local, gguf_file)
@@ -261,7 +261,7 @@ def gguf_source(path: str, gguf_file: str = "", revision: str = "") -> str | Non
         return None
     if not is_hub_id(path):
         raise gguf.GGUFError(f"model.gguf_file={gguf_file!r} with model.path={path!r}: the path is neither a local "
-                        "directory nor a hub id 'org/name'")
+                             "directory nor a hub id 'org/name'")
     from huggingface_hub import hf_hub_download
 
     try:
@@ -269,4 +269,4 @@ def gguf_source(path: str, gguf_file: str = "", revision: str = "") -> str | Non
                                local_files_only=hub_offline())
     except Exception as error:  # noqa: BLE001 - offline miss, unknown repo or file: say which
         raise gguf.GGUFError(f"cannot get {gguf_file!r} of hub repo {path!r} (revision {revision or 'main'!r}, "
-                        f"offline {'on' if hub_offline() else 'off'}): {type(error).__name__}: {error}") from error
+                             f"offline {'on' if hub_offline() else 'off'}): {type(error).__name__}: {error}") from error

@@ -101,12 +101,7 @@ class JobPlan:
 
     def pick_transport(self, learner_node: str, replica_nodes: list[str]) -> str:
         """The transport for the nodes the actors landed on (known only once they run)."""
-        from rayllm_rl.weight_sync.registry import plan_transport
-
-        rc = self.config.ray
-        return plan_transport(rc.sync_transport, learner_gpus=self.layout.learner_gpus > 0,
-                              learner_ranks=self.learner_ranks, replica_gpus=self.layout.replica_gpus > 0,
-                              learner_node=learner_node, replica_nodes=replica_nodes, colocated=self.colocated)
+        return _resolve_transport(self.config.ray.sync_transport, self.layout, learner_node, replica_nodes)
 
 
 def _needs_reference(cfg: GRPOJobConfig, loss) -> bool:
@@ -144,16 +139,23 @@ def _actors(cfg: GRPOJobConfig, layout: GpuLayout, reference: bool) -> tuple[Act
     return tuple(actors)
 
 
+def _resolve_transport(setting: str, layout: GpuLayout, learner_node: str, replica_nodes) -> str:
+    """`ray.sync_transport` resolved for the layout and the nodes (`weight_sync.registry.plan_transport`)."""
+    from rayllm_rl.weight_sync.registry import plan_transport
+
+    return plan_transport(setting, learner_gpus=layout.learner_gpus > 0, learner_ranks=layout.num_learners,
+                          replica_gpus=layout.replica_gpus > 0, learner_node=learner_node,
+                          replica_nodes=replica_nodes, colocated=layout.colocated)
+
+
 def _transport(cfg: GRPOJobConfig, layout: GpuLayout) -> TransportChoice:
-    from rayllm_rl.weight_sync.registry import TRANSPORTS, plan_transport
+    from rayllm_rl.weight_sync.registry import TRANSPORTS
 
     rc = cfg.ray
 
     def pick(nodes: set[str]) -> str:
         try:
-            return plan_transport(rc.sync_transport, learner_gpus=layout.learner_gpus > 0,
-                                  learner_ranks=layout.num_learners, replica_gpus=layout.replica_gpus > 0,
-                                  learner_node="node-a", replica_nodes=nodes, colocated=layout.colocated)
+            return _resolve_transport(rc.sync_transport, layout, "node-a", nodes)
         except ValueError as exc:
             return f"refused: {exc}"
 
@@ -167,7 +169,7 @@ def make_plan(cfg: GRPOJobConfig) -> JobPlan:
     """The plan of a validated config (`cfg.validate()`: presets filled, cross-field checks passed)."""
     from rayllm_rl.inference.registry import placed_options
 
-    if cfg.rollout.max_new_tokens is None or cfg.model.dtype == "auto":
+    if any(v is None for v in (cfg.rollout.max_new_tokens, cfg.data.eval_size)) or cfg.model.dtype == "auto":
         raise ValueError("make_plan needs a validated config (cfg.validate() fills the task presets and dtype)")
     rc, inf = cfg.ray, cfg.inference
     loss = cfg.algo.build_loss(cfg.rollout.max_new_tokens)
