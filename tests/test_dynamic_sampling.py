@@ -9,7 +9,8 @@ from rayllm_rl.data.loader import PromptLoader
 from rayllm_rl.rollout.replay_buffer import ReplayBuffer
 from rayllm_rl.inference.protocol import SamplingParams
 from rayllm_rl.orchestration.factories import has_reward_variance
-from rayllm_rl.rollout.collector import LLMCollector, collect_batch, run_and_store
+from rayllm_rl.rollout.collector import LLMCollector, run_and_store
+from rollout_helpers import collect_batch
 from rayllm_rl.rollout.staleness import StalenessController
 from rayllm_rl.workflows.rlvr import RLVRWorkflow
 

@@ -11,7 +11,7 @@ from rayllm_rl.data.loader import PromptLoader
 from rayllm_rl.inference.protocol import SamplingParams
 from rayllm_rl.learner.learner import Learner, OptimConfig
 from rayllm_rl.objectives import AdvantageConfig, GRPOLoss, SFTLoss, compute_advantages
-from rayllm_rl.rollout.collector import collect_batch
+from rollout_helpers import collect_batch
 from rayllm_rl.workflows.rlvr import RLVRWorkflow
 
 ROWS = [{"messages": [{"role": "user", "content": f"{a}+{a + 1}="}], "answer": str(2 * a + 1)} for a in range(8)]

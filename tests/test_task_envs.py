@@ -213,7 +213,7 @@ def test_add_thinking_prompt_limits_and_template_transform(tokenizer):
 # ---------------------------------------------------------------- reference KL
 def test_reference_model_and_kl_reward(tiny_model_path, engine, tokenizer):
     from rayllm_rl.data.loader import PromptLoader
-    from rayllm_rl.rollout.collector import collect_batch
+    from rollout_helpers import collect_batch
     from rayllm_rl.workflows.rlvr import RLVRWorkflow
 
     rows = [{"messages": [{"role": "user", "content": r["question"]}], "answer": r["answer"]} for r in ROWS]

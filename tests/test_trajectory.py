@@ -4,15 +4,28 @@ import torch
 from tensordict import TensorDict
 
 from rayllm_rl.data.trajectory import (
+    PAD_VALUES,
     TOKEN_KEYS,
     TrajectoryBuilder,
     concat_padded,
     make_trajectory,
     pack_sequences,
     seq_lengths,
-    unpack_sequences,
     validate_trajectory,
 )
+
+
+def unpack_sequences(packed: TensorDict, cu_seqlens: torch.Tensor) -> TensorDict:
+    """The inverse of pack_sequences for the token keys (right-padded `[N, T]`), to check it loses nothing."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    n, width = len(lengths), max(lengths, default=0)
+    out = {}
+    for k in packed.keys():
+        dst = torch.full((n, width), PAD_VALUES.get(k, 0), dtype=packed[k].dtype)
+        for i, (s, ln) in enumerate(zip(cu_seqlens[:-1].tolist(), lengths)):
+            dst[i, :ln] = packed[k][s:s + ln]
+        out[k] = dst
+    return TensorDict(out, batch_size=[n])
 
 
 def _three():

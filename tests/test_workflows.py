@@ -8,7 +8,7 @@ from datasets import Dataset
 
 from rayllm_rl.data.loader import PromptLoader
 from rayllm_rl.inference.protocol import SamplingParams
-from rayllm_rl.rollout.collector import collect_batch
+from rollout_helpers import collect_batch
 from rayllm_rl.workflows.grouped import GroupedWorkflow
 from rayllm_rl.workflows.multi_turn import MultiTurnWorkflow, feedback_suffix_ids
 from rayllm_rl.workflows.rlvr import RLVRWorkflow

@@ -15,11 +15,6 @@ def _messages(data: Mapping[str, Any]) -> list[dict[str, str]]:
     return [dict(m) for m in messages]
 
 
-async def answer_once(client, data: Mapping[str, Any]) -> None:
-    """One chat completion on the row's prompt."""
-    await client.chat.completions.create(model="policy", messages=_messages(data))
-
-
 async def answer_then_check(client, data: Mapping[str, Any]) -> None:
     """Answer, then answer again after a 'check your answer' turn in the same conversation."""
     messages = _messages(data)

@@ -166,18 +166,3 @@ def pack_sequences(td: TensorDict) -> tuple[TensorDict, torch.Tensor]:
     keep = td["attention_mask"].bool()
     packed = {k: td[k][keep] for k in td.keys() if td[k].dim() == 2 and td[k].shape == keep.shape}
     return TensorDict(packed, batch_size=[int(cu[-1])]), cu
-
-
-def unpack_sequences(packed: TensorDict, cu_seqlens: torch.Tensor) -> TensorDict:
-    """Inverse of pack_sequences for the token keys (right-padded `[N, T]`)."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    width = max(lengths) if lengths else 0
-    n = len(lengths)
-    out = {}
-    for k in packed.keys():
-        v = packed[k]
-        dst = torch.full((n, width), PAD_VALUES.get(k, 0), dtype=v.dtype)
-        for i, (s, ln) in enumerate(zip(cu_seqlens[:-1].tolist(), lengths)):
-            dst[i, :ln] = v[s:s + ln]
-        out[k] = dst
-    return TensorDict(out, batch_size=[n])

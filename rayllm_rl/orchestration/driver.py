@@ -24,9 +24,8 @@ from rayllm_rl.orchestration.backend import Backend, RoleCrashed
 from rayllm_rl.orchestration.factories import build_task
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.job_plan import JobPlan, make_plan
-from rayllm_rl.orchestration.lora_base import lora_base_model
 from rayllm_rl.orchestration.reporting import RunReporter
-from rayllm_rl.orchestration.sft_warmup import sft_warm_start
+from rayllm_rl.orchestration.sft_warmup import sft_warm_start, sft_warmed_demo_model
 
 
 def open_backend(plan: JobPlan, model_path: str, task, tokenizer) -> Backend:
@@ -46,7 +45,7 @@ def train(cfg: GRPOJobConfig, plan: JobPlan | None = None) -> dict:
     model = cfg.model
     model_path = resolve_model_path(model.path, model.revision, model.gguf_file) if model.path else ensure_tiny_model()
     task, tokenizer = build_task(cfg), AutoTokenizer.from_pretrained(model_path)
-    model_path = lora_base_model(cfg, model_path, task, tokenizer, reporter)  # LoRA on the demo: its SFT-warmed base
+    model_path = sft_warmed_demo_model(cfg, model_path, task, tokenizer, reporter)  # LoRA on the demo: its SFT-warmed base
     backend = open_backend(plan, model_path, task, tokenizer)
     run = RunState(t_start=t_start, checkpoint=cfg.resume or None)
     try:

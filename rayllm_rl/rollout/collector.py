@@ -89,6 +89,10 @@ class LLMCollector:
         self._stopped = True
         self._wake.set()
 
+    def running(self) -> list[asyncio.Task]:
+        """The episodes running now (each an asyncio task of `run_episode`)."""
+        return list(self._tasks)
+
     async def drain(self, timeout_s: float) -> None:
         """Pause admissions and wait for every running episode to land in the buffer."""
         self.pause()
@@ -155,29 +159,3 @@ class LLMCollector:
         self.loader.load_state_dict(state["loader"])
         self.next_group_id = state["next_group_id"]
         self.controller.load_state_dict(state["controller"])
-
-
-async def collect_batch(engine, workflow, loader, n_episodes: int, *, episode_filter=None,
-                        timeout_s: float = 300.0) -> tuple[TensorDict, dict[str, Any]]:
-    """One batch of `n_episodes` episodes from `engine` in this process (scripts, tests, evaluation
-    sweeps): the collector and buffer of a run at version 0 with no staleness. Returns the batch
-    (rows of every episode, padded) and the collector's stats (failed, filtered episodes...)."""
-    from rayllm_rl.rollout.replay_buffer import AwaitableEpisodeBuffer, ReplayBuffer
-
-    buffer = AwaitableEpisodeBuffer(ReplayBuffer(n_episodes, 0))
-    collector = LLMCollector(loader, lambda row: run_and_store(
-        workflow, engine, row, lambda td: buffer.put(td, timeout_s), episode_filter), StalenessController(n_episodes, 0))
-    loop_task = asyncio.ensure_future(collector.run())
-    batch_task = asyncio.ensure_future(buffer.get_batch(n_episodes, 0, timeout_s))
-    try:
-        await asyncio.wait({loop_task, batch_task}, return_when=asyncio.FIRST_COMPLETED)
-        if not batch_task.done():  # the loop ended first: too many failures
-            raise loop_task.exception() or RuntimeError("collector stopped before the batch was full")
-        batch, _ = batch_task.result()
-    finally:
-        collector.stop()
-        tasks = [loop_task, batch_task, *collector._tasks]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    return batch, collector.stats()
