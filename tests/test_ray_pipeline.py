@@ -71,7 +71,7 @@ def test_sync_makes_replica_weights_equal(local_ray, tmp_path, transport):
         assert cluster.replicas.checksums() == [learner_sum, learner_sum]
         assert [held[-1] for held in cluster.replicas.versions_held()] == [1, 1]
         assert stats["sync_bytes"] > 0 and stats["stall_s"] < stats["sync_s"] + stats["receive_s"]
-        named = cluster.get(cluster.learners[0].named_tensors.remote())
+        named = cluster.get(cluster.learners[0].reference_weights.remote())
         assert sum(t.numel() for t in named.values()) * 4 <= stats["sync_bytes"]
         assert isinstance(named[next(iter(named))], torch.Tensor)
     finally:
@@ -122,7 +122,7 @@ def test_the_reference_is_the_learners_policy_built_without_the_driver_and_kl_is
     backend = RayBackend(make_plan(cfg.validate()), model_path, build_task(cfg), AutoTokenizer.from_pretrained(model_path))
     try:
         nbytes = sum(t.numel() * t.element_size() for t in ray.get(
-            backend.cluster.learners[0].named_tensors.remote(), timeout=60).values())
+            backend.cluster.learners[0].reference_weights.remote(), timeout=60).values())
         assert backend.driver_bytes() == 0
         backend.start_reference(None)
         assert backend.driver_bytes() == 0 < nbytes  # before: every learner rank's full weights came here
@@ -134,7 +134,10 @@ def test_the_reference_is_the_learners_policy_built_without_the_driver_and_kl_is
         assert isinstance(ref, ray.ObjectRef) and fetched < min(16_384, meta["batch_bytes"])
         batch = ray.get(ref, timeout=60)  # the test looks inside; the driver's loop never does
         assert batch.bytes() == meta["batch_bytes"] and sorted(set(batch["group_id"].tolist())) == meta["episode_ids"]
-        policy = ray.get(backend.cluster.learners[0].compute_logprobs.remote(ref), timeout=60)
+        from rayllm_rl.learner.reference import ReferenceModel  # the policy's full forward, in this process
+
+        policy = ReferenceModel(model_path, temperature=cfg.rollout.temperature, named_tensors=ray.get(
+            backend.cluster.learners[0].reference_weights.remote(), timeout=60)).compute_logprobs(batch)
         mask = batch["loss_mask"].bool()
         assert mask.any() and "advantages" in batch.keys() and "kl" in batch.keys()
         torch.testing.assert_close(batch["ref_logprobs"][mask], policy[mask].to(batch["ref_logprobs"].dtype),

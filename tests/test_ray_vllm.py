@@ -78,7 +78,11 @@ def test_vllm_replica_logprobs_equal_learner_after_sync(local_ray, tmp_path, tra
             trajs.append(make_trajectory(r.input_tokens + r.output_tokens, [0.0] * n_in + r.output_logprobs,
                                          [0] * n_in + [1] * r.output_len, [-1] * n_in + r.output_versions, 0.0))
         batch = concat_padded(trajs)
-        learner_lp = cluster.get(cluster.learners[0].compute_logprobs.remote(batch))
+        from rayllm_rl.learner.reference import ReferenceModel  # a full forward of the learner's weights, here
+
+        learner = ReferenceModel(path, temperature=cfg.rollout.temperature,
+                                 named_tensors=cluster.get(cluster.learners[0].reference_weights.remote()))
+        learner_lp = learner.compute_logprobs(batch)
         mask = batch["loss_mask"]
         diff = (learner_lp[mask] - batch["logprobs"][mask]).abs().max().item()
         assert mask.sum() == 32 and diff <= 1e-4, diff

@@ -332,10 +332,6 @@ class LearnerWorker(_Process):
         self.loss = algo.build_loss(max_new_tokens)
         return True
 
-    def compute_logprobs(self, batch) -> torch.Tensor:
-        """The learner's logprobs of the current weights on a trajectory batch, `[N, T]`."""
-        return self.learner.compute_logprobs(batch)
-
     def train_step(self, batch, loss=None) -> dict[str, float]:
         self._turn("train start")
         out = self.learner.train_step(batch, loss if loss is not None else self.loss)
@@ -405,9 +401,6 @@ class LearnerWorker(_Process):
             if self.rank == 0:
                 full[name] = t.detach().cpu()
         return full
-
-    def named_tensors(self) -> dict[str, torch.Tensor]:
-        return self.learner.named_tensors()
 
     def checksum(self) -> float:
         return weights_checksum(self.learner.named_tensors())
