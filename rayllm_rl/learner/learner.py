@@ -63,6 +63,7 @@ from rayllm_rl.learner.logprobs import (
     token_budget_micro_batches,
     token_logprobs,
 )
+from rayllm_rl.learner.mismatch import MismatchMeter
 from rayllm_rl.learner.precision import Precision
 from rayllm_rl.lora import LoraOptions
 from rayllm_rl.objectives.base import Loss
@@ -283,12 +284,14 @@ class Learner:
         mb_count = max(1, min(self.cfg.num_minibatches, n))
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
+        first = True  # the rollout/learner mismatch is measured on the first minibatch, before any update
         for _ in range(self.cfg.epochs):
             perm = torch.randperm(n, generator=self.generator)
             for chunk in perm.chunk(mb_count):
-                for k, v in self._optimizer_step(td[chunk], loss_fn).items():
+                for k, v in self._optimizer_step(td[chunk], loss_fn, measure_mismatch=first).items():
                     sums[k] = sums.get(k, 0.0) + v
                     counts[k] = counts.get(k, 0) + 1
+                first = False
         return {k: v if k in COUNTED_METRICS else v / counts[k] for k, v in sums.items()}
 
     def _check_same_batch(self, td: TensorDict) -> None:
@@ -301,7 +304,9 @@ class Learner:
         if len(set(prints)) != 1:
             raise ValueError(f"FSDP ranks got different batches (fingerprints {prints}); pass the full batch to all")
 
-    def _optimizer_step(self, td: TensorDict, loss_fn: Loss) -> dict[str, float]:
+    def _optimizer_step(self, td: TensorDict, loss_fn: Loss, measure_mismatch: bool = False) -> dict[str, float]:
+        """One optimizer step on minibatch `td`; with `measure_mismatch`, also the rollout/learner mismatch
+        figures of its trained tokens (learner/mismatch.py) from the forward the loss needs anyway."""
         n = td.batch_size[0]  # the whole minibatch: the weights below use GLOBAL counts on every rank
         total_tokens = float(td["loss_mask"].sum().clamp(min=1))
         # Micro-batch k's loss averages over normalizer(mask_k) units (tokens, non-empty rows, rows):
@@ -319,6 +324,7 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         metrics: dict[str, float] = {}
         nonfinite_loss = False
+        meter = MismatchMeter() if measure_mismatch else None
         for mb in mbs:
             mask = mb["loss_mask"]
             # logprobs only where the loss reads them: the gradient is the same, the LM head does less
@@ -326,6 +332,8 @@ class Learner:
                 logp, entropy = token_logprobs(self.model, mb["input_ids"].to(self.device),
                                                mb["attention_mask"].to(self.device), self.temperature, with_entropy=True,
                                                positions=(mask != 0).to(self.device), chunk_size=chunk)
+            if meter is not None:
+                meter.add(logp, mb)
             if self.device.type != "cpu":
                 mb = mb.to(self.device)
             # true policy entropy over the trained tokens (the loss only sees sampled-token logprobs)
@@ -354,13 +362,15 @@ class Learner:
                 for k, v in part.items():
                     summed[k] = summed.get(k, 0.0) + v
             metrics = summed
+        if meter is not None:  # every rank joins the gather (all ranks measure the same step)
+            metrics.update(meter.figures(all_gather_objects if self.world_size > 1 else None))
         # FSDP2 grads are DTensors: clip_grad_norm_ computes the GLOBAL norm (Replicate DTensor).
         # With clipping off, max_norm=inf only measures the norm (the grads are scaled by exactly 1).
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
         grad_norm = to_local_scalar(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
         if nonfinite_loss or not math.isfinite(grad_norm):  # global: every rank skips together
             self.optimizer.zero_grad(set_to_none=True)  # weights and AdamW state stay as they were
-            return {"skipped_nonfinite_steps": 1.0}
+            return {"skipped_nonfinite_steps": 1.0, **{k: v for k, v in metrics.items() if k.startswith("mismatch_")}}
         metrics["grad_norm"] = grad_norm
         metrics["skipped_nonfinite_steps"] = 0.0
         for g in self.optimizer.param_groups:
