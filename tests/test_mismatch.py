@@ -74,3 +74,14 @@ def test_same_weights_give_no_mismatch_and_other_weights_the_measured_one(engine
     assert moved["mismatch_abs_logp_diff"] == pytest.approx(float(d.abs().mean()), rel=1e-4)
     assert moved["mismatch_k3"] == pytest.approx(float((d.exp() - 1 - d).mean()), rel=1e-3)
     assert moved["mismatch_ratio_max"] == pytest.approx(float(d.exp().max()), rel=1e-4)
+
+
+def test_sft_demonstrations_have_no_rollout_logprobs_to_compare(tokenizer, tiny_model_path):
+    from rayllm_rl.data.sft import make_sft_batch
+    from rayllm_rl.objectives import SFTLoss
+
+    batch = make_sft_batch(tokenizer, [[{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]])
+    batch["advantages"] = torch.zeros(1)
+    metrics = Learner(tiny_model_path, OptimConfig(lr=0.0)).train_step(batch, SFTLoss())
+    assert metrics["mismatch_tokens"] == 0 and "mismatch_k3" not in metrics
+
