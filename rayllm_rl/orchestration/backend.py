@@ -32,7 +32,8 @@ class Backend(Protocol):
         Ray it started)."""
 
     def train_step(self, batch: Any, loss: Any = None) -> dict[str, float]:
-        """One optimizer update on every learner rank (`loss` None: the job's RL loss); rank 0's metrics.
+        """One optimizer update on every learner rank (`loss` None: the job's RL loss); rank 0's metrics,
+        and under "trace" a few of its rows token by token when an engine sampled them (learner/trace_rows.py).
         `batch`: a TensorDict (the SFT warm start's) or a handle `next_batch` returned."""
 
     def reset_optimizer(self, optim_cfg: Any) -> None:

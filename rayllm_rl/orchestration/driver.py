@@ -26,6 +26,7 @@ from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.job_plan import JobPlan, make_plan
 from rayllm_rl.orchestration.reporting import RunReporter
 from rayllm_rl.orchestration.sft_warmup import sft_warm_start, sft_warmed_demo_model
+from rayllm_rl.view.records import TraceWriter
 
 
 def open_backend(plan: JobPlan, model_path: str, task, tokenizer) -> Backend:
@@ -97,6 +98,7 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
     run.checkpoint = run.checkpoint or backend.save_checkpoint(str(ckpt_dir / f"step_{step}"), step, version)
 
     backend.start_collector()
+    traces = TraceWriter(reporter.run_dir, backend.tokenizer)
     t_rl, B, col = time.perf_counter(), cfg.rollout.prompts_per_step, {"tokens_per_s": None}
     progress = reporter.progress(total=cfg.trainer.steps, desc=f"grpo eta={cfg.rollout.max_staleness}")
     progress.update(step)
@@ -105,6 +107,7 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
         batch, meta = backend.next_batch(B, version)  # a handle, and the batch's metadata
         t_wait = time.perf_counter() - t0
         train_metrics = backend.train_step(batch)
+        traces.write(step + 1, train_metrics.pop("trace", []))  # a few rows token by token, for the viewer
         del batch
         t_train = time.perf_counter() - t0 - t_wait
         version += 1

@@ -79,7 +79,8 @@ class LocalBackend:
 
     # ---------------------------------------------------------------- learner
     def train_step(self, batch, loss=None) -> dict[str, float]:
-        return self.learner.train_step(batch, loss if loss is not None else self.loss)
+        metrics = self.learner.train_step(batch, loss if loss is not None else self.loss)
+        return {**metrics, "trace": self.learner.trace} if self.learner.trace else metrics
 
     def reset_optimizer(self, optim_cfg) -> None:
         self.learner.reset_optimizer(optim_cfg)

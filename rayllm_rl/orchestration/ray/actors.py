@@ -336,7 +336,7 @@ class LearnerWorker(_Process):
         self._turn("train start")
         out = self.learner.train_step(batch, loss if loss is not None else self.loss)
         self._turn("train end")
-        return out
+        return {**out, "trace": self.learner.trace} if self.learner.trace else out
 
     def offload(self) -> int:
         """Training state off the GPU (colocated, while the replica sharing it generates); bytes moved."""
