@@ -76,13 +76,13 @@ class Replica:
 
     def receive(self, published, tensors=False):
         out = self.receiver.receive_and_swap(published["handoff"])
-        t = self.receiver.inner.target
+        t = self.receiver.target
         return {"version": out["version"], "checksum": {k: float(v.double().sum()) for k, v in t.params.items()},
-                "dtypes": {k: str(v.dtype) for k, v in t.params.items()}, "copied": self.receiver.inner.copied_bytes,
+                "dtypes": {k: str(v.dtype) for k, v in t.params.items()}, "copied": self.receiver.copied_bytes,
                 **({"tensors": {k: v.clone() for k, v in t.params.items()}} if tensors else {})}
 
     def held(self):
-        return {k: v.clone() for k, v in self.receiver.inner.target.params.items()}
+        return {k: v.clone() for k, v in self.receiver.target.params.items()}
 
 
 def test_two_replicas_fetch_what_the_learner_published_zero_copy():
@@ -158,7 +158,7 @@ def test_a_fetch_that_never_completes_times_out_naming_its_phase():
         time.sleep(60)
 
     ref = never.remote()
-    plan = receiver.inner._ep
+    plan = receiver._ep
     handoff = Handoff(3, plan.fingerprint, (ref,) * len(plan.buckets), 0)
     t0 = time.monotonic()
     with pytest.raises(WeightSyncTimeout, match=rf"phase 'fetch bucket 1/{len(plan.buckets)}' timed out on rank 1 .*timeout 1s"):

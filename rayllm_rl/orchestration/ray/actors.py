@@ -357,16 +357,16 @@ class LearnerWorker(_Process):
     def reset_optimizer(self, optim) -> None:
         self.learner.reset_optimizer(optim)
 
-    def init_weight_sender(self, spec) -> dict:
+    def init_weight_sender(self, spec):
         """Rank 0 builds the sending end of `spec` (`weight_sync.registry.SyncSpec`); a group
-        transport waits here for every receiver to join. Returns what the end made for the receivers
-        (`registry.receiver_payload`: Ray channels; empty for most transports)."""
-        from rayllm_rl.weight_sync.registry import build_sender, receiver_payload
+        transport waits here for every receiver to join. Returns the init info the receivers are built
+        from (`registry.receivers_init`: the spec's own but for Ray channels); None on other ranks."""
+        from rayllm_rl.weight_sync.registry import build_sender, receivers_init
 
         if self.rank != 0:
-            return {}
+            return None
         self.sender = build_sender(spec, self.learner.weight_metas())
-        return receiver_payload(spec, self.sender)
+        return receivers_init(spec, self.sender)
 
     def weight_metadata(self) -> tuple:
         """`(name, shape, dtype)` of every tensor a sync sends, in send order (no gather needed)."""

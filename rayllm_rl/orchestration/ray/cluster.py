@@ -275,7 +275,7 @@ def form_sync_group(cluster: Cluster, plan: JobPlan) -> None:
     first = [1 + sum(ranks[:i]) for i in range(len(replicas))]
     senders = learners.init_weight_senders(spec)
     if info.sender_first:  # learner rank 0's end first: the replicas' spec carries what it made for them
-        spec = spec.with_payload(**cluster.get(senders[0], timeout_s=rc.sync_timeout_s + 30))
+        spec = spec.with_init(cluster.get(senders[0], timeout_s=rc.sync_timeout_s + 30))
     refs = senders + replicas.join_update_group([spec.for_rank(k) for k in first])
     cluster.get(refs, timeout_s=rc.sync_timeout_s + 30)
     if spec.info.tensor_transport is not None:
