@@ -119,7 +119,7 @@ class Sender:
         return weights_checksum(self.named)
 
     def send(self, key: str, version: int) -> dict:
-        """What `LearnerWorker.sync_weights` returns: the handoff (references, tensors Ray moves, or None)."""
+        """What `LearnerWorker.send_weights` returns: the handoff (references, tensors Ray moves, or None)."""
         stats, handoff = self.ends[key].send(self.named, version)
         self.stats[key] = {"send_s": stats.seconds, "bytes": stats.bytes}
         return {"handoff": handoff}

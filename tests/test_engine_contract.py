@@ -170,11 +170,11 @@ def update_over_group(loop, engine, named, version, transport):
         sender = box["sender"]
     if spec.info.pulls:  # publish first, then the receiver fetches what the handoff names
         stats, handoff = sender.send(named, version)
-        result = loop.run(engine.receive_update(handoff))
+        result = loop.run(engine.receive_weights(handoff))
     else:  # the bytes move in a collective both ends join
         send = threading.Thread(target=lambda: box.setdefault("sent", sender.send(named, version)))
         send.start()
-        result = loop.run(engine.receive_update())
+        result = loop.run(engine.receive_weights())
         send.join(60)
         stats = box["sent"][0]
     assert stats.version == version and stats.bytes == sum(m.nbytes for m in metas)

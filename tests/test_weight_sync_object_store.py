@@ -193,7 +193,7 @@ def test_a_sender_given_a_wrong_tensor_names_it_and_publishes_nothing():
 
 @ray.remote(num_cpus=0)
 class NeverPublishes:
-    def sync_weights(self, version):
+    def send_weights(self, version):
         time.sleep(60)
 
 
@@ -211,7 +211,7 @@ def test_a_replica_awaits_the_handoff_reference_and_times_out_naming_the_phase(t
     spec, _ = spec_of(dict(model.named_parameters()), timeout_s=1.0)
     replica = InferenceReplica.remote("transformers", tiny_model_path)
     assert ray.get(replica.init_update_group.remote(spec.for_rank(1)), timeout=120)
-    stuck = NeverPublishes.remote().sync_weights.remote(1)
+    stuck = NeverPublishes.remote().send_weights.remote(1)
     arg = handoff_arg(transport_info("object_store"), stuck)
     assert isinstance(arg, list) and arg[0] is stuck
     t0 = time.monotonic()

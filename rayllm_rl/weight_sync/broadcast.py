@@ -31,7 +31,7 @@ A failure at the header or vote leaves the group usable; any later failure break
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -40,10 +40,7 @@ from rayllm_rl.weight_sync.buckets import (
 )
 from rayllm_rl.weight_sync.common import WeightSyncError
 from rayllm_rl.weight_sync.ends import EndpointView, ReceiverEnd, SyncStats, TensorSource, Wrapping
-from rayllm_rl.weight_sync.scheme import GroupScheme
-
-if TYPE_CHECKING:
-    from rayllm_rl.weight_sync.registry import SyncSpec
+from rayllm_rl.weight_sync.scheme import GroupScheme, Spec
 
 __all__ = ["WeightSender", "WeightReceiver", "DoubleBufferReceiver", "BroadcastScheme", "DEFAULT_BUCKET_BYTES"]
 
@@ -370,10 +367,10 @@ class BroadcastScheme(GroupScheme):
     """gloo and nccl: buckets broadcast over a private group; each receiver lands them in a back buffer
     on the group's device, then swaps it in."""
 
-    def sender_in(self, group, spec: "SyncSpec", metas: Sequence[TensorMeta]) -> WeightSender:
+    def sender_in(self, group, spec: Spec, metas: Sequence[TensorMeta]) -> WeightSender:
         return WeightSender(group, metas, spec.bucket_bytes)
 
-    def receiver_in(self, group, spec: "SyncSpec", target: Any) -> DoubleBufferReceiver:
+    def receiver_in(self, group, spec: Spec, target: Any) -> DoubleBufferReceiver:
         metas = metas_from_spec(spec.metas)
         params = target.named_parameters()
         back = {m.name: torch.empty(m.shape, dtype=params[m.name].dtype, device=group.device) for m in metas}

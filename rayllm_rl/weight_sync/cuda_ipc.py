@@ -56,7 +56,7 @@ import math
 import os
 import time
 import uuid
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence, TypedDict
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
@@ -68,12 +68,26 @@ from rayllm_rl.weight_sync.ends import (
 )
 from rayllm_rl.weight_sync.scheme import TransportScheme
 
-__all__ = ["CudaIpcSender", "CudaIpcReceiver", "CudaIpcScheme", "encode_export", "decode_export", "export_tensor", "release_export",
-           "gpu_uuid", "HANDOFF_KEYS", "EXPORT_KEYS"]
+__all__ = ["CudaIpcSender", "CudaIpcReceiver", "CudaIpcScheme", "CudaIpcHandoff", "encode_export", "decode_export",
+           "export_tensor", "release_export", "gpu_uuid", "HANDOFF_KEYS", "EXPORT_KEYS"]
 
 _WHAT = "CUDA IPC"
 _ONE_BUCKET = 1 << 62  # the plan's buckets are unused here: one entry per tensor
 HANDOFF_KEYS = ("version", "fingerprint", "device_uuid", "process", "pid", "nbytes", "exports")
+
+
+class CudaIpcHandoff(TypedDict):
+    """One version's update info: plain data only, so it crosses Ray and vLLM's msgpack RPC as it is."""
+
+    version: int
+    fingerprint: int
+    device_uuid: str
+    process: str
+    pid: int
+    nbytes: int
+    exports: list[list[dict[str, Any] | None]]
+    """Per receiving rank 1..K, an export per tensor in plan order (None: a 0-element tensor)."""
+
 EXPORT_KEYS = ("size", "stride", "offset", "dtype", "handle", "storage_bytes", "storage_offset", "ref_counter",
                "ref_counter_offset", "event", "event_sync")
 _ARGS_LEN = 15  # rebuild_cuda_tensor's arguments, as reduce_tensor returns them (torch/multiprocessing/reductions.py)
@@ -188,7 +202,7 @@ class CudaIpcSender(EndpointView, SenderEnd):
         self.receivers = int(receivers)
 
     def send(self, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-             version: int) -> tuple[SyncStats, dict[str, Any]]:
+             version: int) -> tuple[SyncStats, CudaIpcHandoff]:
         """Export every tensor of the plan (the learner's own memory: it must not change until the receivers
         have copied, i.e. no train step before the hand-over ends); returns (stats, plain handoff).
 
@@ -214,8 +228,9 @@ class CudaIpcSender(EndpointView, SenderEnd):
                     except Exception as exc:
                         raise plan.error(f"export {i + 1}/{n}", f"{m.name}: {type(exc).__name__}: {exc}") from exc
                 _wait(device, plan, "publish")  # the bytes are final before a receiver reads them
-                handoff = {"version": int(version), "fingerprint": plan.fingerprint, "device_uuid": gpu_uuid(device),
-                           "process": _process(), "pid": os.getpid(), "nbytes": plan.total_bytes, "exports": exports}
+                handoff = CudaIpcHandoff(version=int(version), fingerprint=plan.fingerprint,
+                                         device_uuid=gpu_uuid(device), process=_process(), pid=os.getpid(),
+                                         nbytes=plan.total_bytes, exports=exports)
         except BaseException:
             for entry in (e for per_rank in exports for e in per_rank):  # nobody will open these
                 release_export(entry, device.index if device is not None else 0)
@@ -294,7 +309,7 @@ class CudaIpcReceiver(HeldReceiver):
             raise
         return mine
 
-    def receive(self, handoff: Mapping[str, Any], *, header_timeout_s: float | None = None) -> int:
+    def receive(self, handoff: CudaIpcHandoff, *, header_timeout_s: float | None = None) -> int:
         """Open every export of this rank on this GPU (and copy into fresh storage unless the target copies
         on swap); returns the version. `header_timeout_s` is unused: the handoff arrives with the call."""
         plan = self._ep

@@ -37,7 +37,8 @@ from rayllm_rl.weight_sync.ends import (
 )
 from rayllm_rl.weight_sync.scheme import TransportScheme
 
-__all__ = ["Handoff", "ObjectStoreSender", "ObjectStoreReceiver", "ObjectStoreScheme", "flat_pieces", "tensors_of_buffers"]
+__all__ = ["Handoff", "ObjectStoreSender", "ObjectStoreReceiver", "ObjectStoreScheme", "flat_pieces",
+           "tensors_of_buffers"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -70,7 +70,7 @@ class RDTReceiver(HeldReceiver):
                          else torch.device("cpu") for m in self._ep.metas}
         self.target = target
 
-    def receive(self, handoff: Mapping[str, Any], *, header_timeout_s: float | None = None) -> int:
+    def receive(self, handoff: RDTHandoff, *, header_timeout_s: float | None = None) -> int:
         """Check what Ray delivered against the plan; returns its version (nothing is waited for:
         Ray moved the tensors before this call began)."""
         plan = self._ep

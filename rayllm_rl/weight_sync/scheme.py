@@ -1,7 +1,7 @@
 """A transport as a scheme: how its two ends are built, and the typed init info they are built from.
 
-Each transport module defines one :class:`TransportScheme` subclass; the registry maps a transport's name
-to it (`registry.SCHEMES`). A scheme makes the init info of a setup (:meth:`TransportScheme.init_info`: the
+Each transport module defines one :class:`TransportScheme` subclass; the registry's table maps a
+transport's name to it. A scheme makes the init info of a setup (:meth:`TransportScheme.init_info`: the
 rendezvous, segment names or reader handles its ends need, in place of an untyped dict), builds learner
 rank 0's end (:meth:`~TransportScheme.sender`) and each receiving process's end
 (:meth:`~TransportScheme.receiver`). A sender-first transport (Ray channels) also says what its sender
@@ -11,13 +11,13 @@ may hold Ray handles, but only a Ray transport makes or reads them.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
+from rayllm_rl.weight_sync.buckets import TensorMeta
 from rayllm_rl.weight_sync.ends import GroupReceiver, GroupSender, ReceiverEnd, SenderEnd
 
-if TYPE_CHECKING:
-    from rayllm_rl.weight_sync.buckets import TensorMeta
-    from rayllm_rl.weight_sync.registry import SyncSpec, TransportInfo
+Spec = Any
+"""A setup's `SyncSpec` (defined by the registry, which imports this module)."""
 
 __all__ = ["InitInfo", "NoInit", "GroupInit", "ShmInit", "ChannelInit", "ChannelAttach", "init_from_dict",
            "TransportScheme", "GroupScheme"]
@@ -82,8 +82,9 @@ def init_from_dict(d: Mapping[str, Any] | None) -> InitInfo:
 class TransportScheme:
     """One transport: its init info and its two ends. Built with the transport's `TransportInfo`."""
 
-    def __init__(self, info: "TransportInfo"):
+    def __init__(self, info: Any):
         self.info = info
+        """The transport's `TransportInfo` (its name and properties)."""
 
     def init_info(self, *, receivers: int, host: str = "", port: int = 0,
                   readers: Sequence[tuple[Any, str]] = ()) -> InitInfo:
@@ -91,16 +92,16 @@ class TransportScheme:
         `port` for a group; `readers` for a sender-first transport). Default: nothing to agree on."""
         return NoInit()
 
-    def sender(self, spec: "SyncSpec", metas: Sequence["TensorMeta"]) -> SenderEnd:
+    def sender(self, spec: Spec, metas: Sequence[TensorMeta]) -> SenderEnd:
         """Learner rank 0's end (metas already checked against `spec.metas`)."""
         raise NotImplementedError
 
-    def receiver(self, spec: "SyncSpec", target: Any) -> ReceiverEnd:
+    def receiver(self, spec: Spec, target: Any) -> ReceiverEnd:
         """The end of the receiving process `spec.rank` for `target` (``named_parameters()``,
         ``swap_weights(dict, version) -> stall_s``)."""
         raise NotImplementedError
 
-    def receivers_init(self, spec: "SyncSpec", sender: SenderEnd) -> InitInfo:
+    def receivers_init(self, spec: Spec, sender: SenderEnd) -> InitInfo:
         """The init info the receivers are built from, once learner rank 0's end exists: the spec's own,
         except for a sender-first transport (`TransportInfo.sender_first`), whose sender makes it."""
         return spec.init
@@ -116,14 +117,14 @@ class GroupScheme(TransportScheme):
             raise ValueError(f"weight sync over {self.info.name}: learner rank 0's host and port are needed")
         return GroupInit(host, int(port))
 
-    def group(self, spec: "SyncSpec", rank: int):
+    def group(self, spec: Spec, rank: int):
         """Join the setup's group as `rank` (waits ≤ timeout for every member)."""
         from rayllm_rl.weight_sync.gloo_group import StatelessGlooGroup, StatelessNcclGroup
 
         cls = StatelessNcclGroup if self.info.gpu_only else StatelessGlooGroup
         return cls(spec.init.host, spec.init.port, rank, spec.world_size, spec.timeout_s)
 
-    def sender(self, spec: "SyncSpec", metas: Sequence["TensorMeta"]) -> SenderEnd:
+    def sender(self, spec: Spec, metas: Sequence[TensorMeta]) -> SenderEnd:
         group = self.group(spec, 0)
         try:
             return GroupSender(self.sender_in(group, spec, metas), group)
@@ -131,7 +132,7 @@ class GroupScheme(TransportScheme):
             group.close()
             raise
 
-    def receiver(self, spec: "SyncSpec", target: Any) -> ReceiverEnd:
+    def receiver(self, spec: Spec, target: Any) -> ReceiverEnd:
         group = self.group(spec, spec.rank)
         try:
             return GroupReceiver(self.receiver_in(group, spec, target), group)
@@ -139,10 +140,10 @@ class GroupScheme(TransportScheme):
             group.close()
             raise
 
-    def sender_in(self, group: Any, spec: "SyncSpec", metas: Sequence["TensorMeta"]) -> Any:
+    def sender_in(self, group: Any, spec: Spec, metas: Sequence[TensorMeta]) -> Any:
         """The protocol's sender on `group` (its `send` returns the stats only)."""
         raise NotImplementedError
 
-    def receiver_in(self, group: Any, spec: "SyncSpec", target: Any) -> ReceiverEnd:
+    def receiver_in(self, group: Any, spec: Spec, target: Any) -> ReceiverEnd:
         """The protocol's receiver on `group`."""
         raise NotImplementedError

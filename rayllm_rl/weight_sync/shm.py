@@ -38,7 +38,7 @@ does a sync that every receiver rejected (none swapped).
 A receiver must not keep references into a segment beyond the engine's parameters: the
 dict handed to ``swap_weights`` comes back holding the *previous* storage and is dropped
 at once. The receiver's mappings are read-only, so a stray write from a replica (e.g.
-``engine.update_weights`` on an engine fed by this transport) faults that process instead
+``engine.load_weights_sync`` on an engine fed by this transport) faults that process instead
 of silently changing the weights of every replica on the node. Each mapping lives exactly
 as long as a tensor viewing it (the views own a reference to their ``mmap``, which is never
 closed explicitly), so an engine keeps working with its last weights after the receiver is

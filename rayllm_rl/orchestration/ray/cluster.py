@@ -106,7 +106,7 @@ class Cluster:
         # with Ray Direct Transport Ray keeps rank 0's result's tensors with it and sends them to each replica
         sent = self.learners.send_weights(version, info.tensor_transport)
         got = self.replicas.receive_weights(handoff_arg(info, sent[0]))
-        # A replica's receive ends after rank 0's sync (it waits for rank 0's result or its group's ack);
+        # A replica's receive ends after rank 0's send (it waits for rank 0's result or its group's ack);
         # a Ray Direct Transport result cannot be fetched here: only the replicas receive its tensors.
         waited = got + (sent[1:] if info.tensor_transport is not None else sent)
         replicas = self.get(waited, timeout_s=self.sync_timeout_s)[:len(got)]  # a dead replica fails at once
