@@ -1,4 +1,4 @@
-"""Streaming full weights from learner rank 0 to K inference replicas over a broadcast group.
+"""The ``gloo`` and ``nccl`` transports: full weights from learner rank 0 to K replicas over a broadcast group.
 
 Wire protocol of one sync (every step is a collective of the whole group, each bounded by
 the phase timeout of the group, and each failure names its phase):
@@ -27,6 +27,9 @@ receivers cannot be told in-band: they raise WeightSyncTimeout at the pending bu
 sender raises at once, and both must build a new group before the next sync. A sender that
 fails for any other reason still drains its lazy source (FSDP peers gather in step with it).
 A failure at the header or vote leaves the group usable; any later failure breaks it.
+
+:class:`BroadcastScheme` builds both ends on a private group (`weight_sync.scheme.GroupScheme`); each
+receiver lands the buckets in a back buffer (:class:`DoubleBufferReceiver`) and swaps it in.
 """
 from __future__ import annotations
 

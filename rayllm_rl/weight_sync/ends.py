@@ -46,7 +46,6 @@ class SyncStats:
         return self.bytes / self.seconds if self.seconds > 0 else float("inf")
 
 
-
 class SenderEnd:
     """Learner rank 0's end of a transport (see the module docstring)."""
 
@@ -141,7 +140,7 @@ class GroupReceiver(Wrapping, ReceiverEnd):
 class TensorSource:
     """Tensors by name from a Mapping, or pulled lazily from an iterator of (name, tensor)."""
 
-    def __init__(self, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], known: set[str]):
+    def __init__(self, named: Named, known: set[str]):
         self.mapping = named if isinstance(named, Mapping) else None
         self.iter: Iterator[tuple[str, torch.Tensor]] | None = None if self.mapping is not None else iter(named)
         self.pending: dict[str, torch.Tensor] = {}
@@ -182,7 +181,6 @@ class TensorSource:
                 return t
             self.pending[n] = t
         raise KeyError(f"the source ended before yielding {name!r}")
-
 
 
 class EndpointView:
@@ -290,5 +288,3 @@ class HeldReceiver(EndpointView, ReceiverEnd):
     def close(self) -> None:
         """Drop what was received and not swapped in (the target keeps its current weights)."""
         self._received = None
-
-

@@ -2,7 +2,7 @@
 
 The learner (:class:`ShmWeightSender`, rank 0 of a
 :class:`~rayllm_rl.weight_sync.gloo_group.StatelessGlooGroup`) owns two shared-memory
-segments, each holding every weight laid out flat (:func:`plan_layout`: each tensor at an
+segments, each holding every weight laid out flat (`shm_segments.plan_layout`: each tensor at an
 offset aligned to 64 bytes, a pure function of the metas, so every process computes the
 same layout and checks it through :attr:`ShmLayout.fingerprint`). Sync number ``k``
 (counting successful syncs from 0):
