@@ -28,7 +28,7 @@ What it measures
        while `--sync-load` requests x `--new-tokens` keep generating (closed loop: a finished
        request is replaced at once; the update starts `--sync-after` s into the load). Medians
        per engine x transport: `sync_s` (sender total), `receive_s` and `stall_s` (from the
-       engine's `receive_update()`), `wall_s`, bytes; `engine.version` is checked after each sync.
+       engine's `receive_weights()`), `wall_s`, bytes; `engine.version` is checked after each sync.
 
 How to run (CPU is fine; numbers are noisy when other processes share the cores)
     .venv/bin/python benchmarks/engine_throughput.py
@@ -219,7 +219,7 @@ async def sync_under_load(engine, sender, named, version: int, prompts, params, 
     await asyncio.sleep(after_s)
     t0 = time.perf_counter()
     send = asyncio.ensure_future(asyncio.to_thread(sender.send, named, version))
-    got = await engine.receive_update()
+    got = await engine.receive_weights()
     stats, _ = await send
     t1 = time.perf_counter()
     stop.set()

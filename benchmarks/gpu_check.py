@@ -608,11 +608,11 @@ class GPUCheck:
             t0 = time.perf_counter()
             if spec.info.pulls:  # the sender publishes, the engine fetches what it was handed
                 stats, handoff = sender.send(self.learner.iter_named_tensors(), 1)
-                got = self.wait(self.engine.receive_update(handoff), "engine.receive_update")
+                got = self.wait(self.engine.receive_weights(handoff), "engine.receive_weights")
             else:
                 async def push():
                     return await asyncio.gather(asyncio.to_thread(sender.send, self.learner.iter_named_tensors(), 1),
-                                                self.engine.receive_update(None))
+                                                self.engine.receive_weights(None))
 
                 (stats, _), got = self.wait(push(), f"the {transport} weight sync")
             sync(self.device)

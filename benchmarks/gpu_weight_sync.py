@@ -98,7 +98,7 @@ def replica_main(conn, model_path: str, dtype: str, device: str, timeout_s: floa
                     background.cancel()
                     loop.run_until_complete(asyncio.gather(background, return_exceptions=True))
                     background = None
-                conn.send(("ok", run(engine.receive_update(handoff))))
+                conn.send(("ok", run(engine.receive_weights(handoff))))
             elif cmd == "checksum":
                 conn.send(("ok", run(engine.weights_checksum())))
             else:

@@ -6,7 +6,7 @@ each policy kind (full weights; LoRA rank `--rank` on the attention and MLP proj
 targets) the job's own actors are used: a `LearnerWorker` (a real `Learner`, with `lora=` for LoRA)
 as learner rank 0 and an `InferenceReplica`, joined over `--transport` (default `object_store`, the
 job's default on CPU) with the registry's `make_spec`, as `cluster.form_sync_group` does. A sync is
-what `Cluster.sync_weights` does: learner rank 0's `sync_weights(v)` and the replica's
+what `Cluster.sync_weights` does: learner rank 0's `send_weights(v)` and the replica's
 `receive_weights` of its result reference; after each one the replica's checksum must equal the
 learner's. One untimed warm-up sync, then `--syncs` timed ones, the kinds interleaved round by round.
 
@@ -72,11 +72,11 @@ def one_sync(learner, replica, version: int, pulls: bool, timeout_s: float) -> d
     import ray
 
     t0 = time.perf_counter()
-    sent = learner.sync_weights.remote(version)
+    sent = learner.send_weights.remote(version)
     got = replica.receive_weights.remote(sent if pulls else None)
     rec, _ = ray.get([got, sent], timeout=timeout_s)
     end_to_end = time.perf_counter() - t0
-    stats = ray.get(learner.last_sync_stats.remote(), timeout=timeout_s)
+    stats = ray.get(learner.last_send_stats.remote(), timeout=timeout_s)
     mine, theirs = ray.get([learner.checksum.remote(), replica.checksum.remote()], timeout=timeout_s)
     if abs(mine - theirs) > 1e-6 * max(1.0, abs(mine)):
         raise AssertionError(f"after sync {version} the replica's checksum {theirs} != the learner's {mine}")

@@ -13,7 +13,7 @@ Parts (`--parts`, all by default):
   mismatch  per engine, on its recipe batch: |engine lp - learner lp| (mean, max) and k3 KL(engine||learner)
             = mean(exp(r) - 1 - r), r = lp_learner - lp_engine; learner lps: `Learner.compute_logprobs`.
   sync      a `Learner` here is learner rank 0 and sends the whole model to each engine over `--transports`
-            (registry `make_spec` / `build_sender`): wall time of send + `receive_update()`, bytes, GB/s.
+            (registry `make_spec` / `build_sender`): wall time of send + `receive_weights()`, bytes, GB/s.
   jobs      `jobs/grpo.py config=<recipe>` per `--job-backends`, `--job-steps` steps, data.eval_size=8, no
             time budget: sequences/s = steps x prompts x group / rl_seconds (incl. final checkpoint + eval).
 
@@ -242,7 +242,7 @@ def part_sync(lt, engines: dict, learner, args) -> dict:
             try:
                 for rep in range(args.sync_repeats):
                     version, t0 = engine.version + 1, time.perf_counter()
-                    got = asyncio.run_coroutine_threadsafe(engine.receive_update(), lt.loop)
+                    got = asyncio.run_coroutine_threadsafe(engine.receive_weights(), lt.loop)
                     stats, _ = sender.send(learner.iter_named_tensors(), version)  # every phase bounded by timeout_s
                     got = got.result(600)
                     wall = time.perf_counter() - t0

@@ -85,15 +85,15 @@ class Sender:
         ip = ray.util.get_node_ip_address()
         return ip, find_free_port(ip)
 
-    def open(self, key: str, spec) -> dict:
+    def open(self, key: str, spec):
         """Build the sending end of group `key` (a group transport waits here for every receiver);
-        returns what it made for the receivers (Ray channels), as `LearnerWorker.init_weight_sender`."""
+        returns the receivers' init info (Ray channels: what it made), as `LearnerWorker.init_weight_sender`."""
         from rayllm_rl.weight_sync import metadata_of
-        from rayllm_rl.weight_sync.registry import build_sender, receiver_payload
+        from rayllm_rl.weight_sync.registry import build_sender, receivers_init
 
         self.close(key)
         self.ends[key] = build_sender(spec, metadata_of(self.named))
-        return receiver_payload(spec, self.ends[key])
+        return receivers_init(spec, self.ends[key])
 
     def size(self) -> tuple[int, int]:
         """(parameters, bytes) of what a sync carries."""
@@ -119,7 +119,7 @@ class Sender:
         return weights_checksum(self.named)
 
     def send(self, key: str, version: int) -> dict:
-        """What `LearnerWorker.sync_weights` returns: the handoff (references, tensors Ray moves, or None)."""
+        """What `LearnerWorker.send_weights` returns: the handoff (references, tensors Ray moves, or None)."""
         stats, handoff = self.ends[key].send(self.named, version)
         self.stats[key] = {"send_s": stats.seconds, "bytes": stats.bytes}
         return {"handoff": handoff}
@@ -260,7 +260,7 @@ class Bench:
         first = [1 + sum(ranks[:i]) for i in range(len(replicas))]
         opened = sender.open.remote(key, spec)
         if info.sender_first:  # as cluster.form_sync_group: the sender's end first, then the replicas'
-            spec = spec.with_payload(**self.get(opened))
+            spec = spec.with_init(self.get(opened))
         self.get([opened] + [r.init_update_group.remote(spec.for_rank(k)) for r, k in zip(replicas, first)])
         backend = getattr(spec.info, "tensor_transport", None)
         if backend and key not in self.collective:  # Ray Direct Transport: a Ray collective group of sender + replicas

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without install
 
-from rayllm_rl.weight_sync.gloo_group import find_free_port  # noqa: E402
+from rayllm_rl.weight_sync.common import find_free_port  # noqa: E402
 
 RAY_BIN = str(Path(sys.executable).parent / "ray")
 AGENT_NOT_READY = "No available agent to submit job"

@@ -32,7 +32,7 @@ def forward_logprobs(model, prompt, output, temperature=1.0):
     SamplingParams(max_new_tokens=24, temperature=1.3, top_p=0.9),
 ])
 def test_logprobs_equal_full_forward_and_versions_stamped(engine, tokenizer, sampling):
-    engine.update_weights(engine.named_parameters(), version=3)  # same weights, version 3
+    engine.load_weights_sync(engine.named_parameters(), version=3)  # same weights, version 3
     prompts = [chat_ids(tokenizer, "What is %d+%d?" % (i, 7 * i) + " please" * (i % 4)) for i in range(12)]
 
     async def run():
@@ -80,7 +80,7 @@ def test_bad_requests_fail_clearly(engine, tokenizer):
     with pytest.raises(ValueError, match="empty input_ids"):
         engine.generate([LLMRequest(input_ids=[])])
     with pytest.raises(KeyError, match="unknown parameter names"):
-        engine.update_weights({"not.a.param": torch.zeros(1)})
+        engine.load_weights_sync({"not.a.param": torch.zeros(1)})
 
 
 def test_bad_request_fails_only_its_caller(engine, tokenizer):
@@ -135,7 +135,7 @@ def test_weight_swap_lands_between_decode_steps(engine, tokenizer):
     deadline = time.time() + 60
     while engine.stats.decode_steps < 20 and time.time() < deadline:
         time.sleep(0.001)
-    engine.update_weights(new_weights, version=1)
+    engine.load_weights_sync(new_weights, version=1)
     worker.join(timeout=120)
     assert not worker.is_alive()
     for p, r in zip(prompts, result["r"]):

@@ -14,7 +14,7 @@ import torch
 
 from rayllm_rl.inference.protocol import LLMRequest, PromptTooLongError, SamplingParams
 from rayllm_rl.weight_sync import find_free_port, metadata_of
-from rayllm_rl.weight_sync.registry import TRANSPORTS, build_sender, make_spec, receiver_payload
+from rayllm_rl.weight_sync.registry import TRANSPORTS, build_sender, make_spec, receivers_init
 
 ENGINES = ["transformers", pytest.param("vllm", marks=pytest.mark.vllm)]
 TIMEOUT_S = 300
@@ -161,7 +161,7 @@ def update_over_group(loop, engine, named, version, transport):
     box: dict = {}
     if info.sender_first:  # learner rank 0's end makes what the receiver reads (Ray channels): built first
         sender = build_sender(spec, metas)
-        loop.run(engine.init_update_group(spec.with_payload(**receiver_payload(spec, sender)).for_rank(1)))
+        loop.run(engine.init_update_group(spec.with_init(receivers_init(spec, sender)).for_rank(1)))
     else:
         t = threading.Thread(target=lambda: box.setdefault("sender", build_sender(spec, metas)))  # groups wait for peers
         t.start()
@@ -170,11 +170,11 @@ def update_over_group(loop, engine, named, version, transport):
         sender = box["sender"]
     if spec.info.pulls:  # publish first, then the receiver fetches what the handoff names
         stats, handoff = sender.send(named, version)
-        result = loop.run(engine.receive_update(handoff))
+        result = loop.run(engine.receive_weights(handoff))
     else:  # the bytes move in a collective both ends join
         send = threading.Thread(target=lambda: box.setdefault("sent", sender.send(named, version)))
         send.start()
-        result = loop.run(engine.receive_update())
+        result = loop.run(engine.receive_weights())
         send.join(60)
         stats = box["sent"][0]
     assert stats.version == version and stats.bytes == sum(m.nbytes for m in metas)

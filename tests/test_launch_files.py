@@ -206,7 +206,7 @@ def marked_processes(mark: str) -> list[int]:
 
 
 def free_ports(n: int) -> list[int]:
-    from rayllm_rl.weight_sync.gloo_group import find_free_port
+    from rayllm_rl.weight_sync.common import find_free_port
 
     ports: set[int] = set()
     while len(ports) < n:

@@ -36,7 +36,7 @@ def test_learner_logprobs_equal_engine_and_sync_makes_weights_equal(engine, toke
     assert diff <= 1e-4
     learner.train_step(batch, GRPOLoss())
     assert any(not torch.equal(v, engine.named_parameters()[k]) for k, v in learner.named_tensors().items())
-    engine.update_weights(learner.named_tensors(), version=1)
+    engine.load_weights_sync(learner.named_tensors(), version=1)
     for k, v in learner.named_tensors().items():
         assert torch.equal(engine.named_parameters()[k], v), k
     assert engine.version == 1

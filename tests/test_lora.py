@@ -227,7 +227,7 @@ def sync_adapter(loop, engine, learner: Learner, version: int, transport: str = 
     send = threading.Thread(target=lambda: box.setdefault("sent", box["sender"].send(learner.iter_named_tensors(),
                                                                                       version)))
     send.start()
-    result = loop.run(engine.receive_update())
+    result = loop.run(engine.receive_weights())
     send.join(60)
     loop.run(engine.close_update_group())
     box["sender"].close()
@@ -313,7 +313,7 @@ def test_transformers_engine_reprefills_a_request_in_flight(tiny_model_path, bat
 
     learner = trained_learner(tiny_model_path, batch, steps=1)
     engine = TransformersEngine(tiny_model_path, seed=0, device="cpu", lora=LORA)
-    engine.update_weights(learner.named_tensors(), version=1)
+    engine.load_weights_sync(learner.named_tensors(), version=1)
     learner.train_step(batch, GRPOLoss())
     new = {k: v.clone() for k, v in learner.named_tensors().items()}
     p = list(tokenizer.apply_chat_template([{"role": "user", "content": "What is 3+4?"}], add_generation_prompt=True,

@@ -28,7 +28,7 @@ from rayllm_rl.tools.mcp_tools import (  # noqa: E402
     parse_tool_calls,
     system_prompt_for_tools,
 )
-from rayllm_rl.weight_sync.gloo_group import find_free_port  # noqa: E402
+from rayllm_rl.weight_sync.common import find_free_port  # noqa: E402
 
 SERVER = str(Path(__file__).with_name("mcp_test_server.py"))
 TOOLS = {"add", "echo", "sleep", "fail"}

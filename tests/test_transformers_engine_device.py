@@ -232,7 +232,7 @@ def test_swap_in_host_views_then_update_and_checksum(engine, tokenizer):
     assert engine.swap_weights(views, version=7) >= 0 and engine.version == 7
     assert all(torch.equal(v, first[k]) for k, v in engine.named_parameters().items())
     assert asyncio.run(engine.weights_checksum()) == weights_checksum(first)
-    engine.update_weights(second, version=8)  # the views are read-only: fresh storage, never written
+    engine.load_weights_sync(second, version=8)  # the views are read-only: fresh storage, never written
     assert all(torch.equal(v, second[k]) for k, v in engine.named_parameters().items())
     assert all(not np.shares_memory(v.numpy(), engine.named_parameters()[k].detach().numpy())
                for k, v in views.items())

@@ -84,7 +84,7 @@ def test_update_loads_behind_generation_and_swaps_between_steps(tiny_model_path,
                 assert before.output_versions == [version - 1] * 8
                 assert before.output_tokens == old_tokens  # the live model still holds version - 1
 
-                if double_buffer:  # as receive_update applies it: one swap inside the pause
+                if double_buffer:  # as receive_weights applies it: one swap inside the pause
                     apply = engine._apply(version, lambda: engine._rpc("rayllm_swap_shadow", version), reload=False)
                 else:  # vLLM's update lifecycle: layerwise reload around load_weights
                     apply = engine._apply(version, lambda: engine._update_request(version))

@@ -60,11 +60,11 @@ def test_a_tensor_parallel_replica_receives_weights_on_every_worker(tiny_model_p
         sender = box["sender"]
         if spec.info.pulls:
             _, handoff = sender.send(new, 1)
-            out = loop.run(engine.receive_update(handoff))
+            out = loop.run(engine.receive_weights(handoff))
         else:
             send = threading.Thread(target=lambda: box.setdefault("sent", sender.send(new, 1)))
             send.start()
-            out = loop.run(engine.receive_update())
+            out = loop.run(engine.receive_weights())
             send.join(120)
             assert box["sent"][0].bytes == sum(m.nbytes for m in metas)
         assert out["version"] == 1 and engine.version == 1

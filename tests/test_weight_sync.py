@@ -195,7 +195,7 @@ def _replica_main(port, rank, world, model_path, generate, q, cmd_q):
         q.put(("ready", rank))
         t_call = time.perf_counter()
         info = dbr.receive_and_swap()
-        stats = dbr.receiver.last_stats
+        stats = dbr.last_stats
         report.update(info=info, version=engine.version, stats=stats)
         if generate:
             start = t_call + stats.wait_seconds

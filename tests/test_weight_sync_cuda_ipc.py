@@ -19,8 +19,9 @@ from rayllm_rl.weight_sync.buckets import TensorMeta, metas_to_spec, plan_bucket
 from rayllm_rl.weight_sync.cuda_ipc import (
     EXPORT_KEYS, HANDOFF_KEYS, CudaIpcReceiver, CudaIpcSender, decode_export, encode_export,
 )
-from rayllm_rl.weight_sync.gloo_group import WeightSyncError
+from rayllm_rl.weight_sync.common import WeightSyncError
 from rayllm_rl.weight_sync.registry import build_receiver, build_sender, make_spec, plan_transport, transport_info
+from rayllm_rl.weight_sync.scheme import NoInit
 
 METAS = [TensorMeta("embed.weight", (10, 4), torch.bfloat16), TensorMeta("norm.weight", (4,), torch.float32)]
 PLACES = dict(learner_node="a", replica_nodes={"a"})
@@ -75,7 +76,7 @@ def test_the_registry_describes_cuda_ipc_and_builds_its_sender():
     assert (info.pulls, info.receiver_needs_ray, info.cross_node, info.gpu_only, info.group, info.shared_device,
             info.device_local) == (True, False, False, True, False, True, True)
     spec = make_spec("cuda_ipc", metas_to_spec(METAS), receivers=2, timeout_s=5, bucket_bytes=1 << 20)
-    assert dict(spec.payload) == {} and spec.world_size == 3  # no rendezvous: nothing but the handoff travels
+    assert spec.init == NoInit() and spec.world_size == 3  # no rendezvous: nothing but the handoff travels
     sender = build_sender(spec, METAS)
     assert isinstance(sender, CudaIpcSender) and sender.receivers == 2  # an export of each tensor per receiving rank
     assert sender.metas == METAS

@@ -76,13 +76,13 @@ class Replica:
 
     def receive(self, published, tensors=False):
         out = self.receiver.receive_and_swap(published["handoff"])
-        t = self.receiver.inner.target
+        t = self.receiver.target
         return {"version": out["version"], "checksum": {k: float(v.double().sum()) for k, v in t.params.items()},
-                "dtypes": {k: str(v.dtype) for k, v in t.params.items()}, "copied": self.receiver.inner.copied_bytes,
+                "dtypes": {k: str(v.dtype) for k, v in t.params.items()}, "copied": self.receiver.copied_bytes,
                 **({"tensors": {k: v.clone() for k, v in t.params.items()}} if tensors else {})}
 
     def held(self):
-        return {k: v.clone() for k, v in self.receiver.inner.target.params.items()}
+        return {k: v.clone() for k, v in self.receiver.target.params.items()}
 
 
 def test_two_replicas_fetch_what_the_learner_published_zero_copy():
@@ -158,7 +158,7 @@ def test_a_fetch_that_never_completes_times_out_naming_its_phase():
         time.sleep(60)
 
     ref = never.remote()
-    plan = receiver.inner._ep
+    plan = receiver._ep
     handoff = Handoff(3, plan.fingerprint, (ref,) * len(plan.buckets), 0)
     t0 = time.monotonic()
     with pytest.raises(WeightSyncTimeout, match=rf"phase 'fetch bucket 1/{len(plan.buckets)}' timed out on rank 1 .*timeout 1s"):
@@ -193,7 +193,7 @@ def test_a_sender_given_a_wrong_tensor_names_it_and_publishes_nothing():
 
 @ray.remote(num_cpus=0)
 class NeverPublishes:
-    def sync_weights(self, version):
+    def send_weights(self, version):
         time.sleep(60)
 
 
@@ -211,7 +211,7 @@ def test_a_replica_awaits_the_handoff_reference_and_times_out_naming_the_phase(t
     spec, _ = spec_of(dict(model.named_parameters()), timeout_s=1.0)
     replica = InferenceReplica.remote("transformers", tiny_model_path)
     assert ray.get(replica.init_update_group.remote(spec.for_rank(1)), timeout=120)
-    stuck = NeverPublishes.remote().sync_weights.remote(1)
+    stuck = NeverPublishes.remote().send_weights.remote(1)
     arg = handoff_arg(transport_info("object_store"), stuck)
     assert isinstance(arg, list) and arg[0] is stuck
     t0 = time.monotonic()

@@ -11,7 +11,7 @@ import ray
 import torch
 
 from rayllm_rl.weight_sync import WeightSyncError, WeightSyncTimeout, metadata_of
-from rayllm_rl.weight_sync.registry import build_receiver, build_sender, make_spec, plan_transport, receiver_payload
+from rayllm_rl.weight_sync.registry import build_receiver, build_sender, make_spec, plan_transport, receivers_init
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_importing_tests")]  # its actors run this module's classes
 
@@ -57,7 +57,7 @@ class Learner:
         spec = make_spec("ray_channel", metas_spec(self.named), receivers=len(readers), timeout_s=self.timeout_s,
                          readers=readers)
         self.sender = build_sender(spec, metadata_of(self.named))
-        return spec.with_payload(**receiver_payload(spec, self.sender))
+        return spec.with_init(receivers_init(spec, self.sender))
 
     def send(self, version, seed):
         self.named = weights(seed)
@@ -80,8 +80,8 @@ class Replica:
 
     def receive(self, timeout_s=None):
         out = self.receiver.receive_and_swap(header_timeout_s=timeout_s)
-        params = self.receiver.inner.target.params
-        return {"version": out["version"], "copied": self.receiver.inner.copied_bytes,
+        params = self.receiver.target.params
+        return {"version": out["version"], "copied": self.receiver.copied_bytes,
                 # memory torch did not allocate (a numpy view of the store's), not a copy
                 "borrowed": all(not t.untyped_storage().resizable() for t in params.values() if t.numel()),
                 "tensors": {k: v.clone() for k, v in params.items()}}
@@ -95,7 +95,7 @@ class Replica:
         return None
 
     def held(self):
-        return {k: v.clone() for k, v in self.receiver.inner.target.params.items()}
+        return {k: v.clone() for k, v in self.receiver.target.params.items()}
 
 
 def setup(n=2, timeout_s=10.0, keep_old=False):
@@ -190,7 +190,7 @@ def test_setups_that_cannot_work_are_refused_naming_the_problem():
         plan_transport("ray_channel", learner_gpus=False, replica_gpus=False, learner_node="a", replica_nodes=["b"])
     sender = build_sender(spec, metadata_of(named))
     try:
-        receiver = build_receiver(spec.with_payload(**receiver_payload(spec, sender)).for_rank(1), Target(named))
+        receiver = build_receiver(spec.with_init(receivers_init(spec, sender)).for_rank(1), Target(named))
         with pytest.raises(WeightSyncError, match=r"phase 'read channel 0'.*got a handoff"):
             receiver.receive(object())
     finally:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from rayllm_rl.weight_sync.registry import TRANSPORTS, SyncSpec, make_spec, plan_transport, transport_info
+from rayllm_rl.weight_sync.registry import SCHEMES, TRANSPORTS, SyncSpec, make_spec, plan_transport, transport_info
+from rayllm_rl.weight_sync.scheme import GroupInit, NoInit, ShmInit
 
 METAS = (("embed.weight", (10, 4), "float32"), ("norm.weight", (4,), "bfloat16"))
 
@@ -37,22 +38,23 @@ def test_a_transport_that_cannot_serve_the_placement_is_refused_naming_the_key()
         plan_transport("rdt_nccl", learner_gpus=False, replica_gpus=False, learner_node="a", replica_nodes={"a"})
 
 
-def test_spec_payload_per_transport_and_rank_offsets():
+def test_spec_init_per_transport_and_rank_offsets():
     """Each receiving process has a rank of its own: a replica with 2 tensor-parallel workers
     (both receiving) takes ranks k and k+1, the next replica starts after them."""
     ranks = [2, 2, 1]  # receiving processes per replica
     spec = make_spec("gloo", METAS, receivers=sum(ranks), timeout_s=7, bucket_bytes=1 << 20, host="10.0.0.1", port=1234)
-    assert spec.world_size == 6 and dict(spec.payload) == {"host": "10.0.0.1", "port": 1234}
+    assert spec.world_size == 6 and spec.init == GroupInit("10.0.0.1", 1234)
     first = [1 + sum(ranks[:i]) for i in range(len(ranks))]
     worker_ranks = [spec.for_rank(f).rank + tp for f, n in zip(first, ranks) for tp in range(n)]
     assert worker_ranks == [1, 2, 3, 4, 5]
     with pytest.raises(ValueError, match=r"receiver rank 6 is outside \[1, 6\)"):
         spec.for_rank(6)
     shm = make_spec("shm", METAS, receivers=1, timeout_s=7, bucket_bytes=1, host="h", port=1)
-    seg0, seg1 = shm.payload["segments"]
+    assert isinstance(shm.init, ShmInit) and (shm.init.host, shm.init.port) == ("h", 1)
+    seg0, seg1 = shm.init.segments
     assert seg0.endswith("_0") and seg1.endswith("_1") and seg0[:-2] == seg1[:-2]
     store = make_spec("object_store", METAS, receivers=3, timeout_s=7, bucket_bytes=1)
-    assert dict(store.payload) == {} and store.info.pulls and store.info.receiver_needs_ray
+    assert store.init == NoInit() and store.info.pulls and store.info.receiver_needs_ray
     with pytest.raises(ValueError, match="learner rank 0's host and port"):
         make_spec("gloo", METAS, receivers=1, timeout_s=7, bucket_bytes=1)
 
@@ -73,9 +75,15 @@ def test_spec_crosses_into_vllms_worker_as_plain_fields():
     assert all(isinstance(v, (str, int, float, tuple, list, dict)) for v in d.values())
     d["metas"] = [[n, list(s), dt] for n, s, dt in d["metas"]]  # what a msgpack round trip gives back
     assert SyncSpec.from_dict(d) == spec
+    shm = make_spec("shm", METAS, receivers=1, timeout_s=7, host="h", port=5)
+    d = shm.as_dict()
+    assert d["init"]["kind"] == "ShmInit"
+    d["init"]["segments"] = list(d["init"]["segments"])  # msgpack gives lists back
+    assert SyncSpec.from_dict(d) == shm
 
 
 def test_every_transport_is_described_by_properties_engines_may_ask():
+    assert list(SCHEMES) == list(TRANSPORTS)  # one scheme per transport, one line each
     assert set(TRANSPORTS) == {"object_store", "ray_channel", "rdt_gloo", "rdt_nccl", "shm", "gloo", "nccl", "cuda_ipc"}
     assert [n for n, t in TRANSPORTS.items() if t.pulls] == ["object_store", "rdt_gloo", "rdt_nccl", "cuda_ipc"]
     assert {n: t.tensor_transport for n, t in TRANSPORTS.items() if t.tensor_transport} == {"rdt_gloo": "gloo",

@@ -30,8 +30,8 @@ class RecordingEngine:
         self.calls.append((list(req.input_ids), resp))
         return resp
 
-    def update_weights(self, named, version=None):
-        return self.engine.update_weights(named, version)
+    def load_weights_sync(self, named, version=None):
+        return self.engine.load_weights_sync(named, version)
 
 
 ROW = {"messages": [{"role": "user", "content": "What is 2+3?"}], "answer": "5"}

@@ -137,14 +137,15 @@ class WeightSink(Protocol):
         (`weight_sync.registry.build_receiver`); checks `spec.metas` against `weight_metadata`."""
         ...
 
-    async def receive_update(self, handoff: Any = None) -> dict[str, float]:
-        """Receive the next update while generating (`handoff`: what the sender published, for a
-        transport that pulls), then apply it between decode steps; returns `{"version", "receive_s",
-        "stall_s"}` (stall: time generation was held)."""
+    async def receive_weights(self, handoff: Any = None) -> dict[str, float]:
+        """Receive the next version while generating (`handoff`: what the sender published, for a
+        transport that pulls), then swap it in between decode steps; returns `{"version", "receive_s",
+        "stall_s"}` (stall: time generation was held). The verbs of a hand-over: docs/weight-sync.md."""
         ...
 
     async def load_weights(self, named_tensors: Mapping[str, Any], version: int) -> int:
-        """Apply weights handed over directly (initial load, fallback); returns the new version."""
+        """Load weights handed over directly, outside the double-buffered path (initial load, fallback);
+        returns the new version."""
         ...
 
     async def weights_checksum(self) -> float:

@@ -8,7 +8,7 @@ worker maps it read-only and copies from it with `model.load_weights` during the
 
 One segment is enough: vLLM copies the weights in, so once an update is applied the segment is
 free again, and the next write starts only after that (one update at a time per replica).
-Layout: `weight_sync.shm.plan_layout` (every tensor at a 64-byte aligned offset).
+Layout: `weight_sync.shm_segments.plan_layout` (every tensor at a 64-byte aligned offset).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import Mapping, Sequence
 import torch
 
 from rayllm_rl.weight_sync.buckets import TensorMeta
-from rayllm_rl.weight_sync.shm import attach_readonly, plan_layout, tensor_at
+from rayllm_rl.weight_sync.shm_segments import attach_readonly, plan_layout, tensor_at
 
 __all__ = ["StagingWriter", "StagingReader"]
 

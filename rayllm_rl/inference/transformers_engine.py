@@ -190,22 +190,22 @@ class TransformersEngine(TransformersJobSide, HostOffload):
                                "wake_up(['weights']) before a weight sync (colocated order: sleep -> train -> "
                                "wake_up(['weights']) -> hand-over -> wake_up(['kv_cache']))")
 
-    def update_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int | None = None) -> int:
-        """Copy new weights in between two decode steps (host tensors: one copy each, to the device and
-        dtype); returns the new version.
+    def load_weights_sync(self, named_tensors: Mapping[str, torch.Tensor], version: int | None = None) -> int:
+        """`load_weights`, blocking (the local backend calls it from its own thread): copy new weights in
+        between two decode steps (host tensors: one copy each, to the device and dtype); returns the version.
 
         A parameter whose storage a transport handed over (`swap_weights`, e.g. a read-only view
         of a shared-memory segment) is given fresh storage instead of being written in place."""
         targets = {**self._params, **self._buffers}
         unknown = [k for k in named_tensors if k not in targets]
         if unknown:
-            raise KeyError(f"update_weights: unknown parameter names {unknown[:5]} (model has e.g. {list(self._params)[:3]})")
+            raise KeyError(f"load_weights: unknown parameter names {unknown[:5]} (model has e.g. {list(self._params)[:3]})")
         with self._weights_lock.writer(), torch.no_grad():
-            self._check_writable("update_weights")
+            self._check_writable("load_weights")
             for name, tensor in named_tensors.items():
                 dst = targets[name]
                 if dst.shape != tensor.shape:
-                    raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+                    raise ValueError(f"load_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
                 if name in self._borrowed:
                     dst.data = tensor.detach().to(device=dst.device, dtype=dst.dtype, copy=True)
                     self._borrowed.discard(name)
@@ -279,16 +279,16 @@ class TransformersEngine(TransformersJobSide, HostOffload):
         await self.close_update_group()
         self._receiver = await asyncio.to_thread(build_receiver, spec, self)
 
-    async def receive_update(self, handoff: Any = None) -> dict[str, float]:
+    async def receive_weights(self, handoff: Any = None) -> dict[str, float]:
         """Receive into the back buffer in a thread while decoding goes on, then swap in O(1).
         `handoff`: what the sender published (the object store's references), if the transport pulls."""
         if self._receiver is None:
-            raise RuntimeError("receive_update: init_update_group was not called on this engine")
+            raise RuntimeError("receive_weights: init_update_group was not called on this engine")
         out = await asyncio.to_thread(self._receiver.receive_and_swap, handoff)
         return {"version": out["version"], "receive_s": out["receive_s"], "stall_s": out["stall_s"]}
 
     async def load_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> int:
-        return await asyncio.to_thread(self.update_weights, named_tensors, version)
+        return await asyncio.to_thread(self.load_weights_sync, named_tensors, version)
 
     async def weights_checksum(self) -> float:
         """`protocol.weights_checksum` of the weights, in float64 on the CPU one tensor at a time (the

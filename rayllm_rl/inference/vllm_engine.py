@@ -389,14 +389,14 @@ class VLLMEngine:
         await asyncio.wait_for(self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info)),
                                spec.timeout_s + 30)
 
-    async def receive_update(self, handoff: Any = None, header_timeout_s: float | None = None) -> dict[str, float]:
+    async def receive_weights(self, handoff: Any = None, header_timeout_s: float | None = None) -> dict[str, float]:
         """Bytes arrive while decoding goes on (on vLLM's worker thread, or fetched and staged by
         this actor); then a short paused load. What the workers' ends get: the staged version where
         this actor received, else the sender's `handoff` itself (plain data for a pull transport whose
         receiver runs in the worker, e.g. CUDA IPC handles; None where the bytes travel in a group)."""
         timeout = self._sync_timeout_s
         if timeout is None:
-            raise RuntimeError("receive_update: init_update_group was not called on this engine")
+            raise RuntimeError("receive_weights: init_update_group was not called on this engine")
         t0 = time.perf_counter()
         if self.lora is not None:
             return await self._receive_adapter(handoff, t0)

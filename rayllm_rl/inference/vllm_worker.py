@@ -41,6 +41,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from rayllm_rl.inference.protocol import weights_checksum
 from rayllm_rl.inference.vllm_shadow import ShadowModel, retie_lm_head
 from rayllm_rl.weight_sync import metas_from_spec
+from rayllm_rl.weight_sync.ends import ReceiverEnd
 from rayllm_rl.weight_sync.registry import SyncSpec, build_receiver
 
 BACKEND = "rayllm"
@@ -266,8 +267,10 @@ def _tensor_parallel_rank() -> int:
     return int(get_tensor_model_parallel_rank())
 
 
-class _StagedReceiver:
+class _StagedReceiver(ReceiverEnd):
     """The receiving end over the replica's staging segment: the handoff is the staged version."""
+
+    last_stats = None
 
     def __init__(self, target: _LoadTarget, reader):
         self.target, self.reader = target, reader

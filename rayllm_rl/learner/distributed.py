@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from rayllm_rl.weight_sync.gloo_group import find_free_port as free_port
+from rayllm_rl.weight_sync.common import find_free_port as free_port
 
 
 @dataclasses.dataclass

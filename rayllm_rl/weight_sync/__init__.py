@@ -1,18 +1,21 @@
 """Weight synchronisation from the learner to the inference replicas.
 
-* :mod:`~rayllm_rl.weight_sync.registry`: the one place that plans a transport from the
-  placement and builds its sending and receiving ends (:class:`SyncSpec`); engines receive
-  through it and never branch on a transport's name.
-* :mod:`~rayllm_rl.weight_sync.object_store`: Ray's object store (the default on CPU and across
-  nodes): learner rank 0 puts buckets, the driver passes the references, replicas fetch them.
-  Imported only when built (it imports ray).
-* :mod:`~rayllm_rl.weight_sync.shm`: a shared-memory double buffer on the learner's node.
-* :mod:`~rayllm_rl.weight_sync.transport`: :class:`WeightSender` / :class:`WeightReceiver`
-  (header + vote + buckets + ack over a group, every phase bounded) and
-  :class:`DoubleBufferReceiver` (receive while generating, then an O(1) swap between decode steps).
+* :mod:`~rayllm_rl.weight_sync.registry`: the one place that knows transports by name: their
+  properties, the plan from the placement, and a name -> scheme table; builds a setup's sending and
+  receiving ends (:class:`SyncSpec`). Engines receive through the ends and never branch on a name.
+* :mod:`~rayllm_rl.weight_sync.scheme`: a transport as a scheme, and the typed init infos of a setup.
+* :mod:`~rayllm_rl.weight_sync.ends`: the public shape of both ends (:class:`SenderEnd`,
+  :class:`ReceiverEnd`) and the pieces transports build them from.
+* One module per transport, each with its scheme: :mod:`~rayllm_rl.weight_sync.broadcast` (gloo, nccl:
+  header + vote + buckets + ack over a group, every phase bounded; a double-buffered receiver),
+  :mod:`~rayllm_rl.weight_sync.shm`, :mod:`~rayllm_rl.weight_sync.object_store`,
+  :mod:`~rayllm_rl.weight_sync.ray_channel`, :mod:`~rayllm_rl.weight_sync.ray_direct`,
+  :mod:`~rayllm_rl.weight_sync.cuda_ipc` (the Ray ones import Ray, and only when built).
+* :mod:`~rayllm_rl.weight_sync.common`: the errors every transport raises, `find_free_port`, `Closing`.
 * :mod:`~rayllm_rl.weight_sync.gloo_group`: :class:`StatelessGlooGroup` / :class:`StatelessNcclGroup`,
   private groups that leave the global ``torch.distributed`` state alone (so they live beside FSDP).
-* :mod:`~rayllm_rl.weight_sync.buckets`: metadata, deterministic bucket plans, pack / unpack.
+* :mod:`~rayllm_rl.weight_sync.buckets`: metadata, deterministic bucket plans, pack / unpack;
+  :mod:`~rayllm_rl.weight_sync.shm_segments`: the flat layout of a shared-memory segment.
 """
 from __future__ import annotations
 
@@ -20,17 +23,16 @@ from rayllm_rl.weight_sync.buckets import (
     TensorMeta, bucket_numel, metadata_of, metas_from_spec, metas_to_spec, pack, plan_buckets, plan_fingerprint,
     unpack_into,
 )
-from rayllm_rl.weight_sync.gloo_group import (
-    StatelessGlooGroup, StatelessNcclGroup, WeightSyncError, WeightSyncTimeout, find_free_port,
-)
-from rayllm_rl.weight_sync.transport import (
-    DEFAULT_BUCKET_BYTES, DoubleBufferReceiver, SyncStats, WeightReceiver, WeightSender,
-)
-from rayllm_rl.weight_sync.shm import ShmLayout, ShmWeightReceiver, ShmWeightSender, plan_layout  # noqa: E402
+from rayllm_rl.weight_sync.common import WeightSyncError, WeightSyncTimeout, find_free_port
+from rayllm_rl.weight_sync.gloo_group import StatelessGlooGroup, StatelessNcclGroup
+from rayllm_rl.weight_sync.ends import ReceiverEnd, SenderEnd, SyncStats
+from rayllm_rl.weight_sync.broadcast import DEFAULT_BUCKET_BYTES, DoubleBufferReceiver, WeightReceiver, WeightSender
+from rayllm_rl.weight_sync.shm import ShmWeightReceiver, ShmWeightSender
+from rayllm_rl.weight_sync.shm_segments import ShmLayout, plan_layout
 
 __all__ = [
     "TensorMeta", "metadata_of", "plan_buckets", "plan_fingerprint", "bucket_numel", "pack", "unpack_into",
     "metas_to_spec", "metas_from_spec", "StatelessNcclGroup", "StatelessGlooGroup", "WeightSyncError",
-    "WeightSyncTimeout", "find_free_port", "SyncStats", "WeightSender", "WeightReceiver", "DoubleBufferReceiver",
-    "DEFAULT_BUCKET_BYTES", "ShmWeightSender", "ShmWeightReceiver", "ShmLayout", "plan_layout",
+    "WeightSyncTimeout", "find_free_port", "SyncStats", "SenderEnd", "ReceiverEnd", "WeightSender", "WeightReceiver",
+    "DoubleBufferReceiver", "DEFAULT_BUCKET_BYTES", "ShmWeightSender", "ShmWeightReceiver", "ShmLayout", "plan_layout",
 ]

@@ -56,23 +56,38 @@ import math
 import os
 import time
 import uuid
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence, TypedDict
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from rayllm_rl.weight_sync.buckets import TensorMeta
-from rayllm_rl.weight_sync.gloo_group import WeightSyncError
-from rayllm_rl.weight_sync.transport import (
-    SyncStats, _EndpointView, _HandoffPlan, _HeldReceiver, _Source, target_dtypes,
+from rayllm_rl.weight_sync.buckets import TensorMeta, metas_from_spec
+from rayllm_rl.weight_sync.common import WeightSyncError
+from rayllm_rl.weight_sync.ends import (
+    EndpointView, HandoffPlan, HeldReceiver, SenderEnd, SyncStats, TensorSource, target_dtypes,
 )
+from rayllm_rl.weight_sync.scheme import TransportScheme
 
-__all__ = ["CudaIpcSender", "CudaIpcReceiver", "encode_export", "decode_export", "export_tensor", "release_export",
-           "gpu_uuid", "HANDOFF_KEYS", "EXPORT_KEYS"]
+__all__ = ["CudaIpcSender", "CudaIpcReceiver", "CudaIpcScheme", "CudaIpcHandoff", "encode_export", "decode_export",
+           "export_tensor", "release_export", "gpu_uuid", "HANDOFF_KEYS", "EXPORT_KEYS"]
 
 _WHAT = "CUDA IPC"
 _ONE_BUCKET = 1 << 62  # the plan's buckets are unused here: one entry per tensor
 HANDOFF_KEYS = ("version", "fingerprint", "device_uuid", "process", "pid", "nbytes", "exports")
+
+
+class CudaIpcHandoff(TypedDict):
+    """One version's update info: plain data only, so it crosses Ray and vLLM's msgpack RPC as it is."""
+
+    version: int
+    fingerprint: int
+    device_uuid: str
+    process: str
+    pid: int
+    nbytes: int
+    exports: list[list[dict[str, Any] | None]]
+    """Per receiving rank 1..K, an export per tensor in plan order (None: a 0-element tensor)."""
+
 EXPORT_KEYS = ("size", "stride", "offset", "dtype", "handle", "storage_bytes", "storage_offset", "ref_counter",
                "ref_counter_offset", "event", "event_sync")
 _ARGS_LEN = 15  # rebuild_cuda_tensor's arguments, as reduce_tensor returns them (torch/multiprocessing/reductions.py)
@@ -165,7 +180,7 @@ def _hex(v: Any) -> str:
     return f"{v:#x}" if isinstance(v, int) else repr(v)
 
 
-def _wait(device: torch.device, plan: _HandoffPlan, phase: str) -> None:
+def _wait(device: torch.device, plan: HandoffPlan, phase: str) -> None:
     """Wait (≤ the plan's timeout) for the work queued so far on `device`'s current stream."""
     done = torch.cuda.Event()
     done.record(torch.cuda.current_stream(device))
@@ -177,24 +192,24 @@ def _wait(device: torch.device, plan: _HandoffPlan, phase: str) -> None:
 
 
 # ---------------------------------------------------------------------------- the two ends
-class CudaIpcSender(_EndpointView):
+class CudaIpcSender(EndpointView, SenderEnd):
     """Learner rank 0: exports a handle of each of its tensors per receiving rank; the handoff is plain data."""
 
     def __init__(self, metas: Sequence[TensorMeta], timeout_s: float, receivers: int = 1):
         if int(receivers) < 1:
             raise ValueError(f"CUDA IPC sender: receivers must be >= 1, got {receivers}")
-        self._ep = _HandoffPlan(metas, _ONE_BUCKET, timeout_s, 0, _WHAT)
+        self._ep = HandoffPlan(metas, _ONE_BUCKET, timeout_s, 0, _WHAT)
         self.receivers = int(receivers)
 
     def send(self, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-             version: int) -> tuple[SyncStats, dict[str, Any]]:
+             version: int) -> tuple[SyncStats, CudaIpcHandoff]:
         """Export every tensor of the plan (the learner's own memory: it must not change until the receivers
         have copied, i.e. no train step before the hand-over ends); returns (stats, plain handoff).
 
         `named` is a Mapping or (name, tensor) pairs in any order, consumed lazily (FSDP gathers in step)."""
         plan = self._ep
         t0 = time.perf_counter()
-        source = _Source(named, {m.name for m in plan.metas})
+        source = TensorSource(named, {m.name for m in plan.metas})
         exports: list[list[dict | None]] = [[] for _ in range(self.receivers)]
         device: torch.device | None = None
         n = len(plan.metas)
@@ -213,8 +228,9 @@ class CudaIpcSender(_EndpointView):
                     except Exception as exc:
                         raise plan.error(f"export {i + 1}/{n}", f"{m.name}: {type(exc).__name__}: {exc}") from exc
                 _wait(device, plan, "publish")  # the bytes are final before a receiver reads them
-                handoff = {"version": int(version), "fingerprint": plan.fingerprint, "device_uuid": gpu_uuid(device),
-                           "process": _process(), "pid": os.getpid(), "nbytes": plan.total_bytes, "exports": exports}
+                handoff = CudaIpcHandoff(version=int(version), fingerprint=plan.fingerprint,
+                                         device_uuid=gpu_uuid(device), process=_process(), pid=os.getpid(),
+                                         nbytes=plan.total_bytes, exports=exports)
         except BaseException:
             for entry in (e for per_rank in exports for e in per_rank):  # nobody will open these
                 release_export(entry, device.index if device is not None else 0)
@@ -243,7 +259,7 @@ def _receiving_device(target: Any) -> torch.device:
     return dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
-class CudaIpcReceiver(_HeldReceiver):
+class CudaIpcReceiver(HeldReceiver):
     """A receiving process on the learner's GPU: opens the handoff's handles and hands the tensors to `target`.
 
     `target` offers ``named_parameters()`` (names, shapes, dtypes it takes), ``swap_weights(dict, version)
@@ -253,7 +269,7 @@ class CudaIpcReceiver(_HeldReceiver):
 
     def __init__(self, target: Any, metas: Sequence[TensorMeta], timeout_s: float, rank: int = 1, *,
                  device: torch.device | str | None = None, device_uuid: str | None = None):
-        self._ep = _HandoffPlan(metas, _ONE_BUCKET, timeout_s, rank, _WHAT)
+        self._ep = HandoffPlan(metas, _ONE_BUCKET, timeout_s, rank, _WHAT)
         self._dtypes = target_dtypes(target, self._ep.metas, "CudaIpcReceiver")
         self.device = torch.device(device) if device is not None else _receiving_device(target)
         self.device_uuid = device_uuid if device_uuid is not None else gpu_uuid(self.device)
@@ -293,7 +309,7 @@ class CudaIpcReceiver(_HeldReceiver):
             raise
         return mine
 
-    def receive(self, handoff: Mapping[str, Any], *, header_timeout_s: float | None = None) -> int:
+    def receive(self, handoff: CudaIpcHandoff, *, header_timeout_s: float | None = None) -> int:
         """Open every export of this rank on this GPU (and copy into fresh storage unless the target copies
         on swap); returns the version. `header_timeout_s` is unused: the handoff arrives with the call."""
         plan = self._ep
@@ -353,3 +369,14 @@ class CudaIpcReceiver(_HeldReceiver):
             raise self._ep.error("swap", f"{type(exc).__name__}: {exc}") from exc
         finally:
             named.clear()
+
+
+class CudaIpcScheme(TransportScheme):
+    """cuda_ipc: nothing to agree on beforehand; each version's handoff is plain data (`HANDOFF_KEYS`),
+    with exports of its own for each receiving rank."""
+
+    def sender(self, spec, metas: Sequence[TensorMeta]) -> CudaIpcSender:
+        return CudaIpcSender(metas, spec.timeout_s, receivers=spec.world_size - 1)
+
+    def receiver(self, spec, target: Any) -> CudaIpcReceiver:
+        return CudaIpcReceiver(target, metas_from_spec(spec.metas), spec.timeout_s, spec.rank)

@@ -31,12 +31,14 @@ import numpy as np
 import ray
 import torch
 
-from rayllm_rl.weight_sync.buckets import TensorMeta
-from rayllm_rl.weight_sync.transport import (
-    SyncStats, _EndpointView, _HandoffPlan, _HeldReceiver, _Source, target_dtypes,
+from rayllm_rl.weight_sync.buckets import TensorMeta, metas_from_spec
+from rayllm_rl.weight_sync.ends import (
+    EndpointView, HandoffPlan, HeldReceiver, SenderEnd, SyncStats, TensorSource, target_dtypes,
 )
+from rayllm_rl.weight_sync.scheme import TransportScheme
 
-__all__ = ["Handoff", "ObjectStoreSender", "ObjectStoreReceiver", "flat_pieces", "tensors_of_buffers"]
+__all__ = ["Handoff", "ObjectStoreSender", "ObjectStoreReceiver", "ObjectStoreScheme", "flat_pieces",
+           "tensors_of_buffers"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,11 +137,11 @@ def tensors_of_buffers(arrays: Sequence[np.ndarray], metas: Sequence[TensorMeta]
     return copied
 
 
-class ObjectStoreSender(_EndpointView):
+class ObjectStoreSender(EndpointView, SenderEnd):
     """Learner rank 0: puts each bucket of a version into the object store; returns the references."""
 
     def __init__(self, metas: Sequence[TensorMeta], bucket_bytes: int, timeout_s: float):
-        self._ep = _HandoffPlan(metas, bucket_bytes, timeout_s, 0, "object store")
+        self._ep = HandoffPlan(metas, bucket_bytes, timeout_s, 0, "object store")
         self.handoff: Handoff | None = None
         """The last published version (kept alive for receivers built later)."""
 
@@ -151,7 +153,7 @@ class ObjectStoreSender(_EndpointView):
         gathers one parameter after the other, so at most a bucket is held outside the store)."""
         plan = self._ep
         t0 = time.perf_counter()
-        source = _Source(named, {m.name for m in plan.metas})
+        source = TensorSource(named, {m.name for m in plan.metas})
         refs = []
         with plan.publishing(source):
             for i, bucket in enumerate(plan.buckets):
@@ -165,7 +167,7 @@ class ObjectStoreSender(_EndpointView):
         self.handoff = None
 
 
-class ObjectStoreReceiver(_HeldReceiver):
+class ObjectStoreReceiver(HeldReceiver):
     """A replica: fetches a handoff's buckets and hands them, as tensors, to its target's sink.
 
     `target` offers ``named_parameters()`` (names, shapes, dtypes it takes) and
@@ -174,7 +176,7 @@ class ObjectStoreReceiver(_HeldReceiver):
 
     def __init__(self, target: Any, metas: Sequence[TensorMeta], bucket_bytes: int, timeout_s: float,
                  rank: int = 1):
-        self._ep = _HandoffPlan(metas, bucket_bytes, timeout_s, rank, "object store")
+        self._ep = HandoffPlan(metas, bucket_bytes, timeout_s, rank, "object store")
         self._dtypes = target_dtypes(target, self._ep.metas, "ObjectStoreReceiver")
         self._pieces = [[_npieces(m.nbytes) for m in bucket] for bucket in self._ep.buckets]
         """Per bucket, the buffers each tensor arrives as (from the plan, as the sender cut them)."""
@@ -212,3 +214,13 @@ class ObjectStoreReceiver(_HeldReceiver):
             copied += tensors_of_buffers(arrays, bucket, pieces, self._dtypes, named)
         self.copied_bytes = copied
         return self._hold(handoff.version, named, t0, n)
+
+
+class ObjectStoreScheme(TransportScheme):
+    """object_store: nothing to agree on beforehand; each version's handoff is a :class:`Handoff`."""
+
+    def sender(self, spec, metas: Sequence[TensorMeta]) -> ObjectStoreSender:
+        return ObjectStoreSender(metas, spec.bucket_bytes, spec.timeout_s)
+
+    def receiver(self, spec, target: Any) -> ObjectStoreReceiver:
+        return ObjectStoreReceiver(target, metas_from_spec(spec.metas), spec.bucket_bytes, spec.timeout_s, spec.rank)

@@ -37,13 +37,14 @@ import ray
 import torch
 from ray.exceptions import RayChannelError, RayChannelTimeoutError
 
-from rayllm_rl.weight_sync.buckets import TensorMeta
-from rayllm_rl.weight_sync.object_store import _npieces, flat_pieces, tensors_of_buffers
-from rayllm_rl.weight_sync.transport import (
-    SyncStats, _EndpointView, _HandoffPlan, _HeldReceiver, _Source, target_dtypes,
+from rayllm_rl.weight_sync.buckets import TensorMeta, metas_from_spec
+from rayllm_rl.weight_sync.ends import (
+    EndpointView, HandoffPlan, HeldReceiver, SenderEnd, SyncStats, TensorSource, target_dtypes,
 )
+from rayllm_rl.weight_sync.object_store import _npieces, flat_pieces, tensors_of_buffers
+from rayllm_rl.weight_sync.scheme import ChannelAttach, ChannelInit, TransportScheme
 
-__all__ = ["ChannelSender", "ChannelReceiver", "channel_capacity"]
+__all__ = ["ChannelSender", "ChannelReceiver", "ChannelScheme", "channel_capacity"]
 
 WHOLE_MODEL = 1 << 62
 """Bucket bound of the plan: one write carries every tensor (buckets then only split dtypes)."""
@@ -62,7 +63,7 @@ def _self_actor():
     return get_self_actor()
 
 
-class _ChannelPlan(_HandoffPlan):
+class _ChannelPlan(HandoffPlan):
     """The plan (every tensor in one write) and the buffers each tensor travels as."""
 
     def __init__(self, metas: Sequence[TensorMeta], timeout_s: float, rank: int):
@@ -71,7 +72,7 @@ class _ChannelPlan(_HandoffPlan):
         self.pieces = [_npieces(m.nbytes) for m in self.order]
 
 
-class ChannelSender(_EndpointView):
+class ChannelSender(EndpointView, SenderEnd):
     """Learner rank 0: makes the two channels (replicas as readers) and writes each version into one."""
 
     def __init__(self, metas: Sequence[TensorMeta], timeout_s: float, readers: Sequence[tuple[Any, str]]):
@@ -106,7 +107,7 @@ class ChannelSender(_EndpointView):
         if self._broken:
             raise plan.error(f"write channel {k}", f"an earlier write failed ({self._broken}); form the group again")
         t0 = time.perf_counter()
-        source = _Source(named, {m.name for m in plan.metas})
+        source = TensorSource(named, {m.name for m in plan.metas})
         with plan.publishing(source):
             pieces = flat_pieces(plan.take(source, m, "publish") for m in plan.order)
         try:
@@ -132,7 +133,7 @@ class ChannelSender(_EndpointView):
                 pass
 
 
-class ChannelReceiver(_HeldReceiver):
+class ChannelReceiver(HeldReceiver):
     """A replica's actor: reads each version in place from the channel whose turn it is.
 
     `target` offers ``named_parameters()`` and ``swap_weights(dict, version) -> stall_s``. A tensor whose
@@ -184,3 +185,27 @@ class ChannelReceiver(_HeldReceiver):
         """Drop what was read and not swapped in; the engine keeps the views it holds (Ray keeps their memory)."""
         super().close()
         self.channels = []
+
+
+class ChannelScheme(TransportScheme):
+    """ray_channel, sender first: learner rank 0 is given the readers (:class:`ChannelInit`) and makes the
+    two channels, which the driver hands to the receivers (:class:`ChannelAttach`)."""
+
+    def init_info(self, *, receivers: int, host: str = "", port: int = 0,
+                  readers: Sequence[tuple[Any, str]] = ()) -> ChannelInit:
+        if len(readers) != int(receivers):
+            raise ValueError(f"weight sync over {self.info.name}: {int(receivers)} receiving processes but "
+                             f"{len(readers)} readers (actor handle, node id) given")
+        return ChannelInit(tuple((h, str(n)) for h, n in readers))
+
+    def sender(self, spec, metas: Sequence[TensorMeta]) -> ChannelSender:
+        return ChannelSender(metas, spec.timeout_s, spec.init.readers)
+
+    def receivers_init(self, spec, sender: ChannelSender) -> ChannelAttach:
+        return ChannelAttach(tuple(sender.channels))
+
+    def receiver(self, spec, target: Any) -> ChannelReceiver:
+        if not isinstance(spec.init, ChannelAttach):
+            raise ValueError("weight sync over ray_channel: the spec has no channels; build learner rank 0's end "
+                             "first and hand the receivers spec.with_init(registry.receivers_init(spec, sender))")
+        return ChannelReceiver(target, metas_from_spec(spec.metas), spec.timeout_s, spec.rank, spec.init.channels)

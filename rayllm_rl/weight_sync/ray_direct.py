@@ -15,53 +15,62 @@ received them (the driver awaits the sync before the next train step).
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence, TypedDict
 
 import torch
 
-from rayllm_rl.weight_sync.buckets import TensorMeta
-from rayllm_rl.weight_sync.transport import SyncStats, _EndpointView, _HandoffPlan, _HeldReceiver, _Source
+from rayllm_rl.weight_sync.buckets import TensorMeta, metas_from_spec
+from rayllm_rl.weight_sync.ends import EndpointView, HandoffPlan, HeldReceiver, SenderEnd, SyncStats, TensorSource
+from rayllm_rl.weight_sync.scheme import TransportScheme
 
-__all__ = ["RDTSender", "RDTReceiver"]
+__all__ = ["RDTSender", "RDTReceiver", "RDTHandoff", "RDTScheme"]
 
 
-class RDTSender(_EndpointView):
+class RDTHandoff(TypedDict):
+    """What learner rank 0's result carries: Ray moves `tensors` to each replica over the collective group."""
+
+    version: int
+    fingerprint: int
+    tensors: dict[str, torch.Tensor]
+
+
+class RDTSender(EndpointView, SenderEnd):
     """Learner rank 0: returns every tensor of the plan, on the transport's device, in the handoff."""
 
     def __init__(self, metas: Sequence[TensorMeta], timeout_s: float, device: str):
-        self._ep = _HandoffPlan(metas, 1 << 62, timeout_s, 0, "Ray Direct Transport")  # buckets: dtype runs
+        self._ep = HandoffPlan(metas, 1 << 62, timeout_s, 0, "Ray Direct Transport")  # buckets: dtype runs
         self.device = device
 
     def send(self, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-             version: int) -> tuple[SyncStats, dict[str, Any]]:
+             version: int) -> tuple[SyncStats, RDTHandoff]:
         plan = self._ep
         t0 = time.perf_counter()
-        source = _Source(named, {m.name for m in plan.metas})
+        source = TensorSource(named, {m.name for m in plan.metas})
         tensors: dict[str, torch.Tensor] = {}
         with plan.publishing(source):
             for m in plan.metas:
                 t = plan.take(source, m, "publish").detach()
                 tensors[m.name] = t if t.device.type == self.device else t.to(self.device)
         stats = plan.sent(t0, len(tensors), version)
-        return stats, {"version": int(version), "fingerprint": plan.fingerprint, "tensors": tensors}
+        return stats, RDTHandoff(version=int(version), fingerprint=plan.fingerprint, tensors=tensors)
 
     def close(self) -> None:
         """Nothing is held here: Ray frees the sent tensors once no reference to the result is left."""
 
 
-class RDTReceiver(_HeldReceiver):
+class RDTReceiver(HeldReceiver):
     """A replica: the handoff arrives holding the tensors (Ray moved them); swaps them into `target`."""
 
     def __init__(self, target: Any, metas: Sequence[TensorMeta], timeout_s: float, rank: int = 1):
         params = target.named_parameters()
-        self._ep = _HandoffPlan(metas, 1 << 62, timeout_s, rank, "Ray Direct Transport")
+        self._ep = HandoffPlan(metas, 1 << 62, timeout_s, rank, "Ray Direct Transport")
         self._dtypes = {m.name: params[m.name].dtype for m in self._ep.metas}
         # where the target keeps each tensor (a staging target's are "meta": it copies from the CPU)
         self._devices = {m.name: params[m.name].device if params[m.name].device.type != "meta"
                          else torch.device("cpu") for m in self._ep.metas}
         self.target = target
 
-    def receive(self, handoff: Mapping[str, Any], *, header_timeout_s: float | None = None) -> int:
+    def receive(self, handoff: RDTHandoff, *, header_timeout_s: float | None = None) -> int:
         """Check what Ray delivered against the plan; returns its version (nothing is waited for:
         Ray moved the tensors before this call began)."""
         plan = self._ep
@@ -79,3 +88,14 @@ class RDTReceiver(_HeldReceiver):
                 raise plan.error("handoff", f"{m.name}: got {None if t is None else tuple(t.shape)}, planned {m.shape}")
             named[m.name] = t.to(device=self._devices[m.name], dtype=self._dtypes[m.name])  # no copy if they match
         return self._hold(handoff["version"], named, t0, len(named))
+
+
+class RDTScheme(TransportScheme):
+    """rdt_gloo / rdt_nccl: nothing to agree on beforehand (the Ray layer makes the collective group);
+    the handoff is an :class:`RDTHandoff`, on the GPU for NCCL."""
+
+    def sender(self, spec, metas: Sequence[TensorMeta]) -> RDTSender:
+        return RDTSender(metas, spec.timeout_s, "cuda" if self.info.gpu_only else "cpu")
+
+    def receiver(self, spec, target: Any) -> RDTReceiver:
+        return RDTReceiver(target, metas_from_spec(spec.metas), spec.timeout_s, spec.rank)

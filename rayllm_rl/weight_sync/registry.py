@@ -1,53 +1,33 @@
-"""The one place that picks a weight transport and builds its two ends.
+"""The one place that knows weight transports by name: their properties, and a name -> scheme table.
 
 The driver plans a transport from the placement (:func:`plan_transport`) and a :class:`SyncSpec`
 (:func:`make_spec`); learner rank 0 builds its end with :func:`build_sender`, every receiving
-process its own with :func:`build_receiver`. Engines receive through these ends and never look at
-the transport's name; what they may ask is a property of the transport (:class:`TransportInfo`).
+process its own with :func:`build_receiver`. Each transport is a scheme (`weight_sync.scheme`) in a
+module of its own, with a sender and a receiver of the shape `weight_sync.ends` gives; engines receive
+through these ends and never look at the transport's name: what they may ask is a property of the
+transport (:class:`TransportInfo`). This module imports no transport (nor Ray) until one is built.
 
-Every end has the same shape:
+Transports (what each does: its module's docstring; measurements: docs/weight-sync.md):
 
-* sender: ``send(named, version) -> (SyncStats, handoff)``, ``close()``. The handoff is what the
-  driver passes to the receivers (``ObjectRef``s for the object store; CUDA IPC handles as plain data
-  for ``cuda_ipc``; ``None`` where the bytes travel inside a group collective).
-* receiver: ``receive(handoff, header_timeout_s=None) -> version`` (bytes land in a back buffer
-  while the engine generates), ``swap(version) -> stall_s`` (between two decode steps), ``close()``,
-  ``last_stats``.
-
-Transports (see docs/ray-orchestration.md, "Weight sync"):
-
-* ``object_store``: Ray's object store (the default on CPU and across nodes). Learner rank 0 puts
-  buckets, the driver hands the references over, receivers fetch (zero-copy on the learner's node).
-* ``ray_channel``: two of Ray's mutable shared-memory objects (Compiled Graphs' channels) on the learner's
-  node, written in turn: learner rank 0 makes them when the group forms, the driver hands them to the
-  replicas, then passes versions only; replicas read in place (weight_sync/ray_channel.py).
+* ``object_store``: Ray's object store; learner rank 0 puts buckets, replicas fetch them by reference.
+* ``ray_channel``: two of Ray's mutable shared-memory objects on the learner's node, written in turn.
 * ``shm``: two shared-memory segments per job on the learner's node, control over a gloo group.
-* ``gloo``: buckets broadcast over a private gloo group (TCP).
-* ``rdt_gloo`` / ``rdt_nccl``: Ray Direct Transport: the driver passes the reference to learner rank
-  0's result and Ray sends its tensors to each replica over a Ray collective group (gloo on CPU,
-  NCCL GPU to GPU).
-* ``nccl``: buckets broadcast over a private NCCL group between GPUs.
-* ``cuda_ipc``: colocated on one GPU: learner rank 0 exports CUDA IPC handles of its own tensors, the
-  driver hands them over as plain data, the replica opens them on the same device and copies device to
-  device (weight_sync/cuda_ipc.py).
-
-Which of them have run on a GPU, and where: docs/weight-sync.md.
+* ``gloo`` / ``nccl``: buckets broadcast over a private gloo (TCP) or NCCL (GPU) group.
+* ``rdt_gloo`` / ``rdt_nccl``: Ray Direct Transport: Ray sends learner rank 0's result tensors to each
+  replica over a Ray collective group.
+* ``cuda_ipc``: colocated on one GPU: the replica opens CUDA IPC handles of the learner's own tensors.
 """
 from __future__ import annotations
 
 import dataclasses
-import time
-import uuid
+import importlib
 from typing import Any, Iterable, Mapping, Sequence
 
-import torch
-
 from rayllm_rl.weight_sync.buckets import TensorMeta, metas_from_spec
-from rayllm_rl.weight_sync.gloo_group import StatelessGlooGroup, StatelessNcclGroup
-from rayllm_rl.weight_sync.transport import SyncStats
+from rayllm_rl.weight_sync.scheme import InitInfo, NoInit, TransportScheme, init_from_dict
 
-__all__ = ["SyncSpec", "TransportInfo", "TRANSPORTS", "transport_info", "plan_transport", "make_spec",
-           "build_sender", "build_receiver", "receiver_payload"]
+__all__ = ["SyncSpec", "TransportInfo", "TRANSPORTS", "SCHEMES", "transport_info", "scheme_of", "plan_transport",
+           "make_spec", "build_sender", "build_receiver", "receivers_init"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +60,7 @@ class TransportInfo:
     """Receivers open the sender's own GPU memory (CUDA IPC), so each must sit on learner rank 0's GPU:
     the colocated placement with one learner rank (replica i shares GPU i with learner rank i)."""
     sender_first: bool = False
-    """The receivers' ends are built from what learner rank 0's end made (`receiver_payload`): the driver
+    """The receivers' ends are built from what learner rank 0's end made (`receivers_init`): the driver
     builds the sender first, then the receivers (Ray channels: the writer makes them, readers attach)."""
     default_bucket_mb: float = 16.0
     """Bucket size when `ray.sync_bucket_mb` is 0. Group transports pack a bucket into a flat buffer of
@@ -112,10 +92,29 @@ TRANSPORTS: dict[str, TransportInfo] = {t.name: t for t in (
 )}
 
 
+SCHEMES: dict[str, str] = {
+    "object_store": "rayllm_rl.weight_sync.object_store:ObjectStoreScheme",
+    "rdt_gloo": "rayllm_rl.weight_sync.ray_direct:RDTScheme",
+    "rdt_nccl": "rayllm_rl.weight_sync.ray_direct:RDTScheme",
+    "ray_channel": "rayllm_rl.weight_sync.ray_channel:ChannelScheme",
+    "shm": "rayllm_rl.weight_sync.shm:ShmScheme",
+    "gloo": "rayllm_rl.weight_sync.broadcast:BroadcastScheme",
+    "nccl": "rayllm_rl.weight_sync.broadcast:BroadcastScheme",
+    "cuda_ipc": "rayllm_rl.weight_sync.cuda_ipc:CudaIpcScheme",
+}
+"""Transport name (`ray.sync_transport`) -> "module:class" of its scheme, imported when first built."""
+
 def transport_info(name: str) -> TransportInfo:
     if name not in TRANSPORTS:
         raise ValueError(f"unknown weight-sync transport {name!r}; choose one of {tuple(TRANSPORTS)}")
     return TRANSPORTS[name]
+
+
+def scheme_of(name: str) -> TransportScheme:
+    """The scheme of transport `name`, built with its properties (its module is imported here)."""
+    info = transport_info(name)
+    module, cls = SCHEMES[name].split(":")
+    return getattr(importlib.import_module(module), cls)(info)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,10 +132,9 @@ class SyncSpec:
     """1 sender + every receiving process."""
     timeout_s: float
     bucket_bytes: int
-    payload: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    """Per transport: `host`, `port` (group rendezvous), `segments` (shm), `readers` (ray_channel: the
-    replicas' actor handles and node ids, for learner rank 0) and `channels` (ray_channel: what it made,
-    for the replicas)."""
+    init: InitInfo = NoInit()
+    """What the transport's ends are built from (`weight_sync.scheme`): a group's rendezvous, shm segment
+    names, the readers (for learner rank 0) or channels (for the replicas) of Ray channels."""
     rank: int = 0
 
     @property
@@ -148,17 +146,20 @@ class SyncSpec:
             raise ValueError(f"weight sync: receiver rank {rank} is outside [1, {self.world_size})")
         return dataclasses.replace(self, rank=int(rank))
 
-    def with_payload(self, **more: Any) -> "SyncSpec":
-        return dataclasses.replace(self, payload={**self.payload, **more})
+    def with_init(self, init: InitInfo) -> "SyncSpec":
+        """The spec with another init info (the receivers' one, made by a sender-first transport's sender)."""
+        return dataclasses.replace(self, init=init)
 
     def as_dict(self) -> dict[str, Any]:
-        """Plain fields (crosses into vLLM's worker, whose RPC carries dicts and lists)."""
-        return {**dataclasses.asdict(self), "payload": dict(self.payload)}
+        """Plain fields (crosses into vLLM's worker, whose RPC carries dicts and lists); the init info
+        records its class name (`InitInfo.as_dict`)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {**fields, "init": self.init.as_dict()}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "SyncSpec":
         metas = tuple((str(n), tuple(int(x) for x in s), str(dt)) for n, s, dt in d["metas"])
-        return cls(**{**d, "metas": metas, "payload": dict(d.get("payload") or {})})
+        return cls(**{**d, "metas": metas, "init": init_from_dict(d.get("init"))})
 
 
 def plan_transport(requested: str, *, learner_gpus: bool, replica_gpus: bool, learner_node: str,
@@ -202,175 +203,40 @@ def plan_transport(requested: str, *, learner_gpus: bool, replica_gpus: bool, le
 def make_spec(transport: str, metas: Sequence, *, receivers: int, timeout_s: float, bucket_bytes: int = 0,
               host: str = "", port: int = 0, readers: Sequence[tuple[Any, str]] = ()) -> SyncSpec:
     """The spec of one setup with `receivers` receiving processes (ranks 1..receivers); `bucket_bytes`
-    0 is the transport's own default (`TransportInfo.default_bucket_mb`). `readers`: (actor handle, node
-    id) of each receiving process, for a transport whose sender makes what they read (ray_channel)."""
+    0 is the transport's own default (`TransportInfo.default_bucket_mb`). `host`, `port`: learner rank 0's
+    rendezvous, for a group transport. `readers`: (actor handle, node id) of each receiving process, for a
+    transport whose sender makes what they read (ray_channel)."""
     info = transport_info(transport)
     if bucket_bytes < 0:
         raise ValueError(f"weight sync: bucket_bytes must be >= 0 (0 = the transport's default), got {bucket_bytes}")
-    bucket_bytes = bucket_bytes or info.default_bucket_bytes
-    metas = tuple(metas)
-    payload: dict[str, Any] = {}
-    if info.group:
-        if not host or not port:
-            raise ValueError(f"weight sync over {transport}: learner rank 0's host and port are needed")
-        payload.update(host=host, port=int(port))
-    if transport == "shm":
-        prefix = f"rayllm_{uuid.uuid4().hex[:12]}"
-        payload["segments"] = (f"{prefix}_0", f"{prefix}_1")
-    if info.sender_first:
-        if len(readers) != int(receivers):
-            raise ValueError(f"weight sync over {transport}: {int(receivers)} receiving processes but {len(readers)} "
-                             "readers (actor handle, node id) given")
-        payload["readers"] = tuple((h, str(n)) for h, n in readers)
-    return SyncSpec(transport, metas, 1 + int(receivers), float(timeout_s), int(bucket_bytes), payload)
-
-
-# ---------------------------------------------------------------------------- ends
-def _group(spec: SyncSpec, rank: int):
-    cls = StatelessNcclGroup if spec.info.gpu_only else StatelessGlooGroup
-    return cls(spec.payload["host"], spec.payload["port"], rank, spec.world_size, spec.timeout_s)
-
-
-class _GroupSender:
-    """A group transport's sender behind the common shape (the handoff is None: bytes went in-band)."""
-
-    def __init__(self, inner, group):
-        self.inner, self.group = inner, group
-
-    @property
-    def metas(self) -> list[TensorMeta]:
-        return self.inner.metas
-
-    def send(self, named, version: int) -> tuple[SyncStats, None]:
-        return self.inner.send(named, version), None
-
-    def close(self) -> None:
-        self.inner.close()
-        self.group.close()
+    init = scheme_of(transport).init_info(receivers=int(receivers), host=host, port=port, readers=readers)
+    return SyncSpec(transport, tuple(metas), 1 + int(receivers), float(timeout_s),
+                    int(bucket_bytes or info.default_bucket_bytes), init)
 
 
 def build_sender(spec: SyncSpec, metas: Sequence[TensorMeta]):
-    """Learner rank 0's end. Group transports wait here for every receiver to join (≤ timeout)."""
+    """Learner rank 0's end (a `weight_sync.ends.SenderEnd`). Group transports wait here for every
+    receiver to join (≤ timeout)."""
     if tuple(spec.metas) != tuple((m.name, tuple(m.shape), str(m.dtype).removeprefix("torch.")) for m in metas):
         raise ValueError("weight sync: the learner's tensors differ from the spec's metas")
-    if spec.transport == "object_store":
-        from rayllm_rl.weight_sync.object_store import ObjectStoreSender
-
-        return ObjectStoreSender(metas, spec.bucket_bytes, spec.timeout_s)  # already of the common shape
-    if spec.transport == "ray_channel":
-        from rayllm_rl.weight_sync.ray_channel import ChannelSender
-
-        return ChannelSender(metas, spec.timeout_s, spec.payload["readers"])  # of the common shape
-    if spec.transport == "cuda_ipc":
-        from rayllm_rl.weight_sync.cuda_ipc import CudaIpcSender
-
-        return CudaIpcSender(metas, spec.timeout_s, receivers=spec.world_size - 1)  # of the common shape
-    if spec.info.tensor_transport is not None:
-        from rayllm_rl.weight_sync.ray_direct import RDTSender
-
-        return RDTSender(metas, spec.timeout_s, "cuda" if spec.info.gpu_only else "cpu")
-    group = _group(spec, 0)
-    try:
-        if spec.transport == "shm":
-            from rayllm_rl.weight_sync.shm import ShmWeightSender
-
-            segments = spec.payload["segments"]
-            sender = ShmWeightSender(group, metas, name_prefix=segments[0].rsplit("_", 1)[0], timeout_s=spec.timeout_s)
-            group.barrier(phase="segments created")  # receivers attach only after this
-            return _GroupSender(sender, group)
-        from rayllm_rl.weight_sync.transport import WeightSender
-
-        return _GroupSender(WeightSender(group, metas, spec.bucket_bytes), group)
-    except BaseException:
-        group.close()
-        raise
+    return scheme_of(spec.transport).sender(spec, metas)
 
 
-def receiver_payload(spec: SyncSpec, sender) -> dict[str, Any]:
-    """What learner rank 0's end made for the receivers (`TransportInfo.sender_first`): the driver adds it
-    to the spec it hands them (`SyncSpec.with_payload`); empty for every other transport."""
-    if spec.transport == "ray_channel":
-        return {"channels": list(sender.channels)}
-    return {}
-
-
-class _Receiver:
-    """A receiver behind the common shape, with `receive_and_swap`; `group` (if any) is closed with it."""
-
-    def __init__(self, inner, group=None):
-        self.inner, self.group = inner, group
-
-    @property
-    def metas(self) -> list[TensorMeta]:
-        return self.inner.metas
-
-    @property
-    def last_stats(self) -> SyncStats | None:
-        return self.inner.last_stats
-
-    def receive(self, handoff=None, *, header_timeout_s: float | None = None) -> int:
-        return self.inner.receive(handoff, header_timeout_s=header_timeout_s)
-
-    def swap(self, version: int | None = None) -> float:
-        return self.inner.swap(version)
-
-    def receive_and_swap(self, handoff=None, *, header_timeout_s: float | None = None) -> dict[str, float | int]:
-        """receive() then swap(); returns version, receive_s, stall_s, bytes, bytes_per_s."""
-        t0 = time.perf_counter()
-        version = self.receive(handoff, header_timeout_s=header_timeout_s)
-        receive_s = time.perf_counter() - t0
-        stall = self.swap(version)
-        st = self.last_stats
-        return {"version": version, "receive_s": receive_s, "stall_s": stall,
-                "bytes": st.bytes if st else 0, "bytes_per_s": st.bytes_per_s if st else 0.0}
-
-    def close(self) -> None:
-        self.inner.close()
-        if self.group is not None:
-            self.group.close()
+def receivers_init(spec: SyncSpec, sender) -> InitInfo:
+    """The init info the receivers are built from, once learner rank 0's end exists: the driver hands
+    them `spec.with_init(...)` of it. Only a sender-first transport (Ray channels) changes it."""
+    return scheme_of(spec.transport).receivers_init(spec, sender)
 
 
 def build_receiver(spec: SyncSpec, target: Any):
-    """A receiving process's end for `target` (``named_parameters()``, ``swap_weights(dict, v)``).
+    """A receiving process's end (a `weight_sync.ends.ReceiverEnd`) for `target` (``named_parameters()``,
+    ``swap_weights(dict, v)``).
 
     `spec.rank` is this process's rank (a replica adds its worker index to its first rank).
     Group transports wait here for every member to join (≤ timeout)."""
-    metas = metas_from_spec(spec.metas)
     params = target.named_parameters()
-    unknown = [m.name for m in metas if m.name not in params]
+    unknown = [m.name for m in metas_from_spec(spec.metas) if m.name not in params]
     if unknown:
         raise KeyError(f"weight sync: the receiving engine has no weights named {unknown[:5]} (it has e.g. "
                        f"{list(params)[:3]})")
-    if spec.transport == "object_store":
-        from rayllm_rl.weight_sync.object_store import ObjectStoreReceiver
-
-        return _Receiver(ObjectStoreReceiver(target, metas, spec.bucket_bytes, spec.timeout_s, spec.rank))
-    if spec.transport == "ray_channel":
-        from rayllm_rl.weight_sync.ray_channel import ChannelReceiver
-
-        if "channels" not in spec.payload:
-            raise ValueError("weight sync over ray_channel: the spec has no channels; build learner rank 0's end "
-                             "first and hand its receiver_payload to the receivers (SyncSpec.with_payload)")
-        return _Receiver(ChannelReceiver(target, metas, spec.timeout_s, spec.rank, spec.payload["channels"]))
-    if spec.transport == "cuda_ipc":
-        from rayllm_rl.weight_sync.cuda_ipc import CudaIpcReceiver
-
-        return _Receiver(CudaIpcReceiver(target, metas, spec.timeout_s, spec.rank))
-    if spec.info.tensor_transport is not None:
-        from rayllm_rl.weight_sync.ray_direct import RDTReceiver
-
-        return _Receiver(RDTReceiver(target, metas, spec.timeout_s, spec.rank))
-    group = _group(spec, spec.rank)
-    try:
-        if spec.transport == "shm":
-            from rayllm_rl.weight_sync.shm import ShmWeightReceiver
-
-            group.barrier(phase="segments created")
-            return _Receiver(ShmWeightReceiver(target, group, metas, spec.payload["segments"], spec.timeout_s), group)
-        from rayllm_rl.weight_sync.transport import DoubleBufferReceiver, WeightReceiver
-
-        back = {m.name: torch.empty(m.shape, dtype=params[m.name].dtype, device=group.device) for m in metas}
-        return _Receiver(DoubleBufferReceiver(target, WeightReceiver(group, metas, spec.bucket_bytes), back), group)
-    except BaseException:
-        group.close()
-        raise
+    return scheme_of(spec.transport).receiver(spec, target)

@@ -2,7 +2,7 @@
 
 The learner (:class:`ShmWeightSender`, rank 0 of a
 :class:`~rayllm_rl.weight_sync.gloo_group.StatelessGlooGroup`) owns two shared-memory
-segments, each holding every weight laid out flat (:func:`plan_layout`: each tensor at an
+segments, each holding every weight laid out flat (`shm_segments.plan_layout`: each tensor at an
 offset aligned to 64 bytes, a pure function of the metas, so every process computes the
 same layout and checks it through :attr:`ShmLayout.fingerprint`). Sync number ``k``
 (counting successful syncs from 0):
@@ -38,7 +38,7 @@ does a sync that every receiver rejected (none swapped).
 A receiver must not keep references into a segment beyond the engine's parameters: the
 dict handed to ``swap_weights`` comes back holding the *previous* storage and is dropped
 at once. The receiver's mappings are read-only, so a stray write from a replica (e.g.
-``engine.update_weights`` on an engine fed by this transport) faults that process instead
+``engine.load_weights_sync`` on an engine fed by this transport) faults that process instead
 of silently changing the weights of every replica on the node. Each mapping lives exactly
 as long as a tensor viewing it (the views own a reference to their ``mmap``, which is never
 closed explicitly), so an engine keeps working with its last weights after the receiver is
@@ -50,9 +50,7 @@ segments at construction and fails clearly when they do not fit).
 """
 from __future__ import annotations
 
-import dataclasses
 import errno
-import hashlib
 import mmap
 import os
 import secrets
@@ -64,19 +62,13 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from rayllm_rl.weight_sync.buckets import TensorMeta
-from rayllm_rl.weight_sync.gloo_group import Closing, WeightSyncError
-from rayllm_rl.weight_sync.transport import SyncStats
+from rayllm_rl.weight_sync.buckets import TensorMeta, metas_from_spec
+from rayllm_rl.weight_sync.common import Closing, WeightSyncError
+from rayllm_rl.weight_sync.ends import ReceiverEnd, SyncStats
+from rayllm_rl.weight_sync.scheme import GroupScheme, ShmInit
+from rayllm_rl.weight_sync.shm_segments import attach_readonly, plan_layout, segment_size, tensor_at
 
-try:  # the C module behind multiprocessing.shared_memory on POSIX
-    import _posixshmem
-except ImportError:  # pragma: no cover - Windows
-    _posixshmem = None
-
-__all__ = ["SHM_ALIGNMENT", "ShmSlot", "ShmLayout", "plan_layout", "tensor_at", "attach_readonly", "ShmWeightSender",
-           "ShmWeightReceiver"]
-
-SHM_ALIGNMENT = 64
+__all__ = ["ShmWeightSender", "ShmWeightReceiver", "ShmScheme"]
 _MAGIC = 0x53484D5753  # "SHMWS"
 _HEADER_LEN = 7
 _OK, _ABORTED = 0, 1
@@ -87,79 +79,9 @@ _CODE_TEXT = {_BAD_MAGIC: "bad header magic", _LAYOUT_MISMATCH: "layout disagree
               _SENDER_ABORTED: "saw an aborted header"}
 
 
-# ---------------------------------------------------------------------------- layout
-@dataclasses.dataclass(frozen=True)
-class ShmSlot:
-    """Where one tensor lives in a segment."""
-
-    meta: TensorMeta
-    offset: int
-
-
-@dataclasses.dataclass(frozen=True)
-class ShmLayout:
-    """Every tensor of an update at an aligned offset of one flat segment."""
-
-    slots: tuple[ShmSlot, ...]
-    nbytes: int
-    """Bytes the layout spans (aligned up); a segment must be at least this big."""
-    alignment: int
-    fingerprint: int
-    """Signed-63-bit-safe hash of names, shapes, dtypes, offsets, size and alignment."""
-
-    @property
-    def payload_bytes(self) -> int:
-        return sum(s.meta.nbytes for s in self.slots)
-
-    def __len__(self) -> int:
-        return len(self.slots)
-
-
-def _align(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
-
-
-def plan_layout(metas: Sequence[TensorMeta], alignment: int = SHM_ALIGNMENT) -> ShmLayout:
-    """The flat layout of `metas` (in order, each at an offset aligned to `alignment` bytes).
-
-    Pure function of its inputs, so the sender and every receiver compute the same layout.
-    """
-    if alignment <= 0 or alignment & (alignment - 1):
-        raise ValueError(f"plan_layout: alignment must be a power of two, got {alignment}")
-    metas = list(metas)
-    if not metas:
-        raise ValueError("plan_layout: empty list of tensor metadata")
-    names = [m.name for m in metas]
-    if len(set(names)) != len(names):
-        dup = next(n for n in names if names.count(n) > 1)
-        raise ValueError(f"plan_layout: duplicate tensor name {dup!r}")
-    slots, off = [], 0
-    h = hashlib.blake2b(digest_size=8)
-    h.update(f"shm-layout-v1|align={alignment}|".encode())
-    for m in metas:
-        off = _align(off, alignment)
-        slots.append(ShmSlot(m, off))
-        h.update(f"{m.name}:{m.shape}:{m.dtype}@{off};".encode())
-        off += m.nbytes
-    total = _align(off, alignment)
-    h.update(f"|total={total}".encode())
-    return ShmLayout(tuple(slots), total, alignment, int.from_bytes(h.digest(), "little") & ((1 << 62) - 1))
-
-
-def _segment_size(layout: ShmLayout) -> int:
-    return max(layout.nbytes, layout.alignment)  # a zero-byte segment cannot be created
-
-
 def _describe(codes: torch.Tensor) -> str:
     return ", ".join(f"rank {r}: {_CODE_TEXT.get(int(c), f'code {int(c)}')}"
                      for r, c in enumerate(codes.tolist()) if c)
-
-
-def tensor_at(buf: Any, meta: TensorMeta, offset: int) -> torch.Tensor:
-    """The tensor `meta` describes at byte `offset` of `buf` (a view: no copy)."""
-    if meta.numel == 0:
-        return torch.empty(meta.shape, dtype=meta.dtype)
-    return torch.frombuffer(buf, dtype=meta.dtype, count=meta.numel, offset=offset).view(meta.shape)
 
 
 class _Base:
@@ -203,7 +125,7 @@ class ShmWeightSender(Closing, _Base):
         self.drain_on_error = drain_on_error
         self.last_write_seconds = 0.0
         prefix = name_prefix if name_prefix is not None else f"rlws_{os.getpid()}_{secrets.token_hex(4)}"
-        size = _segment_size(self.layout)
+        size = segment_size(self.layout)
         self._shms: list[shared_memory.SharedMemory] = []
         try:
             for i in range(2):
@@ -425,39 +347,7 @@ class ShmWeightSender(Closing, _Base):
 
 
 # ---------------------------------------------------------------------------- receiver
-def attach_readonly(name: str, min_size: int) -> tuple[mmap.mmap, int]:
-    """Map an existing segment read-only, without registering it with the resource tracker.
-
-    `SharedMemory(name)` would register the segment with multiprocessing's resource tracker
-    (Python < 3.13 has no ``track=False``), and the tracker unlinks every segment still
-    registered when the process that registered it exits: a replica restarting would destroy
-    the learner's segments. Calling ``resource_tracker.unregister`` after attaching is not
-    safe either: children started with fork/forkserver share their parent's tracker, whose
-    registry is a set keyed by name, so the receiver's unregister would drop the *creator's*
-    registration (and its crash cleanup). Opening the segment with ``shm_open`` (what
-    SharedMemory does internally) never involves the tracker.
-    """
-    if _posixshmem is None:  # pragma: no cover
-        raise WeightSyncError("ShmWeightReceiver needs POSIX shared memory", phase="attach")
-    try:
-        fd = _posixshmem.shm_open("/" + name.lstrip("/"), os.O_RDONLY, mode=0o600)
-    except FileNotFoundError as exc:
-        raise WeightSyncError(f"shared memory segment {name!r} does not exist: the sender closed it, died, or "
-                              "runs on another node (segments are per node)", phase="attach") from exc
-    try:
-        size = os.fstat(fd).st_size
-        if size < min_size:
-            raise WeightSyncError(f"shared memory segment {name!r} has {size} bytes, the layout needs "
-                                  f"{min_size} (sender and receiver metas differ?)", phase="attach")
-        # MAP_POPULATE: map every (already allocated) page now, so the first decode steps after
-        # a swap do not take one page fault per 4 KiB of weights.
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ), size
-    finally:
-        os.close(fd)  # the mapping keeps its own reference
-
-
-class ShmWeightReceiver(_Base):
+class ShmWeightReceiver(_Base, ReceiverEnd):
     """Replica side: hands each sync's segment, as zero-copy views, to the engine's weight sink.
 
     Args:
@@ -584,10 +474,10 @@ class ShmWeightReceiver(_Base):
             raise self._error("ack", f"the sync was rejected elsewhere ({_describe(codes)}); this replica swapped")
         return float(stall)
 
-    def receive_and_swap(self, *, header_timeout_s: float | None = None) -> dict[str, float | int]:
+    def receive_and_swap(self, handoff: Any = None, *, header_timeout_s: float | None = None) -> dict[str, float | int]:
         """receive() then swap(); returns version, receive_s, stall_s, ack_s and bytes."""
         t0 = time.perf_counter()
-        version = self.receive(header_timeout_s=header_timeout_s)
+        version = self.receive(handoff, header_timeout_s=header_timeout_s)
         t1 = time.perf_counter()
         stall = self.swap(version)
         t2 = time.perf_counter()
@@ -609,3 +499,26 @@ class ShmWeightReceiver(_Base):
     def __repr__(self) -> str:
         return (f"ShmWeightReceiver(rank={self.group.rank}, segments={self.segment_names}, "
                 f"current_segment={self.current_segment}{', closed' if self._closed else ''})")
+
+
+class ShmScheme(GroupScheme):
+    """shm: the learner's two segments, named in the init info; a gloo group carries headers and acks."""
+
+    def init_info(self, *, receivers: int, host: str = "", port: int = 0, readers=()) -> ShmInit:
+        group = super().init_info(receivers=receivers, host=host, port=port)
+        prefix = f"rayllm_{secrets.token_hex(6)}"
+        return ShmInit(group.host, group.port, (f"{prefix}_0", f"{prefix}_1"))
+
+    def sender_in(self, group, spec, metas: Sequence[TensorMeta]) -> ShmWeightSender:
+        prefix = spec.init.segments[0].rsplit("_", 1)[0]
+        sender = ShmWeightSender(group, metas, name_prefix=prefix, timeout_s=spec.timeout_s)
+        try:
+            group.barrier(phase="segments created")  # receivers attach only after this
+        except BaseException:
+            sender.close()
+            raise
+        return sender
+
+    def receiver_in(self, group, spec, target: Any) -> ShmWeightReceiver:
+        group.barrier(phase="segments created")
+        return ShmWeightReceiver(target, group, metas_from_spec(spec.metas), spec.init.segments, spec.timeout_s)

@@ -88,7 +88,7 @@ class LocalBackend:
     def sync_weights(self, version: int) -> dict[str, float]:
         """Copy the learner's weights into the engine between two decode steps (the engine's lock)."""
         t0 = time.perf_counter()
-        self.engine.update_weights(self.learner.named_tensors(), version=version)
+        self.engine.load_weights_sync(self.learner.named_tensors(), version=version)
         self.versions_held.append(int(version))
         dt = time.perf_counter() - t0
         return {"sync_s": dt, "stall_s": dt}

@@ -76,7 +76,7 @@ class InferenceReplica(_Process):
     """`inference-<i>`: an engine (Transformers or vLLM) and the weight sink it owns.
 
     The replica never touches engine tensors: weights arrive through the engine's sink
-    (`init_update_group`, `receive_update`), whatever the engine keeps inside.
+    (`init_update_group`, `receive_weights`), whatever the engine keeps inside.
     """
 
     def __init__(self, engine: str, model_path: str, seed: int = 0, num_threads: int = 1,
@@ -138,8 +138,8 @@ class InferenceReplica(_Process):
         return True
 
     async def receive_weights(self, published: dict | list | None = None) -> dict[str, float]:
-        """Receive while generating, then apply between two decode steps (the engine's sink).
-        `published`: learner rank 0's `sync_weights` result, for a transport whose receivers fetch
+        """Receive while generating, then swap in between two decode steps (the engine's sink).
+        `published`: learner rank 0's `send_weights` result, for a transport whose receivers fetch
         what it published (it holds references only): resolved by Ray before this call, or passed as
         `[reference]` (`cluster.handoff_arg`) and awaited here, so that Ray schedules this call while
         rank 0 is still publishing (bounded by `ray.sync_timeout_s`, naming the phase)."""
@@ -152,7 +152,7 @@ class InferenceReplica(_Process):
             except asyncio.TimeoutError as exc:
                 raise TimeoutError(f"weight sync: learner rank 0 did not publish within ray.sync_timeout_s={timeout:g}s "
                                    "(phase: handoff)") from exc
-        out = await self.engine.receive_update(None if published is None else published["handoff"])
+        out = await self.engine.receive_weights(None if published is None else published["handoff"])
         self._turn("weights received")
         self.versions_held.append(int(out["version"]))
         self.serving = True
@@ -309,7 +309,7 @@ class LearnerWorker(_Process):
         self.rank, self.world_size = rank, world_size
         self.learner = None
         self.sender = None
-        self._sync_stats: dict[str, float] = {}
+        self._send_stats: dict[str, float] = {}
 
     def address(self) -> tuple[str, int]:
         """(node ip, free port) for the FSDP rendezvous, asked of rank 0."""
@@ -353,16 +353,16 @@ class LearnerWorker(_Process):
     def reset_optimizer(self, optim) -> None:
         self.learner.reset_optimizer(optim)
 
-    def init_weight_sender(self, spec) -> dict:
+    def init_weight_sender(self, spec):
         """Rank 0 builds the sending end of `spec` (`weight_sync.registry.SyncSpec`); a group
-        transport waits here for every receiver to join. Returns what the end made for the receivers
-        (`registry.receiver_payload`: Ray channels; empty for most transports)."""
-        from rayllm_rl.weight_sync.registry import build_sender, receiver_payload
+        transport waits here for every receiver to join. Returns the init info the receivers are built
+        from (`registry.receivers_init`: the spec's own but for Ray channels); None on other ranks."""
+        from rayllm_rl.weight_sync.registry import build_sender, receivers_init
 
         if self.rank != 0:
-            return {}
+            return None
         self.sender = build_sender(spec, self.learner.weight_metas())
-        return receiver_payload(spec, self.sender)
+        return receivers_init(spec, self.sender)
 
     def weight_metadata(self) -> tuple:
         """`(name, shape, dtype)` of every tensor a sync sends, in send order (no gather needed)."""
@@ -376,22 +376,22 @@ class LearnerWorker(_Process):
             self.sender.close()
         self.sender = None
 
-    def sync_weights(self, version: int) -> dict[str, Any]:
+    def send_weights(self, version: int) -> dict[str, Any]:
         """Every rank gathers full tensors in step; rank 0 sends them. Its result carries the
         transport's handoff (references, tensors Ray moves, or None), which the driver passes to the
-        replicas; the driver reads the figures with `last_sync_stats`."""
+        replicas; the driver reads the figures with `last_send_stats`."""
         tensors = self.learner.iter_named_tensors()
         if self.rank != 0:
             for _ in tensors:
                 pass
             return {}
         stats, handoff = self.sender.send(tensors, version)
-        self._sync_stats = {"sync_bytes": stats.bytes, "sync_s": stats.seconds, "sync_bytes_per_s": stats.bytes_per_s}
+        self._send_stats = {"sync_bytes": stats.bytes, "sync_s": stats.seconds, "sync_bytes_per_s": stats.bytes_per_s}
         return {"handoff": handoff}
 
-    def last_sync_stats(self) -> dict[str, float]:
+    def last_send_stats(self) -> dict[str, float]:
         """Figures of rank 0's last send (bytes, seconds, bytes/s)."""
-        return dict(self._sync_stats)
+        return dict(self._send_stats)
 
     def reference_weights(self) -> dict[str, torch.Tensor]:
         """The full weights in host memory, for the reference actor (Ray hands it this result by

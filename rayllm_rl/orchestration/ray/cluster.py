@@ -106,7 +106,7 @@ class Cluster:
         # with Ray Direct Transport Ray keeps rank 0's result's tensors with it and sends them to each replica
         sent = self.learners.send_weights(version, info.tensor_transport)
         got = self.replicas.receive_weights(handoff_arg(info, sent[0]))
-        # A replica's receive ends after rank 0's sync (it waits for rank 0's result or its group's ack);
+        # A replica's receive ends after rank 0's send (it waits for rank 0's result or its group's ack);
         # a Ray Direct Transport result cannot be fetched here: only the replicas receive its tensors.
         waited = got + (sent[1:] if info.tensor_transport is not None else sent)
         replicas = self.get(waited, timeout_s=self.sync_timeout_s)[:len(got)]  # a dead replica fails at once
@@ -275,7 +275,7 @@ def form_sync_group(cluster: Cluster, plan: JobPlan) -> None:
     first = [1 + sum(ranks[:i]) for i in range(len(replicas))]
     senders = learners.init_weight_senders(spec)
     if info.sender_first:  # learner rank 0's end first: the replicas' spec carries what it made for them
-        spec = spec.with_payload(**cluster.get(senders[0], timeout_s=rc.sync_timeout_s + 30))
+        spec = spec.with_init(cluster.get(senders[0], timeout_s=rc.sync_timeout_s + 30))
     refs = senders + replicas.join_update_group([spec.for_rank(k) for k in first])
     cluster.get(refs, timeout_s=rc.sync_timeout_s + 30)
     if spec.info.tensor_transport is not None:

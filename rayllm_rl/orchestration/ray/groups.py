@@ -79,13 +79,13 @@ class LearnerGroup(ActorGroup):
     def send_weights(self, version: int, tensor_transport: str | None = None) -> list:
         """Every rank joins the send of `version`; rank 0's call (with Ray Direct Transport: its result's
         tensors stay with it until the replicas take them) comes first. Not waited for."""
-        head = self.handles[0].sync_weights
+        head = self.handles[0].send_weights
         if tensor_transport is not None:
             head = head.options(tensor_transport=tensor_transport)
-        return [head.remote(version)] + [l.sync_weights.remote(version) for l in self.handles[1:]]
+        return [head.remote(version)] + [l.send_weights.remote(version) for l in self.handles[1:]]
 
     def last_send_stats(self) -> dict[str, float]:
-        return ray.get(self.handles[0].last_sync_stats.remote(), timeout=self.timeout_s)
+        return ray.get(self.handles[0].last_send_stats.remote(), timeout=self.timeout_s)
 
     def weight_metadata(self) -> tuple:
         return ray.get(self.handles[0].weight_metadata.remote(), timeout=self.timeout_s)

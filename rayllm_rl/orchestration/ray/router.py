@@ -89,5 +89,6 @@ class ReplicaRouter:
             self._version = max(self._version, max(resp.output_versions))
         return resp
 
-    def update_weights(self, named_tensors: Mapping[str, Any], version: int | None = None) -> int:
+    async def load_weights(self, named_tensors: Mapping[str, Any], version: int) -> int:
+        """Refused: an EnvWorker's router is no weight sink."""
         raise TypeError("weights reach replicas through the weight-sync transport, not through an EnvWorker")

@@ -1,4 +1,4 @@
-"""Streaming full weights from learner rank 0 to K inference replicas over a broadcast group.
+"""The ``gloo`` and ``nccl`` transports: full weights from learner rank 0 to K replicas over a broadcast group.
 
 Wire protocol of one sync (every step is a collective of the whole group, each bounded by
 the phase timeout of the group, and each failure names its phase):
@@ -27,22 +27,25 @@ receivers cannot be told in-band: they raise WeightSyncTimeout at the pending bu
 sender raises at once, and both must build a new group before the next sync. A sender that
 fails for any other reason still drains its lazy source (FSDP peers gather in step with it).
 A failure at the header or vote leaves the group usable; any later failure breaks it.
+
+:class:`BroadcastScheme` builds both ends on a private group (`weight_sync.scheme.GroupScheme`); each
+receiver lands the buckets in a back buffer (:class:`DoubleBufferReceiver`) and swaps it in.
 """
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import time
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
 from rayllm_rl.weight_sync.buckets import (
-    TensorMeta, bucket_numel, pack, plan_buckets, plan_fingerprint, unpack_into,
+    TensorMeta, bucket_numel, metas_from_spec, pack, plan_buckets, plan_fingerprint, unpack_into,
 )
-from rayllm_rl.weight_sync.gloo_group import WeightSyncError, WeightSyncTimeout
+from rayllm_rl.weight_sync.common import WeightSyncError
+from rayllm_rl.weight_sync.ends import EndpointView, ReceiverEnd, SyncStats, TensorSource, Wrapping
+from rayllm_rl.weight_sync.scheme import GroupScheme, Spec
 
-__all__ = ["SyncStats", "WeightSender", "WeightReceiver", "DoubleBufferReceiver", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["WeightSender", "WeightReceiver", "DoubleBufferReceiver", "BroadcastScheme", "DEFAULT_BUCKET_BYTES"]
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 _MAGIC = 0x5753594E43  # "WSYNC"
@@ -50,22 +53,6 @@ _HEADER_LEN = 6
 _OK, _PLAN_MISMATCH, _BAD_DESTINATION, _BAD_MAGIC, _RECEIVE_FAILED = 0, 1, 2, 3, 4
 _CODE_TEXT = {_PLAN_MISMATCH: "header disagrees with its plan", _BAD_DESTINATION: "destination does not fit the plan",
               _BAD_MAGIC: "bad header magic", _RECEIVE_FAILED: "unpacking a bucket failed"}
-
-
-@dataclasses.dataclass
-class SyncStats:
-    """What one sync moved and how long it took (payload bytes, not counting control messages)."""
-
-    bytes: int
-    seconds: float
-    buckets: int
-    version: int
-    wait_seconds: float = 0.0
-    """Receivers only: time spent waiting for the sender's header before the transfer began."""
-
-    @property
-    def bytes_per_s(self) -> float:
-        return self.bytes / self.seconds if self.seconds > 0 else float("inf")
 
 
 def _describe_votes(votes: torch.Tensor) -> str:
@@ -132,160 +119,7 @@ class _Endpoint:
         self.group.broadcast(t, 0, self.timeout_s if timeout_s is None else timeout_s, phase=phase)
 
 
-class _Source:
-    """Tensors by name from a Mapping, or pulled lazily from an iterator of (name, tensor)."""
-
-    def __init__(self, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], known: set[str]):
-        self.mapping = named if isinstance(named, Mapping) else None
-        self.iter: Iterator[tuple[str, torch.Tensor]] | None = None if self.mapping is not None else iter(named)
-        self.pending: dict[str, torch.Tensor] = {}
-        self.known = known
-        self.failed = False  # the iterator itself raised
-
-    def _next(self) -> tuple[str, torch.Tensor] | None:
-        try:
-            return next(self.iter)
-        except StopIteration:
-            return None
-        except BaseException:
-            self.failed = True
-            raise
-
-    def drain(self) -> int:
-        """Consume what is left of a lazy source (keeps FSDP ranks that gather in step unblocked)."""
-        self.pending.clear()
-        if self.iter is None or self.failed:
-            return 0
-        n = 0
-        while self._next() is not None:
-            n += 1
-        return n
-
-    def take(self, name: str) -> torch.Tensor:
-        if self.mapping is not None:
-            if name not in self.mapping:
-                raise KeyError(f"tensor {name!r} is missing from the source")
-            return self.mapping[name]
-        if name in self.pending:
-            return self.pending.pop(name)
-        while (item := self._next()) is not None:  # out-of-order items wait in `pending`
-            n, t = item
-            if n not in self.known:
-                raise KeyError(f"the source yielded {n!r}, which is not in the plan")
-            if n == name:
-                return t
-            self.pending[n] = t
-        raise KeyError(f"the source ended before yielding {name!r}")
-
-
-class _EndpointView:
-    """What sender and receiver show of their endpoint: the plan and the last sync's stats."""
-
-    _ep: Any  # _Endpoint here; the object store's _Plan has the same fields
-
-    @property
-    def metas(self) -> list[TensorMeta]:
-        return self._ep.metas
-
-    @property
-    def buckets(self) -> list[list[TensorMeta]]:
-        return self._ep.buckets
-
-    @property
-    def last_stats(self) -> SyncStats | None:
-        return self._ep.last_stats
-
-
-class _HandoffPlan:
-    """The plan of a transport whose sender returns a handoff (the object store, Ray Direct
-    Transport): tensors, buckets, fingerprint, last stats, and errors naming the transport."""
-
-    def __init__(self, metas: Sequence[TensorMeta], bucket_bytes: int, timeout_s: float, rank: int, what: str):
-        self.metas = list(metas)
-        if not self.metas:
-            raise ValueError("weight sync: empty list of tensor metadata")
-        if not timeout_s > 0:
-            raise ValueError(f"weight sync: timeout_s must be > 0, got {timeout_s}")
-        self.buckets = plan_buckets(self.metas, int(bucket_bytes))
-        self.fingerprint = plan_fingerprint(self.buckets)
-        self.total_bytes = sum(m.nbytes for m in self.metas)
-        self.timeout_s, self.rank, self.what = float(timeout_s), rank, what
-        self.last_stats: SyncStats | None = None
-
-    def error(self, phase: str, message: str, timed_out: bool = False) -> WeightSyncError:
-        cls = WeightSyncTimeout if timed_out else WeightSyncError
-        return cls(f"weight sync phase '{phase}' {'timed out' if timed_out else 'failed'} on rank {self.rank} "
-                   f"({self.what}, timeout {self.timeout_s:g}s): {message}",
-                   phase=phase, rank=self.rank, world_size=None, timeout_s=self.timeout_s)
-
-    def take(self, source: "_Source", m: TensorMeta, phase: str) -> torch.Tensor:
-        """The source's tensor for `m`, checked against the plan."""
-        t = source.take(m.name)
-        if tuple(t.shape) != m.shape or t.dtype != m.dtype:
-            raise self.error(phase, f"{m.name} is {tuple(t.shape)}/{t.dtype}, planned {m.shape}/{m.dtype}")
-        return t
-
-    @contextlib.contextmanager
-    def publishing(self, source: "_Source"):
-        """A failed publish drains a lazy source (FSDP peers gather in step) and names its phase."""
-        try:
-            yield
-        except KeyError as exc:
-            source.drain()
-            raise self.error("publish", str(exc)) from exc
-        except WeightSyncError:
-            source.drain()
-            raise
-
-    def sent(self, t0: float, buckets: int, version: int) -> SyncStats:
-        self.last_stats = SyncStats(bytes=self.total_bytes, seconds=time.perf_counter() - t0, buckets=buckets,
-                                    version=int(version))
-        return self.last_stats
-
-
-def target_dtypes(target: Any, metas, who: str) -> dict[str, torch.dtype]:
-    """Check that `target.named_parameters()` has every planned tensor with its shape (a KeyError or
-    ValueError naming `who` and the first mismatches); returns the target's dtype per name."""
-    params = target.named_parameters()
-    unknown = [m.name for m in metas if m.name not in params]
-    if unknown:
-        raise KeyError(f"{who}: the target has no tensors named {unknown[:5]} (it has e.g. {list(params)[:3]})")
-    bad = [(m.name, m.shape, tuple(params[m.name].shape)) for m in metas if tuple(params[m.name].shape) != m.shape]
-    if bad:
-        raise ValueError(f"{who}: shapes differ (name, sent, target): {bad[:5]}")
-    return {m.name: params[m.name].dtype for m in metas}
-
-
-class _HeldReceiver(_EndpointView):
-    """A receiver whose bytes arrive as whole tensors (fetched, or delivered by Ray): it holds them
-    until `swap` hands them to its target between two decode steps."""
-
-    target: Any
-    _received: tuple[int, dict[str, torch.Tensor]] | None = None
-
-    def _hold(self, version: int, named: dict[str, torch.Tensor], t0: float, buckets: int) -> int:
-        self._received = (int(version), named)
-        self._ep.sent(t0, buckets, version)
-        return int(version)
-
-    def swap(self, version: int | None = None) -> float:
-        """Hand the received tensors to the target; returns the stall (s). The dict comes back
-        holding the target's previous storage and is dropped here."""
-        if self._received is None:
-            raise RuntimeError(f"{type(self).__name__}.swap: nothing received since the last swap")
-        received, named = self._received
-        self._received = None
-        try:
-            return float(self.target.swap_weights(named, received if version is None else int(version)))
-        except Exception as exc:
-            raise self._ep.error("swap", f"{type(exc).__name__}: {exc}") from exc
-
-    def close(self) -> None:
-        """Drop what was received and not swapped in (the target keeps its current weights)."""
-        self._received = None
-
-
-class WeightSender(_EndpointView):
+class WeightSender(EndpointView):
     """Rank 0 of the group: streams named tensors to every other rank.
 
     Args:
@@ -317,7 +151,7 @@ class WeightSender(_EndpointView):
         `header_timeout_s`: how long to wait for the receivers to join this sync (default: the
         phase timeout); every later phase uses the phase timeout.
         """
-        source = _Source(named, {m.name for m in self._ep.metas})
+        source = TensorSource(named, {m.name for m in self._ep.metas})
         try:
             return self._send(source, named, int(version), header_timeout_s)
         except Exception:
@@ -328,7 +162,7 @@ class WeightSender(_EndpointView):
                     pass
             raise
 
-    def _send(self, source: _Source, named, version: int, header_timeout_s: float | None) -> SyncStats:
+    def _send(self, source: TensorSource, named, version: int, header_timeout_s: float | None) -> SyncStats:
         ep = self._ep
         if self._broken is not None:
             raise ep._error("header", f"this sender is broken by an earlier failure ({self._broken}); "
@@ -385,7 +219,7 @@ class WeightSender(_EndpointView):
         return None
 
 
-class WeightReceiver(_EndpointView):
+class WeightReceiver(EndpointView):
     """A rank > 0 of the group: receives every update into a destination Mapping.
 
     Args:
@@ -476,7 +310,7 @@ class WeightReceiver(_EndpointView):
         return int(version)
 
 
-class DoubleBufferReceiver:
+class DoubleBufferReceiver(Wrapping, ReceiverEnd):
     """Receive into a back buffer while the engine keeps generating, then hand it over in one swap.
 
     `target` is whatever owns the weights (an engine's weight sink): it offers
@@ -490,7 +324,7 @@ class DoubleBufferReceiver:
 
     def __init__(self, target: Any, receiver: WeightReceiver, back: dict[str, torch.Tensor] | None = None):
         self.target = target
-        self.receiver = receiver
+        self.inner = receiver
         if back is None:
             params = target.named_parameters()
             unknown = [m.name for m in receiver.metas if m.name not in params]
@@ -505,19 +339,11 @@ class DoubleBufferReceiver:
         self._own = {t.data_ptr() for t in back.values()}  # storage this receiver may write
         self._received: int | None = None
 
-    @property
-    def metas(self) -> list[TensorMeta]:
-        return self.receiver.metas
-
-    @property
-    def last_stats(self) -> SyncStats | None:
-        return self.receiver.last_stats
-
     def receive(self, handoff: Any = None, *, header_timeout_s: float | None = None) -> int:
         """Fill the back buffer with the next update (generation continues); returns its version.
         `handoff` is unused: the bytes arrive through the group."""
         self._received = None
-        version = self.receiver.receive_into(self.back, header_timeout_s=header_timeout_s)
+        version = self.inner.receive_into(self.back, header_timeout_s=header_timeout_s)
         self._received = version
         return version
 
@@ -535,17 +361,20 @@ class DoubleBufferReceiver:
                 self._own.add(self.back[name].data_ptr())
         return stall
 
-    def receive_and_swap(self, *, header_timeout_s: float | None = None) -> dict[str, float | int]:
-        """receive() then swap(); returns version, receive_s, stall_s, transfer_s, bytes, bytes_per_s."""
-        t0 = time.perf_counter()
-        version = self.receive(header_timeout_s=header_timeout_s)
-        receive_s = time.perf_counter() - t0
-        stall = self.swap(version)
-        st = self.receiver.last_stats
-        return {"version": version, "receive_s": receive_s, "stall_s": stall,
-                "transfer_s": st.seconds if st else receive_s, "bytes": st.bytes if st else 0,
-                "bytes_per_s": st.bytes_per_s if st else 0.0}
-
     def close(self) -> None:
         """Forget a received update that was not swapped in (the group is closed by its owner)."""
         self._received = None
+
+
+class BroadcastScheme(GroupScheme):
+    """gloo and nccl: buckets broadcast over a private group; each receiver lands them in a back buffer
+    on the group's device, then swaps it in."""
+
+    def sender_in(self, group, spec: Spec, metas: Sequence[TensorMeta]) -> WeightSender:
+        return WeightSender(group, metas, spec.bucket_bytes)
+
+    def receiver_in(self, group, spec: Spec, target: Any) -> DoubleBufferReceiver:
+        metas = metas_from_spec(spec.metas)
+        params = target.named_parameters()
+        back = {m.name: torch.empty(m.shape, dtype=params[m.name].dtype, device=group.device) for m in metas}
+        return DoubleBufferReceiver(target, WeightReceiver(group, metas, spec.bucket_bytes), back)
