@@ -82,6 +82,8 @@ def test_sft_demonstrations_have_no_rollout_logprobs_to_compare(tokenizer, tiny_
 
     batch = make_sft_batch(tokenizer, [[{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]])
     batch["advantages"] = torch.zeros(1)
+    mask = batch["loss_mask"].clone()
     metrics = Learner(tiny_model_path, OptimConfig(lr=0.0)).train_step(batch, SFTLoss())
     assert metrics["mismatch_tokens"] == 0 and "mismatch_k3" not in metrics
+    assert torch.equal(batch["loss_mask"], mask) and metrics["nll"] > 0  # the demonstrations still train
 

@@ -63,9 +63,9 @@ class MismatchMeter:
         """`logp` `[n, T]`: the learner's logprobs of micro-batch `mb` (its `logprobs`, `loss_mask`,
         `versions` `[n, T]` and `prox_version` `[n]`: the version it is trained from, when known). Tokens
         of version < 0 (SFT demonstrations, prompts) were sampled by no engine and are left out."""
-        mask = mb["loss_mask"].bool().to(logp.device)
+        mask = mb["loss_mask"].bool().to(logp.device)  # may be the batch's own tensor: never edit it in place
         if "versions" in mb.keys():  # only tokens an engine sampled have a rollout logprob (SFT demos: version -1)
-            mask &= mb["versions"].to(logp.device) >= 0
+            mask = mask & (mb["versions"].to(logp.device) >= 0)
         lag = None
         if "prox_version" in mb.keys() and "versions" in mb.keys():
             lag = (mb["prox_version"].reshape(-1, 1).to(logp.device) - mb["versions"].to(logp.device))[mask]
