@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from rayllm_rl.orchestration.job_config import TASK_PRESETS
+from rayllm_rl.orchestration.presets import TASK_PRESETS
 
 
 def describe_presets() -> str:

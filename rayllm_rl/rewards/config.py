@@ -1,8 +1,9 @@
 """The job's `reward.*` section: a reward model and a generative judge beside the task's rule reward.
 
 Both are off by default (an empty `path`), so a job without a `reward` section trains on its task's
-rule reward exactly as before. `RewardConfig.check(backend)` runs inside `GRPOJobConfig.validate()`:
-every error names the key, before any actor starts.
+rule reward exactly as before. `RewardConfig.check()` runs inside `GRPOJobConfig.validate()`: every
+error names the key, before any actor starts. What the local backend allows is the job's own check
+(orchestration/job_checks.py), not this section's.
 """
 from __future__ import annotations
 
@@ -112,9 +113,9 @@ class RewardConfig:
         """{"model": weight, "judge": weight} of the parts that are on."""
         return {name: getattr(self, name).weight for name in ("model", "judge") if getattr(self, name).path}
 
-    def check(self, backend: str, environment: bool = True) -> None:
-        """Cross-field checks, each error naming its key; `backend` is trainer.backend, `environment` False
-        skips what depends on this machine (the judge engine's package installed)."""
+    def check(self, environment: bool = True) -> None:
+        """Cross-field checks, each error naming its key; `environment` False skips what depends on this
+        machine (the judge engine's package installed)."""
         for name, section, default in (("model", self.model, RewardModelConfig()), ("judge", self.judge, JudgeConfig())):
             if not section.path:
                 changed = [f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(default, f.name)]
@@ -134,11 +135,11 @@ class RewardConfig:
         if all(w == 0 for w in weights.values()):
             raise ValueError(f"every reward weight is 0 ({weights}): the policy would be trained on nothing")
         if self.model.path:
-            self._check_model(backend)
+            self._check_model()
         if self.judge.path:
-            self._check_judge(backend, environment)
+            self._check_judge(environment)
 
-    def _check_model(self, backend: str) -> None:
+    def _check_model(self) -> None:
         m = self.model
         _positive({"reward.model.num_actors": m.num_actors, "reward.model.batch_size": m.batch_size,
                    "reward.model.timeout_s": m.timeout_s})
@@ -146,10 +147,8 @@ class RewardConfig:
             key = "batch_wait_s" if m.batch_wait_s < 0 else "max_length"
             raise ValueError(f"reward.model.{key}={getattr(m, key)}: must be >= 0")
         _check_gpus("reward.model.gpus_per_actor", m.gpus_per_actor)
-        if backend == "local":
-            _local_only({"reward.model.num_actors": (m.num_actors, 1), "reward.model.gpus_per_actor": (m.gpus_per_actor, 0)})
 
-    def _check_judge(self, backend: str, environment: bool) -> None:
+    def _check_judge(self, environment: bool) -> None:
         from rayllm_rl.inference.registry import ENGINES, EngineJob, engine_class
 
         j = self.judge
@@ -161,7 +160,7 @@ class RewardConfig:
         options = judge_engine_options(j)  # an unknown option fails here
         try:  # what the engine refuses, said in the judge's keys
             engine_class(j.engine).check_job(EngineJob(
-                backend=backend, gpus_per_replica=j.gpus_per_replica, tensor_parallel_size=1, dtype=j.dtype, top_p=1.0,
+                gpus_per_replica=j.gpus_per_replica, tensor_parallel_size=1, dtype=j.dtype, top_p=1.0,
                 top_k=0, environment=environment, options=options))
         except ValueError as exc:
             raise ValueError(_judge_keys(str(exc))) from None
@@ -175,10 +174,6 @@ class RewardConfig:
                 raise ValueError(f"reward.judge.regex={j.regex!r} has no group: group 1 must capture the score")
             if not j.min_score < j.max_score:
                 raise ValueError(f"reward.judge.min_score={j.min_score} must be < reward.judge.max_score={j.max_score}")
-        if backend == "local":
-            _local_only({"reward.judge.num_replicas": (j.num_replicas, 1),
-                         "reward.judge.gpus_per_replica": (j.gpus_per_replica, 0),
-                         "reward.judge.engine": (j.engine, "transformers")})
 
 
 def judge_engine_options(judge: JudgeConfig):
@@ -226,11 +221,3 @@ def _positive(values: dict[str, float]) -> None:
 def _check_gpus(key: str, gpus: float) -> None:
     if gpus < 0 or (gpus > 1 and not float(gpus).is_integer()):
         raise ValueError(f"{key}={gpus}: must be 0 (CPU), a fraction of one GPU, or a whole number of GPUs")
-
-
-def _local_only(values: dict[str, tuple[Any, Any]]) -> None:
-    """trainer.backend=local runs one in-process scorer on the CPU: a key asking for more is refused."""
-    for key, (value, allowed) in values.items():
-        if value != allowed:
-            raise ValueError(f"{key}={value} needs trainer.backend=ray: the local backend runs one in-process "
-                             f"scorer on the CPU ({key.rsplit('.', 1)[-1]}={allowed})")
