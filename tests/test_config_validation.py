@@ -123,3 +123,48 @@ def test_switching_the_loss_keeps_what_the_user_set_and_takes_the_new_loss_defau
 def test_advantage_mode_is_a_literal():
     with pytest.raises(ConfigError, match=r"'algo.advantage.mode': 'groups' is not one of \('group', 'global', 'none'\)"):
         cfg_of("algo.advantage.mode=groups")
+
+
+@pytest.mark.parametrize("old, new, value", [
+    ("ray.buffer_episodes", "rollout.buffer_episodes", "64"), ("ray.call_timeout_s", "trainer.call_timeout_s", "30"),
+])
+def test_a_setting_both_backends_read_is_not_under_ray_and_its_old_key_names_the_new_one(old, new, value):
+    with pytest.raises(ConfigError, match=f"config key '{old}' moved to '{new}'"):
+        load_config(GRPOJobConfig, [f"{old}={value}"])
+    from rayllm_rl.orchestration.job_plan import make_plan
+
+    local = make_plan(cfg_of("trainer.backend=local", "rollout.buffer_episodes=64", "trainer.call_timeout_s=30"))
+    assert local.buffer_capacity == 64 and local.config.trainer.call_timeout_s == 30.0
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.backend=local", "ray.placement=colocated", "rollout.max_staleness=0"],
+     "ray.placement=colocated is a placement of the Ray backend's actors: set trainer.backend=ray"),
+    (["trainer.backend=local", "inference.engine=vllm"], "inference.engine=vllm runs in Ray replica actors: set trainer.backend=ray"),
+])
+def test_what_the_local_backend_cannot_run_is_the_configs_check(overrides, message):
+    """The backend rules live in the config's checks: an engine's `check_job` no longer sees the backend."""
+    import dataclasses
+
+    from rayllm_rl.inference.registry import EngineJob
+
+    assert "backend" not in {f.name for f in dataclasses.fields(EngineJob)}
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        cfg_of(*overrides)
+    cfg_of(*[o for o in overrides if not o.startswith("trainer.backend")])  # the Ray backend runs it
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("rollout.max_new_tokens", 0, "rollout.max_new_tokens=0: must be > 0"),
+    ("ray.replica_restarts", -1, "ray.replica_restarts=-1: must be >= 0"),
+    ("trainer.keep_checkpoints", -2, "trainer.keep_checkpoints=-2: must be >= 0"),
+    ("algo.kl_coef", -0.5, "algo.kl_coef=-0.5: must be >= 0"),
+])
+def test_field_limits_hold_from_the_command_line_and_from_python(key, value, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(GRPOJobConfig, [f"{key}={value}"])
+    cfg = GRPOJobConfig()
+    section, field = key.split(".")
+    setattr(getattr(cfg, section), field, value)
+    with pytest.raises(ConfigError, match=message):
+        cfg.validate()
