@@ -11,7 +11,12 @@ import dataclasses
 import math
 import re
 import string
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+from rayllm_rl.config import Limit
+
+PosInt, PosFloat = Annotated[int, Limit(gt=0)], Annotated[float, Limit(gt=0)]
+NonNegInt, NonNegFloat = Annotated[int, Limit(ge=0)], Annotated[float, Limit(ge=0)]
 
 DEFAULT_JUDGE_TEMPLATE = ("Question: {question}\nProposed answer: {completion}\nIs the proposed answer correct? "
                           "Reply 'Score: N' with N from 0 (wrong) to 10 (right).")
@@ -31,22 +36,22 @@ class RewardModelConfig:
     path: str = ""
     """A local HF model directory or hub id of an `AutoModelForSequenceClassification` with num_labels=1
     (e.g. a Skywork/ArmoRM-style RM); empty = off."""
-    num_actors: int = 1
+    num_actors: PosInt = 1
     """`reward-model-<i>` actors (Ray backend); env workers send each request to the least-busy one."""
     gpus_per_actor: float = 0.0
     """GPUs each reward-model actor asks Ray for (0 = CPU; a fraction shares a GPU; above 1, whole numbers)."""
-    batch_size: int = 32
+    batch_size: PosInt = 32
     """Score requests gathered into one forward (at most)."""
-    batch_wait_s: float = 0.005
+    batch_wait_s: NonNegFloat = 0.005
     """Seconds an actor waits for more requests after the first one before it runs a forward."""
-    timeout_s: float = 60.0
+    timeout_s: PosFloat = 60.0
     """Longest wait for one score (queueing included); past it the score is 0 and reward_model_timeouts += 1."""
     weight: float = 1.0
     """Weight of the reward model's score in the trained reward."""
     activation: Literal["identity", "sigmoid"] = "identity"
     """Applied to the model's logit: 'identity' (the raw score, what RMs trained with Bradley-Terry give) or
     'sigmoid' (a probability, for a classifier trained with binary cross-entropy)."""
-    max_length: int = 0
+    max_length: NonNegInt = 0
     """Tokens the model reads of each conversation (the end is kept); 0 = the model's max_position_embeddings."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Weights of the reward model."""
@@ -62,7 +67,7 @@ class JudgeConfig:
     """Engine of the judge's replicas, a name of the engine registry (inference/registry.py)."""
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     """The judge engine's own options (the same keys as inference.options for that engine)."""
-    num_replicas: int = 1
+    num_replicas: PosInt = 1
     """`judge-<i>` replica actors (Ray backend); they never receive weight updates."""
     gpus_per_replica: float = 0.0
     """GPUs each judge replica asks Ray for (0 = CPU)."""
@@ -83,9 +88,9 @@ class JudgeConfig:
     """'regex': the lowest score the judge may give (scaled to 0)."""
     max_score: float = 10.0
     """'regex': the highest score the judge may give (scaled to 1); a number outside the range is garbage (0)."""
-    max_new_tokens: int = 32
+    max_new_tokens: PosInt = 32
     """Tokens the judge may generate (greedy) per completion."""
-    timeout_s: float = 120.0
+    timeout_s: PosFloat = 120.0
     """Longest wait for one verdict; past it the score is 0 and reward_judge_timeouts += 1."""
     weight: float = 1.0
     """Weight of the judge's score in the trained reward."""
@@ -140,20 +145,13 @@ class RewardConfig:
             self._check_judge(environment)
 
     def _check_model(self) -> None:
-        m = self.model
-        _positive({"reward.model.num_actors": m.num_actors, "reward.model.batch_size": m.batch_size,
-                   "reward.model.timeout_s": m.timeout_s})
-        if m.batch_wait_s < 0 or m.max_length < 0:
-            key = "batch_wait_s" if m.batch_wait_s < 0 else "max_length"
-            raise ValueError(f"reward.model.{key}={getattr(m, key)}: must be >= 0")
+        m = self.model  # its counts and timeouts have their limits in their types
         _check_gpus("reward.model.gpus_per_actor", m.gpus_per_actor)
 
     def _check_judge(self, environment: bool) -> None:
         from rayllm_rl.inference.registry import ENGINES, EngineJob, engine_class
 
         j = self.judge
-        _positive({"reward.judge.num_replicas": j.num_replicas, "reward.judge.max_new_tokens": j.max_new_tokens,
-                   "reward.judge.timeout_s": j.timeout_s})
         _check_gpus("reward.judge.gpus_per_replica", j.gpus_per_replica)
         if j.engine not in ENGINES:
             raise ValueError(f"reward.judge.engine must be one of {tuple(ENGINES)}, got {j.engine!r}")
@@ -210,12 +208,6 @@ def check_template(template: str) -> tuple[str, ...]:
     if "completion" not in names:
         raise ValueError("reward.judge.template must use {completion} (the policy's answer the judge grades)")
     return names
-
-
-def _positive(values: dict[str, float]) -> None:
-    for key, value in values.items():
-        if not value > 0:
-            raise ValueError(f"{key}={value}: must be > 0")
 
 
 def _check_gpus(key: str, gpus: float) -> None:
