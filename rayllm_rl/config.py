@@ -15,7 +15,7 @@ import textwrap
 import types
 import typing
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import yaml
 
@@ -41,6 +41,13 @@ class Limit:
             raise ConfigError(f"{key}={value}: must be >= {self.ge:g}")
         if self.gt is not None and not value > self.gt:
             raise ConfigError(f"{key}={value}: must be > {self.gt:g}")
+
+
+NonNegInt = Annotated[int, Limit(ge=0)]
+NonNegFloat = Annotated[float, Limit(ge=0)]
+PosInt = Annotated[int, Limit(gt=0)]
+PosFloat = Annotated[float, Limit(gt=0)]
+"""The common limits, as field types: `steps: NonNegInt = 0`, `lr: PosFloat | None = None`."""
 
 
 def field_limits(cls: type) -> dict[str, Limit]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Literal
 
-from rayllm_rl.config import Limit
+from rayllm_rl.config import Limit, NonNegFloat, NonNegInt, PosFloat, PosInt
 from rayllm_rl.objectives import AdvantageConfig
 
 Aggregation = Literal["token-mean", "seq-mean", "seq-sum"]
@@ -22,12 +22,12 @@ class AlgoBase:
 
     name: str = ""
     """Loss name: grpo, dapo, dr_grpo, cispo, ppo_decoupled, grpo_tis, sft (rayllm_rl.objectives.LOSSES)."""
-    kl_reward_coef: Annotated[float, Limit(ge=0)] = 0.0
+    kl_reward_coef: NonNegFloat = 0.0
     """KL-in-reward (KLRewardTransform): reward -= coef * sum_t (logp_behav - logp_ref) over the
     completion, with reference logprobs from a frozen reference model (0 = off)."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal and sample new prompts to keep the batch full."""
-    overlong_buffer_len: Annotated[int, Limit(ge=0)] = 0
+    overlong_buffer_len: NonNegInt = 0
     """DAPO overlong shaping: linear penalty over the last N tokens of the budget (0 = off)."""
     overlong_penalty: float = 1.0
     """DAPO overlong shaping: penalty at (and beyond) the full generation budget."""
@@ -56,9 +56,9 @@ class AlgoBase:
 class _PPOClip:
     """The PPO ratio clip."""
 
-    clip_eps_low: Annotated[float, Limit(ge=0)] = 0.2
+    clip_eps_low: NonNegFloat = 0.2
     """Lower ratio clip: ratios below 1 - clip_eps_low are clipped."""
-    clip_eps_high: Annotated[float, Limit(ge=0)] = 0.2
+    clip_eps_high: NonNegFloat = 0.2
     """Upper ratio clip: ratios above 1 + clip_eps_high are clipped."""
     clip_ratio_c: Annotated[float, Limit(gt=1)] | None = None
     """Dual-clip (verl's clip_ratio_c, 3.0 there when on; None = off, must be > 1): for a negative
@@ -70,11 +70,11 @@ class _PPOClip:
 class _KLPenalty:
     """The KL penalties inside the loss."""
 
-    kl_coef: Annotated[float, Limit(ge=0)] = 0.0
+    kl_coef: NonNegFloat = 0.0
     """Coefficient of the KL penalty to the reference policy (0 = off)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator: k1, k2 or k3."""
-    kl_behav_coef: Annotated[float, Limit(ge=0)] = 0.0
+    kl_behav_coef: NonNegFloat = 0.0
     """Coefficient of the KL penalty to the inference (behaviour) policy that sampled the tokens (0 = off)."""
 
 
@@ -108,7 +108,7 @@ class DAPOAlgo(_Aggregation, _PPOClip, AlgoBase):
     """DAPO (DAPOLoss): clip-higher, token-mean, no KL penalty."""
 
     name: Literal["dapo"] = "dapo"
-    clip_eps_high: Annotated[float, Limit(ge=0)] = 0.28
+    clip_eps_high: NonNegFloat = 0.28
 
 
 @dataclasses.dataclass
@@ -116,7 +116,7 @@ class DrGRPOAlgo(_KLPenalty, _PPOClip, AlgoBase):
     """Dr.GRPO (DrGRPOLoss): a constant length normaliser."""
 
     name: Literal["dr_grpo"] = "dr_grpo"
-    max_tokens: Annotated[int, Limit(gt=0)] | None = None
+    max_tokens: PosInt | None = None
     """Dr.GRPO's constant length normaliser (None = rollout.max_new_tokens)."""
 
     def loss_options(self, max_new_tokens: int | None = None) -> dict:
@@ -133,9 +133,9 @@ class CISPOAlgo(_Aggregation, AlgoBase):
     """CISPO (CISPOLoss): clipped importance weights, no PPO clip."""
 
     name: Literal["cispo"] = "cispo"
-    clip_eps_low: Annotated[float, Limit(ge=0)] | None = None
+    clip_eps_low: NonNegFloat | None = None
     """Lower weight clip (None = no lower clip)."""
-    clip_eps_high: Annotated[float, Limit(ge=0)] = 0.28
+    clip_eps_high: NonNegFloat = 0.28
     """Upper weight clip."""
 
 
@@ -144,7 +144,7 @@ class PPODecoupledAlgo(_Proximal, _Aggregation, _KLPenalty, _PPOClip, AlgoBase):
     """Decoupled PPO (DecoupledPPOLoss): the behaviour weight exp(logp_prox - logp_behav), capped or masked."""
 
     name: Literal["ppo_decoupled"] = "ppo_decoupled"
-    behav_weight_cap: Annotated[float, Limit(gt=0)] = 5.0
+    behav_weight_cap: PosFloat = 5.0
     """Cap of the behaviour weight exp(logp_prox - logp_behav)."""
     behav_weight_mode: Literal["cap", "mask"] = "cap"
     """'cap' (truncate the weight) or 'mask' (drop tokens above the cap)."""
@@ -159,7 +159,7 @@ class GRPOTISAlgo(_Proximal, _Aggregation, _KLPenalty, _PPOClip, AlgoBase):
     """Truncated importance sampling at 'token' or 'sequence' level."""
     tis_mode: Literal["truncate", "mask"] = "truncate"
     """'truncate' or 'mask' weights above tis_cap."""
-    tis_cap: Annotated[float, Limit(gt=0)] = 2.0
+    tis_cap: PosFloat = 2.0
     """Cap of the importance weight exp(logp_prox - logp_behav)."""
 
 

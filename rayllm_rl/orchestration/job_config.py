@@ -9,20 +9,16 @@ user holds keeps what the user wrote. `algo.*` is one options class per loss (`a
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
+from rayllm_rl.config import NonNegFloat, NonNegInt, PosFloat, PosInt
 from rayllm_rl.envs.reasoning_gym_task import ReasoningGymConfig
 from rayllm_rl.learner.learner import OptimConfig
 from rayllm_rl.lora import LoraOptions
-from rayllm_rl.config import Limit
 from rayllm_rl.orchestration.algo_config import ALGOS, AlgoBase, AlgoConfig, GRPOAlgo
 from rayllm_rl.orchestration.presets import LORA_LR_PRESETS, TASK_PRESETS, resolve_presets
 from rayllm_rl.rewards.config import RewardConfig
 
-NonNegInt = Annotated[int, Limit(ge=0)]
-NonNegFloat = Annotated[float, Limit(ge=0)]
-PosInt = Annotated[int, Limit(gt=0)]
-PosFloat = Annotated[float, Limit(gt=0)]
 
 @dataclasses.dataclass
 class ModelConfig:

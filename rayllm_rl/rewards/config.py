@@ -11,12 +11,9 @@ import dataclasses
 import math
 import re
 import string
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from rayllm_rl.config import Limit
-
-PosInt, PosFloat = Annotated[int, Limit(gt=0)], Annotated[float, Limit(gt=0)]
-NonNegInt, NonNegFloat = Annotated[int, Limit(ge=0)], Annotated[float, Limit(ge=0)]
+from rayllm_rl.config import NonNegFloat, NonNegInt, PosFloat, PosInt
 
 DEFAULT_JUDGE_TEMPLATE = ("Question: {question}\nProposed answer: {completion}\nIs the proposed answer correct? "
                           "Reply 'Score: N' with N from 0 (wrong) to 10 (right).")
