@@ -29,7 +29,7 @@ def run(eta: int, args, run_root: str) -> dict:
         f"rollout.max_new_tokens={args.new_tokens}", f"rollout.max_staleness={eta}",
         f"ray.num_replicas={args.replicas}", f"ray.num_env_workers={args.replicas}",
         f"trainer.run_dir={run_root}/eta{eta}", "trainer.time_budget_s=0",
-    ])
+    ]).validate()
     summary = train(cfg)
     records = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in records if r["phase"] == "rl"][args.warmup_steps:]  # skip start-up steps

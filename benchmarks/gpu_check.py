@@ -64,7 +64,7 @@ DEFAULTS = {  # per device: (model, requests, prompt_len, new_tokens, demo steps
 }
 CPU_DEMO = ("sft.steps=2", "data.eval_size=16", "data.max_operand=9", "rollout.prompts_per_step=4",
             "rollout.group_size=4", "rollout.max_new_tokens=6", "trainer.eval_every=0", "trainer.log_every=100",
-            "ray.call_timeout_s=120", "ray.sync_timeout_s=60")
+            "trainer.call_timeout_s=120", "ray.sync_timeout_s=60")
 """The CPU smoke demo: the default job made small (the shape tests/test_ray_pipeline.py runs)."""
 COLOCATED_ONE_GPU = ("ray.placement=colocated", "ray.gpus_per_replica=1", "ray.gpus_per_learner=1",
                      "model.dtype=bfloat16", "rollout.max_staleness=0")

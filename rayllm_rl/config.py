@@ -1,7 +1,10 @@
 """Typed dataclass configs: load from YAML, override with `key.sub=value`, document every field.
 
 Each field's docstring is the string literal written under it in the dataclass body; `--help`
-prints them. Unknown keys and ill-typed values fail with an error naming the key.
+prints them. Unknown keys, ill-typed values and values outside a field's `Limit` fail with an error
+naming the key; a key a section lists in `moved_keys` fails naming its new place. A field typed as a
+union of dataclasses that each fix a one-value `Literal` `name` is a discriminated union: `name`
+picks the class, and a key the chosen class lacks fails naming the classes that take it.
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import textwrap
 import types
 import typing
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import yaml
 
@@ -21,6 +24,42 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """A config file or override names an unknown key or has a value of the wrong type."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Limit:
+    """Bounds of a number field, written in its type (`Annotated[int, Limit(ge=0)]`) and checked wherever
+    a value is set: the YAML and the command line (`apply_dict`) and a Python assignment (`check_fields`)."""
+
+    ge: float | None = None
+    gt: float | None = None
+
+    def check(self, key: str, value: Any) -> None:
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            return
+        if self.ge is not None and not value >= self.ge:
+            raise ConfigError(f"{key}={value}: must be >= {self.ge:g}")
+        if self.gt is not None and not value > self.gt:
+            raise ConfigError(f"{key}={value}: must be > {self.gt:g}")
+
+
+NonNegInt = Annotated[int, Limit(ge=0)]
+NonNegFloat = Annotated[float, Limit(ge=0)]
+PosInt = Annotated[int, Limit(gt=0)]
+PosFloat = Annotated[float, Limit(gt=0)]
+"""The common limits, as field types: `steps: NonNegInt = 0`, `lr: PosFloat | None = None`."""
+
+
+def field_limits(cls: type) -> dict[str, Limit]:
+    """Field name -> the `Limit` in its `Annotated[...]` type (also inside `X | None`)."""
+    out: dict[str, Limit] = {}
+    for name, tp in typing.get_type_hints(cls, include_extras=True).items():
+        parts = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+        for part in parts:
+            for meta in getattr(part, "__metadata__", ()):
+                if isinstance(meta, Limit):
+                    out[name] = meta
+    return out
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -122,24 +161,86 @@ def _hints(cls: type) -> dict[str, Any]:
 
 
 def apply_dict(cfg: T, values: dict[str, Any], prefix: str = "") -> T:
-    """Return a copy of dataclass `cfg` with nested `values` applied (type-checked)."""
-    hints = _hints(type(cfg))
+    """Return a copy of dataclass `cfg` with nested `values` applied (type-checked, limits checked)."""
+    hints, limits = _hints(type(cfg)), field_limits(type(cfg))
     names = {f.name for f in dataclasses.fields(cfg)}
     changes = {}
     for k, v in values.items():
         key = f"{prefix}{k}"
         if k not in names:
+            moved = getattr(type(cfg), "moved_keys", {}).get(k)
+            if moved:
+                raise ConfigError(f"config key {key!r} moved to {moved!r}: write {moved}=...")
             raise ConfigError(f"unknown config key {key!r}; valid keys here: {sorted(names)}")
         current = getattr(cfg, k)
         if dataclasses.is_dataclass(current):
             if not isinstance(v, dict):
                 raise ConfigError(f"config key {key!r} is a section; give sub-keys like {key}.<name>=...")
-            changes[k] = apply_dict(current, v, prefix=key + ".")
+            variants = union_variants(hints[k])
+            changes[k] = (_apply_variant(current, v, key, variants) if variants
+                          else apply_dict(current, v, prefix=key + "."))
         else:
             changes[k] = _coerce(v, hints[k], key)
+            if k in limits:
+                limits[k].check(key, changes[k])
             if isinstance(current, dict) and isinstance(changes[k], dict):  # a mapping merges (YAML, then the command line)
                 changes[k] = {**current, **changes[k]}
     return dataclasses.replace(cfg, **changes)
+
+
+def union_variants(tp: Any) -> dict[str, type] | None:
+    """{name: class} when `tp` is a union of dataclasses that each fix `name` to one `Literal` value
+    (a discriminated union such as the job's `algo`, picked by `algo.name`); else None."""
+    if typing.get_origin(tp) not in (typing.Union, types.UnionType):
+        return None
+    out = {}
+    for cls in typing.get_args(tp):
+        tag = typing.get_args(typing.get_type_hints(cls).get("name")) if dataclasses.is_dataclass(cls) else ()
+        if len(tag) != 1:
+            return None
+        out[tag[0]] = cls
+    return out
+
+
+def _not_taken(key: str, field: str, value: Any, tag: str, variants: dict[str, type]) -> ConfigError:
+    """The error for `key.field`, which the class `key.name=tag` picks has no field for."""
+    takers = sorted(t for t, cls in variants.items() if field in {f.name for f in dataclasses.fields(cls)})
+    if not takers:
+        valid = sorted(f.name for f in dataclasses.fields(variants[tag]))
+        return ConfigError(f"unknown config key {key}.{field!r}; valid keys with {key}.name={tag}: {valid}")
+    try:  # shown as the field's type reads it (the command line's "0.1" is 0.1)
+        value = _coerce(value, _hints(variants[takers[0]])[field], f"{key}.{field}")
+    except ConfigError:
+        pass
+    return ConfigError(f"{key}.{field}={value} is not read by {key}.name={tag} (it is by {takers}); unset it "
+                       "or choose one of those")
+
+
+def switch_variant(current: Any, cls: type, key: str, variants: dict[str, type]) -> Any:
+    """`current` as an instance of the union member `cls`: each field the user changed from its class's
+    default is carried (or refused where `cls` has no such field); the rest take `cls`'s own defaults."""
+    names, defaults = {f.name for f in dataclasses.fields(cls)}, type(current)()
+    carried = {}
+    for f in dataclasses.fields(current):
+        value = getattr(current, f.name)
+        if f.name == "name" or value == getattr(defaults, f.name):
+            continue
+        if f.name not in names:
+            raise _not_taken(key, f.name, value, cls().name, variants)
+        carried[f.name] = value
+    return cls(**carried)
+
+
+def _apply_variant(current: Any, values: dict[str, Any], key: str, variants: dict[str, type]) -> Any:
+    """`values` applied to the discriminated-union section `current`, switching class if `name` changes."""
+    tag = _coerce(values.get("name", current.name), typing.Literal[tuple(variants)], f"{key}.name")
+    cls = variants[tag]
+    names = {f.name for f in dataclasses.fields(cls)}
+    for field, value in values.items():
+        if field not in names:
+            raise _not_taken(key, field, value, tag, variants)
+    base = current if type(current) is cls else switch_variant(current, cls, key, variants)
+    return apply_dict(base, {k: v for k, v in values.items() if k != "name"}, prefix=key + ".")
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
@@ -171,18 +272,16 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def load_config(cls: type[T], argv: list[str] | None = None, *, config_key: str = "config") -> T:
-    """Defaults of `cls`, then the YAML file given as `config=path.yaml`, then overrides; last, a class
-    with a `resolve()` method (GRPOJobConfig: task presets, dtype=auto) has it called, so every field
-    the user left to a preset holds its value."""
+    """Defaults of `cls`, then the YAML file given as `config=path.yaml`, then overrides. What the user
+    wrote, nothing more: fields left to a preset stay None until the job's `validate()` resolves them
+    (GRPOJobConfig: `presets.resolve_presets`, which returns a new config)."""
     argv = list(argv or [])
     cfg = cls()
     files = [a.split("=", 1)[1] for a in argv if a.startswith(f"{config_key}=")]
     for f in files:
         cfg = apply_dict(cfg, load_yaml(f))
     rest = [a for a in argv if not a.startswith(f"{config_key}=")]
-    cfg = apply_dict(cfg, parse_overrides(rest))
-    resolve = getattr(cfg, "resolve", None)
-    return resolve() if callable(resolve) else cfg
+    return apply_dict(cfg, parse_overrides(rest))
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
@@ -190,33 +289,43 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def describe(cfg: Any, prefix: str = "") -> str:
-    """Every key with its default value and docstring (for `--help`)."""
+    """Every key with its default value and docstring (for `--help`); a discriminated-union section
+    shows the chosen class's keys, then what each other `name` takes."""
     lines = []
-    docs = field_docs(type(cfg))
+    docs, hints = field_docs(type(cfg)), _hints(type(cfg))
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         key = f"{prefix}{f.name}"
         if dataclasses.is_dataclass(value):
             lines.append(f"{key}: {docs.get(f.name, '')}")
             lines.append(describe(value, prefix=key + "."))
+            variants = union_variants(hints[f.name]) or {}
+            shared = set.intersection(*({g.name for g in dataclasses.fields(c)} for c in variants.values())) \
+                if variants else set()
+            for tag, cls in variants.items():  # each member's own keys, with its defaults
+                own = ", ".join(f"{g.name}={getattr(cls(), g.name)!r}" for g in dataclasses.fields(cls)
+                                if g.name not in shared)
+                lines.append(f"  {key}.name={tag} takes: {own or '(no other key)'}")
         else:
             lines.append(f"  {key}={value!r}  {docs.get(f.name, '')}")
     return "\n".join(lines)
 
 
-def check_literals(cfg: Any, prefix: str = "") -> None:
-    """Every `Literal` field of a (nested) config dataclass holds an allowed value: catches values set
-    in Python, which never pass through the YAML/command-line parser. Raises ConfigError naming the
-    key, the value and the allowed values."""
-    hints = typing.get_type_hints(type(cfg))
+def check_fields(cfg: Any, prefix: str = "") -> None:
+    """Every `Literal` field of a (nested) config dataclass holds an allowed value and every number is
+    within its `Limit`: catches values set in Python, which never pass through the YAML/command-line
+    parser. Raises ConfigError naming the key, the value and what is allowed."""
+    hints, limits = typing.get_type_hints(type(cfg)), field_limits(type(cfg))
     for f in dataclasses.fields(cfg):
         value, tp, key = getattr(cfg, f.name), hints.get(f.name), f"{prefix}{f.name}"
         if dataclasses.is_dataclass(value):
-            check_literals(value, key + ".")
+            check_fields(value, key + ".")
             continue
         allowed = _literal_values(tp)
         if allowed is not None and value not in allowed:
             raise ConfigError(f"config key {key!r}: {value!r} is not one of {allowed}")
+        if f.name in limits:
+            limits[f.name].check(key, value)
 
 
 def _literal_values(tp: Any) -> tuple | None:

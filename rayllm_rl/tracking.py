@@ -1,4 +1,4 @@
-"""Experiment trackers (`trainer.loggers`): TensorBoard, Weights & Biases (offline) and MLflow (local file store).
+"""Experiment trackers (`trackers.loggers`): TensorBoard, Weights & Biases (offline) and MLflow (local file store).
 
 `RunReporter` writes metrics.jsonl itself (the `jsonl` logger) and hands every record to a `Trackers` fan-out:
 each tracker logs the record's numeric fields as scalars named `<phase>/<field>` at the record's step
@@ -19,13 +19,13 @@ from typing import Any, Callable
 from rayllm_rl.loop_thread import run_bounded
 
 LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
-"""Names `trainer.loggers` accepts: `jsonl` is RunReporter's metrics.jsonl, the others are classes below."""
+"""Names `trackers.loggers` accepts: `jsonl` is RunReporter's metrics.jsonl, the others are classes below."""
 
 DEFAULT_PROJECT = "rayllm_rl"
 """W&B project and MLflow experiment when the config names none."""
 
 
-def check_logger_names(names: list[str] | tuple[str, ...], key: str = "trainer.loggers") -> None:
+def check_logger_names(names: list[str] | tuple[str, ...], key: str = "trackers.loggers") -> None:
     """Raise ValueError naming `key` for an unknown or repeated logger name."""
     unknown = [n for n in names if n not in LOGGERS]
     if unknown:
@@ -136,7 +136,7 @@ class WandbTracker(Tracker):
         settings = wandb.Settings(
             mode=mode, silent=True, console="off", x_disable_stats=True, x_disable_meta=True,
             x_disable_machine_info=True, x_save_requirements=False, disable_git=True, save_code=False,
-            init_timeout=float(getattr(options, "tracker_timeout_s", 60.0)), reinit="create_new")
+            init_timeout=float(getattr(options, "timeout_s", 60.0)), reinit="create_new")
         self.run = wandb.init(project=getattr(options, "wandb_project", "") or DEFAULT_PROJECT,
                               name=run_dir.name, dir=str(run_dir), settings=settings)
         self._phases: set[str] = set()
@@ -156,7 +156,7 @@ class WandbTracker(Tracker):
 
 
 class MlflowTracker(Tracker):
-    """An MLflow run in `trainer.mlflow_tracking_uri`, by default the file store `<run_dir>/mlruns` (MLflow
+    """An MLflow run in `trackers.mlflow_tracking_uri`, by default the file store `<run_dir>/mlruns` (MLflow
     keeps that backend in maintenance mode behind MLFLOW_ALLOW_FILE_STORE, which this sets for a file URI).
     Params: the flattened config, values cut to MLflow's length limit. View: `mlflow ui --backend-store-uri
     <run_dir>/mlruns`."""
@@ -210,7 +210,7 @@ class Trackers:
                  factories: dict[str, Callable[[Path, Any], Tracker]] | None = None):
         check_logger_names(list(names))
         self.say, self.record = say, record
-        self.timeout_s = float(getattr(options, "tracker_timeout_s", 60.0))
+        self.timeout_s = float(getattr(options, "timeout_s", 60.0))
         self.dropped: list[dict[str, str]] = []
         self.steps = StepCounter()
         self.active: list[Tracker] = []

@@ -44,7 +44,7 @@ def test_colocated_on_gpus_plans_cuda_ipc_and_vllm_sleep_mode_with_half_the_gpu(
     from rayllm_rl.weight_sync.registry import plan_transport
 
     cfg = _cfg(*COLOCATED, "ray.gpus_per_replica=1", "ray.gpus_per_learner=1", "inference.engine=vllm")
-    cfg.validate(environment=False)
+    cfg = cfg.validate(environment=False)
     assert cfg.model.dtype == "bfloat16"  # auto, with GPUs on both sides
     assert plan_transport("auto", learner_gpus=True, replica_gpus=True, learner_node="a", replica_nodes=["a"],
                           colocated=True) == "cuda_ipc"  # the weights stay on the GPU they share
@@ -79,7 +79,7 @@ def test_colocated_turns_sleep_train_hand_over_wake_and_nothing_generates_while_
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=f"/tmp/rayllm-colo-{os.getpid()}",
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
-    cfg = _cfg(*COLOCATED, f"inference.engine={engine}", f"trainer.run_dir={tmp_path}", "ray.call_timeout_s=120",
+    cfg = _cfg(*COLOCATED, f"inference.engine={engine}", f"trainer.run_dir={tmp_path}", "trainer.call_timeout_s=120",
                "ray.namespace=rayllm_colo").validate()
     model_path = ensure_tiny_model()
     backend = RayBackend(make_plan(cfg.validate()), model_path, build_task(cfg), AutoTokenizer.from_pretrained(model_path))

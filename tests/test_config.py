@@ -200,19 +200,13 @@ class WithPreset:
     size: Optional[int] = None
     """None = the kind's preset."""
 
-    def resolve(self) -> "WithPreset":
-        if self.size is None:
-            self.size = {"small": 1, "large": 100}[self.kind]
-        return self
 
-
-def test_load_config_resolves_after_file_and_overrides(tmp_path):
+def test_load_config_returns_what_the_user_wrote_and_resolution_is_the_callers(tmp_path):
     path = tmp_path / "p.yaml"
     path.write_text("kind: large\n")
-    assert load_config(WithPreset, [f"config={path}"]).size == 100  # the file's kind, not the default's
-    assert load_config(WithPreset, [f"config={path}", "size=7"]).size == 7  # a value given wins
-    assert load_config(WithPreset, []).size == 1
-    assert load_config(Job, []) == Job()  # a class without resolve() is returned as built
+    assert load_config(WithPreset, [f"config={path}"]) == WithPreset("large", None)  # left to the preset
+    assert load_config(WithPreset, [f"config={path}", "size=7"]) == WithPreset("large", 7)  # a value given stays
+    assert load_config(Job, []) == Job()
 
 
 def test_unknown_key_in_yaml_file_names_it(tmp_path):
@@ -345,12 +339,13 @@ def test_grpo_job_config_overrides_and_build_loss():
     assert cfg.algo.clip_eps_high == 0.28
     assert cfg.rollout.group_size == 4
     assert cfg.algo.advantage.std is False
-    # untouched neighbours keep their defaults (None = the chosen loss's own default)
-    assert cfg.algo.clip_eps_low is None
+    # untouched neighbours keep their defaults (the chosen loss's own, held by its options class)
+    assert cfg.algo.clip_eps_low == 0.2
     assert cfg.algo.advantage.mean is True
     assert cfg.algo.advantage.mode == "group"
     assert cfg.rollout.prompts_per_step == 16
-    assert cfg.optim.lr == 5e-5 and cfg.optim.warmup_steps == 10
+    assert cfg.optim.lr is None and cfg.optim.warmup_steps == 10  # None: the task's preset, filled by validate()
+    assert cfg.validate().optim.lr == 5e-5
     loss = cfg.algo.build_loss()
     assert loss.clip_eps_low == 0.2  # GRPOLoss default
     assert type(loss) is GRPOLoss
@@ -469,7 +464,8 @@ def test_engine_and_placement_mistakes_fail_before_any_actor(argv, message):
 def test_valid_gpu_config_passes_validation():
     cfg = _job("inference.engine=vllm", "model.dtype=bfloat16", "ray.gpus_per_replica=2", "ray.tensor_parallel_size=2",
                "ray.gpus_per_learner=1", "ray.sync_transport=nccl")
-    assert cfg.validate() is cfg
+    resolved = cfg.validate()
+    assert resolved is not cfg and resolved.model.dtype == "bfloat16" and resolved.rollout.max_new_tokens == 10
 
 
 @pytest.mark.slow

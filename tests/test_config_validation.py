@@ -70,20 +70,101 @@ def test_a_loss_field_the_chosen_loss_never_reads_is_an_error():
 
 
 def test_algo_names_are_the_registered_losses_and_enums_are_checked():
-    import typing
-
     from rayllm_rl.objectives import LOSSES
-    from rayllm_rl.orchestration.job_config import AlgoConfig
+    from rayllm_rl.orchestration.job_config import ALGOS
 
-    assert set(typing.get_args(typing.get_type_hints(AlgoConfig)["name"])) == set(LOSSES)
+    assert list(ALGOS) == ["grpo", "dapo", "dr_grpo", "cispo", "ppo_decoupled", "grpo_tis", "sft"]
+    assert set(ALGOS) == set(LOSSES)
     with pytest.raises(ConfigError, match="'algo.name': 'grpoo' is not one of"):
         cfg_of("algo.name=grpoo")
     cfg = GRPOJobConfig()
     cfg.algo.kl_estimator = "k4"
-    with pytest.raises(ConfigError, match=r"'algo.kl_estimator': 'k4' is not one of \('k1', 'k2', 'k3', None\)"):
+    with pytest.raises(ConfigError, match=r"'algo.kl_estimator': 'k4' is not one of \('k1', 'k2', 'k3'\)"):
+        cfg.validate()
+
+
+def test_each_loss_options_class_holds_exactly_its_loss_arguments_with_the_loss_defaults():
+    """The options classes are written out by hand: they must stay the losses' keyword arguments (a test
+    reads the constructors' signatures so that the config never has to)."""
+    import dataclasses
+    import inspect
+
+    from rayllm_rl.objectives import LOSSES
+    from rayllm_rl.orchestration.job_config import ALGOS, AlgoBase
+
+    shared = {f.name for f in dataclasses.fields(AlgoBase)}
+    exposed_elsewhere = {"sft": {"loss_function", "beta", "kl_to_ref_coeff", "normalize_by_seq_length"}}
+    for name, cls in ALGOS.items():
+        params = inspect.signature(LOSSES[name]).parameters
+        options = cls().loss_options(max_new_tokens=7)
+        assert set(options) == set(params) - exposed_elsewhere.get(name, set()), name
+        for key, value in options.items():
+            if not (name == "dr_grpo" and key == "max_tokens"):  # rollout.max_new_tokens there
+                assert value == params[key].default, (name, key)
+
+
+def test_switching_the_loss_keeps_what_the_user_set_and_takes_the_new_loss_defaults(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("algo:\n  name: dapo\n  clip_eps_low: 0.1\n  kl_reward_coef: 0.01\n")
+    grpo = load_config(GRPOJobConfig, [f"config={path}", "algo.name=grpo"]).algo
+    assert (grpo.name, grpo.clip_eps_low, grpo.clip_eps_high, grpo.kl_reward_coef) == ("grpo", 0.1, 0.2, 0.01)
+    dapo = load_config(GRPOJobConfig, [f"config={path}"]).algo
+    assert (dapo.clip_eps_low, dapo.clip_eps_high) == (0.1, 0.28)  # DAPO's own clip-higher
+    with pytest.raises(ConfigError, match=r"algo\.clip_eps_low=0\.1 is not read by algo\.name=sft \(it is by \["):
+        load_config(GRPOJobConfig, [f"config={path}", "algo.name=sft"])
+    with pytest.raises(ConfigError, match=r"unknown config key algo\.'nope'; valid keys with algo\.name=grpo"):
+        cfg_of("algo.nope=1")
+    cfg = GRPOJobConfig()
+    cfg.algo.name = "dapo"  # set from Python on GRPO's options: refused, not silently GRPO
+    with pytest.raises(ValueError, match="'algo.name': 'dapo' is not one of \\('grpo',\\)"):
         cfg.validate()
 
 
 def test_advantage_mode_is_a_literal():
     with pytest.raises(ConfigError, match=r"'algo.advantage.mode': 'groups' is not one of \('group', 'global', 'none'\)"):
         cfg_of("algo.advantage.mode=groups")
+
+
+@pytest.mark.parametrize("old, new, value", [
+    ("ray.buffer_episodes", "rollout.buffer_episodes", "64"), ("ray.call_timeout_s", "trainer.call_timeout_s", "30"),
+])
+def test_a_setting_both_backends_read_is_not_under_ray_and_its_old_key_names_the_new_one(old, new, value):
+    with pytest.raises(ConfigError, match=f"config key '{old}' moved to '{new}'"):
+        load_config(GRPOJobConfig, [f"{old}={value}"])
+    from rayllm_rl.orchestration.job_plan import make_plan
+
+    local = make_plan(cfg_of("trainer.backend=local", "rollout.buffer_episodes=64", "trainer.call_timeout_s=30"))
+    assert local.buffer_capacity == 64 and local.config.trainer.call_timeout_s == 30.0
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.backend=local", "ray.placement=colocated", "rollout.max_staleness=0"],
+     "ray.placement=colocated is a placement of the Ray backend's actors: set trainer.backend=ray"),
+    (["trainer.backend=local", "inference.engine=vllm"], "inference.engine=vllm runs in Ray replica actors: set trainer.backend=ray"),
+])
+def test_what_the_local_backend_cannot_run_is_the_configs_check(overrides, message):
+    """The backend rules live in the config's checks: an engine's `check_job` no longer sees the backend."""
+    import dataclasses
+
+    from rayllm_rl.inference.registry import EngineJob
+
+    assert "backend" not in {f.name for f in dataclasses.fields(EngineJob)}
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        cfg_of(*overrides)
+    cfg_of(*[o for o in overrides if not o.startswith("trainer.backend")])  # the Ray backend runs it
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("rollout.max_new_tokens", 0, "rollout.max_new_tokens=0: must be > 0"),
+    ("ray.replica_restarts", -1, "ray.replica_restarts=-1: must be >= 0"),
+    ("trainer.keep_checkpoints", -2, "trainer.keep_checkpoints=-2: must be >= 0"),
+    ("algo.kl_coef", -0.5, "algo.kl_coef=-0.5: must be >= 0"),
+])
+def test_field_limits_hold_from_the_command_line_and_from_python(key, value, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(GRPOJobConfig, [f"{key}={value}"])
+    cfg = GRPOJobConfig()
+    section, field = key.split(".")
+    setattr(getattr(cfg, section), field, value)
+    with pytest.raises(ConfigError, match=message):
+        cfg.validate()

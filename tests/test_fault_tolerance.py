@@ -51,9 +51,9 @@ def run_and_kill(tmp_path, role: str, after_step: int, *extra: str) -> dict:
     cfg = load_config(GRPOJobConfig, [
         "sft.steps=2", "data.eval_size=8", "data.max_operand=9", f"rollout.prompts_per_step={B}",
         "rollout.group_size=4", "rollout.max_new_tokens=6", f"trainer.steps={STEPS}", "trainer.eval_every=0",
-        "rollout.max_staleness=1", f"trainer.run_dir={tmp_path}", "ray.call_timeout_s=60", "ray.sync_timeout_s=30",
+        "rollout.max_staleness=1", f"trainer.run_dir={tmp_path}", "trainer.call_timeout_s=60", "ray.sync_timeout_s=30",
         f"ray.namespace={NS}", *extra,
-    ])
+    ]).validate()
     out: dict = {}
     runner = threading.Thread(target=lambda: out.update(summary=train(cfg)), daemon=True)
     runner.start()
@@ -89,7 +89,7 @@ def test_env_worker_restarts_after_the_driver_dropped_its_constructor_arguments(
     ns = f"{NS}_args"
     cfg = load_config(GRPOJobConfig, [f"rollout.prompts_per_step={B}", "rollout.group_size=4", "rollout.max_new_tokens=6",
                                       "rollout.max_staleness=1", "ray.num_replicas=1", "ray.num_env_workers=1",
-                                      "ray.call_timeout_s=120", "ray.sync_timeout_s=60", f"ray.namespace={ns}"])
+                                      "trainer.call_timeout_s=120", "ray.sync_timeout_s=60", f"ray.namespace={ns}"]).validate()
     model_path = ensure_tiny_model()
     factory, task = functools.partial(make_workflow, cfg, model_path), build_task(cfg)
     cluster = build_cluster(make_plan(cfg.validate()), model_path, task, factory)
@@ -198,8 +198,8 @@ def test_a_lone_replica_restarted_while_the_driver_waits_gets_the_weights_in_tha
     from rayllm_rl.orchestration.ray.backend import RayBackend
 
     cfg = load_config(GRPOJobConfig, [f"rollout.prompts_per_step={B}", "rollout.group_size=4", "rollout.max_new_tokens=6",
-                                      "rollout.max_staleness=0", "ray.num_replicas=1", "ray.call_timeout_s=60",
-                                      "ray.sync_timeout_s=30", f"ray.namespace={NS}"])
+                                      "rollout.max_staleness=0", "ray.num_replicas=1", "trainer.call_timeout_s=60",
+                                      "ray.sync_timeout_s=30", f"ray.namespace={NS}"]).validate()
     model_path = ensure_tiny_model()
     backend = RayBackend(make_plan(cfg.validate()), model_path, build_task(cfg), AutoTokenizer.from_pretrained(model_path))
     try:
@@ -223,7 +223,7 @@ def test_a_lone_replica_restarted_while_the_driver_waits_gets_the_weights_in_tha
         _, meta = backend.next_batch(B, 0)
         waited = time.monotonic() - t0
         assert len(meta["episode_ids"]) == B
-        assert waited < cfg.ray.call_timeout_s, waited  # not after the episodes' timeout
+        assert waited < cfg.trainer.call_timeout_s, waited  # not after the episodes' timeout
         stats = backend.summary_stats()
         assert stats["restarts"]["inference"] == 1 and stats["failed_episodes"] == 0
         assert stats["replica_versions_held"] == [[0, 0]]  # the new process: base weights, then the sent ones

@@ -31,7 +31,7 @@ def build_task(tmp_path, *overrides: str):
     from rayllm_rl.orchestration.factories import build_task
     from rayllm_rl.orchestration.job_config import GRPOJobConfig
 
-    return build_task(load_config(GRPOJobConfig, [f"trainer.run_dir={tmp_path}", *overrides]))
+    return build_task(load_config(GRPOJobConfig, [f"trainer.run_dir={tmp_path}", *overrides]).validate())
 
 
 def test_config_and_split_given(gsm8k_hub):
@@ -91,7 +91,7 @@ def test_a_missing_config_fails_before_any_actor_starts(gsm8k_hub, tmp_path):
 
     assert not ray.is_initialized()
     cfg = load_config(GRPOJobConfig, ["task=gsm8k", "data.path=openai/gsm8k:nope", "trainer.backend=ray",
-                                      f"trainer.run_dir={tmp_path}"])
+                                      f"trainer.run_dir={tmp_path}"]).validate()
     with pytest.raises(DatasetSourceError, match=r"'openai/gsm8k:nope'.*configs: \['main', 'socratic'\]"):
         train(cfg)
     assert not ray.is_initialized(), "the error came before Ray (and so any actor) started"

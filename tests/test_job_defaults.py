@@ -1,5 +1,6 @@
 """Job defaults fit a real run; the demo's settings live in the arithmetic task's preset; a value the user
-sets (command line, YAML, Python) always wins over a preset; model.dtype=auto is resolved in one place.
+sets (command line, YAML, Python) always wins over a preset; model.dtype=auto is resolved in one place
+(`presets.resolve_presets`, a pure function: the config the user holds keeps None and "auto").
 No Ray, no model weights: config resolution, the dry-run plan and the task's rows only."""
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from rayllm_rl.config import describe, load_config
 from rayllm_rl.orchestration.job_config import TASK_PRESETS, GRPOJobConfig
+from rayllm_rl.orchestration.presets import resolve_presets
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DEMO = {"rollout.max_new_tokens": 10, "data.eval_size": 200, "sft.steps": 250, "sft.lr": 1e-3,
@@ -79,7 +81,7 @@ def test_a_gsm8k_job_on_a_local_model_inherits_no_demo_value(model_dir):
 
 @pytest.mark.parametrize("task", ["gsm8k", "math", "ifeval"])
 def test_each_task_has_its_generation_length(task):
-    cfg = load_config(GRPOJobConfig, [f"task={task}"])
+    cfg = resolve_presets(load_config(GRPOJobConfig, [f"task={task}"]))
     assert cfg.rollout.max_new_tokens == TASK_PRESETS[task]["rollout.max_new_tokens"] >= 512
     assert cfg.sft.steps == 0 and cfg.trainer.time_budget_s == 0
 
@@ -90,10 +92,11 @@ def test_command_line_values_win_over_the_preset(model_dir):
     assert (cfg.rollout.max_new_tokens, cfg.sft.steps, cfg.trainer.time_budget_s, cfg.optim.lr, cfg.data.eval_size) \
         == (64, 3, 60.0, 3e-6, 2)
     assert cfg.sft.lr == 1e-5  # the fields not given still take the gsm8k preset
-    demo = load_config(GRPOJobConfig, ["sft.steps=0", "rollout.max_new_tokens=12"])  # and on the demo
+    demo = resolve_presets(load_config(GRPOJobConfig, ["sft.steps=0", "rollout.max_new_tokens=12"]))  # and on the demo
     assert (demo.sft.steps, demo.rollout.max_new_tokens, demo.trainer.time_budget_s) == (0, 12, 420.0)
     # 'null' hands a field back to the preset
-    assert load_config(GRPOJobConfig, ["task=math", "rollout.max_new_tokens=null"]).rollout.max_new_tokens == 1024
+    math = load_config(GRPOJobConfig, ["task=math", "rollout.max_new_tokens=77", "rollout.max_new_tokens=null"])
+    assert resolve_presets(math).rollout.max_new_tokens == 1024
 
 
 def test_yaml_values_win_and_the_command_line_wins_over_yaml(tmp_path, model_dir):
@@ -105,31 +108,37 @@ def test_yaml_values_win_and_the_command_line_wins_over_yaml(tmp_path, model_dir
     assert cfg.rollout.max_new_tokens == 200
 
 
-def test_python_values_win_and_resolution_is_idempotent():
+def test_python_values_win_and_resolution_is_a_pure_idempotent_function():
     cfg = GRPOJobConfig(task="gsm8k")
     cfg.rollout.max_new_tokens = 100
     cfg.sft.steps = 5
-    assert cfg.validate() is cfg  # resolved in place: callers that ignore the return value see it too
-    assert (cfg.rollout.max_new_tokens, cfg.sft.steps, cfg.trainer.time_budget_s, cfg.optim.lr) == (100, 5, 0.0, 1e-6)
     before = dataclasses.asdict(cfg)
-    assert dataclasses.asdict(cfg.validate().resolve()) == before
-    # a value the user sets after resolution is theirs: resolving again keeps it
-    cfg.trainer.time_budget_s = 30.0
-    assert cfg.validate().trainer.time_budget_s == 30.0
+    resolved = cfg.validate()
+    assert resolved is not cfg and dataclasses.asdict(cfg) == before  # a new config; the user's is left as it was
+    assert (resolved.rollout.max_new_tokens, resolved.sft.steps, resolved.trainer.time_budget_s, resolved.optim.lr) \
+        == (100, 5, 0.0, 1e-6)
+    assert cfg.optim.lr is None and cfg.model.dtype == "auto"  # still the preset's to fill
+    assert dataclasses.asdict(resolve_presets(resolved)) == dataclasses.asdict(resolved)  # idempotent
+    # a value the user sets on a resolved config is theirs: resolving again keeps it
+    resolved.trainer.time_budget_s = 30.0
+    assert resolved.validate().trainer.time_budget_s == 30.0
+    # so is every value a resolution filled: move to another task from the config as loaded
+    resolved.task = "math"
+    assert resolved.validate().rollout.max_new_tokens == 100 and resolved.validate().data.eval_size == 500
 
 
-def test_changing_the_task_after_resolution_takes_the_new_presets_not_the_old_ones():
+def test_changing_the_task_of_a_loaded_config_takes_the_new_presets_not_the_old_ones():
     """`train(load_config(...), ["task=gsm8k"])` and `cfg.task = ...; cfg.validate()` must not leak the demo."""
     from rayllm_rl.config import apply_dict, parse_overrides
-    from rayllm_rl.orchestration.job_config import carry_resolution
 
-    demo = load_config(GRPOJobConfig, ["sft.batch_size=32", "rollout.max_new_tokens=12"])  # arithmetic, resolved
-    moved = carry_resolution(demo, apply_dict(demo, parse_overrides(["task=gsm8k"]))).validate()
+    demo = load_config(GRPOJobConfig, ["sft.batch_size=32", "rollout.max_new_tokens=12"])  # arithmetic
+    assert resolve_presets(demo).sft.steps == 250
+    moved = apply_dict(demo, parse_overrides(["task=gsm8k"])).validate()
     assert (moved.sft.steps, moved.trainer.time_budget_s, moved.optim.lr) == (0, 0.0, 1e-6)
     assert moved.rollout.max_new_tokens == 12 and moved.sft.batch_size == 32  # the user's values stay
     demo.task = "math"
-    demo.validate()
-    assert (demo.sft.steps, demo.data.eval_size, demo.rollout.max_new_tokens) == (0, 500, 12)
+    math = demo.validate()
+    assert (math.sft.steps, math.data.eval_size, math.rollout.max_new_tokens) == (0, 500, 12)
 
 
 def test_the_python_api_resolves_after_its_overrides(tmp_path, monkeypatch):
@@ -154,7 +163,7 @@ def test_the_python_api_resolves_after_its_overrides(tmp_path, monkeypatch):
     assert dataclasses.asdict(base) == dataclasses.asdict(GRPOJobConfig())  # the caller's config is left alone
     saved = recorded(base, [])  # so reusing it runs the demo's preset, not the gsm8k run's values
     assert (saved["sft"]["steps"], saved["rollout"]["max_new_tokens"]) == (250, 10)
-    saved = recorded(load_config(GRPOJobConfig, []), ["task=math"])  # a config resolved for the demo first
+    saved = recorded(load_config(GRPOJobConfig, []), ["task=math"])  # a config loaded for the demo first
     assert (saved["sft"]["steps"], saved["rollout"]["max_new_tokens"], saved["optim"]["lr"]) == (0, 1024, 1e-6)
 
 
@@ -188,24 +197,25 @@ def test_a_train_override_equal_to_an_earlier_preset_is_the_users(recorded):
     assert (saved["sft"]["lr"], saved["sft"]["time_budget_s"], saved["optim"]["lr"]) == (1e-5, 0.0, 1e-6)
     saved = recorded(demo, ["task=gsm8k", "rollout.temperature=0.7", "optim.warmup_steps=3"])
     assert (saved["rollout"]["max_new_tokens"], saved["optim"]["lr"], saved["rollout"]["temperature"]) == (512, 1e-6, 0.7)
-    assert (demo.task, demo.rollout.max_new_tokens, demo.optim.lr) == ("arithmetic", 10, 5e-5)  # caller's untouched
+    assert dataclasses.asdict(demo) == dataclasses.asdict(load_config(GRPOJobConfig, []))  # caller's untouched
 
 
 def test_an_explicit_dtype_equal_to_the_cpu_auto_value_wins_on_gpus(recorded):
-    cpu = load_config(GRPOJobConfig, [])  # dtype auto -> float32 filled
+    cpu = load_config(GRPOJobConfig, [])  # dtype auto: float32 on this placement
     gpus = ["inference.engine=vllm", "ray.gpus_per_replica=1", "ray.gpus_per_learner=1"]
     assert recorded(cpu, [*gpus, "model.dtype=float32"], backend="ray")["model"]["dtype"] == "float32"
     assert recorded(cpu, gpus, backend="ray")["model"]["dtype"] == "bfloat16"  # left to auto: follows the GPUs
 
 
 def test_a_python_assignment_equal_to_the_preset_is_the_users(recorded):
-    cfg = load_config(GRPOJobConfig, [])  # resolved for the demo: optim.lr 5e-5 filled
+    cfg = load_config(GRPOJobConfig, [])  # the demo's preset would fill optim.lr 5e-5
     cfg.optim.lr = 5e-5  # the user's now, though the same number
     saved = recorded(cfg, ["task=gsm8k", "optim.warmup_steps=3"])  # the optim section is rebuilt by the override
     assert (saved["optim"]["lr"], saved["optim"]["warmup_steps"], saved["rollout"]["max_new_tokens"]) == (5e-5, 3, 512)
     cfg.task = "gsm8k"
-    cfg.validate()
-    assert (cfg.optim.lr, cfg.sft.steps, cfg.rollout.max_new_tokens) == (5e-5, 0, 512)
+    gsm8k = cfg.validate()
+    assert (gsm8k.optim.lr, gsm8k.sft.steps, gsm8k.rollout.max_new_tokens) == (5e-5, 0, 512)
+    cfg.rollout.max_new_tokens = 64
     cfg.rollout.max_new_tokens = None  # None hands a field back to the preset
     cfg.task = "math"
     assert (cfg.validate().rollout.max_new_tokens, cfg.optim.lr) == (1024, 5e-5)

@@ -103,3 +103,13 @@ def test_the_batch_pipeline_has_the_stages_the_config_asks_for(argv, stages):
     plan = make_plan(load_config(GRPOJobConfig, argv).validate(environment=False))
     assert plan.batch_pipeline.names == stages == plan_decisions(plan)["batch_stages"]
     assert ("reference_kl" in stages) == plan.needs_reference
+
+
+def test_the_learner_threads_come_from_the_backend_that_runs_the_learner():
+    """`ray.threads_per_actor` is the Ray actors' setting, `trainer.num_threads` the local process's: the plan
+    picks one (the LoRA demo's base warm-up runs with it), so nothing below reads ray.* on the local backend."""
+    ray_plan = make_plan(load_config(GRPOJobConfig, ["ray.threads_per_actor=3"]).validate(environment=False))
+    assert ray_plan.learner_threads == 3 == ray_plan.actor("learner-0").threads
+    local = make_plan(load_config(GRPOJobConfig, ["trainer.backend=local", "ray.threads_per_actor=3",
+                                                  "trainer.num_threads=2"]).validate(environment=False))
+    assert local.learner_threads == 2

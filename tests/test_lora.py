@@ -65,11 +65,11 @@ def test_config_defaults_unchanged_and_lora_presets():
     assert base.model.lora.rank == 0 and base.optim.lr == 5e-5 and base.sft.lr == 1e-3 and base.sft.steps == 250
     lora = GRPOJobConfig()
     lora.model.lora.rank = 8
-    lora.validate(environment=False)
+    lora = lora.validate(environment=False)
     assert (lora.optim.lr, lora.sft.lr, lora.sft.steps) == (5e-4, 1e-3, 0)
     mine = GRPOJobConfig()
     mine.model.lora.rank, mine.optim.lr, mine.task = 8, 2e-4, "gsm8k"
-    mine.validate(environment=False)
+    mine = mine.validate(environment=False)
     assert mine.optim.lr == 2e-4 and mine.sft.lr == 1e-4  # the user's value wins; gsm8k's LoRA preset
     kl = GRPOJobConfig()
     kl.algo.kl_coef = 0.1

@@ -97,13 +97,13 @@ def job_cfg(tmp_path, nodes: Nodes, ns: str, *extra: str) -> GRPOJobConfig:
         "sft.steps=2", "data.eval_size=8", "data.max_operand=9", f"rollout.prompts_per_step={B}",
         "rollout.group_size=4", "rollout.max_new_tokens=6", "trainer.eval_every=0", "trainer.log_every=100",
         f"trainer.run_dir={tmp_path}", f"ray.address={nodes.cluster.address}", f"ray.namespace={ns}",
-        "ray.call_timeout_s=120", "ray.sync_timeout_s=60", "ray.sync_transport=auto",
+        "trainer.call_timeout_s=120", "ray.sync_timeout_s=60", "ray.sync_transport=auto",
         "ray.learner_node_labels={rayllm-role: learner}", "ray.replica_node_labels={rayllm-role: inference}",
         "ray.env_worker_node_labels={rayllm-role: inference}",
         # the tiny model's rewards are all 0 (zero advantages, zero gradients): decoupled weight decay
         # still moves every weight by 1e-3 a step, so each sync carries new weights
         "optim.lr=1e-3", "optim.weight_decay=1.0", "optim.warmup_steps=0", *extra,
-    ])
+    ]).validate()
 
 
 def rl_records(run_dir: Path) -> list[dict]:
@@ -331,7 +331,7 @@ def test_a_node_lost_after_the_last_sync_gets_the_weights_for_the_drain_and_the_
     """No sync follows the last step, so nothing would send the restarted replica the weights it
     needs to serve the episodes the final drain waits for, or the final eval: the backend's wait
     for them sends the version last synced to a replica Ray restarted (before, the eval failed with
-    ReplicaTimeout after ray.call_timeout_s)."""
+    ReplicaTimeout after trainer.call_timeout_s)."""
     from transformers import AutoTokenizer
 
     from rayllm_rl.models.tiny import ensure_tiny_model
@@ -340,7 +340,7 @@ def test_a_node_lost_after_the_last_sync_gets_the_weights_for_the_drain_and_the_
 
     ns = "rayllm_mn_late"
     cfg = job_cfg(tmp_path, nodes, ns, "rollout.max_staleness=1",
-                  "ray.call_timeout_s=60")
+                  "trainer.call_timeout_s=60")
     model_path = ensure_tiny_model()
     backend = RayBackend(make_plan(cfg.validate()), model_path, build_task(cfg), AutoTokenizer.from_pretrained(model_path))
     try:
@@ -359,7 +359,7 @@ def test_a_node_lost_after_the_last_sync_gets_the_weights_for_the_drain_and_the_
         backend.drain()
         evaluation = backend.evaluate()
         waited = time.monotonic() - t0
-        assert evaluation["eval_n"] == 8 and waited < cfg.ray.call_timeout_s, waited  # not after a timeout
+        assert evaluation["eval_n"] == 8 and waited < cfg.trainer.call_timeout_s, waited  # not after a timeout
         assert node_of("inference-0", ns) == nodes.inference.node_id != lost.node_id
         stats = backend.summary_stats()
         assert stats["restarts"]["inference"] == 1 and stats["failed_episodes"] == 0

@@ -19,7 +19,7 @@ def local_cfg(tmp_path, *extra: str) -> GRPOJobConfig:
     return load_config(GRPOJobConfig, [
         "trainer.backend=local", "sft.steps=3", "data.eval_size=16", "data.max_operand=9",
         "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6", "trainer.log_every=100",
-        f"trainer.run_dir={tmp_path}", "ray.call_timeout_s=120", *extra,
+        f"trainer.run_dir={tmp_path}", "trainer.call_timeout_s=120", *extra,
     ]).validate()
 
 
@@ -86,7 +86,7 @@ def test_local_backend_learns_with_nonzero_advantages(tmp_path):
         "trainer.backend=local", "sft.steps=60", "sft.batch_size=32", "data.max_operand=4", "data.eval_size=5",
         "rollout.prompts_per_step=8", "rollout.group_size=8", "rollout.max_new_tokens=8", "trainer.steps=80",
         "trainer.eval_every=0", "trainer.log_every=1000", "optim.lr=3e-4", f"trainer.run_dir={tmp_path}",
-    ])
+    ]).validate()
     summary = train(cfg)
     rl = rl_records(summary)
     assert len(rl) == 80 and summary["failed_episodes"] == 0

@@ -29,8 +29,8 @@ def small_cfg(tmp_path, *extra: str) -> GRPOJobConfig:
     return load_config(GRPOJobConfig, [
         "sft.steps=2", "data.eval_size=16", "data.max_operand=9", "rollout.prompts_per_step=4",
         "rollout.group_size=4", "rollout.max_new_tokens=6", "trainer.eval_every=0", "trainer.log_every=100",
-        f"trainer.run_dir={tmp_path}", "ray.call_timeout_s=120", "ray.sync_timeout_s=60", *extra,
-    ])
+        f"trainer.run_dir={tmp_path}", "trainer.call_timeout_s=120", "ray.sync_timeout_s=60", *extra,
+    ]).validate()
 
 
 def rl_records(summary) -> list[dict]:
@@ -225,8 +225,8 @@ def test_ray_pipeline_learns_with_nonzero_advantages(local_ray, tmp_path):
     cfg = load_config(GRPOJobConfig, [
         "sft.steps=60", "sft.batch_size=32", "data.max_operand=4", "data.eval_size=5", "rollout.prompts_per_step=8",
         "rollout.group_size=8", "rollout.max_new_tokens=8", "trainer.steps=80", "trainer.eval_every=0",
-        "trainer.log_every=1000", "optim.lr=3e-4", f"trainer.run_dir={tmp_path}", "ray.call_timeout_s=120",
-    ])
+        "trainer.log_every=1000", "optim.lr=3e-4", f"trainer.run_dir={tmp_path}", "trainer.call_timeout_s=120",
+    ]).validate()
     summary = train(cfg)
     rl = rl_records(summary)
     assert len(rl) == 80 and summary["failed_episodes"] == 0

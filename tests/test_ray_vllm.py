@@ -28,9 +28,9 @@ def vllm_cfg(tmp_path, *extra: str) -> GRPOJobConfig:
     return load_config(GRPOJobConfig, [
         "inference.engine=vllm", "inference.options.kv_cache_mb=128", "sft.steps=2", "data.eval_size=8", "data.max_operand=9",
         "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6", "trainer.eval_every=0",
-        "trainer.log_every=100", f"trainer.run_dir={tmp_path}", "ray.call_timeout_s=300", "ray.sync_timeout_s=60",
+        "trainer.log_every=100", f"trainer.run_dir={tmp_path}", "trainer.call_timeout_s=300", "ray.sync_timeout_s=60",
         *extra,
-    ])
+    ]).validate()
 
 
 # One transport of each receive path into a vLLM replica actor: the object store (the actor fetches and stages

@@ -143,7 +143,7 @@ def test_rlvr_group_is_scored_by_rule_and_rm_by_weights_in_one_batch(rm_path, en
 
     cfg = load_config(GRPOJobConfig, ["rollout.group_size=4", "rollout.workflow=rlvr", f"reward.model.path={rm_path}",
                                       "reward.rule_weight=0.25", "reward.model.weight=2", "reward.model.batch_wait_s=0.05"])
-    cfg.validate()
+    cfg = cfg.validate()
     scorers = local_reward_scorers(cfg)
     try:
         workflow = build_workflow(cfg, build_task(cfg), tokenizer, reward_scorers=scorers)
@@ -228,7 +228,7 @@ def test_a_local_job_trains_on_rule_rm_and_judge(rm_path, tmp_path):
         "trainer.backend=local", "sft.steps=2", "data.eval_size=4", "data.max_operand=4", "rollout.prompts_per_step=2",
         "rollout.group_size=2", "rollout.max_new_tokens=6", "trainer.steps=2", "trainer.eval_every=0",
         f"trainer.run_dir={tmp_path / 'run'}", f"reward.model.path={rm_path}", f"reward.judge.path={judge}",
-        "reward.rule_weight=0.5", "reward.judge.weight=2"])
+        "reward.rule_weight=0.5", "reward.judge.weight=2"]).validate()
     summary = train(cfg)
     rl = [r for r in map(json.loads, (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines())
           if r["phase"] == "rl"]
@@ -307,7 +307,7 @@ def test_reward_model_actors_that_cannot_get_their_gpus_fail_naming_the_key(ray_
 
     cfg = load_config(GRPOJobConfig, [f"reward.model.path={rm_path}", "reward.model.num_actors=2",
                                       "reward.model.gpus_per_actor=2", "ray.namespace=rm-gpus",
-                                      "ray.call_timeout_s=5"]).validate()
+                                      "trainer.call_timeout_s=5"]).validate()
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match=r"reward-model-[01] did not start within 5s .*reward\.model\.gpus_per_actor=2; "
                                            r"the cluster has GPU=2 in total"):
@@ -355,7 +355,7 @@ def test_a_reward_model_that_cannot_load_fails_the_start_naming_its_path(ray_wit
     from rayllm_rl.orchestration.ray.reward_actors import start_reward_actors
 
     cfg = load_config(GRPOJobConfig, [f"reward.model.path={tmp_path}", "ray.namespace=rm-missing",
-                                      "ray.call_timeout_s=60"]).validate()  # a directory without a model
+                                      "trainer.call_timeout_s=60"]).validate()  # a directory without a model
     with pytest.raises(RuntimeError, match=f"reward-model-0 failed to start \\(reward.model.path='{tmp_path}'\\)"):
         start_reward_actors(cfg)
 
@@ -386,10 +386,10 @@ def test_policy_learns_arithmetic_from_a_reward_model_alone(ray_with_two_gpus, t
     cfg = load_config(GRPOJobConfig, [
         f"model.path={policy}", "sft.steps=0", "data.max_operand=4", "data.eval_size=5", "rollout.prompts_per_step=8",
         "rollout.group_size=8", "rollout.max_new_tokens=8", "trainer.steps=80", "trainer.eval_every=0",
-        "trainer.log_every=1000", "optim.lr=3e-4", f"trainer.run_dir={tmp_path / 'run'}", "ray.call_timeout_s=120",
+        "trainer.log_every=1000", "optim.lr=3e-4", f"trainer.run_dir={tmp_path / 'run'}", "trainer.call_timeout_s=120",
         f"reward.model.path={tmp_path / 'rm'}", "reward.rule_weight=0", "reward.model.activation=sigmoid",
         "reward.model.batch_wait_s=0.01", "ray.namespace=rm-learning",
-    ])
+    ]).validate()
     summary = train(cfg)
     lines = (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
     rl = [r for r in map(json.loads, lines) if r["phase"] == "rl"]

@@ -296,7 +296,7 @@ def test_gsm8k_multi_turn_agent_is_a_ready_workflow(engine, tokenizer, tmp_path)
         mask = out["loss_mask"][i, :n].tolist()
         assert sum(1 for j in range(1, n) if mask[j] and not mask[j - 1]) == 3
     assert "Your answer is not correct" in tokenizer.decode(out["input_ids"][0][~out["loss_mask"][0]])
-    cfg_env = load_config(GRPOJobConfig, ["task=gsm8k", f"data.path={FIXTURES / 'gsm8k.jsonl'}"])
+    cfg_env = load_config(GRPOJobConfig, ["task=gsm8k", f"data.path={FIXTURES / 'gsm8k.jsonl'}"]).validate()
     assert type(build_workflow(cfg_env, build_task(cfg_env), tokenizer)).__name__ == "ChatEnvWorkflow"
 
 

@@ -46,7 +46,7 @@ def run_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("trace_run")
     cfg = load_config(GRPOJobConfig, ["trainer.backend=local", "trainer.steps=3", "sft.steps=5", "data.eval_size=4",
                                       "rollout.prompts_per_step=2", "rollout.group_size=4", "trainer.eval_every=0",
-                                      "trainer.log_every=100", f"trainer.run_dir={root}"])
+                                      "trainer.log_every=100", f"trainer.run_dir={root}"]).validate()
     return Path(train(cfg)["run_dir"])
 
 

@@ -1,4 +1,4 @@
-"""Experiment trackers (`trainer.loggers`): TensorBoard, W&B (offline) and MLflow (local file store) log the
+"""Experiment trackers (`trackers.loggers`): TensorBoard, W&B (offline) and MLflow (local file store) log the
 same scalars and the config as metrics.jsonl; each is read back from its own files. A tracker that fails is
 reported, dropped, and the run goes on."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 from rayllm_rl import tracking
 from rayllm_rl.config import load_config
-from rayllm_rl.orchestration.job_config import GRPOJobConfig, TrainerConfig
+from rayllm_rl.orchestration.job_config import GRPOJobConfig, TrackersConfig
 from rayllm_rl.orchestration.reporting import RunReporter
 
 ALL = ["jsonl", "tensorboard", "wandb", "mlflow"]
@@ -134,7 +134,7 @@ def assert_same(got: dict[str, dict[int, float]], want: dict[str, dict[int, floa
                 assert got[key][step] == pytest.approx(value, rel=rel, abs=1e-12), (key, step)
 
 
-CONFIG = {"trainer": {"steps": 3, "loggers": ALL, "run_dir": "x"}, "optim": {"lr": 1e-6},
+CONFIG = {"trainer": {"steps": 3, "run_dir": "x"}, "trackers": {"loggers": ALL}, "optim": {"lr": 1e-6},
           "long": "v" * 7000, "model": {"path": ""}}
 
 
@@ -152,7 +152,7 @@ def driver_like_records() -> list[dict]:
 
 def test_each_tracker_reads_back_the_same_scalars_and_config_as_metrics_jsonl(tmp_path):
     t0 = time.perf_counter()
-    reporter = RunReporter(str(tmp_path), config=CONFIG, trainer=TrainerConfig(loggers=ALL))
+    reporter = RunReporter(str(tmp_path), config=CONFIG, trackers=TrackersConfig(loggers=ALL))
     for record in driver_like_records():
         reporter.log(record)
     reporter.close()
@@ -172,13 +172,13 @@ def test_each_tracker_reads_back_the_same_scalars_and_config_as_metrics_jsonl(tm
 
     wb, wb_config = read_wandb(run_dir)
     assert_same(wb, want, rel=0)
-    assert wb_config["trainer.steps"] == 3 and wb_config["trainer.loggers"] == ALL and wb_config["optim.lr"] == 1e-6
+    assert wb_config["trainer.steps"] == 3 and wb_config["trackers.loggers"] == ALL and wb_config["optim.lr"] == 1e-6
 
     ml, params, status = read_mlflow(run_dir)
     assert_same(ml, want, rel=0)
     assert status == "FINISHED"
     assert params["trainer.steps"] == "3" and params["optim.lr"] == "1e-06"
-    assert params["trainer.loggers"] == json.dumps(ALL) and len(params["long"]) == 6000  # MLflow's limit
+    assert params["trackers.loggers"] == json.dumps(ALL) and len(params["long"]) == 6000  # MLflow's limit
     assert time.perf_counter() - t0 < 60
 
 
@@ -207,7 +207,7 @@ class _Raises(tracking.Tracker):
 def test_a_tracker_that_raises_mid_run_is_dropped_and_the_others_keep_logging(tmp_path, monkeypatch, capsys):
     _Raises.logged = []
     monkeypatch.setitem(tracking.TRACKER_CLASSES, "mlflow", _Raises)
-    reporter = RunReporter(str(tmp_path), config=CONFIG, trainer=TrainerConfig(loggers=["jsonl", "tensorboard", "mlflow"]))
+    reporter = RunReporter(str(tmp_path), config=CONFIG, trackers=TrackersConfig(loggers=["jsonl", "tensorboard", "mlflow"]))
     for record in driver_like_records():
         reporter.log(record)
     reporter.close()
@@ -230,8 +230,8 @@ def test_a_tracker_that_fails_to_start_or_hangs_on_close_is_dropped_within_the_t
     monkeypatch.setitem(tracking.TRACKER_CLASSES, "wandb", fails_at_start)
     monkeypatch.setitem(tracking.TRACKER_CLASSES, "mlflow", lambda d, o: _Raises(d, o, hang_on_close=True))
     _Raises.logged = []
-    trainer = TrainerConfig(loggers=["tensorboard", "wandb", "mlflow"], tracker_timeout_s=0.5)
-    reporter = RunReporter(str(tmp_path), config=CONFIG, trainer=trainer)
+    trackers = TrackersConfig(loggers=["tensorboard", "wandb", "mlflow"], timeout_s=0.5)
+    reporter = RunReporter(str(tmp_path), config=CONFIG, trackers=trackers)
     reporter.log({"phase": "rl", "step": 1, "reward": 0.5})
     t0 = time.perf_counter()
     reporter.close()
@@ -247,16 +247,35 @@ def test_a_tracker_that_fails_to_start_or_hangs_on_close_is_dropped_within_the_t
 
 def test_loggers_config_parses_lists_and_rejects_unknown_names(tmp_path):
     base = ["trainer.backend=local", f"trainer.run_dir={tmp_path}"]
-    assert load_config(GRPOJobConfig, base).validate().trainer.loggers == ["jsonl"]
-    cfg = load_config(GRPOJobConfig, [*base, "trainer.loggers=[jsonl,tensorboard,wandb,mlflow]"]).validate()
-    assert cfg.trainer.loggers == ALL
-    assert load_config(GRPOJobConfig, [*base, "trainer.loggers=tensorboard"]).trainer.loggers == ["tensorboard"]
-    with pytest.raises(ValueError, match=r"trainer\.loggers=\['jsonl', 'neptune'\]: unknown logger\(s\) \['neptune'\]"):
-        load_config(GRPOJobConfig, [*base, "trainer.loggers=[jsonl,neptune]"]).validate()
-    with pytest.raises(ValueError, match=r"trainer\.loggers.*\['wandb'\] named more than once"):
-        load_config(GRPOJobConfig, [*base, "trainer.loggers=wandb,wandb"]).validate()
-    with pytest.raises(ValueError, match=r"trainer\.tracker_timeout_s=0\.0: must be > 0"):
-        load_config(GRPOJobConfig, [*base, "trainer.tracker_timeout_s=0"]).validate()
+    assert load_config(GRPOJobConfig, base).validate().trackers.loggers == ["jsonl"]
+    cfg = load_config(GRPOJobConfig, [*base, "trackers.loggers=[jsonl,tensorboard,wandb,mlflow]"]).validate()
+    assert cfg.trackers.loggers == ALL
+    assert load_config(GRPOJobConfig, [*base, "trackers.loggers=tensorboard"]).trackers.loggers == ["tensorboard"]
+    with pytest.raises(ValueError, match=r"trackers\.loggers=\['jsonl', 'neptune'\]: unknown logger\(s\) \['neptune'\]"):
+        load_config(GRPOJobConfig, [*base, "trackers.loggers=[jsonl,neptune]"]).validate()
+    with pytest.raises(ValueError, match=r"trackers\.loggers.*\['wandb'\] named more than once"):
+        load_config(GRPOJobConfig, [*base, "trackers.loggers=wandb,wandb"]).validate()
+    with pytest.raises(ValueError, match=r"trackers\.timeout_s=0\.0: must be > 0"):
+        load_config(GRPOJobConfig, [*base, "trackers.timeout_s=0"])
+    cfg = GRPOJobConfig()
+    cfg.trackers.timeout_s = -1.0  # set from Python: the field's limit is checked by validate()
+    with pytest.raises(ValueError, match=r"trackers\.timeout_s=-1\.0: must be > 0"):
+        cfg.validate()
+
+
+@pytest.mark.parametrize("old, new", [
+    ("trainer.loggers", "trackers.loggers"), ("trainer.wandb_project", "trackers.wandb_project"),
+    ("trainer.wandb_mode", "trackers.wandb_mode"), ("trainer.mlflow_tracking_uri", "trackers.mlflow_tracking_uri"),
+    ("trainer.mlflow_experiment", "trackers.mlflow_experiment"), ("trainer.tracker_timeout_s", "trackers.timeout_s"),
+])
+def test_a_tracker_key_of_the_trainer_section_fails_naming_its_new_key(old, new, tmp_path):
+    from rayllm_rl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=f"config key '{old}' moved to '{new}'"):
+        load_config(GRPOJobConfig, [f"{old}=x"])
+    (tmp_path / "job.yaml").write_text(f"trainer:\n  {old.split('.')[1]}: x\n")  # the same from YAML
+    with pytest.raises(ConfigError, match=f"moved to '{new}'"):
+        load_config(GRPOJobConfig, [f"config={tmp_path / 'job.yaml'}"])
 
 
 @pytest.mark.slow
@@ -267,7 +286,7 @@ def test_a_short_job_logs_to_all_four_trackers_offline(tmp_path):
         "trainer.backend=local", "sft.steps=3", "data.eval_size=16", "data.max_operand=9",
         "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6", "trainer.log_every=100",
         "trainer.steps=3", "trainer.eval_every=2", f"trainer.run_dir={tmp_path}",
-        "trainer.loggers=[jsonl,tensorboard,wandb,mlflow]", "trainer.mlflow_experiment=arith",
+        "trackers.loggers=[jsonl,tensorboard,wandb,mlflow]", "trackers.mlflow_experiment=arith",
     ]).validate()
     summary = train(cfg)
     run_dir = Path(summary["run_dir"])
@@ -278,7 +297,7 @@ def test_a_short_job_logs_to_all_four_trackers_offline(tmp_path):
     assert set(want["eval/eval_reward"]) == {0, 3} and set(want["rl/eval_reward"]) == {2}  # mid-run eval: in the RL record
     tb, tb_config = read_tensorboard(run_dir)
     assert_same(tb, want, rel=1e-6)
-    assert "| trainer.loggers | [\"jsonl\", \"tensorboard\", \"wandb\", \"mlflow\"] |" in tb_config
+    assert "| trackers.loggers | [\"jsonl\", \"tensorboard\", \"wandb\", \"mlflow\"] |" in tb_config
     wb, wb_config = read_wandb(run_dir)
     assert_same(wb, want, rel=0)
     assert wb_config["trainer.steps"] == 3 and wb_config["rollout.group_size"] == 4

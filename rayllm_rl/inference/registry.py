@@ -30,9 +30,9 @@ ENGINES: dict[str, str] = {
 
 @dataclasses.dataclass(frozen=True)
 class EngineJob:
-    """What of a job an engine may refuse (a neutral view of the job config)."""
+    """What of a job an engine may refuse (a neutral view of the job config; which backend runs it is the
+    job's own check, orchestration/job_checks.py)."""
 
-    backend: str
     gpus_per_replica: float
     tensor_parallel_size: int
     dtype: str

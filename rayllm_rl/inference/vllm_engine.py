@@ -117,8 +117,6 @@ class VLLMEngine:
 
         if job.environment and not engine_installed("vllm"):
             raise ValueError(f"inference.engine=vllm but the vllm package is not installed ({cls.install_hint})")
-        if job.backend != "ray":
-            raise ValueError("inference.engine=vllm runs in Ray replica actors: set trainer.backend=ray")
         if job.options.sleep_level not in (1, 2):
             raise ValueError(f"inference.options.sleep_level must be 1 or 2 (got {job.options.sleep_level})")
         if not 0.0 <= job.options.gpu_memory_utilization <= 1.0:

@@ -40,13 +40,14 @@ def train(cfg: GRPOJobConfig, plan: JobPlan | None = None) -> dict:
 
     t_start = time.perf_counter()
     plan = plan or make_plan(cfg)
-    reporter = RunReporter(cfg.trainer.run_dir, config=dataclasses.asdict(cfg), trainer=cfg.trainer)
+    reporter = RunReporter(cfg.trainer.run_dir, config=dataclasses.asdict(cfg), trackers=cfg.trackers)
     # a hub id resolves to its snapshot in this node's HF cache, a GGUF file to its cached conversion, before
     # any actor starts (a miss or a GGUF transformers cannot dequantize fails here)
     model = cfg.model
     model_path = resolve_model_path(model.path, model.revision, model.gguf_file) if model.path else ensure_tiny_model()
     task, tokenizer = build_task(cfg), AutoTokenizer.from_pretrained(model_path)
-    model_path = sft_warmed_demo_model(cfg, model_path, task, tokenizer, reporter)  # LoRA on the demo: its SFT-warmed base
+    # LoRA on the demo model: its SFT-warmed base
+    model_path = sft_warmed_demo_model(cfg, model_path, task, tokenizer, reporter, plan.learner_threads)
     backend = open_backend(plan, model_path, task, tokenizer)
     run = RunState(t_start=t_start, checkpoint=cfg.resume or None)
     try:

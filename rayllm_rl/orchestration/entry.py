@@ -4,8 +4,6 @@ Makes the job's plan once (`job_plan.make_plan`), runs it on the backend the pla
 """
 from __future__ import annotations
 
-import copy
-
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 
 
@@ -13,24 +11,20 @@ def train(config: GRPOJobConfig | None = None, overrides: list[str] | None = Non
     """Validate the config (before any actor starts), run it, return the summary.
 
     `overrides` are `key.sub=value` strings applied on top of `config` (or of the defaults).
-    Fields left None take the task's preset (`GRPOJobConfig.resolve`, run by `validate` on a copy:
-    `config` itself is left as it was): values set in `config` (YAML, command line, Python assignment)
-    or `overrides` win, even one equal to a preset, and a `config` already resolved for another task
-    (or other GPUs) gets the presets of the new one where it still holds the old ones. With the Ray
+    Fields left None take the task's preset (`presets.resolve_presets`, run by `validate`, which returns
+    a new config: `config` itself is left as it was): values set in `config` (YAML, command line, Python
+    assignment) or `overrides` win, even one equal to a preset. Pass the config as loaded (`load_config`),
+    not a `validate()`d one, whose filled values all count as the user's. With the Ray
     backend a local Ray started here is shut down at the end; a Ray the caller had already
     initialised (or `ray.address`) is left running. The HF libraries' progress bars are off during the
     run (the job's console holds one bar) and put back as they were.
     """
     from rayllm_rl.config import apply_dict, parse_overrides
-    from rayllm_rl.orchestration.job_config import carry_resolution
 
-    # a copy: resolution fills sections in place, and a replace() shares the untouched sections with
-    # `config`, so the caller's object would otherwise come back filled with this run's presets
-    cfg = copy.deepcopy(config) if config is not None else GRPOJobConfig()
-    if overrides:  # an overridden key is the user's even where it equals a preset filled earlier
-        values = parse_overrides(list(overrides))
-        cfg = carry_resolution(cfg, apply_dict(cfg, values), values)
-    cfg = cfg.validate()  # resolves the presets in place: everything below reads filled values
+    cfg = config if config is not None else GRPOJobConfig()
+    if overrides:
+        cfg = apply_dict(cfg, parse_overrides(list(overrides)))
+    cfg = cfg.validate()  # a new config, the presets filled: everything below reads filled values
     from rayllm_rl.orchestration.driver import train as run_driver
     from rayllm_rl.orchestration.reporting import hf_progress_bars_off
 

@@ -84,6 +84,9 @@ class JobPlan:
     batch_pipeline: BatchPipeline
     """The stages that make a rollout batch a training batch, run where the batch is (the buffer)."""
     transport: TransportChoice
+    learner_threads: int = 0
+    """torch threads of a learner: `ray.threads_per_actor` in an actor, `trainer.num_threads` in this process
+    (0 = torch's default); the LoRA demo's base warm-up runs with it too."""
 
     @property
     def colocated(self) -> bool:
@@ -174,7 +177,7 @@ def make_plan(cfg: GRPOJobConfig) -> JobPlan:
     rc, inf = cfg.ray, cfg.inference
     loss = cfg.algo.build_loss(cfg.rollout.max_new_tokens)
     reference = _needs_reference(cfg, loss)
-    capacity = rc.buffer_episodes or 2 * (cfg.rollout.max_staleness + 1) * cfg.rollout.prompts_per_step
+    capacity = cfg.rollout.buffer_episodes or 2 * (cfg.rollout.max_staleness + 1) * cfg.rollout.prompts_per_step
     if cfg.trainer.backend == "local":  # every role in this process, on CPU: no actors, no transport
         layout = GpuLayout(1, 1, 0.0, 0.0, False, reference)
         actors: tuple[ActorPlan, ...] = ()
@@ -188,4 +191,5 @@ def make_plan(cfg: GRPOJobConfig) -> JobPlan:
     return JobPlan(config=cfg, backend=cfg.trainer.backend, engine=inf.engine, engine_options=options,
                    replicas=layout.num_replicas, learner_ranks=layout.num_learners, layout=layout, loss=loss,
                    needs_reference=reference, actors=actors, buffer_capacity=capacity,
-                   batch_pipeline=make_batch_pipeline(cfg, reference), transport=transport)
+                   batch_pipeline=make_batch_pipeline(cfg, reference), transport=transport,
+                   learner_threads=cfg.trainer.num_threads if cfg.trainer.backend == "local" else rc.threads_per_actor)

@@ -278,7 +278,7 @@ def placement_plan(plan: JobPlan) -> dict[str, Any]:
 
     layout, rc = plan.layout, plan.config.ray
     shared = {"replica_gpus": layout.replica_asks, "learner_gpus": layout.learner_asks,
-              "reference_gpus": layout.reference_asks}
+              "reference_gpus": layout.reference_asks, "colocated": layout.colocated}
     if plan.actors:  # the Ray backend's actors are placed; the local backend has none
         shared = {"placement": rc.placement, **shared}
     if not layout.uses_gpus:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from rayllm_rl.orchestration.job_config import TASK_PRESETS
+from rayllm_rl.orchestration.presets import TASK_PRESETS
 
 
 def describe_presets() -> str:
@@ -72,7 +72,7 @@ def format_plan(plan: dict) -> str:
             if a["bundle"] is not None:
                 shares.setdefault(a["bundle"], []).append(a["name"])
         turns = ("; colocated: each bundle's replica and learner rank share its GPU and take turns (the replica "
-                 "sleeps while the learner trains)") if p.get("placement") == "colocated" else ""
+                 "sleeps while the learner trains)") if p.get("colocated") else ""
         out.append(f"placement: one placement group, strategy {p['strategy']}, {len(p['bundles'])} bundles, "
                    f"{p['total_gpus']:g} GPU(s) in total{turns}")
         for i, b in enumerate(p["bundles"]):

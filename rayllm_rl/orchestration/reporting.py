@@ -206,13 +206,13 @@ class _Progress:
 
 class RunReporter:
     """Writes `metrics.jsonl`, `config.json`, `summary.json` and `reward_curve.png` in the run dir, and hands
-    every record and the config to the experiment trackers of `trainer.loggers` (rayllm_rl.tracking)."""
+    every record and the config to the experiment trackers of `trackers.loggers` (rayllm_rl.tracking)."""
 
-    def __init__(self, root: str, config: dict[str, Any] | None = None, trainer: Any = None):
-        """`trainer`: the job's TrainerConfig (its `loggers` and tracker options); None = `["jsonl"]` only."""
+    def __init__(self, root: str, config: dict[str, Any] | None = None, trackers: Any = None):
+        """`trackers`: the job's TrackersConfig (its `loggers` and tracker options); None = `["jsonl"]` only."""
         from rayllm_rl.tracking import Trackers
 
-        loggers = list(getattr(trainer, "loggers", None) or ["jsonl"])
+        loggers = list(getattr(trackers, "loggers", None) or ["jsonl"])
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.run_dir = Path(root) / stamp
         n = 1
@@ -227,8 +227,8 @@ class RunReporter:
         self.t0 = time.perf_counter()
         self._bar: _Progress | None = None
         self.trackers: Trackers | None = None  # a tracker that fails to start logs its drop before this is set
-        self.trackers = Trackers(loggers, self.run_dir, trainer, say=self.say, record=self.log)
-        """TensorBoard / W&B / MLflow of `trainer.loggers`; `.dropped` lists those that failed."""
+        self.trackers = Trackers(loggers, self.run_dir, trackers, say=self.say, record=self.log)
+        """TensorBoard / W&B / MLflow of `trackers.loggers`; `.dropped` lists those that failed."""
         if config is not None:
             self.trackers.log_config(config)
 

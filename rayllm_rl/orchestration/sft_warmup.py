@@ -63,12 +63,13 @@ def sft_warm_start(cfg: GRPOJobConfig, task: Task, tokenizer, reporter,
     return cut
 
 
-def sft_warmed_demo_model(cfg, model_path: str, task, tokenizer, reporter) -> str:
+def sft_warmed_demo_model(cfg, model_path: str, task, tokenizer, reporter, threads: int = 0) -> str:
     """`model_path` itself, except for a LoRA job on the tiny demo model (`model.path` empty): that model
-    after the task's full-weight SFT warm start, built once and cached. Returns a local HF directory."""
+    after the task's full-weight SFT warm start, built once and cached, with `threads` torch threads (0 =
+    as they are; `JobPlan.learner_threads`). Returns a local HF directory."""
     if cfg.model.lora.rank <= 0 or cfg.model.path:
         return model_path
-    from rayllm_rl.orchestration.job_config import TASK_PRESETS
+    from rayllm_rl.orchestration.presets import TASK_PRESETS
 
     preset = TASK_PRESETS[cfg.task]
     # no time budget: the cached base must not depend on how busy the machine was
@@ -82,11 +83,11 @@ def sft_warmed_demo_model(cfg, model_path: str, task, tokenizer, reporter) -> st
     if (out / "config.json").exists():
         reporter.log({"phase": "sft", "skipped": f"LoRA base: the SFT-warmed tiny model is cached at {out}"}, show=True)
         return str(out)
-    _warm_up_demo(cfg, sft, model_path, task, tokenizer, reporter, out)
+    _warm_up_demo(cfg, sft, model_path, task, tokenizer, reporter, out, threads)
     return str(out)
 
 
-def _warm_up_demo(cfg, sft, model_path: str, task, tokenizer, reporter, out: Path) -> None:
+def _warm_up_demo(cfg, sft, model_path: str, task, tokenizer, reporter, out: Path, threads: int) -> None:
     """The full-weight SFT warm start of the demo, on a Learner in this process; saved atomically."""
     import torch
 
@@ -97,12 +98,12 @@ def _warm_up_demo(cfg, sft, model_path: str, task, tokenizer, reporter, out: Pat
     learner = Learner(model_path, base_cfg.optim, temperature=cfg.rollout.temperature, seed=cfg.trainer.seed)
     reporter.log({"phase": "sft", "note": f"LoRA base: full-weight SFT warm start of the tiny model ({sft.steps} "
                                           f"steps, lr {sft.lr:g}), cached at {out}"}, show=True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, cfg.ray.threads_per_actor))  # as the learner actor would (faster on a busy box)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)  # as the learner would (faster on a busy box)
     try:
         sft_warm_start(base_cfg, task, tokenizer, reporter, learner.train_step, learner.reset_optimizer)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     learner.model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)

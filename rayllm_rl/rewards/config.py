@@ -1,8 +1,9 @@
 """The job's `reward.*` section: a reward model and a generative judge beside the task's rule reward.
 
 Both are off by default (an empty `path`), so a job without a `reward` section trains on its task's
-rule reward exactly as before. `RewardConfig.check(backend)` runs inside `GRPOJobConfig.validate()`:
-every error names the key, before any actor starts.
+rule reward exactly as before. `RewardConfig.check()` runs inside `GRPOJobConfig.validate()`: every
+error names the key, before any actor starts. What the local backend allows is the job's own check
+(orchestration/job_checks.py), not this section's.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import math
 import re
 import string
 from typing import Any, Literal
+
+from rayllm_rl.config import NonNegFloat, NonNegInt, PosFloat, PosInt
 
 DEFAULT_JUDGE_TEMPLATE = ("Question: {question}\nProposed answer: {completion}\nIs the proposed answer correct? "
                           "Reply 'Score: N' with N from 0 (wrong) to 10 (right).")
@@ -30,22 +33,22 @@ class RewardModelConfig:
     path: str = ""
     """A local HF model directory or hub id of an `AutoModelForSequenceClassification` with num_labels=1
     (e.g. a Skywork/ArmoRM-style RM); empty = off."""
-    num_actors: int = 1
+    num_actors: PosInt = 1
     """`reward-model-<i>` actors (Ray backend); env workers send each request to the least-busy one."""
     gpus_per_actor: float = 0.0
     """GPUs each reward-model actor asks Ray for (0 = CPU; a fraction shares a GPU; above 1, whole numbers)."""
-    batch_size: int = 32
+    batch_size: PosInt = 32
     """Score requests gathered into one forward (at most)."""
-    batch_wait_s: float = 0.005
+    batch_wait_s: NonNegFloat = 0.005
     """Seconds an actor waits for more requests after the first one before it runs a forward."""
-    timeout_s: float = 60.0
+    timeout_s: PosFloat = 60.0
     """Longest wait for one score (queueing included); past it the score is 0 and reward_model_timeouts += 1."""
     weight: float = 1.0
     """Weight of the reward model's score in the trained reward."""
     activation: Literal["identity", "sigmoid"] = "identity"
     """Applied to the model's logit: 'identity' (the raw score, what RMs trained with Bradley-Terry give) or
     'sigmoid' (a probability, for a classifier trained with binary cross-entropy)."""
-    max_length: int = 0
+    max_length: NonNegInt = 0
     """Tokens the model reads of each conversation (the end is kept); 0 = the model's max_position_embeddings."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Weights of the reward model."""
@@ -61,7 +64,7 @@ class JudgeConfig:
     """Engine of the judge's replicas, a name of the engine registry (inference/registry.py)."""
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     """The judge engine's own options (the same keys as inference.options for that engine)."""
-    num_replicas: int = 1
+    num_replicas: PosInt = 1
     """`judge-<i>` replica actors (Ray backend); they never receive weight updates."""
     gpus_per_replica: float = 0.0
     """GPUs each judge replica asks Ray for (0 = CPU)."""
@@ -82,9 +85,9 @@ class JudgeConfig:
     """'regex': the lowest score the judge may give (scaled to 0)."""
     max_score: float = 10.0
     """'regex': the highest score the judge may give (scaled to 1); a number outside the range is garbage (0)."""
-    max_new_tokens: int = 32
+    max_new_tokens: PosInt = 32
     """Tokens the judge may generate (greedy) per completion."""
-    timeout_s: float = 120.0
+    timeout_s: PosFloat = 120.0
     """Longest wait for one verdict; past it the score is 0 and reward_judge_timeouts += 1."""
     weight: float = 1.0
     """Weight of the judge's score in the trained reward."""
@@ -112,9 +115,9 @@ class RewardConfig:
         """{"model": weight, "judge": weight} of the parts that are on."""
         return {name: getattr(self, name).weight for name in ("model", "judge") if getattr(self, name).path}
 
-    def check(self, backend: str, environment: bool = True) -> None:
-        """Cross-field checks, each error naming its key; `backend` is trainer.backend, `environment` False
-        skips what depends on this machine (the judge engine's package installed)."""
+    def check(self, environment: bool = True) -> None:
+        """Cross-field checks, each error naming its key; `environment` False skips what depends on this
+        machine (the judge engine's package installed)."""
         for name, section, default in (("model", self.model, RewardModelConfig()), ("judge", self.judge, JudgeConfig())):
             if not section.path:
                 changed = [f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(default, f.name)]
@@ -134,34 +137,25 @@ class RewardConfig:
         if all(w == 0 for w in weights.values()):
             raise ValueError(f"every reward weight is 0 ({weights}): the policy would be trained on nothing")
         if self.model.path:
-            self._check_model(backend)
+            self._check_model()
         if self.judge.path:
-            self._check_judge(backend, environment)
+            self._check_judge(environment)
 
-    def _check_model(self, backend: str) -> None:
-        m = self.model
-        _positive({"reward.model.num_actors": m.num_actors, "reward.model.batch_size": m.batch_size,
-                   "reward.model.timeout_s": m.timeout_s})
-        if m.batch_wait_s < 0 or m.max_length < 0:
-            key = "batch_wait_s" if m.batch_wait_s < 0 else "max_length"
-            raise ValueError(f"reward.model.{key}={getattr(m, key)}: must be >= 0")
+    def _check_model(self) -> None:
+        m = self.model  # its counts and timeouts have their limits in their types
         _check_gpus("reward.model.gpus_per_actor", m.gpus_per_actor)
-        if backend == "local":
-            _local_only({"reward.model.num_actors": (m.num_actors, 1), "reward.model.gpus_per_actor": (m.gpus_per_actor, 0)})
 
-    def _check_judge(self, backend: str, environment: bool) -> None:
+    def _check_judge(self, environment: bool) -> None:
         from rayllm_rl.inference.registry import ENGINES, EngineJob, engine_class
 
         j = self.judge
-        _positive({"reward.judge.num_replicas": j.num_replicas, "reward.judge.max_new_tokens": j.max_new_tokens,
-                   "reward.judge.timeout_s": j.timeout_s})
         _check_gpus("reward.judge.gpus_per_replica", j.gpus_per_replica)
         if j.engine not in ENGINES:
             raise ValueError(f"reward.judge.engine must be one of {tuple(ENGINES)}, got {j.engine!r}")
         options = judge_engine_options(j)  # an unknown option fails here
         try:  # what the engine refuses, said in the judge's keys
             engine_class(j.engine).check_job(EngineJob(
-                backend=backend, gpus_per_replica=j.gpus_per_replica, tensor_parallel_size=1, dtype=j.dtype, top_p=1.0,
+                gpus_per_replica=j.gpus_per_replica, tensor_parallel_size=1, dtype=j.dtype, top_p=1.0,
                 top_k=0, environment=environment, options=options))
         except ValueError as exc:
             raise ValueError(_judge_keys(str(exc))) from None
@@ -175,10 +169,6 @@ class RewardConfig:
                 raise ValueError(f"reward.judge.regex={j.regex!r} has no group: group 1 must capture the score")
             if not j.min_score < j.max_score:
                 raise ValueError(f"reward.judge.min_score={j.min_score} must be < reward.judge.max_score={j.max_score}")
-        if backend == "local":
-            _local_only({"reward.judge.num_replicas": (j.num_replicas, 1),
-                         "reward.judge.gpus_per_replica": (j.gpus_per_replica, 0),
-                         "reward.judge.engine": (j.engine, "transformers")})
 
 
 def judge_engine_options(judge: JudgeConfig):
@@ -217,20 +207,6 @@ def check_template(template: str) -> tuple[str, ...]:
     return names
 
 
-def _positive(values: dict[str, float]) -> None:
-    for key, value in values.items():
-        if not value > 0:
-            raise ValueError(f"{key}={value}: must be > 0")
-
-
 def _check_gpus(key: str, gpus: float) -> None:
     if gpus < 0 or (gpus > 1 and not float(gpus).is_integer()):
         raise ValueError(f"{key}={gpus}: must be 0 (CPU), a fraction of one GPU, or a whole number of GPUs")
-
-
-def _local_only(values: dict[str, tuple[Any, Any]]) -> None:
-    """trainer.backend=local runs one in-process scorer on the CPU: a key asking for more is refused."""
-    for key, (value, allowed) in values.items():
-        if value != allowed:
-            raise ValueError(f"{key}={value} needs trainer.backend=ray: the local backend runs one in-process "
-                             f"scorer on the CPU ({key.rsplit('.', 1)[-1]}={allowed})")

@@ -48,7 +48,7 @@ class LocalBackend:
             torch.set_num_threads(cfg.trainer.num_threads)
         model_path = resolve_model_path(model_path, cfg.model.revision)  # a hub id -> its local snapshot
         self.cfg, self.model_path, self.task, self.tokenizer = cfg, model_path, task, tokenizer
-        self.timeout_s = cfg.ray.call_timeout_s
+        self.timeout_s = cfg.trainer.call_timeout_s
         lora = cfg.model.lora  # a LoRA policy: the learner trains the adapter, the engine swaps it in
         self.engine = TransformersEngine(model_path, seed=cfg.trainer.seed, device="cpu", lora=lora)  # on the CPU
         self.learner = Learner(model_path, cfg.optim, temperature=cfg.rollout.temperature, seed=cfg.trainer.seed,

@@ -211,6 +211,7 @@ def build_cluster(plan: JobPlan, model_path: str, task, workflow_factory) -> Clu
     except BaseException:
         placement.remove()
         raise
+    call_timeout_s = cfg.trainer.call_timeout_s
     ns = rc.namespace  # every named actor lives here: `ray.get_actor("env-0", namespace=...)` from any driver
     replica_names = [REPLICA.format(i) for i in range(plan.replicas)]
     # A replica Ray restarts refuses requests until the driver re-forms the sync group and sends it the
@@ -220,7 +221,7 @@ def build_cluster(plan: JobPlan, model_path: str, task, workflow_factory) -> Clu
     check_inlined("inference replica", replica_args[0])
     replicas = ReplicaGroup([InferenceReplica.options(name=name, namespace=ns, max_restarts=plan.actor(name).restarts,
                                          **placement.replica_options[i]).remote(*replica_args[i], lora=cfg.model.lora)
-                             for i, name in enumerate(replica_names)], rc.call_timeout_s)
+                             for i, name in enumerate(replica_names)], call_timeout_s)
     buffer = ReplayBufferActor.options(name=BUFFER, namespace=ns, max_concurrency=1000,
                                        **placement.driver_node_options).remote(
         plan.buffer_capacity, cfg.rollout.max_staleness, plan.batch_pipeline)
@@ -228,21 +229,21 @@ def build_cluster(plan: JobPlan, model_path: str, task, workflow_factory) -> Clu
     # the episodes it had in flight again (the buffer stores each episode id once). Its constructor
     # takes names, not handles, and small inlined arguments only, so a restart never depends on an
     # object-store argument the driver may have dropped.
-    env_args = (workflow_factory, replica_names, BUFFER, ns, build_episode_filter(cfg), rc.call_timeout_s, 1)
+    env_args = (workflow_factory, replica_names, BUFFER, ns, build_episode_filter(cfg), call_timeout_s, 1)
     check_inlined("env worker", env_args)
     env_names = [ENV_WORKER.format(i) for i in range(rc.num_env_workers)]
     env_workers = ActorGroup([EnvWorker.options(name=name, namespace=ns, max_concurrency=1000,
                                                 max_restarts=plan.actor(name).restarts,
                                                 **placement.env_worker_options).remote(*env_args)
-                              for name in env_names], rc.call_timeout_s)
+                              for name in env_names], call_timeout_s)
     learners = LearnerGroup([LearnerWorker.options(name=LEARNER.format(r), namespace=ns,
                                                    **placement.learner_options[r]).remote(
-        r, plan.learner_ranks, plan.actor(LEARNER.format(r)).threads) for r in range(plan.learner_ranks)], rc.call_timeout_s)
+        r, plan.learner_ranks, plan.actor(LEARNER.format(r)).threads) for r in range(plan.learner_ranks)], call_timeout_s)
     collector = RayLLMCollector.options(name=COLLECTOR, namespace=ns, max_concurrency=1000,
                                        **placement.driver_node_options).remote(
-        task.train, list(env_workers), buffer, cfg.rollout.prompts_per_step, cfg.rollout.max_staleness, seed, rc.call_timeout_s)
+        task.train, list(env_workers), buffer, cfg.rollout.prompts_per_step, cfg.rollout.max_staleness, seed, call_timeout_s)
     buffer.set_collector.remote(collector)
-    cluster = Cluster(replicas, env_workers, learners, buffer, collector, rc.call_timeout_s, rc.sync_timeout_s,
+    cluster = Cluster(replicas, env_workers, learners, buffer, collector, call_timeout_s, rc.sync_timeout_s,
                       placement=placement, services=services)
     cluster.turns = make_turns(plan.colocated, cluster)
 

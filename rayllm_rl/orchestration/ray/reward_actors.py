@@ -6,7 +6,7 @@
 * `judge-<i>`: an `InferenceReplica` of the judge model (the registry's engine, `reward.judge.engine`),
   frozen: it never joins the weight sync, and serves again at once when Ray restarts it.
 
-`start_reward_actors` creates them before the env workers and waits, bounded by `ray.call_timeout_s`,
+`start_reward_actors` creates them before the env workers and waits, bounded by `trainer.call_timeout_s`,
 until each has loaded its model (a job asking for GPUs the cluster lacks fails there, naming the key).
 They restart like replicas (`ray.replica_restarts`); a dead one costs scores (0 and a counter), never
 the run. `ray_reward_scorers` is what `make_workflow` hands `build_workflow` inside each env worker.
@@ -62,7 +62,7 @@ class RewardModelActor(_Process):
 
 def start_reward_actors(cfg: GRPOJobConfig, timeout_s: float | None = None) -> dict[str, Any]:
     """Create the reward-model and judge actors `cfg.reward` asks for and wait until each has its model
-    (at most `timeout_s`, default `ray.call_timeout_s`, for all); {} when both are off. A timeout (e.g.
+    (at most `timeout_s`, default `trainer.call_timeout_s`, for all); {} when both are off. A timeout (e.g.
     GPUs the cluster does not have) or a failed start kills them and raises, naming the key."""
     from rayllm_rl.inference.registry import placed_options
 
@@ -88,7 +88,7 @@ def start_reward_actors(cfg: GRPOJobConfig, timeout_s: float | None = None) -> d
                 j.engine, j.path, cfg.trainer.seed + i, rc.threads_per_actor, j.dtype, options, 1, frozen=True)
             waits[name] = (actors[name].ready.remote(), "reward.judge", j.path, f"gpus_per_replica={j.gpus_per_replica:g}")
     try:
-        _wait_started(waits, rc.call_timeout_s if timeout_s is None else timeout_s)
+        _wait_started(waits, cfg.trainer.call_timeout_s if timeout_s is None else timeout_s)
     except BaseException:
         for handle in actors.values():
             ray.kill(handle, no_restart=True)

@@ -1,0 +1,142 @@
+"""The cross-field checks of a resolved job config, run by `GRPOJobConfig.validate()` before any actor starts.
+
+Each error names the keys and the allowed values. A rule that depends on the backend or the placement
+is decided here, once, so nothing below the plan branches on `trainer.backend` or `ray.placement`.
+One field's own bounds and allowed values are in its type (`rayllm_rl.config.Limit`, `Literal`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from rayllm_rl.config import check_fields
+from rayllm_rl.orchestration.object_path import import_object
+from rayllm_rl.orchestration.presets import PRESET_KEYS, TASK_PRESETS, get_key
+
+IN_PROCESS_ENGINE = "transformers"
+"""The one engine `trainer.backend=local` runs (in this process, on the CPU)."""
+
+
+def check_job(cfg: Any, environment: bool = True) -> None:
+    """Every check of a resolved config (`presets.resolve_presets`); `environment=False` skips the
+    checks of this machine (the vllm package installed), for a dry run that plans other machines."""
+    check_fields(cfg)
+    unresolved = [key for key in PRESET_KEYS if get_key(cfg, key) is None]
+    if unresolved:
+        raise ValueError(f"task={cfg.task!r} has no preset for {unresolved}; set them or use one of "
+                         f"{sorted(TASK_PRESETS)}")
+    check_rollout_fields(cfg)
+    check_task_data(cfg)
+    cfg.algo.build_loss(cfg.rollout.max_new_tokens)  # the loss's own checks (e.g. GRPO's clip_eps_low < 1)
+    check_placement(cfg)
+    check_local_backend(cfg)
+    cfg.trackers.check()
+    cfg.reward.check(environment)
+    check_engine(cfg, environment)
+    check_lora(cfg)
+    from rayllm_rl.weight_sync.registry import plan_transport
+
+    rc = cfg.ray  # what can be checked before any actor starts (the nodes are known only then)
+    plan_transport(rc.sync_transport, learner_gpus=rc.gpus_per_learner > 0, learner_ranks=rc.num_learners,
+                   replica_gpus=rc.gpus_per_replica > 0, learner_node="", replica_nodes=[""],
+                   colocated=rc.placement == "colocated")
+
+
+def check_rollout_fields(cfg: Any) -> None:
+    """A rollout field the chosen workflow never reads is a mistake, not a no-op."""
+    r, defaults = cfg.rollout, type(cfg.rollout)()
+    turns = {"multi_turn", "env", "python_tool", "auto"}
+    if r.max_turns != defaults.max_turns and r.workflow not in turns:
+        raise ValueError(f"rollout.max_turns={r.max_turns} is read only by rollout.workflow in {sorted(turns)}; "
+                         f"rollout.workflow={r.workflow} is single-turn")
+    if r.turn_discount != defaults.turn_discount and r.workflow != "multi_turn":
+        raise ValueError(f"rollout.turn_discount is read only by rollout.workflow=multi_turn, not {r.workflow}")
+    if bool(r.agent) != (r.workflow == "openai_agent"):
+        raise ValueError("rollout.agent='package.module:async_fn' goes with rollout.workflow=openai_agent and only "
+                         f"with it (got workflow={r.workflow}, agent={r.agent!r})")
+    if r.workflow == "openai_agent":
+        import_object(r.agent)  # an agent that cannot be imported fails here, not in the env workers
+    if r.workflow == "env" and cfg.task == "arithmetic":
+        raise ValueError("rollout.workflow=env needs a task with a ChatEnv (gsm8k, math, ifeval, reasoning_gym); "
+                         "task=arithmetic has none: use rollout.workflow=rlvr or multi_turn")
+
+
+def check_task_data(cfg: Any) -> None:
+    """`data.reasoning_gym.*` is read by task=reasoning_gym only, which checks it (generator, options, seeds)."""
+    if cfg.task == "reasoning_gym":
+        cfg.data.reasoning_gym.check()
+        for key in ("path", "eval_path"):
+            if getattr(cfg.data, key):
+                raise ValueError(f"data.{key}={getattr(cfg.data, key)!r} is not read by task=reasoning_gym: its rows "
+                                 "are generated (data.reasoning_gym.*, data.eval_size); unset it")
+    elif cfg.data.reasoning_gym != type(cfg.data.reasoning_gym)():
+        raise ValueError(f"data.reasoning_gym.* is read only by task=reasoning_gym, not task={cfg.task}")
+
+
+def check_placement(cfg: Any) -> None:
+    """The GPU layout (placement_rules), what colocation needs, node labels and the namespace."""
+    from rayllm_rl.orchestration.placement_rules import NODE_LABEL_KEYS, check_node_labels
+    from rayllm_rl.orchestration.placement_rules import validate as validate_placement
+
+    rc = cfg.ray
+    colocated = rc.placement == "colocated"
+    validate_placement(rc.num_replicas, rc.num_learners, rc.gpus_per_replica, rc.gpus_per_learner,
+                       rc.tensor_parallel_size, rc.sync_timeout_s, colocated)
+    if colocated and cfg.rollout.max_staleness != 0:
+        raise ValueError(f"ray.placement=colocated needs rollout.max_staleness=0 (got {cfg.rollout.max_staleness}): "
+                         "the replica sleeps while the learner trains, so nothing is generated during a step and "
+                         "an older policy's batch would buy staleness without any overlap")
+    for key in NODE_LABEL_KEYS:
+        check_node_labels(key, getattr(rc, key))
+    if colocated and dict(rc.replica_node_labels or {}) != dict(rc.learner_node_labels or {}):
+        raise ValueError("ray.placement=colocated puts replica i and learner rank i on one GPU: "
+                         f"ray.replica_node_labels ({rc.replica_node_labels or {}}) and ray.learner_node_labels "
+                         f"({rc.learner_node_labels or {}}) must be equal")
+    if not rc.namespace.strip():
+        raise ValueError("ray.namespace must not be empty (default 'rayllm_rl')")
+
+
+def check_local_backend(cfg: Any) -> None:
+    """`trainer.backend=local` runs every role in this process on the CPU: the Transformers engine, one
+    reward model and one judge; a setting asking for more needs trainer.backend=ray."""
+    if cfg.trainer.backend != "local":
+        return
+    if cfg.ray.placement == "colocated":
+        raise ValueError("ray.placement=colocated is a placement of the Ray backend's actors: set trainer.backend=ray "
+                         "(got local; the local backend runs everything in one process already)")
+    m, j = cfg.reward.model, cfg.reward.judge
+    engines = {"inference.engine": cfg.inference.engine, **({"reward.judge.engine": j.engine} if j.path else {})}
+    for key, engine in engines.items():
+        if engine != IN_PROCESS_ENGINE:
+            raise ValueError(f"{key}={engine} runs in Ray replica actors: set trainer.backend=ray")
+    limits = {**({"reward.model.num_actors": (m.num_actors, 1), "reward.model.gpus_per_actor": (m.gpus_per_actor, 0)}
+                 if m.path else {}),
+              **({"reward.judge.num_replicas": (j.num_replicas, 1), "reward.judge.gpus_per_replica": (j.gpus_per_replica, 0)}
+                 if j.path else {})}
+    for key, (value, allowed) in limits.items():
+        if value != allowed:
+            raise ValueError(f"{key}={value} needs trainer.backend=ray: the local backend runs one in-process "
+                             f"scorer on the CPU ({key.rsplit('.', 1)[-1]}={allowed})")
+
+
+def check_engine(cfg: Any, environment: bool) -> None:
+    """The engine's options (an unknown one fails) and what the engine refuses of the job (`check_job`)."""
+    from rayllm_rl.inference.registry import EngineJob, engine_class, engine_options, placed_options
+
+    rc, colocated = cfg.ray, cfg.ray.placement == "colocated"
+    options = engine_options(cfg.inference.engine,
+                             placed_options(cfg.inference.engine, cfg.inference.options, colocated=colocated))
+    engine_class(cfg.inference.engine).check_job(EngineJob(
+        gpus_per_replica=rc.gpus_per_replica, tensor_parallel_size=rc.tensor_parallel_size, dtype=cfg.model.dtype,
+        top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, environment=environment, options=options,
+        colocated=colocated, lora_rank=cfg.model.lora.rank))
+
+
+def check_lora(cfg: Any) -> None:
+    """`model.lora.*` and what a LoRA policy cannot do, each naming the key."""
+    cfg.model.lora.check("model.lora")
+    if cfg.model.lora.rank > 0 and cfg.algo.kl_reward_coef > 0:
+        raise ValueError(f"algo.kl_reward_coef={cfg.algo.kl_reward_coef} with model.lora.rank={cfg.model.lora.rank}: "
+                         "a LoRA policy's reference is its own base model (the learner, adapter off), which "
+                         "serves the loss's KL (algo.kl_coef) inside the train step but not the reward before it; "
+                         "use algo.kl_coef, or model.lora.rank=0")
+
