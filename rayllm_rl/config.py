@@ -85,7 +85,7 @@ _NULLS = ("null", "none", "~")
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
-def _coerce(value: Any, tp: Any, key: str) -> Any:
+def coerce(value: Any, tp: Any, key: str) -> Any:
     """Convert `value` (typed from YAML, or raw text from the command line) to field type `tp`."""
     origin = typing.get_origin(tp)
     if tp is Any or (tp is dict and not isinstance(value, str)):
@@ -98,7 +98,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             if a is type(None):
                 continue
             try:
-                return _coerce(value, a, key)
+                return coerce(value, a, key)
             except ConfigError:
                 continue
         raise ConfigError(f"config key {key!r}: {value!r} does not match {tp}")
@@ -114,7 +114,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             value = [value]  # a single value is a one-element sequence
         args = typing.get_args(tp)
         inner = args[0] if args else Any
-        items = [_coerce(v, inner, key) for v in value]
+        items = [coerce(v, inner, key) for v in value]
         return tuple(items) if origin is tuple else items
     if origin is dict or tp is dict:
         value = yaml.safe_load(value) if isinstance(value, str) else value
@@ -180,7 +180,7 @@ def apply_dict(cfg: T, values: dict[str, Any], prefix: str = "") -> T:
             changes[k] = (_apply_variant(current, v, key, variants) if variants
                           else apply_dict(current, v, prefix=key + "."))
         else:
-            changes[k] = _coerce(v, hints[k], key)
+            changes[k] = coerce(v, hints[k], key)
             if k in limits:
                 limits[k].check(key, changes[k])
             if isinstance(current, dict) and isinstance(changes[k], dict):  # a mapping merges (YAML, then the command line)
@@ -209,7 +209,7 @@ def _not_taken(key: str, field: str, value: Any, tag: str, variants: dict[str, t
         valid = sorted(f.name for f in dataclasses.fields(variants[tag]))
         return ConfigError(f"unknown config key {key}.{field!r}; valid keys with {key}.name={tag}: {valid}")
     try:  # shown as the field's type reads it (the command line's "0.1" is 0.1)
-        value = _coerce(value, _hints(variants[takers[0]])[field], f"{key}.{field}")
+        value = coerce(value, _hints(variants[takers[0]])[field], f"{key}.{field}")
     except ConfigError:
         pass
     return ConfigError(f"{key}.{field}={value} is not read by {key}.name={tag} (it is by {takers}); unset it "
@@ -233,7 +233,7 @@ def switch_variant(current: Any, cls: type, key: str, variants: dict[str, type])
 
 def _apply_variant(current: Any, values: dict[str, Any], key: str, variants: dict[str, type]) -> Any:
     """`values` applied to the discriminated-union section `current`, switching class if `name` changes."""
-    tag = _coerce(values.get("name", current.name), typing.Literal[tuple(variants)], f"{key}.name")
+    tag = coerce(values.get("name", current.name), typing.Literal[tuple(variants)], f"{key}.name")
     cls = variants[tag]
     names = {f.name for f in dataclasses.fields(cls)}
     for field, value in values.items():

@@ -108,10 +108,10 @@ def test_two_replicas_fetch_what_the_learner_published_zero_copy():
 def test_tensors_of_a_few_mib_travel_in_pieces_and_arrive_as_one_zero_copy_view():
     """big.w (2.8 MB) and odd.bf16 (2,097,154 bytes) go as 3 pieces each, piece.exact as one: 5 + 2 + 1
     buffers; each replica sees every tensor whole, equal to what was sent, over the store's memory."""
-    from rayllm_rl.weight_sync.object_store import PIECE_BYTES, _npieces
+    from rayllm_rl.weight_sync.object_store import PIECE_BYTES, pieces_of
 
     named = big_weights(1)
-    assert [_npieces(t.numel() * t.element_size()) for t in named.values()] == [1, 3, 3, 1, 1]
+    assert [pieces_of(t.numel() * t.element_size()) for t in named.values()] == [1, 3, 3, 1, 1]
     assert named["piece.exact"].numel() * 4 == PIECE_BYTES
     spec, _ = spec_of(named, bucket_bytes=64 << 20)
     learner = Learner.remote(spec, 1, "big")

@@ -62,7 +62,7 @@ def generator_options(cfg: ReasoningGymConfig) -> dict[str, Any]:
     """`cfg.options` checked against the generator's config class and converted to its field types."""
     from reasoning_gym.factory import DATASETS
 
-    from rayllm_rl.config import ConfigError, _coerce
+    from rayllm_rl.config import ConfigError, coerce
 
     if cfg.dataset not in DATASETS:
         import difflib
@@ -79,7 +79,7 @@ def generator_options(cfg: ReasoningGymConfig) -> dict[str, Any]:
             raise ValueError(f"data.reasoning_gym.options.{key}: {cfg.dataset} has no such option (it takes {valid}; "
                              "seed and size come from data.reasoning_gym.seed/eval_seed/train_size)")
         try:
-            out[key] = _coerce(value, hints[key], f"data.reasoning_gym.options.{key}")
+            out[key] = coerce(value, hints[key], f"data.reasoning_gym.options.{key}")
         except ConfigError as error:
             raise ValueError(str(error)) from None
     try:  # the generator's own checks (e.g. min_terms <= max_terms) run on construction
@@ -99,9 +99,9 @@ def messages(cfg: ReasoningGymConfig, question: str) -> list[dict[str, str]]:
 
 
 def _rows(cfg: ReasoningGymConfig, options: dict[str, Any], seed: int, size: int) -> list[dict[str, Any]]:
-    from rayllm_rl.rewards.reasoning_gym import _dataset, options_key
+    from rayllm_rl.rewards.reasoning_gym import cached_dataset, options_key
 
-    data = _dataset(cfg.dataset, options_key(options), seed, size)
+    data = cached_dataset(cfg.dataset, options_key(options), seed, size)
     return [{"question": e["question"], "answer": str(e["answer"]), "messages": messages(cfg, e["question"]),
              "rg_seed": seed, "rg_size": size, "rg_index": i} for i, e in enumerate(data)]
 

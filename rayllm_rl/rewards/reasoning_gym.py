@@ -42,7 +42,7 @@ def extract_answer(completion: str, numeric: bool) -> tuple[str | None, bool]:
 
 
 @functools.lru_cache(maxsize=64)
-def _dataset(name: str, options_key: tuple, seed: int, size: int):
+def cached_dataset(name: str, options_key: tuple, seed: int, size: int):
     """One reasoning-gym dataset object per (generator, options, seed, size) in this process: its items are
     generated on demand and deterministically from (seed, index)."""
     import reasoning_gym
@@ -74,7 +74,7 @@ class ReasoningGymReward:
 
     def entry(self, seed: int, size: int, index: int, question: str | None = None) -> dict[str, Any]:
         """Row `index` of the generator's dataset of seed `seed` and size `size` (answer, metadata, question)."""
-        entry = _dataset(self.dataset, options_key(self.options), int(seed), int(size))[int(index)]
+        entry = cached_dataset(self.dataset, options_key(self.options), int(seed), int(size))[int(index)]
         if question is not None and entry["question"] != question:
             raise ValueError(f"reasoning-gym {self.dataset!r} row {index} of seed {seed} regenerates as "
                              f"{entry['question'][:80]!r}, not the row's {question[:80]!r}: the driver and this "
@@ -83,7 +83,7 @@ class ReasoningGymReward:
 
     def score(self, completion: str, entry: dict[str, Any]) -> dict[str, float]:
         answer, tagged = extract_answer(completion, is_number(entry["answer"]))
-        data = _dataset(self.dataset, options_key(self.options), 0, 1)
+        data = cached_dataset(self.dataset, options_key(self.options), 0, 1)
         try:
             value = float(data.score_answer(answer, entry))
         except Exception:  # noqa: BLE001 - a scorer choking on odd model text scores 0, never raises

@@ -69,14 +69,14 @@ def _flat_bytes(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def _npieces(nbytes: int) -> int:
+def pieces_of(nbytes: int) -> int:
     """How many out-of-band buffers a tensor of `nbytes` travels as."""
     return 1 if nbytes <= PIECE_BYTES or nbytes >= WHOLE_BYTES else -(-nbytes // PIECE_BYTES)
 
 
 def _pieces(buf: np.ndarray) -> list[np.ndarray]:
     """`buf` cut into the views that travel as its out-of-band buffers (no copy)."""
-    if _npieces(buf.nbytes) == 1:
+    if pieces_of(buf.nbytes) == 1:
         return [buf]
     return [buf[i:i + PIECE_BYTES] for i in range(0, buf.nbytes, PIECE_BYTES)]
 
@@ -178,7 +178,7 @@ class ObjectStoreReceiver(HeldReceiver):
                  rank: int = 1):
         self._ep = HandoffPlan(metas, bucket_bytes, timeout_s, rank, "object store")
         self._dtypes = target_dtypes(target, self._ep.metas, "ObjectStoreReceiver")
-        self._pieces = [[_npieces(m.nbytes) for m in bucket] for bucket in self._ep.buckets]
+        self._pieces = [[pieces_of(m.nbytes) for m in bucket] for bucket in self._ep.buckets]
         """Per bucket, the buffers each tensor arrives as (from the plan, as the sender cut them)."""
         self.target = target
         self.copied_bytes = 0

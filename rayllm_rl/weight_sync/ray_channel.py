@@ -41,7 +41,7 @@ from rayllm_rl.weight_sync.buckets import TensorMeta, metas_from_spec
 from rayllm_rl.weight_sync.ends import (
     EndpointView, HandoffPlan, HeldReceiver, SenderEnd, SyncStats, TensorSource, target_dtypes,
 )
-from rayllm_rl.weight_sync.object_store import _npieces, flat_pieces, tensors_of_buffers
+from rayllm_rl.weight_sync.object_store import pieces_of, flat_pieces, tensors_of_buffers
 from rayllm_rl.weight_sync.scheme import ChannelAttach, ChannelInit, TransportScheme
 
 __all__ = ["ChannelSender", "ChannelReceiver", "ChannelScheme", "channel_capacity"]
@@ -69,7 +69,7 @@ class _ChannelPlan(HandoffPlan):
     def __init__(self, metas: Sequence[TensorMeta], timeout_s: float, rank: int):
         super().__init__(metas, WHOLE_MODEL, timeout_s, rank, "ray channel")
         self.order = [m for bucket in self.buckets for m in bucket]
-        self.pieces = [_npieces(m.nbytes) for m in self.order]
+        self.pieces = [pieces_of(m.nbytes) for m in self.order]
 
 
 class ChannelSender(EndpointView, SenderEnd):

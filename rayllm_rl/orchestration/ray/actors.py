@@ -40,15 +40,15 @@ unset, ray-project/ray#54868), so a CPU replica, learner or reference on a GPU n
 itself (the engines and the reference choose CUDA when torch sees a GPU)."""
 
 
-def _actor(cls=None, **options):
+def ray_actor(cls=None, **options):
     """`@ray.remote` for the job's actor classes: no CPU reserved (placement decides), `ACTOR_ENV_VARS`;
     `options`: more of `ray.remote`'s (e.g. `enable_tensor_transport`)."""
     if cls is None:
-        return lambda c: _actor(c, **options)
+        return lambda c: ray_actor(c, **options)
     return ray.remote(num_cpus=0, runtime_env={"env_vars": ACTOR_ENV_VARS}, **options)(cls)
 
 
-class _Process:
+class ActorProcess:
     """Mixed into every actor: its process id, for fault-injection tests and operators, and its turn
     log (colocated placement: when it slept, trained, handed weights over, woke)."""
 
@@ -71,8 +71,8 @@ class _Process:
 TURN_LOG_LEN = 4096
 
 
-@_actor(enable_tensor_transport=True)  # receives weights over Ray Direct Transport (rdt_* transports)
-class InferenceReplica(_Process):
+@ray_actor(enable_tensor_transport=True)  # receives weights over Ray Direct Transport (rdt_* transports)
+class InferenceReplica(ActorProcess):
     """`inference-<i>`: an engine (Transformers or vLLM) and the weight sink it owns.
 
     The replica never touches engine tensors: weights arrive through the engine's sink
@@ -173,8 +173,8 @@ class InferenceReplica(_Process):
         await self.engine.aclose()
 
 
-@_actor
-class EnvWorker(_Process):
+@ray_actor
+class EnvWorker(ActorProcess):
     """Runs many workflow episodes concurrently against the replicas and puts each finished episode
     straight into the replay buffer (the collector only admits work; it never carries episodes)."""
 
@@ -208,8 +208,8 @@ class EnvWorker(_Process):
         return {"episodes": self.episodes, **(reward.counters() if reward is not None else {})}
 
 
-@_actor
-class ReferenceActor(_Process):
+@ray_actor
+class ReferenceActor(ActorProcess):
     """`reference` on the dashboard: a frozen ReferenceModel serving reference logprobs for KL."""
 
     def __init__(self, model_path: str, temperature: float, weights: dict[str, torch.Tensor] | str,
@@ -237,8 +237,8 @@ class ReferenceActor(_Process):
         return self.model.save(checkpoint_dir)
 
 
-@_actor
-class ReplayBufferActor(_Process):
+@ray_actor
+class ReplayBufferActor(ActorProcess):
     """`replay-buffer`: bounded, version-aware episode buffer; env workers put, the driver awaits batches."""
 
     def __init__(self, capacity_episodes: int, max_staleness: int, pipeline):
@@ -300,8 +300,8 @@ class ReplayBufferActor(_Process):
         self.buffer.load_state_dict(state)
 
 
-@_actor(enable_tensor_transport=True)  # rank 0 sends weights over Ray Direct Transport (rdt_* transports)
-class LearnerWorker(_Process):
+@ray_actor(enable_tensor_transport=True)  # rank 0 sends weights over Ray Direct Transport (rdt_* transports)
+class LearnerWorker(ActorProcess):
     """One FSDP rank of the learner; rank 0 also streams weights to the replicas."""
 
     def __init__(self, rank: int, world_size: int, num_threads: int = 1):
@@ -421,8 +421,8 @@ class LearnerWorker(_Process):
         return load_checkpoint(self.learner, path)
 
 
-@_actor
-class RayLLMCollector(_Process):
+@ray_actor
+class RayLLMCollector(ActorProcess):
     """`collector`, the actor shell of `LLMCollector`: admits episodes under the staleness bound and spreads them over the env workers,
     which put them straight into the buffer; a collector loop that dies fails the buffer's waiters."""
 

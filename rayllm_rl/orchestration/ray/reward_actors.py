@@ -23,12 +23,12 @@ import torch
 
 from rayllm_rl.hub import resolve_model_path
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
-from rayllm_rl.orchestration.ray.actors import InferenceReplica, _actor, _Process
+from rayllm_rl.orchestration.ray.actors import InferenceReplica, ray_actor, ActorProcess
 from rayllm_rl.rewards.reward_model import rm_sample
 
 
-@_actor
-class RewardModelActor(_Process):
+@ray_actor
+class RewardModelActor(ActorProcess):
     """`reward-model-<i>`: a sequence-classification reward model scoring batches of completions."""
 
     def __init__(self, path: str, batch_size: int, batch_wait_s: float, max_length: int, activation: str,
