@@ -63,6 +63,9 @@ def test_the_run_writes_bounded_traces_of_what_it_trained(run_dir):
             assert all(lag in (0, 1) for lag, tr in zip(s["lag"], s["trained"]) if tr)
             assert all(abs(d) <= 1e-4 for d in s["mismatch"] if d is not None)  # one model, two forwards
     assert any(max(s["lag"]) == 1 for t in traces for s in t["samples"])
+    summary = json.loads((run_dir / "summary.json").read_text())  # the run's mismatch, over its RL steps
+    m = summary["mismatch"]
+    assert m["tokens"] > 0 and 0 <= m["abs_logp_diff"] <= 1e-4 and 0 <= m["k3"] <= 1e-8 and m["frac_outside"] == 0
 
 
 def test_the_writer_stops_at_its_size_bound(tmp_path, tokenizer):

@@ -85,3 +85,15 @@ class MismatchMeter:
         rollout = torch.cat([p[1] for p in parts])
         lag = None if any(p[2] is None for p in parts) else torch.cat([p[2] for p in parts])
         return mismatch_figures(learner, rollout, lag)
+
+
+def mismatch_summary(records) -> dict[str, float | None]:
+    """The run's mismatch from its RL step records: token-weighted mean |Δ logprob| and k3, the largest
+    ratio, and the share of tokens outside `RATIO_BAND` (None where no step measured a sampled token)."""
+    steps = [r for r in records if r.get("phase") == "rl" and r.get("mismatch_tokens")]
+    tokens = sum(r["mismatch_tokens"] for r in steps)
+    if not tokens:
+        return {"tokens": 0, "abs_logp_diff": None, "k3": None, "ratio_max": None, "frac_outside": None}
+    mean = lambda k: sum(r[k] * r["mismatch_tokens"] for r in steps) / tokens  # noqa: E731
+    return {"tokens": int(tokens), "abs_logp_diff": mean("mismatch_abs_logp_diff"), "k3": mean("mismatch_k3"),
+            "ratio_max": max(r["mismatch_ratio_max"] for r in steps), "frac_outside": mean("mismatch_frac_outside")}

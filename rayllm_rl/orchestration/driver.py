@@ -20,6 +20,7 @@ from pathlib import Path
 from rayllm_rl.hub import resolve_model_path
 from rayllm_rl.models.tiny import ensure_tiny_model
 from rayllm_rl.learner.checkpoint import prune_checkpoints
+from rayllm_rl.learner.mismatch import mismatch_summary
 from rayllm_rl.orchestration.backend import Backend, RoleCrashed
 from rayllm_rl.orchestration.factories import build_task
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
@@ -143,6 +144,7 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
     summary = {"eval_reward_before": before, "eval_reward_after": after, "eval_reward_gain": after - before,
                "steps": step, "version": version, "backend": cfg.trainer.backend, "algo": cfg.algo.name,
                "max_staleness": cfg.rollout.max_staleness, "max_version_lag": max(lags, default=0),
+               "mismatch": mismatch_summary(reporter.records),
                "budget_cuts": run.budget_cuts, "eval_prompts": len(task.eval),
                "wall_seconds": round(time.perf_counter() - run.t_start, 1), "rl_seconds": round(time.perf_counter() - t_rl, 1),
                "run_dir": str(reporter.run_dir), "checkpoint": ckpt, "eval_before": run.eval_before,
