@@ -46,16 +46,16 @@ def start_pair(kind: str, engine: str, model_path: str, rank: int, transport: st
     import ray
 
     from rayllm_rl.lora import LoraOptions
-    from rayllm_rl.orchestration.job_config import GRPOAlgo
-    from rayllm_rl.learner.learner import OptimConfig
+    from rayllm_rl.learner.learner import LearnerSpec, OptimConfig
+    from rayllm_rl.objectives import GRPOLoss
     from rayllm_rl.orchestration.ray.actors import InferenceReplica, LearnerWorker
     from rayllm_rl.weight_sync.registry import make_spec
 
     lora = LoraOptions(rank=rank) if kind == "lora" else None
     learner = LearnerWorker.remote(0, 1, 1)
     host, port = ray.get(learner.address.remote(), timeout=timeout_s)
-    ray.get(learner.setup.remote(model_path, OptimConfig(), GRPOAlgo(), 1.0, 0, host, port, 16, "float32",
-                                 False, lora), timeout=timeout_s)
+    ray.get(learner.setup.remote(LearnerSpec(model_path, OptimConfig(), lora=lora), GRPOLoss(), host, port),
+            timeout=timeout_s)
     options = {"kv_cache_mb": 64} if engine == "vllm" else {}
     replica = InferenceReplica.remote(engine, model_path, 0, 1, "float32", options, 1, lora=lora)
     ray.get(replica.ready.remote(), timeout=timeout_s)

@@ -150,6 +150,21 @@ def reshard(model: torch.nn.Module) -> None:
             m.reshard()
 
 
+@dataclasses.dataclass(frozen=True)
+class LearnerSpec:
+    """What every rank of a learner is built from (picklable: the driver hands it to each learner actor)."""
+
+    model_path: str
+    optim: OptimConfig
+    temperature: float = 1.0
+    seed: int = 0
+    dtype: str = "float32"
+    """Compute dtype name (torch attribute): float32 or bfloat16 (learner/precision.py)."""
+    use_gpu: bool = False
+    lora: LoraOptions | None = None
+    """The policy's adapter (rank > 0: the learner trains and sends the adapter only)."""
+
+
 class Learner:
     """Owns the trainable model and its optimizer; usable directly or inside a Ray actor."""
 

@@ -318,18 +318,16 @@ class LearnerWorker(ActorProcess):
         ip = ray.util.get_node_ip_address()
         return ip, find_free_port(ip)
 
-    def setup(self, model_path: str, optim, algo, temperature: float, seed: int, master_addr: str, master_port: int,
-              max_new_tokens: int | None = None, dtype: str = "float32", use_gpu: bool = False, lora=None) -> bool:
-        """`lora`: the policy's `LoraOptions` (rank > 0: the learner trains and sends the adapter only)."""
+    def setup(self, spec, loss, master_addr: str, master_port: int) -> bool:
+        """Build this rank's `Learner` from `spec` (`learner.LearnerSpec`), training with `loss` (the plan's)."""
         from rayllm_rl.learner.distributed import DistConfig
         from rayllm_rl.learner.learner import Learner
 
-        backend = "nccl" if use_gpu else "gloo"
-        dist = DistConfig(rank=self.rank, world_size=self.world_size, master_addr=master_addr,
-                          master_port=master_port, backend=backend) if self.world_size > 1 or use_gpu else None
-        self.learner = Learner(resolve_model_path(model_path), optim, temperature=temperature, seed=seed, dist=dist,
-                               dtype=getattr(torch, dtype), lora=lora)
-        self.loss = algo.build_loss(max_new_tokens)
+        dist = DistConfig(rank=self.rank, world_size=self.world_size, master_addr=master_addr, master_port=master_port,
+                          backend="nccl" if spec.use_gpu else "gloo") if self.world_size > 1 or spec.use_gpu else None
+        self.learner = Learner(resolve_model_path(spec.model_path), spec.optim, temperature=spec.temperature,
+                               seed=spec.seed, dist=dist, dtype=getattr(torch, spec.dtype), lora=spec.lora)
+        self.loss = loss
         return True
 
     def train_step(self, batch, loss=None) -> dict[str, float]:

@@ -16,6 +16,7 @@ from rayllm_rl.orchestration.ray.actors import (
     RayLLMCollector,
     ReplayBufferActor,
 )
+from rayllm_rl.learner.learner import LearnerSpec
 from rayllm_rl.loop_thread import run_bounded
 from rayllm_rl.orchestration.factories import build_episode_filter
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
@@ -248,8 +249,9 @@ def build_cluster(plan: JobPlan, model_path: str, task, workflow_factory) -> Clu
     cluster.turns = make_turns(plan.colocated, cluster)
 
     host, port = learners.address()
-    learners.setup(model_path, cfg.optim, cfg.algo, cfg.rollout.temperature, seed, host, port,
-                   cfg.rollout.max_new_tokens, cfg.model.dtype, plan.layout.learner_gpus > 0, cfg.model.lora)
+    spec = LearnerSpec(model_path, cfg.optim, cfg.rollout.temperature, seed, cfg.model.dtype,
+                       plan.layout.learner_gpus > 0, cfg.model.lora)
+    learners.setup(spec, plan.loss, host, port)
     replicas.ready()  # vLLM: engine cores up before the group forms
     cluster.replica_pids = replicas.pids()
     form_sync_group(cluster, plan)

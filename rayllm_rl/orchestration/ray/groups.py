@@ -50,8 +50,9 @@ class LearnerGroup(ActorGroup):
         """Rank 0's host and a free port: the process group's rendezvous and the sync group's sender."""
         return ray.get(self.handles[0].address.remote(), timeout=self.timeout_s)
 
-    def setup(self, *args) -> list:
-        return self.each(lambda l: l.setup.remote(*args))
+    def setup(self, spec, loss, master_addr: str, master_port: int) -> list:
+        """Every rank builds its learner from `spec` (`learner.LearnerSpec`) and trains with `loss`."""
+        return self.each(lambda l: l.setup.remote(spec, loss, master_addr, master_port))
 
     def train_step(self, batch, loss=None) -> list[dict[str, float]]:
         return self.each(lambda l: l.train_step.remote(batch, loss))
