@@ -66,7 +66,8 @@ class TodayLearner(Learner):
     """`Learner` with the single-process `_optimizer_step` of before chunking (rows per micro-batch =
     `optim.micro_batch_size`); AdamW, clipping and the loss weighting are the same."""
 
-    def _optimizer_step(self, td, loss_fn: Loss) -> dict[str, float]:
+    def _optimizer_step(self, td, loss_fn: Loss, measure_mismatch: bool = False) -> dict[str, float]:
+        # the library's step takes measure_mismatch too; the "before chunking" path never measured it
         total_tokens = float(td["loss_mask"].sum().clamp(min=1))
         total_units = float(loss_fn.normalizer(td["loss_mask"]))
         self.optimizer.zero_grad(set_to_none=True)

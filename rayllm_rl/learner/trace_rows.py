@@ -27,7 +27,7 @@ def trace_rows(mb, logp: torch.Tensor, limit: int = TRACE_ROWS, max_tokens: int 
     logprobs `logp` `[n, T]` of them. Each row: `prompt_ids`, then per token after the prompt `ids`,
     `trained` (loss mask), `versions`, `rollout_logp` and `learner_logp` (None where not trained)."""
     n = int(mb["input_ids"].shape[0])
-    if n == 0 or limit <= 0:
+    if n == 0 or limit <= 0 or "versions" not in mb.keys():  # no versions: nothing says an engine sampled it
         return []
     picks = sorted({i * n // min(n, limit) for i in range(min(n, limit))})
     components = [k for k in mb.keys() if k not in _NOT_COMPONENTS and mb[k].dim() == 1 and mb[k].is_floating_point()]
