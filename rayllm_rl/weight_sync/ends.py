@@ -13,6 +13,7 @@ use any transport the same way and never look at its name:
 """
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 import time
@@ -46,32 +47,32 @@ class SyncStats:
         return self.bytes / self.seconds if self.seconds > 0 else float("inf")
 
 
-class SenderEnd:
+class SenderEnd(abc.ABC):
     """Learner rank 0's end of a transport (see the module docstring)."""
 
     metas: list[TensorMeta]
 
+    @abc.abstractmethod
     def send(self, named: Named, version: int) -> tuple[SyncStats, Any]:
         """Send every tensor of the plan stamped `version`; returns (stats, the handoff for the receivers)."""
-        raise NotImplementedError
 
     def close(self) -> None:
         """Release what the end holds (groups, segments, channels, the last handoff)."""
 
 
-class ReceiverEnd:
+class ReceiverEnd(abc.ABC):
     """A receiving process's end of a transport (see the module docstring)."""
 
     metas: list[TensorMeta]
     last_stats: SyncStats | None
 
+    @abc.abstractmethod
     def receive(self, handoff: Any = None, *, header_timeout_s: float | None = None) -> int:
         """Land the next version in the back buffer while the engine generates; returns the version."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def swap(self, version: int | None = None) -> float:
         """Hand the received version to the target between two decode steps; returns the stall (s)."""
-        raise NotImplementedError
 
     def close(self) -> None:
         """Forget what was received and not swapped in (the target keeps its weights)."""

@@ -10,6 +10,7 @@ may hold Ray handles, but only a Ray transport makes or reads them.
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any, Mapping, Sequence
 
@@ -79,7 +80,7 @@ def init_from_dict(d: Mapping[str, Any] | None) -> InitInfo:
     return cls(**fields)
 
 
-class TransportScheme:
+class TransportScheme(abc.ABC):
     """One transport: its init info and its two ends. Built with the transport's `TransportInfo`."""
 
     def __init__(self, info: Any):
@@ -92,14 +93,14 @@ class TransportScheme:
         `port` for a group; `readers` for a sender-first transport). Default: nothing to agree on."""
         return NoInit()
 
+    @abc.abstractmethod
     def sender(self, spec: Spec, metas: Sequence[TensorMeta]) -> SenderEnd:
         """Learner rank 0's end (metas already checked against `spec.metas`)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def receiver(self, spec: Spec, target: Any) -> ReceiverEnd:
         """The end of the receiving process `spec.rank` for `target` (``named_parameters()``,
         ``swap_weights(dict, version) -> stall_s``)."""
-        raise NotImplementedError
 
     def receivers_init(self, spec: Spec, sender: SenderEnd) -> InitInfo:
         """The init info the receivers are built from, once learner rank 0's end exists: the spec's own,
@@ -140,10 +141,10 @@ class GroupScheme(TransportScheme):
             group.close()
             raise
 
+    @abc.abstractmethod
     def sender_in(self, group: Any, spec: Spec, metas: Sequence[TensorMeta]) -> Any:
         """The protocol's sender on `group` (its `send` returns the stats only)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def receiver_in(self, group: Any, spec: Spec, target: Any) -> ReceiverEnd:
         """The protocol's receiver on `group`."""
-        raise NotImplementedError
