@@ -22,7 +22,7 @@ def decode_sample(row: dict, tokenizer) -> dict[str, Any]:
     start = row.get("trained_from")
     lag = [None if v < 0 or start is None else start - v for v in row["versions"]]
     diff = [None if lp is None else round(lp - rp, 5) for lp, rp in zip(row["learner_logp"], row["rollout_logp"])]
-    return {"prompt": tokenizer.decode(row["prompt_ids"]), "tokens": [tokenizer.decode([t]) for t in row["ids"]],
+    return {"prompt": tokenizer.decode(row["prompt_ids"]), "tokens": tokenizer.batch_decode([[t] for t in row["ids"]]),
             "trained": row["trained"], "versions": row["versions"], "lag": lag, "mismatch": diff,
             "reward": row["reward"], "components": row["components"], "trained_from": start,
             "cut_tokens": row["cut_tokens"]}
