@@ -446,8 +446,6 @@ def test_engine_options_are_the_engines_own_and_typed():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["inference.engine=vllm", "rollout.top_p=0.9"], "rollout.top_p=0.9"),
-    (["inference.engine=vllm", "rollout.top_k=20"], "rollout.top_k=20"),
     (["inference.engine=vllm", "trainer.backend=local"], "trainer.backend=ray"),
     (["inference.options.device=cuda"], "inference.options.device=cuda needs ray.gpus_per_replica > 0"),
     (["ray.sync_transport=nccl"], "ray.gpus_per_learner > 0"),
@@ -479,5 +477,5 @@ def test_python_api_is_lazy_and_validates_before_starting():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     from rayllm_rl import GRPOJobConfig, train
 
-    with pytest.raises(ValueError, match="rollout.top_k=5"):
-        train(GRPOJobConfig(), ["inference.engine=vllm", "rollout.top_k=5"])
+    with pytest.raises(ValueError, match=r"rollout.top_p must be in \(0, 1\].*got 1.5"):
+        train(GRPOJobConfig(), ["inference.engine=vllm", "rollout.top_p=1.5"])

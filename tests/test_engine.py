@@ -10,6 +10,7 @@ import torch
 
 from rayllm_rl.inference.protocol import LLMRequest, SamplingParams
 from rayllm_rl.inference.transformers_engine import DecodeLock, PromptTooLongError
+from rayllm_rl.sampling_mask import SamplingMask, masked_logprobs
 
 
 def chat_ids(tok, text):
@@ -17,13 +18,12 @@ def chat_ids(tok, text):
                                         tokenize=True, return_dict=False))
 
 
-def forward_logprobs(model, prompt, output, temperature=1.0):
-    """log-softmax of a full forward pass at the sampled tokens."""
+def forward_logprobs(model, prompt, output, temperature=1.0, mask=SamplingMask()):
+    """log-softmax of a full forward pass at the sampled tokens (over top-k / top-p's kept set under `mask`)."""
     full = torch.tensor([prompt + output])
     with torch.no_grad():
         logits = model(full).logits[0].float() / temperature
-    lp = torch.log_softmax(logits, -1)[len(prompt) - 1:-1]
-    return lp.gather(-1, torch.tensor(output).unsqueeze(-1)).squeeze(-1)
+    return masked_logprobs(logits[len(prompt) - 1:-1], torch.tensor(output), mask)
 
 
 @pytest.mark.parametrize("sampling", [
@@ -43,7 +43,8 @@ def test_logprobs_equal_full_forward_and_versions_stamped(engine, tokenizer, sam
     assert sum(r.output_len for r in responses) > 12
     for p, r in zip(prompts, responses):
         assert r.input_tokens == p
-        ref = forward_logprobs(engine.model, p, r.output_tokens, sampling.temperature)
+        ref = forward_logprobs(engine.model, p, r.output_tokens, sampling.temperature,
+                               SamplingMask(sampling.top_k, sampling.top_p))
         assert (ref - torch.tensor(r.output_logprobs)).abs().max().item() <= 1e-4
         assert r.output_versions == [3] * r.output_len
         assert r.stop_reason in ("stop", "length")

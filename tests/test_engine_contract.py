@@ -7,12 +7,15 @@ engine's own sink over a real update group, with the test process as learner ran
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 
 import pytest
 import torch
 
 from rayllm_rl.inference.protocol import LLMRequest, PromptTooLongError, SamplingParams
+from rayllm_rl.learner.logprobs import token_logprobs
+from rayllm_rl.sampling_mask import SamplingMask
 from rayllm_rl.weight_sync import find_free_port, metadata_of
 from rayllm_rl.weight_sync.registry import TRANSPORTS, build_sender, make_spec, receivers_init
 
@@ -108,6 +111,30 @@ def test_logprobs_equal_full_forward(served, hf_model, tokenizer, temperature):
     for r in responses:
         ref = forward_logprobs(hf_model_for(engine, hf_model), r.input_tokens, r.output_tokens, temperature)
         assert (ref - torch.tensor(r.output_logprobs)).abs().max().item() <= 1e-4, kind
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_top_p_logprobs_equal_the_learners_masked_logprobs(served, hf_model, tokenizer, temperature):
+    """Sampling-mask replay: at top-p 0.9 the engine reports the logprob of the kept set it drew from, and the
+    learner's chunked LM head, rebuilding that set from its own logits, gives the same. Scored over the full
+    vocabulary instead, every token is off by log M_t (M_t: the kept mass, >= 0.9): the bias replay removes."""
+    kind, engine, loop = served
+    responses = generate(loop, engine, prompts_for(tokenizer), SamplingParams(max_new_tokens=16,
+                                                                              temperature=temperature, top_p=0.9))
+    model, biases = hf_model_for(engine, hf_model), []
+    for r in responses:
+        ids = torch.tensor([r.input_tokens + r.output_tokens])
+        positions = torch.zeros_like(ids, dtype=torch.bool)
+        positions[0, len(r.input_tokens):] = True
+        with torch.no_grad():
+            scored = [token_logprobs(model, ids, torch.ones_like(ids), temperature, positions=positions, chunk_size=7,
+                                     mask=mask)[0, len(r.input_tokens):] for mask in (SamplingMask(0, 0.9), SamplingMask())]
+        engine_lp = torch.tensor(r.output_logprobs, dtype=torch.float64)
+        assert (scored[0] - engine_lp).abs().max().item() <= 1e-4, kind
+        biases.append(scored[1] - engine_lp)
+    bias = torch.cat(biases)
+    assert bias.numel() > 8 and bias.max() <= 1e-4 and bias.min() >= math.log(0.9) - 1e-4, kind
+    assert bias.mean() <= -0.02, (kind, float(bias.mean()))  # this model's nucleus keeps ~0.9 of the mass
 
 
 def hf_model_for(engine, hf_model):

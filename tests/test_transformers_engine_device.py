@@ -68,7 +68,7 @@ def test_bfloat16_reaches_the_model_and_logprobs_stay_close_to_float32(tiny_mode
 
 
 def job(dtype, gpus, device="auto"):
-    return EngineJob(gpus_per_replica=gpus, tensor_parallel_size=1, dtype=dtype, top_p=1.0, top_k=0,
+    return EngineJob(gpus_per_replica=gpus, tensor_parallel_size=1, dtype=dtype,
                      environment=False, options=TransformersOptions(device=device))
 
 

@@ -36,8 +36,6 @@ class EngineJob:
     gpus_per_replica: float
     tensor_parallel_size: int
     dtype: str
-    top_p: float
-    top_k: int
     environment: bool
     """Whether to check this machine (installed packages); False for a dry run planning other machines."""
     options: Any = None

@@ -1,12 +1,15 @@
 """Vectorised per-row sampling for a decode step: temperature, top-k, top-p, greedy.
 
-Returned logprobs are log-softmax of `logits / temperature` at the chosen token (temperature
-1 for greedy rows), i.e. the distribution the learner recomputes; top-k/top-p only restrict
-which tokens can be drawn.
+Returned logprobs are those of the distribution the token was drawn from, as vLLM's
+`processed_logprobs`: log-softmax of `logits / temperature` (temperature 1 for greedy rows) over
+the kept set of top-k / top-p (vLLM's rule, `rayllm_rl.sampling_mask`), which the learner rebuilds
+when it scores the token (sampling-mask replay, docs/algorithms.md).
 """
 from __future__ import annotations
 
 import torch
+
+from rayllm_rl.sampling_mask import kept_counts, kept_weights
 
 
 class RowSampler:
@@ -42,26 +45,21 @@ class RowSampler:
         logp = torch.log_softmax(scaled, dim=-1)
         if self.all_greedy:
             tokens = logp.argmax(dim=-1)
+            return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        draw_from = logp
+        if self.needs_filter:  # the kept set's renormalised distribution (-inf outside), vLLM's rule
+            n, v = kept_counts(scaled, self.top_k.squeeze(-1), self.top_p.squeeze(-1))
+            draw_from = torch.log_softmax(scaled + kept_weights(scaled, n, v).log(), dim=-1)
+        # Gumbel-max draws one token per row from softmax(draw_from) in one vectorised op.
+        u = torch.rand(draw_from.shape, generator=generator).clamp_(min=1e-20)
+        tokens = (draw_from - torch.log(-torch.log(u))).argmax(dim=-1)
+        if self.needs_filter:  # z_t - log Z of the kept set (a token tied at its edge counts as kept, as in vLLM)
+            log_z = torch.logsumexp(scaled + kept_weights(scaled, n, v, tokens).log(), dim=-1)
+            logprobs = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_z
         else:
-            draw_from = _filter_top_k_top_p(logp, self.top_k, self.top_p) if self.needs_filter else logp
-            # Gumbel-max draws one token per row from softmax(draw_from) in one vectorised op.
-            u = torch.rand(draw_from.shape, generator=generator).clamp_(min=1e-20)
-            tokens = (draw_from - torch.log(-torch.log(u))).argmax(dim=-1)
-            if self.any_greedy:
-                tokens = torch.where(self.greedy, logp.argmax(dim=-1), tokens)
-        return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
-
-def _filter_top_k_top_p(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Set to -inf every token outside each row's top-k and top-p nucleus. logp `[B, V]`."""
-    sorted_logp, order = logp.sort(dim=-1, descending=True)
-    vocab = logp.shape[-1]
-    ranks = torch.arange(vocab).unsqueeze(0)
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
-    drop = ranks >= k
-    probs = sorted_logp.exp()
-    mass_before = probs.cumsum(dim=-1) - probs  # nucleus keeps a token while the mass before it < p
-    drop |= mass_before >= top_p
-    drop[:, 0] = False  # always keep the most likely token
-    filtered_sorted = sorted_logp.masked_fill(drop, float("-inf"))
-    return torch.full_like(logp, float("-inf")).scatter(-1, order, filtered_sorted)
+            logprobs = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        if self.any_greedy:
+            greedy_tokens = logp.argmax(dim=-1)
+            tokens = torch.where(self.greedy, greedy_tokens, tokens)
+            logprobs = torch.where(self.greedy, logp.gather(-1, greedy_tokens.unsqueeze(-1)).squeeze(-1), logprobs)
+        return tokens, logprobs

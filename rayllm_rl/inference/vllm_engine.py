@@ -3,8 +3,8 @@
 Token ids in (`TokensPrompt`), token ids out with the sampled token's logprob and the policy
 version of the weights that produced each token (vLLM's per-token `weight_versions` spans).
 Logprobs are vLLM's `processed_logprobs`: log-softmax of `logits / temperature` (of the raw
-logits for greedy), i.e. what the learner recomputes. With top-k/top-p vLLM renormalises over
-the kept tokens, which the learner does not: docs/design-choices.md.
+logits for greedy), over the kept tokens under top-k / top-p: the learner rebuilds that kept set when it
+scores the token (sampling-mask replay, `rayllm_rl.sampling_mask`, docs/algorithms.md).
 
 Weights live in vLLM's worker process; the sink drives the backend in
 :mod:`rayllm_rl.inference.vllm_worker` through vLLM's weight-transfer API and
@@ -122,10 +122,6 @@ class VLLMEngine:
         if not 0.0 <= job.options.gpu_memory_utilization <= 1.0:
             raise ValueError("inference.options.gpu_memory_utilization must be in (0, 1], or 0 for the placement's "
                              f"default (got {job.options.gpu_memory_utilization})")
-        if job.top_p < 1.0 or job.top_k > 0:
-            raise ValueError(f"inference.engine=vllm with rollout.top_p={job.top_p}, rollout.top_k={job.top_k}: "
-                             "vLLM's logprobs are then of the truncated distribution, which the learner does not "
-                             "recompute; use top_p=1.0 and top_k=0")
         if job.lora_rank > 0:
             from rayllm_rl.inference.vllm_lora import max_lora_rank
 

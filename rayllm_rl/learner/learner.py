@@ -69,6 +69,7 @@ from rayllm_rl.learner.trace_rows import trace_rows
 from rayllm_rl.lora import LoraOptions
 from rayllm_rl.objectives.base import Loss
 from rayllm_rl.objectives.ppo_decoupled import loglinear_prox_logp
+from rayllm_rl.sampling_mask import SamplingMask
 
 
 @dataclasses.dataclass
@@ -157,6 +158,8 @@ class LearnerSpec:
     model_path: str
     optim: OptimConfig
     temperature: float = 1.0
+    sampling_mask: SamplingMask = SamplingMask()
+    """The rollout's top-k / top-p the learner replays when it scores tokens (`job_plan`: off when replay is off)."""
     seed: int = 0
     dtype: str = "float32"
     """Compute dtype name (torch attribute): float32 or bfloat16 (learner/precision.py)."""
@@ -169,7 +172,8 @@ class Learner:
     """Owns the trainable model and its optimizer; usable directly or inside a Ray actor."""
 
     def __init__(self, model_path: str, optim: OptimConfig, *, temperature: float = 1.0,
-                 seed: int = 0, dtype: torch.dtype = torch.float32, model: torch.nn.Module | None = None,
+                 sampling_mask: SamplingMask = SamplingMask(), seed: int = 0, dtype: torch.dtype = torch.float32,
+                 model: torch.nn.Module | None = None,
                  dist: DistConfig | None = None, lora: LoraOptions | None = None):
         from transformers import AutoModelForCausalLM
 
@@ -202,6 +206,8 @@ class Learner:
             self.model.to(torch.device("cuda", torch.cuda.current_device()))
         self.device = next(self.model.parameters()).device
         self.temperature = temperature
+        self.sampling_mask = sampling_mask
+        """Tokens are scored over the kept set of the rollout's top-k / top-p (`rayllm_rl.sampling_mask`)."""
         self.seed = seed
         # Minibatch permutations come from this generator only: identical on every rank, checkpointable.
         self.generator = torch.Generator().manual_seed(seed)
@@ -249,7 +255,7 @@ class Learner:
             with self.precision.autocast(self.device):
                 out = batched_token_logprobs(self.model, td, self.cfg.max_tokens_per_micro_batch, self.temperature,
                                              self.device, chunk_size=self.cfg.logprob_chunk_size,
-                                             max_rows=self.cfg.micro_batch_size)
+                                             max_rows=self.cfg.micro_batch_size, mask=self.sampling_mask)
         finally:
             self.model.train(training)
         reshard(self.model)
@@ -350,7 +356,8 @@ class Learner:
             with self.precision.autocast(self.device):
                 logp, entropy = token_logprobs(self.model, mb["input_ids"].to(self.device),
                                                mb["attention_mask"].to(self.device), self.temperature, with_entropy=True,
-                                               positions=(mask != 0).to(self.device), chunk_size=chunk)
+                                               positions=(mask != 0).to(self.device), chunk_size=chunk,
+                                               mask=self.sampling_mask)
             if meter is not None:
                 meter.add(logp, mb)
                 if self.rank == 0 and not self.trace:
@@ -375,7 +382,7 @@ class Learner:
             for _ in range(passes - len(mbs)):  # zero-weight pass: joins the all-gathers / reduce-scatters
                 dummy = micro_batches(td[:1], budget)[0][1]
                 token_logprobs(self.model, dummy["input_ids"].to(self.device), dummy["attention_mask"].to(self.device),
-                               self.temperature, chunk_size=chunk).sum().mul(0.0).backward()
+                               self.temperature, chunk_size=chunk, mask=self.sampling_mask).sum().mul(0.0).backward()
             summed: dict[str, float] = {}  # weights are global fractions, so the rank sum is the global mean
             parts = all_gather_objects((metrics, nonfinite_loss))
             for part, bad in parts:

@@ -26,6 +26,8 @@ from typing import Callable
 import torch
 from tensordict import TensorDict
 
+from rayllm_rl.sampling_mask import SamplingMask, kept_counts, kept_weights, masked_logprobs
+
 DEFAULT_CHUNK = 512
 """Positions per LM-head chunk (`OptimConfig.logprob_chunk_size`): a `[512, 151936]` float32 block is 0.31 GB."""
 
@@ -55,6 +57,10 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
     """`log softmax(h W^T + b) / T)[target]` and the entropy of that distribution, `[N]` each,
     computed `chunk` rows at a time; backward recomputes each chunk's logits.
 
+    With an active sampling mask (top_k > 0 or top_p < 1) the softmax is over each row's kept set
+    (`sampling_mask`: the n largest logits, counted from these logits; the target always counts), as the
+    rollout sampled; the entropy stays that of the full distribution.
+
     Inputs: hidden `[N, H]`, weight `[V, H]`, bias `[V]` or None, targets `[N]` (long).
     The entropy output is detached (a metric, no gradient). Each chunk's `[chunk, V]` block is
     worked on in place, with exponentials taken `SLICE` rows at a time, so one block (plus a
@@ -66,9 +72,13 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
     """Rows per `[SLICE, V]` scratch exponential inside a chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk: int, with_entropy: bool):
+    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk: int, with_entropy: bool,
+                top_k: int = 0, top_p: float = 1.0):
         acc = _acc_dtype(hidden.dtype)
         n, step, vocab = hidden.shape[0], ChunkedHeadLogprobs.SLICE, weight.shape[0]
+        masked = top_k > 0 or top_p < 1.0
+        kept_n = hidden.new_zeros(n if masked else 0, dtype=torch.long)
+        kept_v = hidden.new_zeros(n if masked else 0, dtype=acc)
         logp = hidden.new_empty(n, dtype=acc)
         lse = hidden.new_empty(n, dtype=acc)
         ent = hidden.new_zeros(n if with_entropy else 0, dtype=acc)
@@ -80,12 +90,18 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
             z = _chunk_logits(hidden[s:s + c], weight, bias, temperature, block[:c])
             target_z = z.gather(1, targets[s:s + c, None]).squeeze(1)
             top = z.amax(dim=-1)
+            if masked:  # the kept set's normaliser, from the logits before the in-place shift
+                kept_n[s:s + c], kept_v[s:s + c] = kept_counts(z, top_k, top_p)
+                w = kept_weights(z, kept_n[s:s + c], kept_v[s:s + c], targets[s:s + c])
+                lse[s:s + c] = top + w.mul_((z - top[:, None]).exp_()).sum(-1).log_()
+                del w
             z.sub_(top[:, None])
             for r in range(0, c, step):
                 e = torch.exp(z[r:r + step], out=scratch[:min(step, c - r)])
                 torch.sum(e, dim=-1, out=sums[r:r + e.shape[0]])
             log_sum = sums[:c].log()
-            lse[s:s + c] = top + log_sum
+            if not masked:
+                lse[s:s + c] = top + log_sum
             logp[s:s + c] = target_z - lse[s:s + c]
             if with_entropy:  # z becomes log p; H = -sum_v p_v log p_v
                 z.sub_(log_sum[:, None])
@@ -93,14 +109,14 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
                     p = torch.exp(z[r:r + step], out=scratch[:min(step, c - r)])
                     ent[s + r:s + r + p.shape[0]] = -torch.bmm(p.unsqueeze(1), z[r:r + step].unsqueeze(2)).view(-1)
         del block, scratch
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, kept_n, kept_v)
+        ctx.temperature, ctx.chunk, ctx.masked = temperature, chunk, masked
         ctx.mark_non_differentiable(ent)
         return logp, ent
 
     @staticmethod
     def backward(ctx, grad_logp, _grad_ent):
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, kept_n, kept_v = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         acc = lse.dtype
         n, w_acc = hidden.shape[0], _acc_dtype(weight.dtype)
@@ -113,8 +129,14 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
             c = min(chunk, n - s)
             h = hidden[s:s + c]
             g = grad_logp[s:s + c].to(acc)
-            # d logp / d z = onehot(target) - softmax(z); z = logits / T, so d/d logits has a 1/T
-            dz = _chunk_logits(h, weight, bias, t, block[:c]).sub_(lse[s:s + c, None]).exp_()
+            # d logp / d z = onehot(target) - softmax(z) (over the kept set when masked); z = logits / T,
+            # so d/d logits has a 1/T
+            z = _chunk_logits(h, weight, bias, t, block[:c])
+            w = kept_weights(z, kept_n[s:s + c], kept_v[s:s + c], targets[s:s + c]) if ctx.masked else None
+            dz = z.sub_(lse[s:s + c, None]).exp_()
+            if w is not None:
+                dz.mul_(w)
+                del w
             dz.mul_(-g[:, None])
             dz.scatter_add_(1, targets[s:s + c, None], g[:, None])
             if t != 1.0:
@@ -132,12 +154,14 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
             del dz_w
         del block
         return (grad_h, grad_w.to(weight.dtype) if grad_w is not None else None,
-                grad_b.to(bias.dtype) if grad_b is not None else None, None, None, None, None)
+                grad_b.to(bias.dtype) if grad_b is not None else None, None, None, None, None, None, None)
 
 
 def chunked_head_logprobs(hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor, temperature: float = 1.0,
-                          chunk_size: int = DEFAULT_CHUNK, with_entropy: bool = False):
-    """`(logp [N], entropy [N] or empty)` of `targets` under `head(hidden) / temperature`, hidden `[N, H]`.
+                          chunk_size: int = DEFAULT_CHUNK, with_entropy: bool = False,
+                          mask: SamplingMask = SamplingMask()):
+    """`(logp [N], entropy [N] or empty)` of `targets` under `head(hidden) / temperature`, hidden `[N, H]`,
+    over each row's kept set under an active sampling `mask`.
 
     Under autocast (the learner's float32 masters, learner/precision.py) the head runs as `F.linear` would
     there: hidden and weight cast to the autocast dtype, logits accumulated in float32; the weight's
@@ -151,7 +175,7 @@ def chunked_head_logprobs(hidden: torch.Tensor, head: torch.nn.Linear, targets: 
         context = torch.autocast(device, enabled=False)  # the function sets every dtype itself
     with context:
         return ChunkedHeadLogprobs.apply(hidden, weight, bias, targets, float(temperature), int(chunk_size),
-                                         bool(with_entropy))
+                                         bool(with_entropy), int(mask.top_k), float(mask.top_p))
 
 
 def linear_head(model: torch.nn.Module) -> torch.nn.Linear | None:
@@ -177,7 +201,7 @@ def _head_forward(head: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tens
 
 
 def full_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                        temperature: float = 1.0, *, with_entropy: bool = False):
+                        temperature: float = 1.0, *, with_entropy: bool = False, mask: SamplingMask = SamplingMask()):
     """The full-vocabulary path: `[B, T, V]` logits, float32 log_softmax (the learner's path before
     chunking). For models without a Linear output head or with post-processed logits
     (`logprob_chunk_size=0`). Same outputs as `token_logprobs`, at every position."""
@@ -186,7 +210,11 @@ def full_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attenti
     if temperature != 1.0:
         logits = logits / temperature
     log_probs = torch.log_softmax(logits, dim=-1)
-    logp = log_probs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    if mask.active:  # over each position's kept set (entropy below stays the full distribution's)
+        b, t1, vocab = logits.shape
+        logp = masked_logprobs(logits.reshape(-1, vocab), input_ids[:, 1:].reshape(-1), mask).view(b, t1)
+    else:
+        logp = log_probs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     logp = torch.nn.functional.pad(logp, (1, 0), value=0.0)
     if not with_entropy:
         return logp
@@ -197,18 +225,19 @@ def full_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attenti
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    temperature: float = 1.0, *, with_entropy: bool = False, positions: torch.Tensor | None = None,
-                   chunk_size: int = DEFAULT_CHUNK):
+                   chunk_size: int = DEFAULT_CHUNK, mask: SamplingMask = SamplingMask()):
     """Token-aligned log pi(x_t | x_<t) `[B, T]` for right-padded input; column 0 is 0.
 
     Only the tokens in `positions` (`[B, T]` bool; default `attention_mask`) are computed, chunk
     by chunk through the LM head; the others are 0 (the losses read logp on their mask only).
     float32, or float64 for a float64 model. With `with_entropy`, also the detached entropy of
     the full next-token distribution at the same positions: `(logp, entropy)`, both `[B, T]`.
-    `chunk_size <= 0`, or a model without a Linear output head, takes `full_token_logprobs`.
+    `chunk_size <= 0`, or a model without a Linear output head, takes `full_token_logprobs`. An active
+    sampling `mask` scores each token over the kept set the rollout's top-k / top-p sampled from.
     """
     head = linear_head(model) if chunk_size > 0 else None
     if head is None:
-        out = full_token_logprobs(model, input_ids, attention_mask, temperature, with_entropy=with_entropy)
+        out = full_token_logprobs(model, input_ids, attention_mask, temperature, with_entropy=with_entropy, mask=mask)
         keep = (attention_mask if positions is None else positions).to(torch.bool)
         return tuple(torch.where(keep, x, torch.zeros_like(x)) for x in out) if with_entropy else \
             torch.where(keep, out, torch.zeros_like(out))
@@ -221,7 +250,8 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
         if hidden.shape[:2] != (b, t):
             raise RuntimeError(f"{type(model).__name__} called its output head on hidden states of shape "
                                f"{tuple(hidden.shape)}, not [B, T, H] = [{b}, {t}, H]; use logprob_chunk_size=0")
-        logp, ent = chunked_head_logprobs(hidden[:, :-1][sel], head, targets, temperature, chunk_size, with_entropy)
+        logp, ent = chunked_head_logprobs(hidden[:, :-1][sel], head, targets, temperature, chunk_size, with_entropy,
+                                          mask)
         zeros = hidden.new_zeros(b, t - 1, dtype=logp.dtype)
         side["entropy"] = torch.nn.functional.pad(zeros.masked_scatter(sel, ent), (1, 0)) if with_entropy else None
         return torch.nn.functional.pad(zeros.masked_scatter(sel, logp), (1, 0))
@@ -312,14 +342,14 @@ def micro_batches(td: TensorDict, max_tokens: int, max_rows: int = 0) -> list[tu
 @torch.no_grad()
 def batched_token_logprobs(model: torch.nn.Module, td: TensorDict, max_tokens: int, temperature: float = 1.0,
                            device: torch.device | str = "cpu", *, chunk_size: int = DEFAULT_CHUNK,
-                           max_rows: int = 0) -> torch.Tensor:
+                           max_rows: int = 0, mask: SamplingMask = SamplingMask()) -> torch.Tensor:
     """`token_logprobs` at every real token of `td`, in token-budget micro-batches: `[N, T]` on CPU
     in the original row order, float32 (float64 for a float64 model), 0 at padding."""
     n, t = td["input_ids"].shape
     out: torch.Tensor | None = None
     for idx, mb in micro_batches(td, max_tokens, max_rows):
         lp = token_logprobs(model, mb["input_ids"].to(device), mb["attention_mask"].to(device), temperature,
-                            chunk_size=chunk_size).cpu()
+                            chunk_size=chunk_size, mask=mask).cpu()
         if out is None:
             out = torch.zeros(n, t, dtype=lp.dtype)
         out[idx, :lp.shape[1]] = lp

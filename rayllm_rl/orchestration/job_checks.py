@@ -127,7 +127,7 @@ def check_engine(cfg: Any, environment: bool) -> None:
                              placed_options(cfg.inference.engine, cfg.inference.options, colocated=colocated))
     engine_class(cfg.inference.engine).check_job(EngineJob(
         gpus_per_replica=rc.gpus_per_replica, tensor_parallel_size=rc.tensor_parallel_size, dtype=cfg.model.dtype,
-        top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, environment=environment, options=options,
+        environment=environment, options=options,
         colocated=colocated, lora_rank=cfg.model.lora.rank))
 
 

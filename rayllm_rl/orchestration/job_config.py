@@ -97,10 +97,14 @@ class RolloutConfig:
     (arithmetic 10, gsm8k 512, math 1024, ifeval 1024)."""
     temperature: float = 1.0
     """Sampling temperature (the learner recomputes logprobs at the same temperature)."""
-    top_p: float = 1.0
-    """Nucleus sampling mass."""
+    top_p: PosFloat = 1.0
+    """Nucleus sampling mass (vLLM's rule on both engines, `rayllm_rl.sampling_mask`)."""
     top_k: NonNegInt = 0
     """Top-k sampling; 0 disables."""
+    replay_sampling_mask: bool = True
+    """With top_p < 1 or top_k > 0: the learner scores each token over the kept set the rollout sampled from,
+    so the importance ratio is unbiased (docs/algorithms.md, "Sampling-mask replay"); false scores the full
+    distribution (the ratio is then biased by the dropped mass, log M in [log top_p, 0] per token)."""
     max_staleness: NonNegInt = 1
     """AReaL's eta: rollouts may be up to this many policy versions old (0 = synchronous)."""
     workflow: Literal["auto", "rlvr", "multi_turn", "env", "openai_agent", "python_tool"] = "auto"
@@ -126,6 +130,8 @@ class RolloutConfig:
     """Replay buffer capacity in episodes, on either backend (0 = 2 * (max_staleness + 1) * prompts_per_step)."""
 
     def __post_init__(self) -> None:
+        if not self.top_p <= 1.0:
+            raise ValueError(f"rollout.top_p must be in (0, 1] (1 = no nucleus), got {self.top_p}")
         if not 0 <= self.keep_top_k <= self.group_size:
             raise ValueError(f"rollout.keep_top_k must be in [0, rollout.group_size={self.group_size}] "
                              f"(0 = keep every trajectory), got {self.keep_top_k}")

@@ -15,6 +15,7 @@ from typing import Any
 from rayllm_rl.orchestration.batch_prep import BatchPipeline, make_batch_pipeline
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.placement_rules import GpuLayout, gpu_layout
+from rayllm_rl.sampling_mask import SamplingMask
 
 BACKENDS = {"local": "rayllm_rl.orchestration.local.backend:LocalBackend",
             "ray": "rayllm_rl.orchestration.ray.backend:RayBackend"}
@@ -84,6 +85,9 @@ class JobPlan:
     batch_pipeline: BatchPipeline
     """The stages that make a rollout batch a training batch, run where the batch is (the buffer)."""
     transport: TransportChoice
+    sampling_mask: SamplingMask = SamplingMask()
+    """What the learner replays when it scores tokens: the rollout's top-k / top-p, or nothing when
+    `rollout.replay_sampling_mask` is off (`rayllm_rl.sampling_mask`)."""
     learner_threads: int = 0
     """torch threads of a learner: `ray.threads_per_actor` in an actor, `trainer.num_threads` in this process
     (0 = torch's default); the LoRA demo's base warm-up runs with it too."""
@@ -192,4 +196,6 @@ def make_plan(cfg: GRPOJobConfig) -> JobPlan:
                    replicas=layout.num_replicas, learner_ranks=layout.num_learners, layout=layout, loss=loss,
                    needs_reference=reference, actors=actors, buffer_capacity=capacity,
                    batch_pipeline=make_batch_pipeline(cfg, reference), transport=transport,
+                   sampling_mask=SamplingMask(cfg.rollout.top_k, cfg.rollout.top_p) if cfg.rollout.replay_sampling_mask
+                   else SamplingMask(),
                    learner_threads=cfg.trainer.num_threads if cfg.trainer.backend == "local" else rc.threads_per_actor)

@@ -316,6 +316,9 @@ def plan_decisions(plan: JobPlan) -> dict[str, Any]:
         "weight_transport": plan.transport.describe(), "needs_reference": plan.needs_reference,
         "buffer_capacity": plan.buffer_capacity, "batch_stages": plan.batch_pipeline.names,
     }
+    if cfg.rollout.top_p < 1.0 or cfg.rollout.top_k > 0:  # truncated sampling: does the learner replay it?
+        out["rollout"]["truncation"] = {"top_p": cfg.rollout.top_p, "top_k": cfg.rollout.top_k,
+                                        "learner_replays_mask": plan.sampling_mask.active}
     if not plan.actors:
         out["note"] = f"trainer.backend={plan.backend}: every role runs in this process on CPU; no Ray"
     out["total_gpus"] = out["placement"]["total_gpus"]

@@ -44,7 +44,7 @@ def format_plan(plan: dict) -> str:
            f"engine: {e['name']} x {e['replicas']} replica(s), tensor_parallel_size={e['tensor_parallel_size']}"
            + ("" if e["installed_here"] else f" ({e['name']} is not installed on this machine; the job's machines need it)"),
            "rollout: {prompts_per_step} prompts x {group_size} samples per step, max_new_tokens={max_new_tokens}, "
-           "max_staleness={max_staleness}".format(**plan["rollout"]),
+           "max_staleness={max_staleness}".format(**plan["rollout"]) + _truncation_text(plan["rollout"]),
            "schedule: sft.steps={sft_steps}, trainer.steps={rl_steps}, optim.lr={optim_lr:g}, "
            "trainer.time_budget_s={trainer_time_budget_s:g}; eval: {eval}".format(**plan["schedule"])]
     for role, key in (("train", "data.path"), ("eval", "data.eval_path")):
@@ -119,3 +119,12 @@ def dry_run(cfg, as_json: bool) -> dict:
     sys.stdout.write((json.dumps(plan) if as_json else format_plan(plan)) + "\n")
     sys.stdout.flush()
     return plan
+
+
+def _truncation_text(rollout: dict) -> str:
+    t = rollout.get("truncation")
+    if not t:
+        return ""
+    how = "the learner replays the sampling mask" if t["learner_replays_mask"] else \
+        "the learner scores the full distribution (rollout.replay_sampling_mask=false: biased ratio)"
+    return f"; top_p={t['top_p']:g}, top_k={t['top_k']}: {how}"

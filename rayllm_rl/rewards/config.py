@@ -155,8 +155,8 @@ class RewardConfig:
         options = judge_engine_options(j)  # an unknown option fails here
         try:  # what the engine refuses, said in the judge's keys
             engine_class(j.engine).check_job(EngineJob(
-                gpus_per_replica=j.gpus_per_replica, tensor_parallel_size=1, dtype=j.dtype, top_p=1.0,
-                top_k=0, environment=environment, options=options))
+                gpus_per_replica=j.gpus_per_replica, tensor_parallel_size=1, dtype=j.dtype,
+                environment=environment, options=options))
         except ValueError as exc:
             raise ValueError(_judge_keys(str(exc))) from None
         check_template(j.template)

@@ -51,8 +51,8 @@ class LocalBackend:
         self.timeout_s = cfg.trainer.call_timeout_s
         lora = cfg.model.lora  # a LoRA policy: the learner trains the adapter, the engine swaps it in
         self.engine = TransformersEngine(model_path, seed=cfg.trainer.seed, device="cpu", lora=lora)  # on the CPU
-        self.learner = Learner(model_path, cfg.optim, temperature=cfg.rollout.temperature, seed=cfg.trainer.seed,
-                               lora=lora)
+        self.learner = Learner(model_path, cfg.optim, temperature=cfg.rollout.temperature,
+                               sampling_mask=plan.sampling_mask, seed=cfg.trainer.seed, lora=lora)
         self.loss = plan.loss
         self.reward_scorers = local_reward_scorers(cfg)  # {} unless reward.model / reward.judge is on
         self.workflow = build_workflow(cfg, task, tokenizer, make_tools=local_python_tools,

@@ -326,7 +326,8 @@ class LearnerWorker(ActorProcess):
         dist = DistConfig(rank=self.rank, world_size=self.world_size, master_addr=master_addr, master_port=master_port,
                           backend="nccl" if spec.use_gpu else "gloo") if self.world_size > 1 or spec.use_gpu else None
         self.learner = Learner(resolve_model_path(spec.model_path), spec.optim, temperature=spec.temperature,
-                               seed=spec.seed, dist=dist, dtype=getattr(torch, spec.dtype), lora=spec.lora)
+                               sampling_mask=spec.sampling_mask, seed=spec.seed, dist=dist,
+                               dtype=getattr(torch, spec.dtype), lora=spec.lora)
         self.loss = loss
         return True
 

@@ -249,7 +249,7 @@ def build_cluster(plan: JobPlan, model_path: str, task, workflow_factory) -> Clu
     cluster.turns = make_turns(plan.colocated, cluster)
 
     host, port = learners.address()
-    spec = LearnerSpec(model_path, cfg.optim, cfg.rollout.temperature, seed, cfg.model.dtype,
+    spec = LearnerSpec(model_path, cfg.optim, cfg.rollout.temperature, plan.sampling_mask, seed, cfg.model.dtype,
                        plan.layout.learner_gpus > 0, cfg.model.lora)
     learners.setup(spec, plan.loss, host, port)
     replicas.ready()  # vLLM: engine cores up before the group forms
