@@ -18,7 +18,7 @@ import dataclasses
 import torch
 
 FIRST_TOPK = 64
-"""Largest logits looked at first when counting a top-p nucleus; grown x4 until every row's nucleus fits."""
+"""Largest logits looked at first when counting a top-p nucleus; 16x more for the rows whose nucleus is wider."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,43 +44,46 @@ def _per_row(value, rows: int, dtype: torch.dtype, device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def kept_counts(z: torch.Tensor, top_k, top_p) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(n [N] long, v [N])`: how many tokens each row keeps, and the n-th largest logit.
+def kept_set(z: torch.Tensor, top_k, top_p) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(n [N] long, v [N], log_kept [N])`: how many tokens each row keeps, the n-th largest logit (-inf
+    where nothing is cut) and the logsumexp of the kept logits (exact under ties: the n largest values).
 
     z `[N, V]` float: logits divided by the temperature. `top_k`, `top_p`: a number, or one per row `[N]`
-    (top_k 0 and top_p 1 switch each off). Looks at the `FIRST_TOPK` largest logits first, not a full sort.
+    (top_k 0 and top_p 1 switch each off). Top-p looks at the `FIRST_TOPK` largest logits of a row first
+    and 16x more only for the rows whose nucleus is wider (then a full sort): no sort of a peaked row.
     """
     rows, vocab = z.shape
     k = _per_row(top_k, rows, torch.long, z.device)
     p = _per_row(top_p, rows, z.dtype, z.device)
     n = torch.full((rows,), vocab, dtype=torch.long, device=z.device)
+    v = torch.full((rows,), float("-inf"), dtype=z.dtype, device=z.device)
     with_k, with_p = k > 0, p < 1.0
-    lse = None
+    log_kept = torch.logsumexp(z, dim=-1)
     if bool(with_k.any()):
         k_lim = torch.where(with_k, k.clamp(max=vocab), torch.full_like(k, vocab))
-        kth = z.topk(int(k_lim.max()), dim=-1).values.gather(1, (k_lim - 1)[:, None])
-        in_k = z >= kth  # ties with the k-th largest are kept, as vLLM does
+        kth = z.topk(int(k_lim.max()), dim=-1).values.gather(1, (k_lim - 1)[:, None]).squeeze(1)
+        in_k = z >= kth[:, None]  # ties with the k-th largest are kept, as vLLM does
         n = torch.where(with_k, in_k.sum(-1), n)
-        if bool(with_p.any()):  # top-p renormalises over the top-k set
-            lse = torch.logsumexp(z.masked_fill(~in_k, float("-inf")), dim=-1)
-    if bool(with_p.any()):
-        lse = torch.logsumexp(z, dim=-1) if lse is None else lse
-        width = min(vocab, FIRST_TOPK)
-        while True:
-            vals = z.topk(width, dim=-1).values  # [N, width], largest first
-            ranks = torch.arange(width, device=z.device)
-            probs = (vals - lse[:, None]).exp().masked_fill(ranks[None] >= n[:, None], 0.0)
-            before = probs.cumsum(-1) - probs  # mass ranked above each token
-            keep = before < p[:, None]
-            keep[:, 0] = True
-            n_p = keep.sum(-1)
-            settled = (n_p < width) | (n <= width) | ~with_p
-            if width == vocab or bool(settled.all()):
-                break
-            width = min(vocab, 4 * width)
-        n = torch.where(with_p, torch.minimum(n_p, n), n)
-    v = z.topk(int(n.max()), dim=-1).values.gather(1, (n - 1)[:, None]).squeeze(1)
-    return n, v
+        v = torch.where(with_k, kth, v)
+        log_kept = torch.where(with_k, torch.logsumexp(z.masked_fill(~in_k, float("-inf")), dim=-1), log_kept)
+    todo, width = with_p.nonzero().squeeze(1), FIRST_TOPK
+    while todo.numel():  # top-p over the probabilities renormalised on the top-k set (log_kept)
+        w = vocab if 4 * width > vocab else width  # past a quarter of the row, a sort costs no more than topk
+        vals = z[todo].topk(w, dim=-1).values if w < vocab else z[todo].sort(dim=-1, descending=True).values
+        limit = n[todo]
+        ranks = torch.arange(w, device=z.device)[None]
+        probs = (vals - log_kept[todo, None]).exp().masked_fill(ranks >= limit[:, None], 0.0)
+        keep = (probs.cumsum(-1) - probs) < p[todo, None]  # the mass ranked above each token < p
+        keep[:, 0] = True
+        count = keep.sum(-1)
+        done = (count < w) | (limit <= w) | (w == vocab)
+        rows_done, kept_n = todo[done], torch.minimum(count, limit)[done]
+        vals = vals[done]
+        n[rows_done] = kept_n
+        v[rows_done] = vals.gather(1, (kept_n - 1)[:, None]).squeeze(1)
+        log_kept[rows_done] = torch.logsumexp(vals.masked_fill(ranks >= kept_n[:, None], float("-inf")), dim=-1)
+        todo, width = todo[~done], 16 * width
+    return n, v, log_kept
 
 
 @torch.no_grad()
@@ -108,6 +111,6 @@ def masked_logprobs(z: torch.Tensor, targets: torch.Tensor, mask: SamplingMask) 
     full-vocabulary path and the reference for the chunked one)."""
     if not mask.active:
         return torch.log_softmax(z, dim=-1).gather(1, targets[:, None]).squeeze(1)
-    n, v = kept_counts(z.detach(), mask.top_k, mask.top_p)
+    n, v, _ = kept_set(z.detach(), mask.top_k, mask.top_p)
     log_w = kept_weights(z.detach(), n, v, targets).log()
     return z.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(z + log_w, dim=-1)

@@ -10,7 +10,7 @@ import torch
 
 from rayllm_rl.inference.sampling import RowSampler
 from rayllm_rl.learner.logprobs import chunked_head_logprobs
-from rayllm_rl.sampling_mask import SamplingMask, kept_counts, kept_weights, masked_logprobs
+from rayllm_rl.sampling_mask import SamplingMask, kept_set, kept_weights, masked_logprobs
 
 
 def kept_by_hand(z: torch.Tensor, top_k: int, top_p: float) -> list[set[int]]:
@@ -31,14 +31,15 @@ def kept_by_hand(z: torch.Tensor, top_k: int, top_p: float) -> list[set[int]]:
 
 
 @pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (7, 1.0), (30, 0.8), (0, 0.3)])
-def test_kept_counts_and_masked_logprobs_follow_the_rule(top_k, top_p):
+def test_kept_set_and_masked_logprobs_follow_the_rule(top_k, top_p):
     torch.manual_seed(0)
     z = torch.randn(40, 200, dtype=torch.float64) * 2.5
-    n, v = kept_counts(z, top_k, top_p)
+    n, v, log_kept = kept_set(z, top_k, top_p)
     targets = torch.randint(0, 200, (40,))
     got = masked_logprobs(z, targets, SamplingMask(top_k, top_p))
     for r, kept in enumerate(kept_by_hand(z, top_k, top_p)):
         assert int(n[r]) == len(kept) and float(v[r]) == min(float(z[r, i]) for i in kept)
+        assert abs(float(log_kept[r]) - float(torch.logsumexp(z[r, sorted(kept)], 0))) <= 1e-12
         ids = sorted(kept | {int(targets[r])})  # the target always counts
         want = float(z[r, targets[r]] - torch.logsumexp(z[r, ids], 0))
         assert abs(float(got[r]) - want) <= 1e-12
@@ -47,20 +48,21 @@ def test_kept_counts_and_masked_logprobs_follow_the_rule(top_k, top_p):
 def test_ties_at_the_boundary_count_exactly():
     # top-k keeps every tie of the k-th largest (vLLM: `logits < k-th` is masked)
     z = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0, 0.0]])
-    n, v = kept_counts(z, 2, 1.0)
+    n, v, _ = kept_set(z, 2, 1.0)
     assert n.tolist() == [4] and v.tolist() == [2.0]
     # top-p cutting inside a tie: n - #above places shared among the tied tokens
     z = torch.tensor([[1.0, 1.0, 1.0, 1.0]])
-    n, v = kept_counts(z, 0, 0.6)  # masses before: 0, .25, .5, .75: three kept
+    n, v, log_kept = kept_set(z, 0, 0.6)  # masses before: 0, .25, .5, .75: three kept
     w = kept_weights(z, n, v)
     assert n.tolist() == [3] and torch.allclose(w, torch.full((1, 4), 0.75))
+    assert abs(float(log_kept) - (1 + math.log(3))) <= 1e-6
     lp = masked_logprobs(z, torch.tensor([0]), SamplingMask(0, 0.6))
     assert abs(float(lp) - math.log(1 / 3)) <= 1e-6  # Z = 3 e^1, as any three of the four would give
 
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16-rounded logits: many exact ties
-def test_kept_counts_equal_vllm_samplers_mask(dtype):
+def test_kept_set_equals_vllm_samplers_mask(dtype):
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
     torch.manual_seed(1)
@@ -71,7 +73,7 @@ def test_kept_counts_equal_vllm_samplers_mask(dtype):
             vllm_kept = torch.isfinite(apply_top_k_top_p_pytorch(
                 z.clone(), torch.full((rows,), k) if k else None, torch.full((rows,), p) if p < 1 else None,
                 allow_cpu_sync=True)).sum(-1)
-            n, _ = kept_counts(z, k, p)
+            n, _, _ = kept_set(z, k, p)
             differ = (n - vllm_kept).abs()
             # the two sum the nucleus in opposite orders in float32: a count may differ by one where a
             # token's mass-before lands within rounding of p (1 row in 7,680 measured here)
@@ -102,7 +104,7 @@ def test_engine_sampler_draws_from_the_kept_set_and_reports_its_logprob():
     logits = torch.randn(1, 50) * 2
     sampler = RowSampler([1.0] * 4000, [0] * 4000, [0.8] * 4000, [False] * 4000)
     tokens, logprobs = sampler(logits.expand(4000, 50), torch.Generator().manual_seed(0))
-    n, _ = kept_counts(logits, 0, 0.8)
+    n, _, _ = kept_set(logits, 0, 0.8)
     kept = set(logits[0].topk(int(n)).indices.tolist())
     assert set(tokens.tolist()) <= kept and len(set(tokens.tolist())) > 1
     want = masked_logprobs(logits.expand(4000, 50), tokens, SamplingMask(0, 0.8))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from rayllm_rl.sampling_mask import kept_counts, kept_weights
+from rayllm_rl.sampling_mask import kept_set, kept_weights
 
 
 class RowSampler:
@@ -48,7 +48,7 @@ class RowSampler:
             return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         draw_from = logp
         if self.needs_filter:  # the kept set's renormalised distribution (-inf outside), vLLM's rule
-            n, v = kept_counts(scaled, self.top_k.squeeze(-1), self.top_p.squeeze(-1))
+            n, v, _ = kept_set(scaled, self.top_k.squeeze(-1), self.top_p.squeeze(-1))
             draw_from = torch.log_softmax(scaled + kept_weights(scaled, n, v).log(), dim=-1)
         # Gumbel-max draws one token per row from softmax(draw_from) in one vectorised op.
         u = torch.rand(draw_from.shape, generator=generator).clamp_(min=1e-20)

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 from tensordict import TensorDict
 
-from rayllm_rl.sampling_mask import SamplingMask, kept_counts, kept_weights, masked_logprobs
+from rayllm_rl.sampling_mask import SamplingMask, kept_set, kept_weights, masked_logprobs
 
 DEFAULT_CHUNK = 512
 """Positions per LM-head chunk (`OptimConfig.logprob_chunk_size`): a `[512, 151936]` float32 block is 0.31 GB."""
@@ -59,7 +59,8 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
 
     With an active sampling mask (top_k > 0 or top_p < 1) the softmax is over each row's kept set
     (`sampling_mask`: the n largest logits, counted from these logits; the target always counts), as the
-    rollout sampled; the entropy stays that of the full distribution.
+    rollout sampled; the entropy stays that of the full distribution. Forward gets the kept set's normaliser
+    from its largest logits (`kept_set`); backward masks the recomputed softmax to `z >= v`.
 
     Inputs: hidden `[N, H]`, weight `[V, H]`, bias `[V]` or None, targets `[N]` (long).
     The entropy output is detached (a metric, no gradient). Each chunk's `[chunk, V]` block is
@@ -91,10 +92,9 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
             target_z = z.gather(1, targets[s:s + c, None]).squeeze(1)
             top = z.amax(dim=-1)
             if masked:  # the kept set's normaliser, from the logits before the in-place shift
-                kept_n[s:s + c], kept_v[s:s + c] = kept_counts(z, top_k, top_p)
-                w = kept_weights(z, kept_n[s:s + c], kept_v[s:s + c], targets[s:s + c])
-                lse[s:s + c] = top + w.mul_((z - top[:, None]).exp_()).sum(-1).log_()
-                del w
+                kept_n[s:s + c], kept_v[s:s + c], log_kept = kept_set(z, top_k, top_p)
+                outside = target_z < kept_v[s:s + c]  # a drawn token these logits would not keep counts too
+                lse[s:s + c] = torch.where(outside, torch.logaddexp(log_kept, target_z), log_kept)
             z.sub_(top[:, None])
             for r in range(0, c, step):
                 e = torch.exp(z[r:r + step], out=scratch[:min(step, c - r)])
@@ -132,11 +132,18 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
             # d logp / d z = onehot(target) - softmax(z) (over the kept set when masked); z = logits / T,
             # so d/d logits has a 1/T
             z = _chunk_logits(h, weight, bias, t, block[:c])
-            w = kept_weights(z, kept_n[s:s + c], kept_v[s:s + c], targets[s:s + c]) if ctx.masked else None
+            if ctx.masked:  # softmax over the kept set: z >= v, except rows with ties at v or the target below it
+                n_c, v_c, tg = kept_n[s:s + c], kept_v[s:s + c], targets[s:s + c]
+                keep = z >= v_c[:, None]
+                odd = ((keep.sum(-1) != n_c) | (z.gather(1, tg[:, None]).squeeze(1) < v_c)).nonzero().squeeze(1)
+                w_odd = kept_weights(z[odd], n_c[odd], v_c[odd], tg[odd]) if odd.numel() else None
             dz = z.sub_(lse[s:s + c, None]).exp_()
-            if w is not None:
-                dz.mul_(w)
-                del w
+            if ctx.masked:
+                fixed = dz[odd] * w_odd if w_odd is not None else None
+                dz.mul_(keep)
+                if fixed is not None:
+                    dz[odd] = fixed
+                del keep
             dz.mul_(-g[:, None])
             dz.scatter_add_(1, targets[s:s + c, None], g[:, None])
             if t != 1.0:
