@@ -105,3 +105,34 @@ def test_agent_failures_are_clear(engine, tokenizer):
         asyncio.run(OpenAIAgentWorkflow(silent, tokenizer, group_size=1).arun_episode(engine, {"q": 1}))
     with pytest.raises(TypeError, match="async"):
         OpenAIAgentWorkflow(lambda c, d: 1.0, tokenizer)
+
+
+def test_requests_sample_at_the_jobs_settings_the_learner_scores_at(engine, tokenizer):
+    """With the job's sampling, a request leaving temperature / top_p out gets the job's; another value is
+    refused (its logprobs would not be the learner's); temperature 0 stays greedy."""
+    from rayllm_rl.inference.protocol import SamplingParams
+    from rayllm_rl.sampling_mask import SamplingMask, masked_logprobs
+
+    seen = spy_engine(engine)
+    job = SamplingParams(temperature=0.7, top_p=0.8, top_k=0)
+
+    async def run():
+        client = openai_client(ChatCompletionsSession(engine, tokenizer, default_max_tokens=8, sampling=job))
+        try:
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "2+3="}])
+            for key, value in (("temperature", 1.0), ("top_p", 0.95)):
+                with pytest.raises(openai.BadRequestError, match=f"{key}=.* rollout.{key}="):
+                    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                                         **{key: value})
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                                 temperature=0, max_tokens=3)
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+    assert len(seen) == 2 and seen[0].output_len > 0
+    with torch.no_grad():  # the engine drew at T 0.7 from the top-p 0.8 kept set: its logprobs say so
+        r = seen[0]
+        logits = engine.model(torch.tensor([r.input_tokens + r.output_tokens])).logits[0].float() / 0.7
+        want = masked_logprobs(logits[len(r.input_tokens) - 1:-1], torch.tensor(r.output_tokens), SamplingMask(0, 0.8))
+    assert (want - torch.tensor(r.output_logprobs)).abs().max() <= 1e-4

@@ -72,8 +72,11 @@ class ChatCompletionsSession:
     """Serves chat completions from `engine` for one episode and records every completion."""
 
     def __init__(self, engine: InferenceEngine, tokenizer, *, default_max_tokens: int = 256,
-                 model_name: str = "rayllm-policy", rid: str | None = None):
+                 model_name: str = "rayllm-policy", rid: str | None = None, sampling: SamplingParams | None = None):
         self.engine = engine
+        self.sampling = sampling
+        """The job's rollout temperature / top_p / top_k: a request leaving one out gets the job's, and one
+        asking another value is refused, since the learner scores every token at the job's (None: any)."""
         self.tokenizer = tokenizer
         self.default_max_tokens = default_max_tokens
         self.model_name = model_name
@@ -95,6 +98,20 @@ class ChatCompletionsSession:
                                                  return_dict=False, **kwargs)
         return list(ids), None
 
+    def _sampling(self, body: dict[str, Any], max_tokens: int) -> SamplingParams:
+        """The request's sampling: the job's temperature / top_p / top_k where it gives none; temperature 0 is
+        greedy. Another value than the job's fails, naming both (its logprobs would not be the learner's)."""
+        job = self.sampling or SamplingParams()
+        temperature = float(body["temperature"]) if body.get("temperature") is not None else job.temperature
+        top_p = float(body["top_p"]) if body.get("top_p") is not None else job.top_p
+        if self.sampling is not None and temperature != 0.0:
+            for key, asked, own in (("temperature", temperature, job.temperature), ("top_p", top_p, job.top_p)):
+                if asked != own:
+                    raise ValueError(f"{key}={asked:g} in the request, but the job samples and scores at "
+                                     f"rollout.{key}={own:g}; leave {key} out or set rollout.{key}")
+        return SamplingParams(max_new_tokens=max_tokens, temperature=max(temperature, 1e-6), top_p=top_p,
+                              top_k=job.top_k, greedy=temperature == 0.0)
+
     # ------------------------------------------------------------------ the endpoint
     async def create(self, body: dict[str, Any]) -> dict[str, Any]:
         """Handle one /v1/chat/completions request body; returns the response body."""
@@ -105,9 +122,7 @@ class ChatCompletionsSession:
             raise ValueError("messages must be a non-empty list")
         n = int(body.get("n") or 1)
         max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or self.default_max_tokens)
-        temperature = float(body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0)
-        sampling = SamplingParams(max_new_tokens=max_tokens, temperature=max(temperature, 1e-6),
-                                  top_p=float(body.get("top_p") or 1.0), greedy=temperature == 0.0)
+        sampling = self._sampling(body, max_tokens)
         stops = body.get("stop") or []
         stops = [stops] if isinstance(stops, str) else list(stops)
         prompt_ids, parent = self._prompt_ids(messages, body.get("tools"))

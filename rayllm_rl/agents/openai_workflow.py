@@ -18,7 +18,7 @@ from tensordict import TensorDict
 
 from rayllm_rl.agents.openai_proxy import ChatCompletionsSession, openai_client
 from rayllm_rl.data.trajectory import concat_padded
-from rayllm_rl.inference.protocol import InferenceEngine
+from rayllm_rl.inference.protocol import InferenceEngine, SamplingParams
 from rayllm_rl.workflows.base import RolloutWorkflow
 from rayllm_rl.workflows.rewards import RewardCaller
 from rayllm_rl.workflows.rlvr import row_fields
@@ -34,7 +34,7 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
 
     def __init__(self, agent_fn: Callable[[Any, Mapping[str, Any]], Awaitable[Any]], tokenizer, *,
                  group_size: int = 4, reward_fn: Callable[..., Any] | None = None,
-                 max_tokens: int = 256, episode_timeout_s: float = 600.0):
+                 max_tokens: int = 256, episode_timeout_s: float = 600.0, sampling: SamplingParams | None = None):
         if not inspect.iscoroutinefunction(agent_fn):
             raise TypeError("agent_fn must be an async function taking (client, data)")
         self.agent_fn = agent_fn
@@ -43,9 +43,12 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         self.reward = RewardCaller(reward_fn) if reward_fn is not None else None
         self.max_tokens = max_tokens
         self.episode_timeout_s = episode_timeout_s
+        self.sampling = sampling
+        """The job's temperature / top-p / top-k, which the learner scores at (None: the requests' own)."""
 
     async def _episode(self, engine: InferenceEngine, data: Mapping[str, Any], group_id: int) -> list[TensorDict]:
-        session = ChatCompletionsSession(engine, self.tokenizer, default_max_tokens=self.max_tokens)
+        session = ChatCompletionsSession(engine, self.tokenizer, default_max_tokens=self.max_tokens,
+                                         sampling=self.sampling)
         client = openai_client(session)
         try:
             result = await asyncio.wait_for(self.agent_fn(client, data), self.episode_timeout_s)

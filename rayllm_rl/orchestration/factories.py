@@ -83,7 +83,7 @@ def build_workflow(cfg: GRPOJobConfig, task: Task, tokenizer, make_tools: Callab
         if not r.agent:
             raise ValueError("rollout.workflow=openai_agent needs rollout.agent='package.module:async_function'")
         return OpenAIAgentWorkflow(import_object(r.agent), tokenizer, group_size=r.group_size,
-                                   reward_fn=task.reward_fn, max_tokens=r.max_new_tokens)
+                                   reward_fn=task.reward_fn, max_tokens=r.max_new_tokens, sampling=build_sampling(cfg))
     if kind == "python_tool":
         from rayllm_rl.agents.tool_agent import ToolAgentWorkflow
 
