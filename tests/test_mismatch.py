@@ -87,3 +87,29 @@ def test_sft_demonstrations_have_no_rollout_logprobs_to_compare(tokenizer, tiny_
     assert metrics["mismatch_tokens"] == 0 and "mismatch_k3" not in metrics
     assert torch.equal(batch["loss_mask"], mask) and metrics["nll"] > 0  # the demonstrations still train
 
+
+
+def test_top_p_rollouts_trained_with_the_mask_replayed_show_no_mismatch(engine, tokenizer, tiny_model_path):
+    """A top-p 0.9 rollout trained by a learner replaying the mask: the step's mismatch is float error; the
+    same batch scored over the full softmax shows the bias, |log M| in [0, -log 0.9]. SFT demonstrations are
+    scored over the full softmax whatever the mask (their tokens were not drawn by the sampler)."""
+    from rayllm_rl.data.sft import make_sft_batch
+    from rayllm_rl.learner.logprobs import batched_token_logprobs
+    from rayllm_rl.objectives import SFTLoss
+    from rayllm_rl.sampling_mask import SamplingMask
+
+    wf = RLVRWorkflow(by_length, tokenizer, SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.9), group_size=4)
+    batch, _ = asyncio.run(collect_batch(engine, wf, PromptLoader(Dataset.from_list(ROWS), seed=1), 4))
+    batch["advantages"] = compute_advantages(batch["rewards"], batch["group_id"], AdvantageConfig())
+    batch["prox_version"] = torch.zeros(batch.batch_size[0], dtype=torch.long)
+    replayed = Learner(tiny_model_path, OptimConfig(lr=0.0), sampling_mask=SamplingMask(0, 0.9))
+    full = Learner(tiny_model_path, OptimConfig(lr=0.0))
+    got, biased = replayed.train_step(batch.clone(), GRPOLoss()), full.train_step(batch.clone(), GRPOLoss())
+    assert got["mismatch_abs_logp_diff"] <= 1e-4 and got["mismatch_k3"] <= 1e-8
+    assert 0.02 <= biased["mismatch_abs_logp_diff"] <= -math.log(0.9) + 1e-4 and biased["mismatch_ratio_max"] <= 1 + 1e-4
+
+    sft = make_sft_batch(tokenizer, [[{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2 and 2"}]])
+    sft["advantages"] = torch.zeros(1)
+    logp = batched_token_logprobs(full.model, sft, 4096)
+    want = float(-(logp * sft["loss_mask"]).sum() / sft["loss_mask"].sum())
+    assert replayed.train_step(sft, SFTLoss())["nll"] == pytest.approx(want, rel=1e-5)

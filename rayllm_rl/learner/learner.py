@@ -350,6 +350,7 @@ class Learner:
         metrics: dict[str, float] = {}
         nonfinite_loss = False
         meter = MismatchMeter() if measure_mismatch else None
+        scoring = self.sampling_mask if getattr(loss_fn, "scores_sampled_tokens", True) else SamplingMask()
         for mb in mbs:
             mask = mb["loss_mask"]
             # logprobs only where the loss reads them: the gradient is the same, the LM head does less
@@ -357,7 +358,7 @@ class Learner:
                 logp, entropy = token_logprobs(self.model, mb["input_ids"].to(self.device),
                                                mb["attention_mask"].to(self.device), self.temperature, with_entropy=True,
                                                positions=(mask != 0).to(self.device), chunk_size=chunk,
-                                               mask=self.sampling_mask)
+                                               mask=scoring)
             if meter is not None:
                 meter.add(logp, mb)
                 if self.rank == 0 and not self.trace:
@@ -382,7 +383,7 @@ class Learner:
             for _ in range(passes - len(mbs)):  # zero-weight pass: joins the all-gathers / reduce-scatters
                 dummy = micro_batches(td[:1], budget)[0][1]
                 token_logprobs(self.model, dummy["input_ids"].to(self.device), dummy["attention_mask"].to(self.device),
-                               self.temperature, chunk_size=chunk, mask=self.sampling_mask).sum().mul(0.0).backward()
+                               self.temperature, chunk_size=chunk, mask=scoring).sum().mul(0.0).backward()
             summed: dict[str, float] = {}  # weights are global fractions, so the rank sum is the global mean
             parts = all_gather_objects((metrics, nonfinite_loss))
             for part, bad in parts:

@@ -129,6 +129,9 @@ class Loss(torch.nn.Module):
     pre-update weights) or 'loglinear' (`loglinear_prox_logp` from the token versions, no extra pass)."""
     aggregation: str = "token-mean"
     """How `reduce` turns per-token losses into a scalar (`aggregate`)."""
+    scores_sampled_tokens: bool = True
+    """Its tokens were drawn by the rollout's sampler, so the learner replays the sampling mask when it
+    scores them (`rayllm_rl.sampling_mask`); False for demonstrations (SFT): the full softmax."""
 
     def reduce(self, per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Aggregate a per-token loss `[B, T]` with this loss's aggregation."""

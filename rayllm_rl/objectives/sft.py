@@ -29,6 +29,9 @@ class SFTLoss(Loss):
     (masked mean k3, no gradient) as TorchRL logs `kl_to_ref`.
     """
 
+    scores_sampled_tokens = False
+    """Demonstrations: scored under the full softmax, whatever the rollout's top-p."""
+
     def __init__(
         self,
         *,
