@@ -18,10 +18,27 @@ from rayllm_rl.orchestration.job_config import GRPOJobConfig  # noqa: E402
 
 @pytest.fixture(scope="module")
 def local_ray():
-    temp = f"/tmp/rayllm-test-{os.getpid()}"
-    ray.init(address="local", _temp_dir=temp, include_dashboard=False, num_cpus=2,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
-    yield
+    """A local Ray started the way a job starts it (`init_ray`: its dashboard on 127.0.0.1, token auth on),
+    with 2 CPUs; yields what `init_ray` printed, what Ray logged meanwhile, and the driver's job id."""
+    import contextlib
+    import io
+    import logging
+    from types import SimpleNamespace
+
+    from rayllm_rl.orchestration.ray.cluster import init_ray
+
+    cfg = load_config(GRPOJobConfig, [f"ray.temp_dir=/tmp/rayllm-test-{os.getpid()}"])
+    printed, logged = io.StringIO(), []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("ray").addHandler(handler)
+    try:
+        with contextlib.redirect_stdout(printed):
+            init_ray(cfg, num_cpus=2)
+            init_ray(cfg, num_cpus=2)  # Ray is up: nothing is started or printed again
+    finally:
+        logging.getLogger("ray").removeHandler(handler)
+    yield SimpleNamespace(printed=printed.getvalue(), logged=logged, job_id=ray.get_runtime_context().get_job_id())
     ray.shutdown()
 
 
@@ -215,21 +232,68 @@ def test_openai_sdk_agent_trains_in_ray_env_workers(local_ray, tmp_path):
         assert rec["token_versions"] and max(rec["token_versions"]) <= rec["version"] - 1
 
 
-def test_ray_pipeline_learns_with_nonzero_advantages(local_ray, tmp_path):
-    """A short warm start leaves the model right on some prompts, so groups disagree, advantages
-    are non-zero and GRPO raises the training reward (measured: ~0.24 -> ~0.54 over 80 steps)."""
-    import statistics
+@pytest.fixture(scope="module")
+def learning_run(local_ray, tmp_path_factory):
+    """The learning job of the test below, run once; meanwhile a headless Chromium, where there is one, opens
+    the job's dashboard through the token and looks for its actors and the job (test_ray_dashboard.py)."""
+    from types import SimpleNamespace
 
     from rayllm_rl.orchestration.driver import train
+    from test_ray_dashboard import BROWSER, JOB_ACTORS, URL_LINE, DashboardWatcher, token_from_line
 
+    tmp_path = tmp_path_factory.mktemp("learning")
+    url = URL_LINE.search(local_ray.printed)
     cfg = load_config(GRPOJobConfig, [
         "sft.steps=60", "sft.batch_size=32", "data.max_operand=4", "data.eval_size=5", "rollout.prompts_per_step=8",
         "rollout.group_size=8", "rollout.max_new_tokens=8", "trainer.steps=80", "trainer.eval_every=0",
         "trainer.log_every=1000", "optim.lr=3e-4", f"trainer.run_dir={tmp_path}", "trainer.call_timeout_s=120",
     ]).validate()
-    summary = train(cfg)
+    watcher = None
+    if BROWSER is not None and url is not None:
+        watcher = DashboardWatcher(BROWSER, url.group(1), token_from_line(local_ray.printed), JOB_ACTORS,
+                                   cfg.ray.namespace, local_ray.job_id, tmp_path)
+    try:
+        summary = train(cfg)
+    finally:
+        if watcher is not None:
+            watcher.job_done.set()
+    return SimpleNamespace(summary=summary, watcher=watcher, shots=tmp_path)
+
+
+def test_ray_pipeline_learns_with_nonzero_advantages(learning_run):
+    """A short warm start leaves the model right on some prompts, so groups disagree, advantages
+    are non-zero and GRPO raises the training reward (measured: ~0.24 -> ~0.54 over 80 steps)."""
+    import statistics
+
+    summary = learning_run.summary
     rl = rl_records(summary)
     assert len(rl) == 80 and summary["failed_episodes"] == 0
     assert statistics.fmean(r["advantage_abs_mean"] for r in rl) > 0.2, "groups must disagree for GRPO to learn"
     first, last = (statistics.fmean(r["reward"] for r in part) for part in (rl[:15], rl[-15:]))
     assert last > first + 0.1, (first, last)
+
+
+def test_the_dashboard_showed_the_running_jobs_actors_and_the_job_through_the_token(local_ray, learning_run):
+    """The job's own Ray start (`init_ray`) printed the dashboard's URL once (127.0.0.1; Ray's own start-up
+    line no longer carries it); while the learning job ran, a real headless Chromium opened that URL, was
+    asked for the token, typed the one from where the printed line says it is, and then saw the job's five named actors ALIVE on
+    the Actors page and the driver job RUNNING on the Jobs page."""
+    from test_ray_dashboard import JOB_ACTORS, URL_LINE, browser_or_skip
+
+    lines = [line for line in local_ray.printed.splitlines() if line]
+    assert len(lines) == 1 and URL_LINE.match(lines[0]), local_ray.printed
+    url = URL_LINE.match(lines[0]).group(1)
+    assert url.startswith("http://127.0.0.1:")
+    assert "Started a local Ray instance." in local_ray.logged, local_ray.logged
+    assert not [m for m in local_ray.logged if url.removeprefix("http://") in m], local_ray.logged
+    browser_or_skip()
+    seen = learning_run.watcher.result()
+    assert seen["dialog"] and seen["dialog_gone"]  # token auth on, and the token passed it
+    assert set(seen["actor_rows"]) == set(JOB_ACTORS), seen
+    assert all(f" {local_ray.job_id} " in f" {row} " for row in seen["actor_rows"].values()), seen  # this driver's
+    assert seen["job_row"].split()[0] == local_ray.job_id and " RUNNING " in f" {seen['job_row']} ", seen
+    for page in ("actors", "jobs"):
+        assert (learning_run.shots / f"ray_dashboard_{page}.png").stat().st_size > 10_000
+    print(f"dashboard: the job's actors were up at {seen['actors_up_s']:.1f}s; the browser saw them ALIVE at "
+          f"{seen['actors_s']:.1f}s and the job RUNNING at {seen['jobs_s']:.1f}s; "
+          f"screenshots in {learning_run.shots}")
