@@ -10,24 +10,19 @@ from __future__ import annotations
 import base64
 import json
 import os
-import platform
 import re
 import select
-import shutil
 import signal
 import subprocess
 import threading
 import time
 from pathlib import Path
 
-import pytest
-
 from rayllm_rl.config import load_config
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.job_plan import BUFFER, COLLECTOR, ENV_WORKER, LEARNER, REPLICA
 from rayllm_rl.orchestration.ray.cluster import DASHBOARD_HOST, dashboard_line, local_init_kwargs
 
-BROWSER = next((b for b in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if b), None)
 JOB_ACTORS = (REPLICA.format(0), ENV_WORKER.format(0), LEARNER.format(0), COLLECTOR, BUFFER)
 """The named actors of a one-replica, one-env-worker, one-learner job, as the dashboard lists them."""
 URL_LINE = re.compile(r"^Ray dashboard: (http://\S+) \(token auth on: ", re.M)
@@ -62,15 +57,6 @@ def test_the_printed_line_says_where_the_token_is(monkeypatch, tmp_path):
     assert "$RAY_AUTH_TOKEN" in line and "x" * 32 not in line and token_from_line(line) == "x" * 32
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     assert dashboard_line("127.0.0.1:8265") == "Ray dashboard: http://127.0.0.1:8265 (token auth off)"
-
-
-def browser_or_skip() -> str:
-    """Chromium's path; a failure where `make test` installs it (Debian, as root), else a skip saying why."""
-    if BROWSER is None:
-        if platform.system() == "Linux" and shutil.which("apt-get") and os.geteuid() == 0:
-            pytest.fail("no chromium: `make test` installs Debian's chromium for the browser tests (make browser)")
-        pytest.skip("no chromium on this machine (`make browser` installs it where apt-get is)")
-    return BROWSER
 
 
 TOKEN_SOURCE = re.compile(r"the page asks for (?:the value of \$(RAY_AUTH_TOKEN)|the token in (\S+));")

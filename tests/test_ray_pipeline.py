@@ -239,7 +239,8 @@ def learning_run(local_ray, tmp_path_factory):
     from types import SimpleNamespace
 
     from rayllm_rl.orchestration.driver import train
-    from test_ray_dashboard import BROWSER, JOB_ACTORS, URL_LINE, DashboardWatcher, token_from_line
+    from browser_helpers import BROWSER
+    from test_ray_dashboard import JOB_ACTORS, URL_LINE, DashboardWatcher, token_from_line
 
     tmp_path = tmp_path_factory.mktemp("learning")
     url = URL_LINE.search(local_ray.printed)
@@ -278,7 +279,8 @@ def test_the_dashboard_showed_the_running_jobs_actors_and_the_job_through_the_to
     line no longer carries it); while the learning job ran, a real headless Chromium opened that URL, was
     asked for the token, typed the one from where the printed line says it is, and then saw the job's five named actors ALIVE on
     the Actors page and the driver job RUNNING on the Jobs page."""
-    from test_ray_dashboard import JOB_ACTORS, URL_LINE, browser_or_skip
+    from browser_helpers import browser_or_skip
+    from test_ray_dashboard import JOB_ACTORS, URL_LINE
 
     lines = [line for line in local_ray.printed.splitlines() if line]
     assert len(lines) == 1 and URL_LINE.match(lines[0]), local_ray.printed

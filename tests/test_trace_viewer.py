@@ -3,34 +3,23 @@ a real headless Chromium shows it (filters and colours set through the URL fragm
 from __future__ import annotations
 
 import json
-import os
-import platform
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from browser_helpers import browser_or_skip
 from rayllm_rl.view.records import TRACE_FILE, TraceWriter, read_traces
 
 pytestmark = pytest.mark.slow  # a short job and a browser: `make test`, not `make test-fast`
 ROOT = Path(__file__).resolve().parents[1]
-BROWSER = next((b for b in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if b), None)
 LAG_0, LAG_1 = "rgb(200, 247, 197)", "rgb(255, 243, 176)"  # the page's colours of version lag 0 and 1
 
 
-def _browser() -> str:
-    if BROWSER is None:
-        if platform.system() == "Linux" and shutil.which("apt-get") and os.geteuid() == 0:
-            pytest.fail("no chromium: `make test` installs Debian's chromium for the browser tests (make browser)")
-        pytest.skip("no chromium on this machine (`make browser` installs it where apt-get is)")
-    return BROWSER
-
-
 def _chromium(*args: str) -> str:
-    out = subprocess.run([_browser(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", *args],
+    out = subprocess.run([browser_or_skip(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", *args],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout
