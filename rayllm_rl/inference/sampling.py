@@ -48,14 +48,13 @@ class RowSampler:
             return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         draw_from = logp
         if self.needs_filter:  # the kept set's renormalised distribution (-inf outside), vLLM's rule
-            n, v, _ = kept_set(scaled, self.top_k.squeeze(-1), self.top_p.squeeze(-1))
+            n, v, log_kept = kept_set(scaled, self.top_k.squeeze(-1), self.top_p.squeeze(-1))
             draw_from = torch.log_softmax(scaled + kept_weights(scaled, n, v).log(), dim=-1)
         # Gumbel-max draws one token per row from softmax(draw_from) in one vectorised op.
         u = torch.rand(draw_from.shape, generator=generator).clamp_(min=1e-20)
         tokens = (draw_from - torch.log(-torch.log(u))).argmax(dim=-1)
-        if self.needs_filter:  # z_t - log Z of the kept set (a token tied at its edge counts as kept, as in vLLM)
-            log_z = torch.logsumexp(scaled + kept_weights(scaled, n, v, tokens).log(), dim=-1)
-            logprobs = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_z
+        if self.needs_filter:  # z_t - logsumexp of the n largest: a drawn token is kept (tied at the edge too)
+            logprobs = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_kept
         else:
             logprobs = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         if self.any_greedy:
