@@ -29,6 +29,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from rayllm_rl.inference.protocol import LLMRequest, LLMResponse, check_request, weights_checksum
+from rayllm_rl.inference.vllm_shutdown import stop_async_llm
 from rayllm_rl.lora import LoraOptions
 from rayllm_rl.weight_sync.registry import SyncSpec
 
@@ -264,13 +265,13 @@ class VLLMEngine:
                 handler.cancel()
                 await asyncio.gather(handler, return_exceptions=True)
         finally:
-            llm.shutdown()
+            stop_async_llm(llm)
 
     def shutdown(self) -> None:
         """Stop vLLM from outside its loop (prefer `aclose`); idempotent."""
         llm, self._llm = self._llm, None
         if llm is not None:
-            llm.shutdown()
+            stop_async_llm(llm)
 
     # ---------------------------------------------------------------- generation
     @property

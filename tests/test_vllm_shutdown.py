@@ -1,0 +1,110 @@
+"""stop_async_llm: when vLLM's own process kill trips (psutil.NoSuchProcess on a child that exited
+while it was being named), no engine process or worker outlives the stop and the sockets close.
+
+The engine processes here are real (a multiprocessing engine with a child worker); only the
+AsyncLLM shell whose `shutdown` raises is a stand-in, to reach the failure path vLLM hits by chance.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import psutil
+import pytest
+
+from rayllm_rl.inference.vllm_shutdown import engine_processes, kill_trees, stop_async_llm
+
+
+def _engine_with_a_worker(ready) -> None:
+    """An engine-core stand-in: starts a worker child (as a TP engine does), reports, sleeps."""
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    ready.send(worker.pid)
+    time.sleep(300)
+
+
+class Resources:
+    """vLLM's BackgroundResources shape: an engine manager and a call that closes the sockets."""
+
+    def __init__(self, procs):
+        self.engine_manager = SimpleNamespace(processes=procs)
+        self.calls = 0
+
+    def __call__(self):
+        self.calls += 1
+
+
+class TrippingAsyncLLM:
+    """Has the AsyncLLM attributes stop_async_llm reads; its shutdown fails as vLLM's does."""
+
+    def __init__(self, procs, raise_exc: bool):
+        self.raise_exc = raise_exc
+        self.engine_core = SimpleNamespace(resources=Resources(procs))
+        self.shutdowns = 0
+
+    @property
+    def closed(self) -> int:
+        return self.engine_core.resources.calls
+
+    def shutdown(self):
+        self.shutdowns += 1
+        if self.raise_exc:
+            raise psutil.NoSuchProcess(12345, name=None, msg="process no longer exists")
+
+
+def _start_engine():
+    ctx = mp.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_engine_with_a_worker, args=(send,), daemon=True)
+    proc.start()
+    assert recv.poll(60), "the engine stand-in did not start its worker within 60 s"
+    return proc, recv.recv()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.timeout(120)
+def test_a_tripped_vllm_shutdown_still_kills_the_engine_and_its_worker_and_closes_the_sockets():
+    proc, worker_pid = _start_engine()
+    llm = TrippingAsyncLLM([proc], raise_exc=True)
+    assert engine_processes(llm) == [proc]
+    assert proc.is_alive() and not _gone(worker_pid)
+
+    stop_async_llm(llm, reap_timeout_s=30)  # does not raise
+
+    assert llm.shutdowns == 1 and llm.closed == 1
+    assert not proc.is_alive() and proc.exitcode == -9  # reaped, killed by our SIGKILL
+    deadline = time.monotonic() + 30
+    while not _gone(worker_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(worker_pid), f"worker {worker_pid} outlived the stop"
+
+
+@pytest.mark.timeout(60)
+def test_a_clean_vllm_shutdown_is_left_alone():
+    proc, worker_pid = _start_engine()
+    try:
+        llm = TrippingAsyncLLM([proc], raise_exc=False)
+        stop_async_llm(llm)
+        assert llm.shutdowns == 1 and llm.closed == 0  # vLLM's own cleanup ran; ours did not
+        assert proc.is_alive()  # nothing killed behind vLLM's back
+    finally:
+        assert sorted(kill_trees([proc.pid])) == sorted([worker_pid, proc.pid])
+        proc.join(30)
+    assert proc.exitcode == -9
+
+
+def test_kill_trees_tolerates_a_process_that_is_already_gone():
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait(30)
+    assert kill_trees([done.pid]) == []
+    assert os.getpid() not in kill_trees([])
