@@ -249,7 +249,7 @@ def test_slurm_script_runs_a_two_node_ray_cluster_and_a_5_step_job(tmp_path):
     srun.chmod(0o755)
     srun_log = tmp_path / "srun.log"
     mark = uuid.uuid4().hex
-    gcs, dash, client, agent = free_ports(4)
+    gcs, dash, client = free_ports(3)
     nodes = ["fake-node-0", "fake-node-1"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RAY_"))}
     env.update({k: str(v) for k, v in SLURM_BOUNDS_S.items()})
@@ -258,7 +258,7 @@ def test_slurm_script_runs_a_two_node_ray_cluster_and_a_5_step_job(tmp_path):
         SLURM_JOB_ID="4242", SLURM_JOB_NODELIST=",".join(nodes), SLURM_NNODES="2", SLURM_SUBMIT_DIR=str(ROOT),
         RAYLLM_PYTHON=sys.executable, RAYLLM_NODE_IPS=" ".join(f"{n}=127.0.0.1" for n in nodes),
         RAYLLM_TEMP_DIR=temp_root, RAYLLM_GCS_PORT=str(gcs), RAYLLM_DASHBOARD_PORT=str(dash),
-        RAYLLM_CLIENT_PORT=str(client), RAYLLM_AGENT_PORT=str(agent), RAYLLM_NUM_CPUS="1", RAYLLM_NUM_GPUS="0",
+        RAYLLM_CLIENT_PORT=str(client), RAYLLM_AGENT_PORT="0", RAYLLM_NUM_CPUS="1", RAYLLM_NUM_GPUS="0",
         RAYLLM_RAY_START_ARGS=f"--object-store-memory={100 * 1024 * 1024}",
     )
     job = ["trainer.steps=5", "sft.steps=5", "data.eval_size=8", "trainer.eval_every=0",
