@@ -95,13 +95,14 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
                 kept_n[s:s + c], kept_v[s:s + c], log_kept = kept_set(z, top_k, top_p)
                 outside = target_z < kept_v[s:s + c]  # a drawn token these logits would not keep counts too
                 lse[s:s + c] = torch.where(outside, torch.logaddexp(log_kept, target_z), log_kept)
-            z.sub_(top[:, None])
-            for r in range(0, c, step):
-                e = torch.exp(z[r:r + step], out=scratch[:min(step, c - r)])
-                torch.sum(e, dim=-1, out=sums[r:r + e.shape[0]])
-            log_sum = sums[:c].log()
-            if not masked:
-                lse[s:s + c] = top + log_sum
+            if not masked or with_entropy:  # the full softmax's normaliser: the logprob's, or the entropy's only
+                z.sub_(top[:, None])
+                for r in range(0, c, step):
+                    e = torch.exp(z[r:r + step], out=scratch[:min(step, c - r)])
+                    torch.sum(e, dim=-1, out=sums[r:r + e.shape[0]])
+                log_sum = sums[:c].log()
+                if not masked:
+                    lse[s:s + c] = top + log_sum
             logp[s:s + c] = target_z - lse[s:s + c]
             if with_entropy:  # z becomes log p; H = -sum_v p_v log p_v
                 z.sub_(log_sum[:, None])
