@@ -129,3 +129,21 @@ def test_plan_replays_the_rollouts_mask_unless_turned_off():
     assert not plan("rollout.top_p=0.9", "rollout.replay_sampling_mask=false").sampling_mask.active
     with pytest.raises(ValueError, match=r"rollout.top_p must be in \(0, 1\]"):
         plan("rollout.top_p=1.2")
+
+
+def test_the_dry_run_says_whether_the_learner_replays_the_mask():
+    from rayllm_rl.config import load_config
+    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+    from rayllm_rl.orchestration.plan import job_plan
+    from rayllm_rl.orchestration.plan_text import format_plan
+
+    def decisions(*argv):  # what `python jobs/grpo.py --dry-run` prints, as a dict
+        return job_plan(load_config(GRPOJobConfig, ["trainer.backend=local", *argv]).validate(environment=False))
+
+    assert "truncation" not in decisions()["rollout"]  # top_p 1, top_k 0: nothing to say
+    on = decisions("rollout.top_p=0.9")
+    assert on["rollout"]["truncation"] == {"top_p": 0.9, "top_k": 0, "learner_replays_mask": True}
+    assert "top_p=0.9, top_k=0: the learner replays the sampling mask" in format_plan(on)
+    off = decisions("rollout.top_k=20", "rollout.replay_sampling_mask=false")
+    assert off["rollout"]["truncation"]["learner_replays_mask"] is False
+    assert "top_p=1, top_k=20: the learner scores the full distribution" in format_plan(off)

@@ -29,6 +29,7 @@ from typing import Any
 
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.job_plan import JobPlan, make_plan
+from rayllm_rl.sampling_mask import SamplingMask
 
 GiB = float(1 << 30)
 
@@ -316,7 +317,7 @@ def plan_decisions(plan: JobPlan) -> dict[str, Any]:
         "weight_transport": plan.transport.describe(), "needs_reference": plan.needs_reference,
         "buffer_capacity": plan.buffer_capacity, "batch_stages": plan.batch_pipeline.names,
     }
-    if cfg.rollout.top_p < 1.0 or cfg.rollout.top_k > 0:  # truncated sampling: does the learner replay it?
+    if SamplingMask(cfg.rollout.top_k, cfg.rollout.top_p).active:  # truncated sampling: does the learner replay it?
         out["rollout"]["truncation"] = {"top_p": cfg.rollout.top_p, "top_k": cfg.rollout.top_k,
                                         "learner_replays_mask": plan.sampling_mask.active}
     if not plan.actors:
