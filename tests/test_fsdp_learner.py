@@ -81,7 +81,7 @@ def run_case(learner: Learner, case: dict, batches) -> list[dict[str, float]]:
     return [learner.train_step(b[:rows], GRPOLoss(**case["loss"])) for b in batches]
 
 
-def _rank_main(rank: int, world: int, port: int, queue, path: str, batches) -> None:
+def _rank_main(dist_cfg: DistConfig, queue, path: str, batches) -> None:
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
 
@@ -90,7 +90,7 @@ def _rank_main(rank: int, world: int, port: int, queue, path: str, batches) -> N
     out: dict = {}
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPE)
     for name, case in CASES.items():
-        learner = Learner(path, OptimConfig(**case["optim"]), dist=DistConfig(rank, world, master_port=port),
+        learner = Learner(path, OptimConfig(**case["optim"]), dist=dist_cfg,
                           dtype=DTYPE)
         if name == "aligned":
             out["names"] = [k for k, _ in iter_full_tensors(learner.model)]
@@ -106,12 +106,12 @@ def _rank_main(rank: int, world: int, port: int, queue, path: str, batches) -> N
         out[name] = {"metrics": run_case(learner, case, batches), "weights": learner.named_tensors(),
                      "steps": learner.optim_steps}
     try:  # ranks fed different batches must fail loudly, together, before any update
-        learner.train_step(batches[rank], GRPOLoss())
+        learner.train_step(batches[dist_cfg.rank], GRPOLoss())
         out["mismatch"] = None
     except ValueError as exc:
         out["mismatch"] = str(exc)
     destroy_distributed()
-    queue.put((rank, out))
+    queue.put((dist_cfg.rank, out))
 
 
 @pytest.mark.slow

@@ -100,13 +100,13 @@ def test_save_pretrained_writes_tokenizer_and_state(tiny_model_path, tokenizer, 
     assert state["optim_steps"] == 0 and state["world_size"] == 1 and "version" not in state  # the driver owns it
 
 
-def _rank_main(rank: int, world: int, port: int, queue, path: str, ckpt: str, batches) -> None:
+def _rank_main(dist_cfg: DistConfig, queue, path: str, ckpt: str, batches) -> None:
     torch.set_num_threads(1)
     from rayllm_rl.learner.distributed import destroy_distributed
 
-    res = resume_run(path, ckpt, batches, DistConfig(rank, world, master_port=port))
+    res = resume_run(path, ckpt, batches, dist_cfg)
     destroy_distributed()
-    queue.put((rank, res))
+    queue.put((dist_cfg.rank, res))
 
 
 @pytest.mark.slow

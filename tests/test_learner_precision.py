@@ -100,19 +100,19 @@ def test_lora_base_stays_in_the_compute_dtype_and_the_adapter_in_float32(tiny_mo
     assert lora_b and moved == lora_b  # lora_B starts at zero; every one took the 1e-6 step
 
 
-def _rank_main(rank: int, world: int, port: int, queue, path: str, batch) -> None:
+def _rank_main(dist_cfg: DistConfig, queue, path: str, batch) -> None:
     torch.set_num_threads(1)
     from torch.distributed.tensor import DTensor
 
     from rayllm_rl.learner.distributed import destroy_distributed
 
-    learner = Learner(path, OptimConfig(lr=1e-6), dist=DistConfig(rank, world, master_port=port), dtype=BF16)
+    learner = Learner(path, OptimConfig(lr=1e-6), dist=dist_cfg, dtype=BF16)
     local = {k: (v.to_local() if isinstance(v, DTensor) else v).detach().clone()
              for k, v in learner.model.named_parameters()}
     metrics = learner.train_step(batch, GRPOLoss())
     after = {k: (v.to_local() if isinstance(v, DTensor) else v).detach() for k, v in learner.model.named_parameters()}
     n = sum(v.numel() for v in local.values())
-    queue.put((rank, {"dtypes": sorted({str(v.dtype) for v in local.values()}),
+    queue.put((dist_cfg.rank, {"dtypes": sorted({str(v.dtype) for v in local.values()}),
                       "changed": sum(int((local[k] != after[k]).sum()) for k in local) / n,
                       "loss": metrics["loss"], "weights": learner.named_tensors()}))
     destroy_distributed()

@@ -364,19 +364,19 @@ def test_fsdp_two_ranks_train_the_same_adapter(tiny_model_path, batch, tmp_path)
     assert max(float((saved[n] - want[n]).abs().max()) for n in want) <= 1e-5
 
 
-def _fsdp_rank(rank: int, world: int, port: int, queue, path: str, batch, ckpt: str) -> None:
+def _fsdp_rank(dist_cfg: DistConfig, queue, path: str, batch, ckpt: str) -> None:
     torch.set_num_threads(1)
     from rayllm_rl.learner.checkpoint import save_checkpoint
     from rayllm_rl.learner.distributed import DistConfig, destroy_distributed
 
-    learner = Learner(path, OptimConfig(lr=1e-3), lora=LORA, dist=DistConfig(rank, world, master_port=port))
+    learner = Learner(path, OptimConfig(lr=1e-3), lora=LORA, dist=dist_cfg)
     for _ in range(2):
         learner.train_step(batch, GRPOLoss())
     ref = learner.reference_logprobs(batch)
     adapter = learner.named_tensors()
     save_checkpoint(learner, ckpt)
     destroy_distributed()
-    queue.put((rank, {"adapter": adapter, "ref": ref}))
+    queue.put((dist_cfg.rank, {"adapter": adapter, "ref": ref}))
 
 
 @pytest.mark.vllm

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from rayllm_rl.weight_sync.common import find_free_port as free_port
+from rayllm_rl.rendezvous import join_store, listen_store
 
 
 @dataclasses.dataclass
@@ -25,13 +25,18 @@ class DistConfig:
     world_size: int = 1
     """Number of learner ranks; 1 = plain single-process training (no process group)."""
     master_addr: str = "127.0.0.1"
-    """Address of rank 0's TCP rendezvous."""
+    """Address of the group's TCP rendezvous store."""
     master_port: int = 0
-    """Port of rank 0's rendezvous (0: `$MASTER_PORT`; required when world_size > 1)."""
+    """Port of that store (0: `$MASTER_PORT`; required when world_size > 1 unless rank 0 passes `store`)."""
     backend: str = "gloo"
     """"gloo" (CPU) or "nccl" (one GPU per rank, `cuda:$LOCAL_RANK` or `cuda:rank % ngpus`)."""
     timeout_s: float = 120.0
     """Timeout of every collective; a missing rank fails loudly instead of hanging forever."""
+    store: Any = None
+    """Rank 0's store, already listening (`rendezvous.listen_store`), whose port the other ranks were given
+    after it was bound (the Ray learners: rank 0's `rendezvous`). None: rank 0 binds `master_port` itself."""
+    launcher_store: bool = False
+    """The launcher serves the store (`launch_local`, as torchrun's agent does) and every rank joins it."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -57,16 +62,26 @@ def init_distributed(cfg: DistConfig):
                 f"a process group (rank {dist.get_rank()}/{dist.get_world_size()}) already exists; "
                 f"DistConfig asks for rank {cfg.rank}/{cfg.world_size}")
     else:
-        port = cfg.master_port or int(os.environ.get("MASTER_PORT", "0"))
-        if port == 0:
-            if cfg.world_size > 1:
-                raise ValueError("DistConfig.master_port (or $MASTER_PORT) is required when world_size > 1")
-            port = free_port(cfg.master_addr)
-        dist.init_process_group(
-            cfg.backend, init_method=f"tcp://{cfg.master_addr}:{port}", rank=cfg.rank,
-            world_size=cfg.world_size, timeout=datetime.timedelta(seconds=cfg.timeout_s),
-        )
+        dist.init_process_group(cfg.backend, store=rendezvous_store(cfg), rank=cfg.rank, world_size=cfg.world_size,
+                                timeout=datetime.timedelta(seconds=cfg.timeout_s))
     return init_device_mesh(cfg.device_type, (cfg.world_size,))
+
+
+def rendezvous_store(cfg: DistConfig):
+    """This rank's handle on the group's store: rank 0's own (`cfg.store`, or bound here on `master_port`,
+    a port the OS gives for a lone rank), else a client of `master_addr:master_port`."""
+    if cfg.store is not None:
+        return cfg.store
+    port = cfg.master_port or int(os.environ.get("MASTER_PORT", "0"))
+    if cfg.rank == 0 and not cfg.launcher_store:
+        if port == 0 and cfg.world_size > 1:
+            raise ValueError("DistConfig.master_port (or $MASTER_PORT) or rank 0's listening `store` is required "
+                             "when world_size > 1")
+        if port == 0:  # a lone rank: nobody needs to be told where
+            return listen_store(cfg.master_addr, 1, cfg.timeout_s)
+        return dist.TCPStore(cfg.master_addr, port, cfg.world_size, is_master=True,  # a port the user fixed
+                             timeout=datetime.timedelta(seconds=cfg.timeout_s), wait_for_workers=False)
+    return join_store(cfg.master_addr, port, cfg.world_size, cfg.timeout_s)
 
 
 def destroy_distributed() -> None:
@@ -189,7 +204,9 @@ class _ResultQueue:
 
 
 def launch_local(fn, world_size: int, *args: Any, timeout_s: float = 300.0) -> dict[int, Any]:
-    """Run `fn(rank, world_size, port, queue, *args)` in `world_size` spawned local processes.
+    """Run `fn(dist, queue, *args)` in `world_size` spawned local processes, `dist` being each rank's
+    `DistConfig` (gloo): this process serves the group's store, bound before the ranks start, as torchrun's
+    agent does.
 
     Each rank may `queue.put((rank, payload))` once; returns `{rank: payload}` once every rank has
     exited. A rank's exception is re-raised here (with its traceback); past `timeout_s` every
@@ -201,8 +218,9 @@ def launch_local(fn, world_size: int, *args: Any, timeout_s: float = 300.0) -> d
 
     import torch.multiprocessing as mp
 
+    store = listen_store("127.0.0.1", world_size + 1, timeout_s)  # + this process, which serves it
     q = _ResultQueue(mp.get_context("spawn").Queue())
-    ctx = mp.start_processes(fn, args=(world_size, free_port(), q, *args), nprocs=world_size,
+    ctx = mp.start_processes(_launched_rank, args=(fn, world_size, int(store.port), q, *args), nprocs=world_size,
                              join=False, start_method="spawn")
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
@@ -230,3 +248,8 @@ def launch_local(fn, world_size: int, *args: Any, timeout_s: float = 300.0) -> d
                 p.kill()
                 p.join(5)
     return results
+
+
+def _launched_rank(rank: int, fn, world_size: int, port: int, queue, *args: Any) -> None:
+    """A `launch_local` rank: its DistConfig joins the launcher's store."""
+    fn(DistConfig(rank, world_size, master_port=port, launcher_store=True), queue, *args)

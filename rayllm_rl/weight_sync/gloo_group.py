@@ -3,8 +3,10 @@
 Learner rank 0 may itself be a rank of the FSDP group that lives in the *global*
 ``torch.distributed`` group, so the CPU weight-sync group between it and the inference
 replicas must be built on the side: rank 0 hosts a private ``TCPStore`` and every member
-builds a ``ProcessGroupGloo`` object on it directly. ``dist.is_initialized()`` is left as
-it was (``torch.distributed.init_process_group`` is never called here).
+builds a ``ProcessGroupGloo`` object on it directly. Rank 0 binds that store before the others
+learn its port (:func:`rayllm_rl.rendezvous.listen_store`, passed as `store`): no port is picked
+ahead. ``dist.is_initialized()`` is left as it was (``torch.distributed.init_process_group`` is never
+called here).
 
 Every operation is bounded in time: building the group waits at most ``timeout_s`` for the
 peers, and each collective is waited on with ``Work.wait(timedelta)``, which in torch 2.13
@@ -24,6 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from rayllm_rl.rendezvous import join_store
 from rayllm_rl.weight_sync.common import Closing, WeightSyncError, is_timeout_error, sync_error
 
 __all__ = ["StatelessGlooGroup", "StatelessNcclGroup"]
@@ -34,7 +37,7 @@ class StatelessGlooGroup(Closing):
 
     Args:
         host: address of rank 0 (reachable from every member).
-        port: TCP port rank 0 listens on for the store (see :func:`find_free_port`).
+        port: TCP port of rank 0's store (`store.port`; the other members are told it after rank 0 bound it).
         rank: this process's rank in the group (0 = the weight sender by convention).
         world_size: number of members (1 sender + K receivers).
         timeout_s: default deadline of every phase: building the group (waiting for the
@@ -42,17 +45,22 @@ class StatelessGlooGroup(Closing):
             unless the call passes its own `timeout_s` (which may be longer or shorter).
         device_host: optional local address gloo binds its sockets to (default: gloo's
             default device, i.e. the interface the hostname resolves to / GLOO_SOCKET_IFNAME).
+        store: rank 0's store, already listening (:func:`rayllm_rl.rendezvous.listen_store`); rank 0 must
+            pass it, the other ranks join `host:port` as clients.
     """
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 60.0, *,
-                 device_host: str | None = None):
+                 device_host: str | None = None, store: dist.TCPStore | None = None):
         if world_size < 1:
             raise ValueError(f"StatelessGlooGroup: world_size must be >= 1, got {world_size}")
         if not 0 <= rank < world_size:
             raise ValueError(f"StatelessGlooGroup: rank {rank} is outside [0, {world_size})")
         if not timeout_s > 0:
             raise ValueError(f"StatelessGlooGroup: timeout_s must be > 0, got {timeout_s}")
-        self.host, self.port = host, int(port)
+        if (store is not None) != (rank == 0):
+            raise ValueError(f"StatelessGlooGroup: rank 0 serves the store it bound (store=listen_store(...)), the "
+                             f"other ranks join it; got rank {rank} with{'' if store is not None else 'out'} a store")
+        self.host, self.port = host, int(store.port if store is not None else port)
         self.rank, self.world_size = int(rank), int(world_size)
         self.timeout_s = float(timeout_s)
         self.device = torch.device("cpu")
@@ -60,13 +68,12 @@ class StatelessGlooGroup(Closing):
         self._closed = False
         self._store = None
         self._pg = None
-        where = f"store {host}:{port}"
+        where = f"store {host}:{self.port}"
         deadline = time.monotonic() + self.timeout_s
         try:
-            # Rank 0 serves the store and waits (<= timeout) for every client to connect;
-            # clients retry connecting to it until the same timeout.
-            self._store = dist.TCPStore(host, self.port, self.world_size, is_master=(self.rank == 0),
-                                        timeout=timedelta(seconds=self.timeout_s), wait_for_workers=True)
+            # Rank 0 serves the store it bound; clients retry connecting to it until the timeout, and
+            # building the process group waits (<= timeout) for every member's keys.
+            self._store = store if store is not None else join_store(host, self.port, self.world_size, self.timeout_s)
             left = max(deadline - time.monotonic(), 0.5)
             self._pg = self._make_process_group(timedelta(seconds=left), device_host)
             # gloo's own per-operation timeout: the group default (calls may lower it per op).

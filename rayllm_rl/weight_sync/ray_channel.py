@@ -207,5 +207,5 @@ class ChannelScheme(TransportScheme):
     def receiver(self, spec, target: Any) -> ChannelReceiver:
         if not isinstance(spec.init, ChannelAttach):
             raise ValueError("weight sync over ray_channel: the spec has no channels; build learner rank 0's end "
-                             "first and hand the receivers spec.with_init(registry.receivers_init(spec, sender))")
+                             "first and hand the receivers spec.with_init(registry.open_sender(spec, metas).init)")
         return ChannelReceiver(target, metas_from_spec(spec.metas), spec.timeout_s, spec.rank, spec.init.channels)

@@ -1,8 +1,9 @@
 """The one place that knows weight transports by name: their properties, and a name -> scheme table.
 
 The driver plans a transport from the placement (:func:`plan_transport`) and a :class:`SyncSpec`
-(:func:`make_spec`); learner rank 0 builds its end with :func:`build_sender`, every receiving
-process its own with :func:`build_receiver`. Each transport is a scheme (`weight_sync.scheme`) in a
+(:func:`make_spec`); learner rank 0 opens its end with :func:`open_sender` (a group binds its store there)
+and the receivers are built from `spec.with_init(opened.init)` with :func:`build_receiver` while rank 0
+finishes its end (`opened.finish()`). Each transport is a scheme (`weight_sync.scheme`) in a
 module of its own, with a sender and a receiver of the shape `weight_sync.ends` gives; engines receive
 through these ends and never look at the transport's name: what they may ask is a property of the
 transport (:class:`TransportInfo`). This module imports no transport (nor Ray) until one is built.
@@ -24,10 +25,10 @@ import importlib
 from typing import Any, Iterable, Mapping, Sequence
 
 from rayllm_rl.weight_sync.buckets import TensorMeta, metas_from_spec
-from rayllm_rl.weight_sync.scheme import InitInfo, NoInit, TransportScheme, init_from_dict
+from rayllm_rl.weight_sync.scheme import InitInfo, NoInit, OpenedSender, TransportScheme, init_from_dict
 
 __all__ = ["SyncSpec", "TransportInfo", "TRANSPORTS", "SCHEMES", "transport_info", "scheme_of", "plan_transport",
-           "make_spec", "build_sender", "build_receiver", "receivers_init"]
+           "make_spec", "open_sender", "build_receiver"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +60,10 @@ class TransportInfo:
     device_local: bool = False
     """Receivers open the sender's own GPU memory (CUDA IPC), so each must sit on learner rank 0's GPU:
     the colocated placement with one learner rank (replica i shares GPU i with learner rank i)."""
-    sender_first: bool = False
-    """The receivers' ends are built from what learner rank 0's end made (`receivers_init`): the driver
-    builds the sender first, then the receivers (Ray channels: the writer makes them, readers attach)."""
+    needs_readers: bool = False
+    """Learner rank 0's end is made for its readers: the driver's spec names (actor handle, node id) of every
+    receiving process (Ray channels: the writer makes channels they read), and the receivers are built from
+    what that end made (its opened `init`)."""
     default_bucket_mb: float = 16.0
     """Bucket size when `ray.sync_bucket_mb` is 0. Group transports pack a bucket into a flat buffer of
     this size on each end. The object store puts a bucket as one object, and every object costs Ray
@@ -82,7 +84,7 @@ TRANSPORTS: dict[str, TransportInfo] = {t.name: t for t in (
     TransportInfo("rdt_nccl", pulls=True, receiver_needs_ray=True, cross_node=True, gpu_only=True, group=False,
                   tensor_transport="nccl", shared_device=False),
     TransportInfo("ray_channel", pulls=False, receiver_needs_ray=True, cross_node=False, gpu_only=False, group=False,
-                  sender_first=True),
+                  needs_readers=True),
     TransportInfo("shm", pulls=False, receiver_needs_ray=False, cross_node=False, gpu_only=False, group=True),
     TransportInfo("gloo", pulls=False, receiver_needs_ray=False, cross_node=True, gpu_only=False, group=True),
     TransportInfo("nccl", pulls=False, receiver_needs_ray=False, cross_node=True, gpu_only=True, group=True,
@@ -203,8 +205,8 @@ def plan_transport(requested: str, *, learner_gpus: bool, replica_gpus: bool, le
 def make_spec(transport: str, metas: Sequence, *, receivers: int, timeout_s: float, bucket_bytes: int = 0,
               host: str = "", port: int = 0, readers: Sequence[tuple[Any, str]] = ()) -> SyncSpec:
     """The spec of one setup with `receivers` receiving processes (ranks 1..receivers); `bucket_bytes`
-    0 is the transport's own default (`TransportInfo.default_bucket_mb`). `host`, `port`: learner rank 0's
-    rendezvous, for a group transport. `readers`: (actor handle, node id) of each receiving process, for a
+    0 is the transport's own default (`TransportInfo.default_bucket_mb`). `host`: learner rank 0's address,
+    for a group transport; `port`: one its store tries first (0: the OS picks when rank 0 opens its end). `readers`: (actor handle, node id) of each receiving process, for a
     transport whose sender makes what they read (ray_channel)."""
     info = transport_info(transport)
     if bucket_bytes < 0:
@@ -214,18 +216,13 @@ def make_spec(transport: str, metas: Sequence, *, receivers: int, timeout_s: flo
                     int(bucket_bytes or info.default_bucket_bytes), init)
 
 
-def build_sender(spec: SyncSpec, metas: Sequence[TensorMeta]):
-    """Learner rank 0's end (a `weight_sync.ends.SenderEnd`). Group transports wait here for every
-    receiver to join (≤ timeout)."""
+def open_sender(spec: SyncSpec, metas: Sequence[TensorMeta]) -> OpenedSender:
+    """Learner rank 0's end, opened: what the receivers connect to is bound (a group's store, on a port
+    the OS gives) or made (Ray channels) now. Hand the receivers `spec.with_init(opened.init)`; then
+    `opened.finish()` (a group waits there, ≤ timeout, for every receiver to join) gives the `SenderEnd`."""
     if tuple(spec.metas) != tuple((m.name, tuple(m.shape), str(m.dtype).removeprefix("torch.")) for m in metas):
         raise ValueError("weight sync: the learner's tensors differ from the spec's metas")
-    return scheme_of(spec.transport).sender(spec, metas)
-
-
-def receivers_init(spec: SyncSpec, sender) -> InitInfo:
-    """The init info the receivers are built from, once learner rank 0's end exists: the driver hands
-    them `spec.with_init(...)` of it. Only a sender-first transport (Ray channels) changes it."""
-    return scheme_of(spec.transport).receivers_init(spec, sender)
+    return scheme_of(spec.transport).open_sender(spec, metas)
 
 
 def build_receiver(spec: SyncSpec, target: Any):

@@ -2,17 +2,18 @@
 
 Each transport module defines one :class:`TransportScheme` subclass; the registry's table maps a
 transport's name to it. A scheme makes the init info of a setup (:meth:`TransportScheme.init_info`: the
-rendezvous, segment names or reader handles its ends need, in place of an untyped dict), builds learner
-rank 0's end (:meth:`~TransportScheme.sender`) and each receiving process's end
-(:meth:`~TransportScheme.receiver`). A sender-first transport (Ray channels) also says what its sender
-made for the receivers (:meth:`~TransportScheme.receivers_init`). Nothing here imports Ray: an init info
-may hold Ray handles, but only a Ray transport makes or reads them.
+rendezvous, segment names or reader handles its ends need, in place of an untyped dict), opens learner
+rank 0's end (:meth:`~TransportScheme.open_sender`) and builds each receiving process's end
+(:meth:`~TransportScheme.receiver`). Learner rank 0's end is opened before any receiver is told where to
+connect: a group binds its store there (the port goes to the receivers in the opened end's `init`), Ray
+channels make their channels; nothing is picked ahead and bound later. Nothing here imports Ray: an init
+info may hold Ray handles, but only a Ray transport makes or reads them.
 """
 from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from rayllm_rl.weight_sync.buckets import TensorMeta
 from rayllm_rl.weight_sync.ends import GroupReceiver, GroupSender, ReceiverEnd, SenderEnd
@@ -21,7 +22,7 @@ Spec = Any
 """A setup's `SyncSpec` (defined by the registry, which imports this module)."""
 
 __all__ = ["InitInfo", "NoInit", "GroupInit", "ShmInit", "ChannelInit", "ChannelAttach", "init_from_dict",
-           "TransportScheme", "GroupScheme"]
+           "OpenedSender", "TransportScheme", "GroupScheme"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,10 +41,11 @@ class NoInit(InitInfo):
 
 @dataclasses.dataclass(frozen=True)
 class GroupInit(InitInfo):
-    """A group's rendezvous: learner rank 0's host and the port of its TCP store (gloo, nccl)."""
+    """A group's rendezvous: learner rank 0's host and the port of its TCP store (gloo, nccl). The driver's
+    spec has port 0 (or a port to try first); the port rank 0 bound comes back in its opened end's init."""
 
     host: str
-    port: int
+    port: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +82,34 @@ def init_from_dict(d: Mapping[str, Any] | None) -> InitInfo:
     return cls(**fields)
 
 
+class OpenedSender:
+    """Learner rank 0's end, opened: `init` is what the receivers are built from (hand them
+    `spec.with_init(opened.init)`); :meth:`finish` completes the end (a group waits there, ≤ its timeout,
+    for every receiver to join, so it runs while they join)."""
+
+    def __init__(self, init: InitInfo, finish: Callable[[], SenderEnd], close: Callable[[], None] = lambda: None):
+        self.init = init
+        self._finish, self._close = finish, close
+        self._done = False
+
+    def finish(self) -> SenderEnd:
+        if self._done:
+            raise RuntimeError("weight sync: this opened sender was finished or closed already; open a new one")
+        self._done = True
+        finish, self._finish = self._finish, None  # what it holds (a bound store) goes with the finished end
+        try:
+            return finish()
+        except BaseException:
+            self._close()
+            raise
+
+    def close(self) -> None:
+        """Release what opening bound or made, if it was never finished (idempotent)."""
+        if not self._done:
+            self._done, self._finish = True, None
+            self._close()
+
+
 class TransportScheme(abc.ABC):
     """One transport: its init info and its two ends. Built with the transport's `TransportInfo`."""
 
@@ -102,9 +132,21 @@ class TransportScheme(abc.ABC):
         """The end of the receiving process `spec.rank` for `target` (``named_parameters()``,
         ``swap_weights(dict, version) -> stall_s``)."""
 
+    def open_sender(self, spec: Spec, metas: Sequence[TensorMeta]) -> OpenedSender:
+        """Learner rank 0's end, opened before the receivers are told anything. Default: the end is built
+        at once (nothing waits for the receivers) and the receivers get `receivers_init` of it."""
+        sender = self.sender(spec, metas)
+        try:
+            init = self.receivers_init(spec, sender)
+        except BaseException:
+            sender.close()
+            raise
+        return OpenedSender(init, lambda: sender, sender.close)
+
     def receivers_init(self, spec: Spec, sender: SenderEnd) -> InitInfo:
         """The init info the receivers are built from, once learner rank 0's end exists: the spec's own,
-        except for a sender-first transport (`TransportInfo.sender_first`), whose sender makes it."""
+        except for a transport whose sender is made for its readers (`TransportInfo.needs_readers`), whose
+        sender makes it."""
         return spec.init
 
 
@@ -114,19 +156,32 @@ class GroupScheme(TransportScheme):
 
     def init_info(self, *, receivers: int, host: str = "", port: int = 0,
                   readers: Sequence[tuple[Any, str]] = ()) -> InitInfo:
-        if not host or not port:
-            raise ValueError(f"weight sync over {self.info.name}: learner rank 0's host and port are needed")
+        if not host:
+            raise ValueError(f"weight sync over {self.info.name}: learner rank 0's host is needed")
         return GroupInit(host, int(port))
 
-    def group(self, spec: Spec, rank: int):
-        """Join the setup's group as `rank` (waits ≤ timeout for every member)."""
+    def group(self, spec: Spec, rank: int, store: Any = None):
+        """Join the setup's group as `rank` (waits ≤ timeout for every member); rank 0 serves `store`."""
         from rayllm_rl.weight_sync.gloo_group import StatelessGlooGroup, StatelessNcclGroup
 
         cls = StatelessNcclGroup if self.info.gpu_only else StatelessGlooGroup
-        return cls(spec.init.host, spec.init.port, rank, spec.world_size, spec.timeout_s)
+        return cls(spec.init.host, spec.init.port, rank, spec.world_size, spec.timeout_s, store=store)
 
-    def sender(self, spec: Spec, metas: Sequence[TensorMeta]) -> SenderEnd:
-        group = self.group(spec, 0)
+    def open_sender(self, spec: Spec, metas: Sequence[TensorMeta]) -> OpenedSender:
+        """Bind rank 0's store now, on a port the OS gives (`spec.init.port`, if set, is tried first); the
+        receivers get the port it bound. Finishing forms the group and builds the protocol's sender."""
+        from rayllm_rl.rendezvous import listen_store
+
+        store = listen_store(spec.init.host, spec.world_size, spec.timeout_s, port=spec.init.port)
+        spec = spec.with_init(dataclasses.replace(spec.init, port=int(store.port)))
+        return OpenedSender(spec.init, lambda: self.sender(spec, metas, store))
+
+    def sender(self, spec: Spec, metas: Sequence[TensorMeta], store: Any = None) -> SenderEnd:
+        """Rank 0's end on the store it bound (:meth:`open_sender` gives one)."""
+        if store is None:
+            raise ValueError(f"weight sync over {self.info.name}: learner rank 0's end is opened first "
+                             "(registry.open_sender binds its store), then finished")
+        group = self.group(spec, 0, store)
         try:
             return GroupSender(self.sender_in(group, spec, metas), group)
         except BaseException:
@@ -134,6 +189,10 @@ class GroupScheme(TransportScheme):
             raise
 
     def receiver(self, spec: Spec, target: Any) -> ReceiverEnd:
+        if not spec.init.port:
+            raise ValueError(f"weight sync over {self.info.name}: the receivers' spec has no port; open learner "
+                             "rank 0's end first (registry.open_sender) and hand the receivers "
+                             "spec.with_init(opened.init)")
         group = self.group(spec, spec.rank)
         try:
             return GroupReceiver(self.receiver_in(group, spec, target), group)

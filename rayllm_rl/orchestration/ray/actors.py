@@ -309,22 +309,33 @@ class LearnerWorker(ActorProcess):
         self.rank, self.world_size = rank, world_size
         self.learner = None
         self.sender = None
+        self._opened = None  # learner rank 0's weight-sync end, opened and not yet finished
+        self._store = None  # rank 0's FSDP rendezvous store, bound by `rendezvous` until `setup` takes it
         self._send_stats: dict[str, float] = {}
 
-    def address(self) -> tuple[str, int]:
-        """(node ip, free port) for the FSDP rendezvous, asked of rank 0."""
-        from rayllm_rl.weight_sync import find_free_port
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
 
+    def rendezvous(self, timeout_s: float) -> tuple[str, int]:
+        """Rank 0: bind the FSDP group's store on a port the OS gives and return (node ip, that port), which
+        every rank's `setup` is handed (no port is picked ahead); port 0 for a single rank (no group)."""
         ip = ray.util.get_node_ip_address()
-        return ip, find_free_port(ip)
+        if self.world_size == 1:
+            return ip, 0
+        from rayllm_rl.rendezvous import listen_store
+
+        self._store = listen_store(ip, self.world_size, timeout_s)
+        return ip, int(self._store.port)
 
     def setup(self, spec, loss, master_addr: str, master_port: int) -> bool:
         """Build this rank's `Learner` from `spec` (`learner.LearnerSpec`), training with `loss` (the plan's)."""
         from rayllm_rl.learner.distributed import DistConfig
         from rayllm_rl.learner.learner import Learner
 
+        store, self._store = self._store, None
         dist = DistConfig(rank=self.rank, world_size=self.world_size, master_addr=master_addr, master_port=master_port,
-                          backend="nccl" if spec.use_gpu else "gloo") if self.world_size > 1 or spec.use_gpu else None
+                          backend="nccl" if spec.use_gpu else "gloo",
+                          store=store) if self.world_size > 1 or spec.use_gpu else None
         self.learner = Learner(resolve_model_path(spec.model_path), spec.optim, temperature=spec.temperature,
                                sampling_mask=spec.sampling_mask, seed=spec.seed, dist=dist,
                                dtype=getattr(torch, spec.dtype), lora=spec.lora)
@@ -352,16 +363,23 @@ class LearnerWorker(ActorProcess):
     def reset_optimizer(self, optim) -> None:
         self.learner.reset_optimizer(optim)
 
-    def init_weight_sender(self, spec):
-        """Rank 0 builds the sending end of `spec` (`weight_sync.registry.SyncSpec`); a group
-        transport waits here for every receiver to join. Returns the init info the receivers are built
-        from (`registry.receivers_init`: the spec's own but for Ray channels); None on other ranks."""
-        from rayllm_rl.weight_sync.registry import build_sender, receivers_init
+    def open_weight_sender(self, spec):
+        """Rank 0 opens the sending end of `spec` (`weight_sync.registry.SyncSpec`): a group transport binds
+        its store here on a port the OS gives. Returns the init info the receivers are built from."""
+        from rayllm_rl.weight_sync.registry import open_sender
 
-        if self.rank != 0:
-            return None
-        self.sender = build_sender(spec, self.learner.weight_metas())
-        return receivers_init(spec, self.sender)
+        self.close()  # an earlier end (the group forms again after a replica restart)
+        self._opened = open_sender(spec, self.learner.weight_metas())
+        return self._opened.init
+
+    def finish_weight_sender(self) -> bool:
+        """Rank 0 completes the end it opened; a group transport waits here (≤ its timeout) for every
+        receiver to join, so the driver calls it while the replicas join."""
+        opened, self._opened = self._opened, None
+        if opened is None:
+            raise RuntimeError("finish_weight_sender: no sending end was opened (open_weight_sender first)")
+        self.sender = opened.finish()
+        return True
 
     def weight_metadata(self) -> tuple:
         """`(name, shape, dtype)` of every tensor a sync sends, in send order (no gather needed)."""
@@ -371,6 +389,9 @@ class LearnerWorker(ActorProcess):
 
     def close(self) -> None:
         """Release the sending end: its group, segments or published objects (before the actor is killed)."""
+        opened, self._opened = self._opened, None
+        if opened is not None:
+            opened.close()
         if self.sender is not None:
             self.sender.close()
         self.sender = None

@@ -302,7 +302,7 @@ def build_cluster(plan: JobPlan, model_path: str, task, workflow_factory) -> Clu
                       placement=placement, services=services)
     cluster.turns = make_turns(plan.colocated, cluster)
 
-    host, port = learners.address()
+    host, port = learners.rendezvous()
     spec = LearnerSpec(model_path, cfg.optim, cfg.rollout.temperature, plan.sampling_mask, seed, cfg.model.dtype,
                        plan.layout.learner_gpus > 0, cfg.model.lora)
     learners.setup(spec, plan.loss, host, port)
@@ -319,21 +319,20 @@ def form_sync_group(cluster: Cluster, plan: JobPlan) -> None:
     from rayllm_rl.weight_sync.registry import make_spec, transport_info
 
     rc, learners, replicas = plan.config.ray, cluster.learners, cluster.replicas
-    sync_host, sync_port = learners.address()
+    sync_host = learners.node_ip()
     transport = plan.pick_transport(sync_host, replicas.node_ips())
     cluster.transport = transport
     ranks = replicas.receiving_processes(transport)
     info = transport_info(transport)
     # a transport whose sender makes what the replicas read (Ray channels) gets their actors and nodes
-    readers = list(zip(replicas, replicas.node_ids())) if info.sender_first else ()
+    readers = list(zip(replicas, replicas.node_ids())) if info.needs_readers else ()
     spec = make_spec(transport, learners.weight_metadata(), receivers=sum(ranks),
                      timeout_s=rc.sync_timeout_s, bucket_bytes=int(rc.sync_bucket_mb * (1 << 20)),
-                     host=sync_host, port=sync_port, readers=readers)
+                     host=sync_host, readers=readers)
     first = [1 + sum(ranks[:i]) for i in range(len(replicas))]
-    senders = learners.init_weight_senders(spec)
-    if info.sender_first:  # learner rank 0's end first: the replicas' spec carries what it made for them
-        spec = spec.with_init(cluster.get(senders[0], timeout_s=rc.sync_timeout_s + 30))
-    refs = senders + replicas.join_update_group([spec.for_rank(k) for k in first])
+    # learner rank 0 opens its end first (a group binds its store: the replicas get the port it bound)
+    spec = spec.with_init(learners.open_weight_sender(spec, timeout_s=rc.sync_timeout_s + 30))
+    refs = learners.finish_weight_sender() + replicas.join_update_group([spec.for_rank(k) for k in first])
     cluster.get(refs, timeout_s=rc.sync_timeout_s + 30)
     if spec.info.tensor_transport is not None:
         join_collective_group(cluster, spec.info.tensor_transport, rc.sync_timeout_s)

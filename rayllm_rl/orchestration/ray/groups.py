@@ -46,9 +46,13 @@ class ActorGroup:
 class LearnerGroup(ActorGroup):
     """The FSDP learner ranks (`actors.LearnerWorker`); rank 0 is the one that sends weights."""
 
-    def address(self) -> tuple[str, int]:
-        """Rank 0's host and a free port: the process group's rendezvous and the sync group's sender."""
-        return ray.get(self.handles[0].address.remote(), timeout=self.timeout_s)
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0's host and the port of the FSDP group's store, which rank 0 has bound (port 0: one rank)."""
+        return ray.get(self.handles[0].rendezvous.remote(self.timeout_s), timeout=self.timeout_s)
+
+    def node_ip(self) -> str:
+        """Rank 0's node address: where the weight-sync group's store listens."""
+        return ray.get(self.handles[0].node_ip.remote(), timeout=self.timeout_s)
 
     def setup(self, spec, loss, master_addr: str, master_port: int) -> list:
         """Every rank builds its learner from `spec` (`learner.LearnerSpec`) and trains with `loss`."""
@@ -91,8 +95,13 @@ class LearnerGroup(ActorGroup):
     def weight_metadata(self) -> tuple:
         return ray.get(self.handles[0].weight_metadata.remote(), timeout=self.timeout_s)
 
-    def init_weight_senders(self, spec) -> list:
-        return self.submit(lambda l: l.init_weight_sender.remote(spec))
+    def open_weight_sender(self, spec, timeout_s: float):
+        """Rank 0 opens its end of `spec` (a group binds its store); the init info the receivers are built from."""
+        return ray.get(self.handles[0].open_weight_sender.remote(spec), timeout=timeout_s)
+
+    def finish_weight_sender(self) -> list:
+        """Rank 0 completes its end while the receivers join (not waited for)."""
+        return [self.handles[0].finish_weight_sender.remote()]
 
 
 class ReplicaGroup(ActorGroup):
