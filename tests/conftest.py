@@ -1,9 +1,48 @@
-"""Shared fixtures: the offline tiny model (built once per machine, loaded via from_pretrained)."""
+"""Shared fixtures: the offline tiny model (built once per machine, loaded via from_pretrained), local Ray
+sessions that are shut down whatever happens, and the leak guard every test runs under (leak_guard.py)."""
 from __future__ import annotations
 
 import os
 
 import pytest
+
+import leak_guard
+from ray_sessions import local_ray_session
+
+SESSION_START = leak_guard.own_start_ticks()
+
+
+def pytest_configure(config):
+    leak_guard.start_session()
+    config.addinivalue_line("markers", "leaks_ok: the test checks a leak itself; the guard does not run after it")
+
+
+def _check_leaks(before: leak_guard.Snapshot, what: str) -> None:
+    held = leak_guard.ray_held()
+    leaks = before.leaks(held)
+    if leaks:
+        before.clean(held)
+        pytest.fail(f"{what} left behind {leak_guard.describe(leaks)} (now cleaned up, so the next test starts "
+                    "clean)", pytrace=False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _module_leak_guard(request):
+    """After a module's own fixtures are torn down: nothing of theirs is left (their Ray, engines, segments)."""
+    before = leak_guard.Snapshot.take(SESSION_START)
+    yield
+    _check_leaks(before, f"module {request.node.name} (its fixtures)")
+
+
+@pytest.fixture(autouse=True)
+def _leak_guard(request):
+    """After each test: no Ray it did not hold, no named actor, process or shm segment it started is left."""
+    if request.node.get_closest_marker("leaks_ok"):
+        yield
+        return
+    before = leak_guard.Snapshot.take(SESSION_START)
+    yield
+    _check_leaks(before, request.node.nodeid)
 
 
 @pytest.fixture(scope="session")
@@ -60,17 +99,10 @@ def one_torch_thread():
 def ray_importing_tests():
     """A local Ray (2 CPUs) whose workers can import the test modules, so a test module's own actor
     classes run there; shut down after the module."""
-    import os
-
-    import ray
-
-    import tempfile
-
     tests_dir = os.path.dirname(os.path.abspath(__file__))
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="/tmp/rt"),
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))}})
-    yield
-    ray.shutdown()
+    pythonpath = os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))
+    with local_ray_session("ray_importing_tests", num_cpus=2, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}):
+        yield
 
 
 SMOLLM2_GGUF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models",

@@ -8,7 +8,6 @@ and LearnerWorker, which would load models.
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from typing import Any
 
@@ -23,6 +22,7 @@ from rayllm_rl.orchestration.ray.placement import (  # noqa: E402
     visible_devices,
 )
 from rayllm_rl.orchestration.placement_rules import gpu_layout  # noqa: E402
+from ray_sessions import local_ray_session
 
 pytestmark = [pytest.mark.ray]
 
@@ -38,10 +38,8 @@ def _reserve(num_replicas, num_learners, gpus_per_replica, gpus_per_learner, ten
 
 @pytest.fixture(scope="module")
 def gpu_ray():
-    ray.init(address="local", num_cpus=2, num_gpus=4, _temp_dir=tempfile.mkdtemp(prefix="/tmp/rp"),
-             include_dashboard=False)
-    yield
-    ray.shutdown()
+    with local_ray_session("gpu_ray", num_cpus=2, num_gpus=4):
+        yield
 
 
 def _probe_class() -> Any:
@@ -171,7 +169,7 @@ def test_cpu_learners_stay_in_the_group_without_gpus(gpu_ray):
 def test_too_many_gpus_fails_in_time_and_leaves_no_group(gpu_ray):
     before = _live_placement_groups()
     start = time.monotonic()
-    with pytest.raises(PlacementError, match=r"could not reserve 6 GPUs within 5s.*GPU=4 in total"):
+    with pytest.raises(PlacementError, match=r"could not reserve 6 GPUs within ray\.sync_timeout_s=5s.*GPU=4 in total"):
         _reserve(2, 2, gpus_per_replica=2, gpus_per_learner=1, tensor_parallel_size=1, timeout_s=5)
     assert time.monotonic() - start < 15
     assert _live_placement_groups() == before

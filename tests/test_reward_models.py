@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,6 +19,7 @@ from rayllm_rl.rewards.combined import CombinedReward
 from rayllm_rl.rewards.reward_model import RewardModelOutputError, RewardModelScorer, rm_sample
 from rayllm_rl.workflows.rewards import RewardCaller
 from reward_model_helpers import build_tiny_reward_model
+from ray_sessions import JOB_ENV, local_ray_session
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -246,12 +246,8 @@ def test_a_local_job_trains_on_rule_rm_and_judge(rm_path, tmp_path):
 @pytest.fixture(scope="module")
 def ray_with_two_gpus():
     """A local Ray with 2 logical GPUs (no real ones: actors asking for GPUs get ids, torch stays on the CPU)."""
-    import ray
-
-    ray.init(address="local", _temp_dir=f"/tmp/rayllm-rm-test-{os.getpid()}", include_dashboard=False, num_cpus=2,
-             num_gpus=2, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
-    yield
-    ray.shutdown()
+    with local_ray_session("ray_with_two_gpus", num_cpus=2, num_gpus=2, runtime_env={"env_vars": JOB_ENV}):
+        yield
 
 
 def _kill(actors: dict, namespace: str) -> None:
@@ -309,7 +305,7 @@ def test_reward_model_actors_that_cannot_get_their_gpus_fail_naming_the_key(ray_
                                       "reward.model.gpus_per_actor=2", "ray.namespace=rm-gpus",
                                       "trainer.call_timeout_s=5"]).validate()
     t0 = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"reward-model-[01] did not start within 5s .*reward\.model\.gpus_per_actor=2; "
+    with pytest.raises(TimeoutError, match=r"reward-model-[01] did not start within trainer\.call_timeout_s=5s .*reward\.model\.gpus_per_actor=2; "
                                            r"the cluster has GPU=2 in total"):
         start_reward_actors(cfg)
     assert time.monotonic() - t0 < 30

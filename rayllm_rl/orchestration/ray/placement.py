@@ -158,7 +158,7 @@ def plan_placement(layout: GpuLayout, timeout_s: float, *, replica_labels: dict[
         where = (f", replicas on nodes labelled {replica_labels or {}}, learners on {learner_labels or {}}"
                  if any(selectors) else "")
         raise PlacementError(
-            f"could not reserve {requested:g} GPUs within {timeout_s:g}s "
+            f"could not reserve {requested:g} GPUs within ray.sync_timeout_s={timeout_s:g}s "
             f"({n_rep} replicas x ray.gpus_per_replica={layout.replica_gpus:g} + "
             f"{n_learn} learners x ray.gpus_per_learner={layout.learner_gpus:g}{where}); "
             f"cluster has GPU={ray.cluster_resources().get('GPU', 0):g} in total, "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from typing import Any, Mapping
 
@@ -24,7 +25,10 @@ import torch
 from rayllm_rl.hub import resolve_model_path
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.ray.actors import InferenceReplica, ray_actor, ActorProcess
+from rayllm_rl.orchestration.ray.groups import wait_names_free
 from rayllm_rl.rewards.reward_model import rm_sample
+
+log = logging.getLogger(__name__)
 
 
 @ray_actor
@@ -60,15 +64,34 @@ class RewardModelActor(ActorProcess):
         self.scorer.close()
 
 
-def start_reward_actors(cfg: GRPOJobConfig, timeout_s: float | None = None) -> dict[str, Any]:
+def start_reward_actors(cfg: GRPOJobConfig, timeout_s: float | None = None,
+                        into: dict[str, Any] | None = None) -> dict[str, Any]:
     """Create the reward-model and judge actors `cfg.reward` asks for and wait until each has its model
     (at most `timeout_s`, default `trainer.call_timeout_s`, for all); {} when both are off. A timeout (e.g.
-    GPUs the cluster does not have) or a failed start kills them and raises, naming the key."""
+    GPUs the cluster does not have) or a failed start kills them, frees their names and raises, naming the
+    key. `into`: a dict each actor is recorded in as soon as it exists (returned)."""
     from rayllm_rl.inference.registry import placed_options
 
-    r, rc = cfg.reward, cfg.ray
+    rc = cfg.ray
     common = {"namespace": rc.namespace, "max_restarts": rc.replica_restarts, "num_cpus": 0}
-    actors: dict[str, Any] = {}
+    actors: dict[str, Any] = {} if into is None else into
+    try:
+        _create(cfg, actors, common, placed_options, timeout_s)
+    except BaseException:
+        for handle in actors.values():
+            ray.kill(handle, no_restart=True)
+        try:
+            wait_names_free(list(actors), rc.namespace)
+        except TimeoutError as exc:  # the start's own error is the one to raise
+            log.warning("cleaning up the reward services' failed start: %s", exc)
+        actors.clear()
+        raise
+    return actors
+
+
+def _create(cfg: GRPOJobConfig, actors: dict[str, Any], common: dict[str, Any], placed_options,
+            timeout_s: float | None) -> None:
+    r, rc = cfg.reward, cfg.ray
     waits: dict[str, tuple] = {}
     if r.model.path:
         m = r.model
@@ -87,13 +110,7 @@ def start_reward_actors(cfg: GRPOJobConfig, timeout_s: float | None = None) -> d
             actors[name] = InferenceReplica.options(name=name, num_gpus=j.gpus_per_replica, **common).remote(
                 j.engine, j.path, cfg.trainer.seed + i, rc.threads_per_actor, j.dtype, options, 1, frozen=True)
             waits[name] = (actors[name].ready.remote(), "reward.judge", j.path, f"gpus_per_replica={j.gpus_per_replica:g}")
-    try:
-        _wait_started(waits, cfg.trainer.call_timeout_s if timeout_s is None else timeout_s)
-    except BaseException:
-        for handle in actors.values():
-            ray.kill(handle, no_restart=True)
-        raise
-    return actors
+    _wait_started(waits, cfg.trainer.call_timeout_s if timeout_s is None else timeout_s)
 
 
 def _wait_started(waits: dict[str, tuple], timeout_s: float) -> None:
@@ -105,7 +122,8 @@ def _wait_started(waits: dict[str, tuple], timeout_s: float) -> None:
             ray.get(ref, timeout=max(deadline - time.monotonic(), 0.1))
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(
-                f"{name} did not start within {timeout_s:g}s ({key}.path={path!r}, {key}.{gpus}; the cluster has "
+                f"{name} did not start within trainer.call_timeout_s={timeout_s:g}s (raise it if this machine needs "
+                f"longer; {key}.path={path!r}, {key}.{gpus}; the cluster has "
                 f"GPU={ray.cluster_resources().get('GPU', 0):g} in total, GPU={ray.available_resources().get('GPU', 0):g} "
                 "free)") from None
         except ray.exceptions.RayError as exc:

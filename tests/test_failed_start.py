@@ -1,0 +1,94 @@
+"""A job's start that fails at any stage removes what it started and raises its own error; the next `train()`
+in the same process (a notebook's Ray kept running) then succeeds.
+
+The stages: an inference engine not ready in time, a weight-sync group that fails to form after learner rank 0
+made its shared-memory segments, a reward service that cannot load (with a placement group reserved on Ray's
+logical GPUs). The first two are faults injected into Ray's workers (tests/start_faults.py), the third is a bad
+config value; the actors, placement group, segments and orphaned processes are what a user would be left with.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import leak_guard
+from budgets import ACTOR_START_S
+from ray_sessions import JOB_ENV, local_ray_session
+from rayllm_rl.config import load_config
+from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from start_faults import FAULT_FILE_VAR
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def fault_file(tmp_path_factory):
+    return tmp_path_factory.mktemp("faults") / "fault"
+
+
+@pytest.fixture(scope="module")
+def notebook_ray(fault_file):
+    """A Ray the user started (as in a notebook): `train` leaves it running, so what a failed start leaves is
+    still there to find. Its workers run `start_faults.install` and read `fault_file`; 2 logical GPUs."""
+    pythonpath = os.pathsep.join(filter(None, [TESTS_DIR, os.environ.get("PYTHONPATH")]))
+    env = {**JOB_ENV, "PYTHONPATH": pythonpath, FAULT_FILE_VAR: str(fault_file)}
+    with local_ray_session("test_failed_start", num_cpus=2, num_gpus=2,
+                           runtime_env={"env_vars": env, "worker_process_setup_hook": "start_faults.install"}):
+        yield
+
+
+def job(tmp_path, *extra: str) -> GRPOJobConfig:
+    return load_config(GRPOJobConfig, [
+        "sft.steps=0", "data.eval_size=4", "data.max_operand=9", "rollout.prompts_per_step=2", "rollout.group_size=2",
+        "rollout.max_new_tokens=4", "trainer.steps=1", "trainer.eval_every=0", f"trainer.run_dir={tmp_path}",
+        "trainer.call_timeout_s=60", "ray.sync_timeout_s=30", "ray.namespace=failed-start", *extra])
+
+
+def what_is_left() -> dict[str, list]:
+    """Named actors, placement groups not removed, and the product's shm segments."""
+    import ray
+    from ray.util import placement_group_table
+
+    groups = [pg for pg in placement_group_table().values() if pg["state"] != "REMOVED"]
+    return {"named actors": sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)),
+            "placement groups": groups,
+            "segments": sorted(n for n in leak_guard.shm_segments() if n.startswith("rayllm_"))}
+
+
+START_S = int(ACTOR_START_S)
+"""`trainer.call_timeout_s` of the start whose engine never gets ready: it also bounds the learner actor's own
+start (tests/budgets.py)."""
+
+CASES = {
+    "engine not ready in time": ((f"trainer.call_timeout_s={START_S}",), "engine_never_ready", TimeoutError,
+                                 r"inference replica\(s\): load the model and start the engine.*"
+                                 rf"trainer\.call_timeout_s={START_S}s; raise trainer\.call_timeout_s"),
+    "group formation failing": (("ray.sync_transport=shm",), "receiver_fails", Exception,
+                                r"injected fault: this replica's shm receiver failed"),
+    "a bad reward service": (("reward.model.path={bad}", "ray.gpus_per_replica=1",
+                              "ray.gpus_per_learner=1"), "", RuntimeError,
+                             r"reward-model-0 failed to start \(reward\.model\.path="),
+}
+
+
+@pytest.mark.parametrize("stage", list(CASES))
+def test_a_failed_start_leaves_nothing_and_the_next_train_succeeds(notebook_ray, fault_file, tmp_path, stage):
+    from rayllm_rl.orchestration.entry import train
+
+    overrides, fault, error, message = CASES[stage]
+    bad = tmp_path / "not-a-model"  # a directory without a model
+    bad.mkdir()
+    fault_file.write_text(fault)
+    try:
+        with pytest.raises(error, match=message):
+            train(job(tmp_path / "failed", *(o.format(bad=bad) for o in overrides)))
+    finally:
+        fault_file.write_text("")
+    assert what_is_left() == {"named actors": [], "placement groups": [], "segments": []}
+    summary = train(job(tmp_path / "next"))
+    assert summary["steps"] == 1 and summary["version"] == 1
+    assert summary["learner_checksums_equal_replicas"] is True
+    assert what_is_left()["named actors"] == []
