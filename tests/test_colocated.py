@@ -7,13 +7,13 @@ tests/test_placement.py.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from rayllm_rl.config import load_config
 from rayllm_rl.orchestration.job_plan import make_plan
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from budgets import VLLM_START_S
+from ray_sessions import JOB_ENV, local_ray_session
 
 COLOCATED = ("ray.placement=colocated", "rollout.max_staleness=0")
 
@@ -66,20 +66,23 @@ def _merged(backend) -> list[tuple[float, str]]:
     return sorted((t, f"{who}:{event}") for who, log in zip(("replica", "learner"), logs) for event, t in log)
 
 
+@pytest.fixture(scope="module")
+def local_ray():
+    with local_ray_session("test_colocated", num_cpus=2, runtime_env={"env_vars": JOB_ENV}):
+        yield
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["transformers", pytest.param("vllm", marks=pytest.mark.vllm)])
-def test_colocated_turns_sleep_train_hand_over_wake_and_nothing_generates_while_asleep(engine, tmp_path):
-    import ray
+def test_colocated_turns_sleep_train_hand_over_wake_and_nothing_generates_while_asleep(engine, tmp_path, local_ray):
     from transformers import AutoTokenizer
 
     from rayllm_rl.models.tiny import ensure_tiny_model
     from rayllm_rl.orchestration.factories import build_task
     from rayllm_rl.orchestration.ray.backend import RayBackend
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=f"/tmp/rayllm-colo-{os.getpid()}",
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
-    cfg = _cfg(*COLOCATED, f"inference.engine={engine}", f"trainer.run_dir={tmp_path}", "trainer.call_timeout_s=120",
+    cfg = _cfg(*COLOCATED, f"inference.engine={engine}", f"trainer.run_dir={tmp_path}", f"trainer.call_timeout_s={VLLM_START_S}",
                "ray.namespace=rayllm_colo").validate()
     model_path = ensure_tiny_model()
     backend = RayBackend(make_plan(cfg.validate()), model_path, build_task(cfg), AutoTokenizer.from_pretrained(model_path))
@@ -114,7 +117,6 @@ def test_colocated_turns_sleep_train_hand_over_wake_and_nothing_generates_while_
         assert backend.summary_stats()["learner_checksums_equal_replicas"]
     finally:
         backend.shutdown()
-        ray.shutdown()
 
 
 @pytest.mark.parametrize("placement, learner, bundle", [("separate", 0.9, 1), ("colocated", 0.4, 0)])

@@ -226,16 +226,10 @@ def reader_stand_in():
 @pytest.fixture(scope="module")
 def ray_session():
     """A local Ray for the object-store transport: this process is learner rank 0 and the replica."""
-    import os
+    from ray_sessions import local_ray_session
 
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=1, include_dashboard=False, _temp_dir=f"/tmp/rayllm-contract-{os.getpid()}")
-    yield
-    if started:
-        ray.shutdown()
+    with local_ray_session("test_engine_contract", num_cpus=1):
+        yield
 
 
 CPU_TRANSPORTS = [pytest.param(name, marks=pytest.mark.ray) if info.receiver_needs_ray else name

@@ -17,16 +17,15 @@ import ray
 from rayllm_rl.config import load_config
 from rayllm_rl.orchestration.job_plan import make_plan
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from ray_sessions import JOB_ENV, local_ray_session
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(address="local", _temp_dir=f"/tmp/rayllm-ft-{os.getpid()}", include_dashboard=False, num_cpus=2,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
-    yield
-    ray.shutdown()
+    with local_ray_session("test_fault_tolerance", num_cpus=2, runtime_env={"env_vars": JOB_ENV}):
+        yield
 
 
 def all_records(run_dir: Path) -> list[dict]:

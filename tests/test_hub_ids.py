@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from budgets import VLLM_START_S
 from fixtures.hub_cache import go_offline, gsm8k_rows, publish_dataset
 from rayllm_rl.hub import HubResolutionError, add_to_hub_cache, cached_model_file, resolve_model_path
 from rayllm_rl.inference.protocol import weights_checksum
@@ -175,7 +176,7 @@ def test_vllm_engine_from_hub_id_reads_its_sink_metadata_from_the_snapshot(hub_m
     assert {name: shape for name, shape, _ in engine.weight_metadata()} == expected
     loop = EventLoopThread("hub-vllm")
     try:
-        loop.call(engine.start(), 300, "vLLM start")
+        loop.call(engine.start(), VLLM_START_S, "vLLM start")
         checksum = loop.call(engine.weights_checksum(), 120, "vLLM checksum")
         prompt = list(AutoTokenizer.from_pretrained(REPO).apply_chat_template(
             [{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True, tokenize=True, return_dict=False))

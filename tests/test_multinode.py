@@ -80,14 +80,21 @@ class Nodes:
 def nodes():
     import ray
 
+    import leak_guard
+    from ray_sessions import JOB_ENV
+
     temp = tempfile.mkdtemp(prefix="/tmp/rayllm-mn-")
-    nodes = Nodes(temp)
-    ray.init(address=nodes.cluster.address,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
-    yield nodes
-    ray.shutdown()
-    nodes.cluster.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
+    nodes = None
+    with leak_guard.holding_ray("test_multinode"):
+        try:  # torn down whatever happens, also when a node fails to start
+            nodes = Nodes(temp)
+            ray.init(address=nodes.cluster.address, runtime_env={"env_vars": JOB_ENV})
+            yield nodes
+        finally:
+            ray.shutdown()
+            if nodes is not None:
+                nodes.cluster.shutdown()
+            shutil.rmtree(temp, ignore_errors=True)
 
 
 def job_cfg(tmp_path, nodes: Nodes, ns: str, *extra: str) -> GRPOJobConfig:

@@ -27,19 +27,25 @@ def local_ray():
 
     from rayllm_rl.orchestration.ray.cluster import init_ray
 
+    import leak_guard
+
     cfg = load_config(GRPOJobConfig, [f"ray.temp_dir=/tmp/rayllm-test-{os.getpid()}"])
     printed, logged = io.StringIO(), []
     handler = logging.Handler()
     handler.emit = lambda record: logged.append(record.getMessage())
-    logging.getLogger("ray").addHandler(handler)
-    try:
-        with contextlib.redirect_stdout(printed):
-            init_ray(cfg, num_cpus=2)
-            init_ray(cfg, num_cpus=2)  # Ray is up: nothing is started or printed again
-    finally:
-        logging.getLogger("ray").removeHandler(handler)
-    yield SimpleNamespace(printed=printed.getvalue(), logged=logged, job_id=ray.get_runtime_context().get_job_id())
-    ray.shutdown()
+    with leak_guard.holding_ray("test_ray_pipeline"):
+        try:  # shut down whatever happens, also when starting it fails
+            logging.getLogger("ray").addHandler(handler)
+            try:
+                with contextlib.redirect_stdout(printed):
+                    init_ray(cfg, num_cpus=2)
+                    init_ray(cfg, num_cpus=2)  # Ray is up: nothing is started or printed again
+            finally:
+                logging.getLogger("ray").removeHandler(handler)
+            yield SimpleNamespace(printed=printed.getvalue(), logged=logged,
+                                  job_id=ray.get_runtime_context().get_job_id())
+        finally:
+            ray.shutdown()
 
 
 def small_cfg(tmp_path, *extra: str) -> GRPOJobConfig:

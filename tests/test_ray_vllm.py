@@ -3,7 +3,6 @@ process give the learner's logprobs, and a short job trains through them."""
 from __future__ import annotations
 
 import functools
-import tempfile
 
 import pytest
 import torch
@@ -14,21 +13,21 @@ from rayllm_rl.orchestration.job_config import GRPOJobConfig
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.slow]
 import ray  # noqa: E402  (a core dependency: missing ray is a failure, not a skip)
+from budgets import VLLM_START_S
+from ray_sessions import JOB_ENV, local_ray_session
 
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(address="local", _temp_dir=tempfile.mkdtemp(prefix="/tmp/rv"), include_dashboard=False, num_cpus=2,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
-    yield
-    ray.shutdown()
+    with local_ray_session("test_ray_vllm", num_cpus=2, runtime_env={"env_vars": JOB_ENV}):
+        yield
 
 
 def vllm_cfg(tmp_path, *extra: str) -> GRPOJobConfig:
     return load_config(GRPOJobConfig, [
         "inference.engine=vllm", "inference.options.kv_cache_mb=128", "sft.steps=2", "data.eval_size=8", "data.max_operand=9",
         "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6", "trainer.eval_every=0",
-        "trainer.log_every=100", f"trainer.run_dir={tmp_path}", "trainer.call_timeout_s=300", "ray.sync_timeout_s=60",
+        "trainer.log_every=100", f"trainer.run_dir={tmp_path}", f"trainer.call_timeout_s={VLLM_START_S}", "ray.sync_timeout_s=60",
         *extra,
     ]).validate()
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from rayllm_rl.envs.chat_env import ChatEnv
 from rayllm_rl.inference.protocol import LLMRequest, LLMResponse, SamplingParams
 from rayllm_rl.tools.python_interpreter import PythonInterpreter, extract_code_blocks
 from rayllm_rl.tools.sandbox import PythonSandbox
+from ray_sessions import local_ray_session
 
 CODE_TURN = "Let me compute.\n```python\nx = 6 * 7\nprint(x)\n```"
 
@@ -136,9 +136,9 @@ def test_python_tool_job_workflow_runs_the_model_code_in_the_sandbox(tokenizer):
 @pytest.fixture(scope="module")
 def local_ray():
     import ray  # a core dependency: missing ray is a failure, not a skip
-    ray.init(address="local", _temp_dir=f"/tmp/rayllm-test-{os.getpid()}", include_dashboard=False, num_cpus=2)
-    yield ray
-    ray.shutdown()
+
+    with local_ray_session("test_tool_agents", num_cpus=2):
+        yield ray
 
 
 @pytest.mark.ray
