@@ -6,8 +6,12 @@ runs `ray job submit --working-dir . -- python jobs/grpo.py [overrides]` against
 streams the job's logs, prints the job's final JSON summary as the last stdout line, and stops
 only the Ray processes it started (its own process group and temp dir).
 
+The head binds every port it listens on itself (GCS, dashboard, job agent: port 0) and starts no
+Ray client server; the GCS and dashboard addresses are read back from where Ray publishes them
+(launch/ray_head/rayllm_ray_head.py). No port is picked here and bound later by another process.
+
 Every wait is bounded (seconds, from the environment):
-  RAYLLM_HEAD_TIMEOUT_S   (120)  until the head's dashboard answers the job API
+  RAYLLM_HEAD_TIMEOUT_S   (120)  until the head is up and its dashboard answers the job API
   RAYLLM_AGENT_TIMEOUT_S  (120)  until the head's job agent accepts the submission
   RAYLLM_JOB_TIMEOUT_S   (1800)  until the job ends, once submitted
 The auth token lives in the head's own temp dir (RAY_AUTH_TOKEN_PATH); nothing in HOME is used.
@@ -28,9 +32,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without install
+sys.path.insert(0, str(ROOT / "launch" / "ray_head"))
 
-from rayllm_rl.weight_sync.common import find_free_port  # noqa: E402
+import rayllm_ray_head  # noqa: E402
 
 RAY_BIN = str(Path(sys.executable).parent / "ray")
 AGENT_NOT_READY = "No available agent to submit job"
@@ -72,26 +76,68 @@ def write_token(temp_dir: str) -> str:
     return path
 
 
+def head_env(token_path: str) -> dict[str, str]:
+    """`ray_env` plus the start hook that leaves out the Ray client server (no port 0 for it in Ray)."""
+    env = ray_env(token_path)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (rayllm_ray_head.HOOK_DIR, env.get("PYTHONPATH")) if p)
+    env["RAY_START_HOOK"] = rayllm_ray_head.HOOK
+    return env
+
+
 def start_head(temp_dir: str, token_path: str, timeout_s: float) -> tuple[subprocess.Popen, str]:
     """Start the head in its own process group; (process, dashboard address) once its job API answers.
 
-    Every port with a fixed default is picked free here: another Ray on this machine (a test's
-    `ray.init`, another head) holds the defaults, and a job agent that cannot bind its port
-    never registers, so no job could be submitted."""
-    gcs, dash, agent, client = (find_free_port() for _ in range(4))
+    The GCS, the dashboard and the job agent bind port 0 themselves: a port picked free here could be
+    taken (another Ray on this machine, Ray's own random ports) before the head binds it. A failed start
+    stops the head and raises the original error."""
     head = subprocess.Popen(
-        [RAY_BIN, "start", "--head", "--block", f"--port={gcs}", "--dashboard-host=127.0.0.1",
-         f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={agent}", f"--ray-client-server-port={client}",
-         f"--temp-dir={temp_dir}", "--num-cpus=2", "--include-dashboard=true", "--disable-usage-stats"],
-        env=ray_env(token_path), start_new_session=True, stdout=sys.stderr, stderr=sys.stderr,
+        [RAY_BIN, "start", "--head", "--block", "--port=0", "--dashboard-host=127.0.0.1", "--dashboard-port=0",
+         "--dashboard-agent-listen-port=0", f"--temp-dir={temp_dir}", "--num-cpus=2", "--include-dashboard=true",
+         "--disable-usage-stats"],
+        env=head_env(token_path), start_new_session=True, stdout=sys.stderr, stderr=sys.stderr,
     )
-    address = f"http://127.0.0.1:{dash}"
     try:
-        wait_for_dashboard(head, address, token_path, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        gcs = wait_for_gcs_address(head, temp_dir, deadline)
+        address = read_dashboard_address(gcs, token_path, deadline)
+        wait_for_dashboard(head, address, token_path, max(1.0, deadline - time.monotonic()))
     except BaseException:
         stop_head(head)
         raise
     return head, address
+
+
+def wait_for_gcs_address(head: subprocess.Popen, temp_dir: str, deadline: float) -> str:
+    """The GCS host:port `ray start` writes to its temp dir once the head is up (dashboard included).
+
+    RuntimeError if the head exits first, TimeoutError (naming RAYLLM_HEAD_TIMEOUT_S) at `deadline`."""
+    while True:
+        address = rayllm_ray_head.read_gcs_address(temp_dir)
+        if address:
+            return address
+        if head.poll() is not None:
+            raise RuntimeError(f"ray head exited with code {head.returncode} before it was up; "
+                               f"see {os.path.join(temp_dir, 'session_latest', 'logs')}")
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"ray head was not up (no {rayllm_ray_head.ADDRESS_FILE} in {temp_dir}) within "
+                               "RAYLLM_HEAD_TIMEOUT_S; raise it on a slow machine, or see the head's logs in "
+                               f"{os.path.join(temp_dir, 'session_latest', 'logs')}")
+        time.sleep(0.5)
+
+
+def read_dashboard_address(gcs: str, token_path: str, deadline: float) -> str:
+    """The dashboard's http address, as it published it in the head's GCS (a subprocess with the head's auth)."""
+    timeout_s = max(1.0, min(PROBE_TIMEOUT_S, deadline - time.monotonic()))
+    try:
+        out = subprocess.run([sys.executable, rayllm_ray_head.__file__, "dashboard", gcs, str(timeout_s)],
+                             env=ray_env(token_path), capture_output=True, text=True, timeout=timeout_s + 10)
+    except subprocess.TimeoutExpired:
+        raise TimeoutError(f"could not read the dashboard address from the GCS at {gcs} "
+                           f"within {timeout_s:.0f}s") from None
+    if out.returncode != 0 or not out.stdout.strip().startswith("http://"):
+        raise RuntimeError(f"could not read the dashboard address from the GCS at {gcs}: "
+                           f"{last_line(out.stderr or out.stdout) or f'exit {out.returncode}'}")
+    return out.stdout.strip()
 
 
 def wait_for_dashboard(head: subprocess.Popen, address: str, token_path: str, timeout_s: float) -> None:

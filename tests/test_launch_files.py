@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -205,15 +206,6 @@ def marked_processes(mark: str) -> list[int]:
     return found
 
 
-def free_ports(n: int) -> list[int]:
-    from rayllm_rl.weight_sync.common import find_free_port
-
-    ports: set[int] = set()
-    while len(ports) < n:
-        ports.add(find_free_port())
-    return sorted(ports)
-
-
 def test_slurm_script_has_its_header_and_a_valid_bash_syntax():
     script = LAUNCH / "slurm" / "grpo.sbatch"
     text = script.read_text()
@@ -224,7 +216,7 @@ def test_slurm_script_has_its_header_and_a_valid_bash_syntax():
     subprocess.run(["bash", "-n", str(script)], check=True, timeout=30)
 
 
-def test_slurm_script_names_a_bad_timeout_and_a_missing_nodelist(tmp_path):
+def test_slurm_script_names_a_bad_timeout_a_missing_nodelist_and_a_bad_port(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update(RAYLLM_REPO=str(ROOT), RAYLLM_JOB_TIMEOUT_S="soon")
     out = subprocess.run(["bash", str(LAUNCH / "slurm" / "grpo.sbatch")], env=env, capture_output=True,
@@ -234,6 +226,9 @@ def test_slurm_script_names_a_bad_timeout_and_a_missing_nodelist(tmp_path):
     out = subprocess.run(["bash", str(LAUNCH / "slurm" / "grpo.sbatch")], env=env, capture_output=True,
                          text=True, timeout=60, cwd=tmp_path)
     assert out.returncode != 0 and "SLURM_JOB_NODELIST is not set" in out.stderr
+    out = subprocess.run(["bash", str(LAUNCH / "slurm" / "grpo.sbatch")], env=dict(env, RAYLLM_GCS_PORT="auto"),
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode != 0 and "RAYLLM_GCS_PORT='auto': expected a port number, or 0" in out.stderr
 
 
 @pytest.mark.ray
@@ -249,7 +244,6 @@ def test_slurm_script_runs_a_two_node_ray_cluster_and_a_5_step_job(tmp_path):
     srun.chmod(0o755)
     srun_log = tmp_path / "srun.log"
     mark = uuid.uuid4().hex
-    gcs, dash, client = free_ports(3)
     nodes = ["fake-node-0", "fake-node-1"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RAY_"))}
     env.update({k: str(v) for k, v in SLURM_BOUNDS_S.items()})
@@ -257,8 +251,8 @@ def test_slurm_script_runs_a_two_node_ray_cluster_and_a_5_step_job(tmp_path):
         PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", SRUN_STANDIN_LOG=str(srun_log), SRUN_STANDIN_MARK=mark,
         SLURM_JOB_ID="4242", SLURM_JOB_NODELIST=",".join(nodes), SLURM_NNODES="2", SLURM_SUBMIT_DIR=str(ROOT),
         RAYLLM_PYTHON=sys.executable, RAYLLM_NODE_IPS=" ".join(f"{n}=127.0.0.1" for n in nodes),
-        RAYLLM_TEMP_DIR=temp_root, RAYLLM_GCS_PORT=str(gcs), RAYLLM_DASHBOARD_PORT=str(dash),
-        RAYLLM_CLIENT_PORT=str(client), RAYLLM_AGENT_PORT="0", RAYLLM_NUM_CPUS="1", RAYLLM_NUM_GPUS="0",
+        RAYLLM_TEMP_DIR=temp_root, RAYLLM_GCS_PORT="0", RAYLLM_DASHBOARD_PORT="0",  # the head binds its ports
+        RAYLLM_CLIENT_PORT="0", RAYLLM_AGENT_PORT="0", RAYLLM_NUM_CPUS="1", RAYLLM_NUM_GPUS="0",
         RAYLLM_RAY_START_ARGS=f"--object-store-memory={100 * 1024 * 1024}",
     )
     job = ["trainer.steps=5", "sft.steps=5", "data.eval_size=8", "trainer.eval_every=0",
@@ -283,7 +277,18 @@ def test_slurm_script_runs_a_two_node_ray_cluster_and_a_5_step_job(tmp_path):
         steps = [line.split(maxsplit=2) for line in srun_log.read_text().splitlines()]
         ray_steps = [s for s in steps if len(s) == 3 and " start " in f" {s[2]} "]
         assert [s[1] for s in ray_steps] == nodes  # head on the first node, a worker on the second
-        assert "--head" in ray_steps[0][2] and f"--address=127.0.0.1:{gcs}" in ray_steps[1][2]
+        # The ports the head bound itself, read back by the script, are the ones Ray published.
+        up = re.search(r"head up: GCS 127\.0\.0\.1:(\d+), dashboard http://127\.0\.0\.1:(\d+) on fake-node-0",
+                       out.stderr)
+        assert up, [line for line in out.stderr.splitlines() if line.startswith("grpo.sbatch:")]
+        gcs, dash = int(up[1]), int(up[2])
+        assert gcs > 0 and dash > 0 and gcs != dash
+        head_temp = Path(temp_root) / "fake-node-0"
+        assert (head_temp / "ray_current_cluster").read_text().strip().rpartition(":")[2] == str(gcs)
+        assert "--head" in ray_steps[0][2] and "--port=0" in ray_steps[0][2] and "--dashboard-port=0" in ray_steps[0][2]
+        assert f"--address=127.0.0.1:{gcs}" in ray_steps[1][2]
+        assert "--ray-client-server-port" not in ray_steps[0][2] and not list(
+            head_temp.glob("session_*/logs/ray_client_server*"))  # RAYLLM_CLIENT_PORT=0: none started
         assert "2/2 Ray nodes alive" in out.stderr and "succeeded" in out.stderr
         summary = json.loads(out.stdout.strip().splitlines()[-1])
         assert summary["steps"] == 5 and summary["version"] == 5

@@ -4,8 +4,8 @@ The test plays the policy by writing ("history", "full"), as in test_chat_env.py
 """
 import json
 import os
+import select
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,7 +28,6 @@ from rayllm_rl.tools.mcp_tools import (  # noqa: E402
     parse_tool_calls,
     system_prompt_for_tools,
 )
-from rayllm_rl.weight_sync.common import find_free_port  # noqa: E402
 
 SERVER = str(Path(__file__).with_name("mcp_test_server.py"))
 TOOLS = {"add", "echo", "sleep", "fail"}
@@ -272,23 +271,31 @@ def test_connect_failure_raises_and_cleans_up():
 
 
 # ---------------------------------------------------------------------------- streamable HTTP
+def served_url(proc: subprocess.Popen, timeout_s: float) -> str:
+    """The URL mcp_test_server.py prints once it serves ("listening on URL"); AssertionError past `timeout_s`."""
+    deadline, out = time.monotonic() + timeout_s, b""
+    while True:
+        for line in out.decode(errors="replace").splitlines(keepends=True):
+            if line.startswith("listening on ") and line.endswith("\n"):
+                return line.split()[-1]
+        assert proc.poll() is None, "the HTTP MCP server exited"
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, "the HTTP MCP server did not say where it listens"
+        if select.select([proc.stdout], [], [], min(remaining, 0.5))[0]:
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            assert chunk, "the HTTP MCP server closed its stdout"
+            out += chunk
+
+
 @pytest.mark.slow
 def test_http_echo_through_transform(tokenizer):
-    port = find_free_port()
-    proc = subprocess.Popen([sys.executable, SERVER, "http", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, SERVER, "http", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     t = None
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, "the HTTP MCP server exited"
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the HTTP MCP server did not come up"
-                time.sleep(0.05)
-        cfg = MCPServerConfig("remote", transport="http", url=f"http://127.0.0.1:{port}/mcp", timeout_s=5.0)
+        url = served_url(proc, timeout_s=30)  # the server binds a free port itself and prints it
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/mcp"), url
+        cfg = MCPServerConfig("remote", transport="http", url=url, timeout_s=5.0)
         t = MCPToolTransform(cfg)
         assert set(t.pool.tools) == TOOLS
         out = play(make_env(tokenizer, t), ["Echoing. " + call("echo", text="over http")])
@@ -307,6 +314,7 @@ def test_http_echo_through_transform(tokenizer):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        proc.stdout.close()
     assert torch.is_tensor(out["next", "done"])
 
 

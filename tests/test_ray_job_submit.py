@@ -62,6 +62,45 @@ def test_submit_gives_up_on_the_agent_at_its_deadline_and_never_retries_a_submit
     assert script.submit("http://127.0.0.1:1", "/tmp/token", [], agent_timeout_s=30, job_timeout_s=60) == other
 
 
+def test_the_head_binds_its_own_ports_and_a_failed_start_stops_it(monkeypatch, tmp_path):
+    """No port is chosen here: the head gets port 0 for the GCS, dashboard and agent and no client server.
+    A head that exits before it is up is stopped and its error raised."""
+    script = load_script()
+    started, stopped = [], []
+
+    class Exited:
+        pid, returncode = 0, 1
+
+        def poll(self):
+            return 1
+
+    monkeypatch.setattr(script.subprocess, "Popen", lambda cmd, **kw: started.append((cmd, kw["env"])) or Exited())
+    monkeypatch.setattr(script, "stop_head", stopped.append)
+    with pytest.raises(RuntimeError, match="ray head exited with code 1 before it was up"):
+        script.start_head(str(tmp_path), "/tmp/token", timeout_s=30)
+    (cmd, env), = started
+    assert {"--port=0", "--dashboard-port=0", "--dashboard-agent-listen-port=0"} <= set(cmd)
+    assert not any(a.startswith("--ray-client-server-port") for a in cmd)
+    assert env["RAY_START_HOOK"] == "rayllm_ray_head.no_client_server"
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT / "launch" / "ray_head")
+    assert len(stopped) == 1
+
+
+def test_the_head_address_is_read_only_once_whole(tmp_path):
+    helper = load_script().rayllm_ray_head
+    assert helper.read_gcs_address(str(tmp_path)) == ""
+    for partial in ("", "127.0.0.1", "127.0.0.1:", "127.0.0.1:0"):
+        (tmp_path / "ray_current_cluster").write_text(partial)
+        assert helper.read_gcs_address(str(tmp_path)) == ""
+    (tmp_path / "ray_current_cluster").write_text("127.0.0.1:41234\n")
+    assert helper.read_gcs_address(str(tmp_path)) == "127.0.0.1:41234"
+    params = type("RayParams", (), {"ray_client_server_port": 10001})()
+    helper.no_client_server(params, head=False)
+    assert params.ray_client_server_port == 10001
+    helper.no_client_server(params, head=True)
+    assert params.ray_client_server_port is None
+
+
 @pytest.mark.slow
 def test_a_silent_process_still_times_out():
     script = load_script()
