@@ -21,7 +21,8 @@ SESSION_VAR = "RAYLLM_TEST_SESSION"
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIXES = ("rayllm_", "psm_", "torch_")
-"""Segments the product (its shm transport), Python's `shared_memory` (vLLM's message queues) and torch create."""
+"""Segments the product (its shm transport), Python's `shared_memory` (vLLM's message queues) and torch create.
+A new one that a process of another session maps or holds open is that session's (`held_elsewhere`)."""
 
 RAY_DAEMONS = ("raylet", "gcs_server", "dashboard", "log_monitor", "monitor.py", "ray::", "runtime_env",
                "plasma_store")
@@ -118,6 +119,29 @@ def shm_segments() -> set[str]:
         return set()
 
 
+def held_elsewhere(names: set[str], since: int) -> set[str]:
+    """Those of `names` that a live process outside this session maps or holds open: another suite's (a second
+    pytest on the machine) segments, which are not this session's to report or unlink."""
+    if not names:
+        return set()
+    ours = set(session_processes(since)) | {os.getpid()}
+    paths = {os.path.join(SHM_DIR, n): n for n in names}
+    held = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in ours:
+            continue
+        try:
+            with open(f"/proc/{entry}/maps") as f:
+                held.update(name for path, name in paths.items() if path in f.read())
+            for fd in os.listdir(f"/proc/{entry}/fd"):
+                target = os.readlink(f"/proc/{entry}/fd/{fd}")
+                if target in paths:
+                    held.add(paths[target])
+        except OSError:
+            continue
+    return held
+
+
 @dataclasses.dataclass
 class Snapshot:
     """What existed before a test (or a module): what it finds later is what the test made."""
@@ -130,6 +154,11 @@ class Snapshot:
     @classmethod
     def take(cls, since: int) -> "Snapshot":
         return cls(since, session_processes(since), named_actors(), shm_segments())
+
+    def new_segments(self) -> set[str]:
+        """Segments made since, that no process of another session holds."""
+        new = shm_segments() - self.segments
+        return new - held_elsewhere(new, self.since)
 
     def new_processes(self, ray_held: bool) -> dict[int, str]:
         """Processes started since, as {pid: command}; with a held Ray, its daemons' workers are its own."""
@@ -156,7 +185,7 @@ class Snapshot:
                    else [],
                    "named actors": sorted(f"{ns}/{name}" for ns, name in named_actors() - self.actors),
                    "processes": [f"{pid}: {cmd}" for pid, cmd in sorted(self.new_processes(ray_held).items())],
-                   "shm segments": sorted(shm_segments() - self.segments)}
+                   "shm segments": sorted(self.new_segments())}
             out = {k: v for k, v in out.items() if v}
             if not out or time.monotonic() > deadline or list(out) == ["ray"]:
                 return out
@@ -176,7 +205,7 @@ class Snapshot:
                 ray.shutdown()
         for pid in self.new_processes(ray_held):
             _kill_tree(pid)
-        for name in shm_segments() - self.segments:
+        for name in self.new_segments():
             try:
                 os.unlink(os.path.join(SHM_DIR, name))
             except FileNotFoundError:
