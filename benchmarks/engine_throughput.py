@@ -64,9 +64,9 @@ from rayllm_rl.inference.protocol import LLMRequest, SamplingParams  # noqa: E40
 from rayllm_rl.inference.transformers_engine import EngineStats, TransformersEngine  # noqa: E402
 from rayllm_rl.models.tiny import TinyModelSpec, ensure_tiny_model  # noqa: E402
 from rayllm_rl.weight_sync import (  # noqa: E402
-    DEFAULT_BUCKET_BYTES, find_free_port, metadata_of, metas_to_spec,
+    DEFAULT_BUCKET_BYTES, metadata_of, metas_to_spec,
 )
-from rayllm_rl.weight_sync.registry import build_sender, make_spec  # noqa: E402
+from rayllm_rl.weight_sync.registry import make_spec, open_sender  # noqa: E402
 
 GOAL = 0.9
 ENGINES = ("transformers", "vllm", "hf")
@@ -183,20 +183,22 @@ def run_concurrent(engine, loop: asyncio.AbstractEventLoop, prompts, params: Sam
 # ---------------------------------------------------------------------------- weight sync
 def open_group(loop, engine, metas, transport: str):
     """This process as learner rank 0 with `engine` as the one receiver; both ends built by the
-    transport registry. Returns the sender (`send(named, v) -> (stats, handoff)`, `close()`)."""
+    transport registry, learner rank 0's opened first (a group binds its store there, on a port the OS
+    gives). Returns the sender (`send(named, v) -> (stats, handoff)`, `close()`)."""
     spec = make_spec(transport, metas_to_spec(metas), receivers=1, timeout_s=SYNC_TIMEOUT_S,
-                     bucket_bytes=DEFAULT_BUCKET_BYTES, host="127.0.0.1", port=find_free_port())
+                     bucket_bytes=DEFAULT_BUCKET_BYTES, host="127.0.0.1")
+    opened = open_sender(spec, metas)
     box: dict = {}
 
     def serve():
         try:
-            box["sender"] = build_sender(spec, metas)  # a group transport waits for the receiver here
+            box["sender"] = opened.finish()  # a group transport waits for the receiver here
         except BaseException as exc:  # surfaced below
             box["error"] = exc
 
     t = threading.Thread(target=serve, daemon=True)
     t.start()
-    loop.run_until_complete(engine.init_update_group(spec.for_rank(1)))
+    loop.run_until_complete(engine.init_update_group(spec.with_init(opened.init).for_rank(1)))
     t.join(SYNC_TIMEOUT_S)
     if "error" in box or "sender" not in box:
         raise RuntimeError(f"update group ({transport}) for {type(engine).__name__} failed: {box.get('error')}")

@@ -579,8 +579,8 @@ class GPUCheck:
     def _handoff(self) -> None:
         """Wake the weights, sync through the planned transport, offload the learner, wake the KV cache."""
         from rayllm_rl.inference.protocol import weights_checksum
-        from rayllm_rl.weight_sync import find_free_port, metas_to_spec
-        from rayllm_rl.weight_sync.registry import build_sender, make_spec, plan_transport
+        from rayllm_rl.weight_sync import metas_to_spec
+        from rayllm_rl.weight_sync.registry import make_spec, open_sender, plan_transport
 
         a, h = self.args, self.result["weight_handoff"]
         gpu = self.device == "cuda"
@@ -593,15 +593,20 @@ class GPUCheck:
         h["transport"] = transport
         metas = self.learner.weight_metas()
         spec = make_spec(transport, metas_to_spec(metas), receivers=self.engine.receiving_processes(transport),
-                         timeout_s=a.phase_timeout_s, bucket_bytes=16 << 20, host="127.0.0.1",
-                         port=find_free_port("127.0.0.1"))
+                         timeout_s=a.phase_timeout_s, bucket_bytes=16 << 20, host="127.0.0.1")
+        opened = open_sender(spec, metas)  # learner rank 0's end first: a group binds its store here
+        spec = spec.with_init(opened.init)  # what the engine joins (the port rank 0 bound)
 
-        async def setup():  # a group transport's sender waits for the receivers: build both ends at once
-            sender, _ = await asyncio.gather(asyncio.to_thread(build_sender, spec, metas),
+        async def setup():  # a group transport's sender waits for the receivers: finish it while they join
+            sender, _ = await asyncio.gather(asyncio.to_thread(opened.finish),
                                              self.engine.init_update_group(spec.for_rank(1)))
             return sender
 
-        sender = self.wait(setup(), f"building both ends of the {transport} weight sync")
+        try:
+            sender = self.wait(setup(), f"building both ends of the {transport} weight sync")
+        except BaseException:
+            opened.close()  # what opening bound, if finishing never started (else finishing releases it)
+            raise
         try:
             self.wait(self.engine.wake_up(["weights"]), "engine.wake_up(weights)")
             sync(self.device)

@@ -2,7 +2,7 @@
 
 The learner (`rayllm_rl.learner.Learner`) runs in this process and trains one step per version; the
 replica (the Transformers engine) runs in a spawned process on the same device, as a colocated replica
-actor does. Both ends come from the transport registry (`build_sender`, `engine.init_update_group`):
+actor does. Both ends come from the transport registry (`open_sender`, `engine.init_update_group`):
 
 - `--device cuda`: the colocated plan, `cuda_ipc` (the replica opens the learner's own GPU memory and
   copies device to device). NCCL cannot join two ranks on one GPU, so it is not measured here.
@@ -182,8 +182,8 @@ def run(args: argparse.Namespace) -> dict:
     from rayllm_rl.learner.distributed import DistConfig
     from rayllm_rl.learner.learner import Learner, OptimConfig
     from rayllm_rl.objectives import GRPOLoss
-    from rayllm_rl.weight_sync import find_free_port, metas_to_spec
-    from rayllm_rl.weight_sync.registry import build_sender, make_spec, plan_transport
+    from rayllm_rl.weight_sync import metas_to_spec
+    from rayllm_rl.weight_sync.registry import make_spec, open_sender, plan_transport
 
     cuda = args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -207,10 +207,11 @@ def run(args: argparse.Namespace) -> dict:
         learner = Learner(model_path, OptimConfig(lr=1e-5), seed=args.seed, dtype=dtype,
                           dist=DistConfig(backend="nccl") if cuda else None)
         metas = learner.weight_metas()
-        spec = make_spec(transport, metas_to_spec(metas), receivers=1, timeout_s=args.timeout_s,
-                         host="127.0.0.1", port=find_free_port("127.0.0.1"))
-        replica.conn.send(("init", spec.for_rank(1)))  # a group transport's ends meet in build_sender
-        sender = build_sender(spec, metas)
+        spec = make_spec(transport, metas_to_spec(metas), receivers=1, timeout_s=args.timeout_s, host="127.0.0.1")
+        opened = open_sender(spec, metas)  # learner rank 0's end first: a group binds its store here
+        spec = spec.with_init(opened.init)
+        replica.conn.send(("init", spec.for_rank(1)))  # the replica joins the port rank 0 bound
+        sender = opened.finish()  # a group transport's ends meet here (<= timeout_s)
         replica.reply("init_update_group")
         nbytes = sum(m.nbytes for m in metas)
         out.update(bytes=int(nbytes), tensors=len(metas), replica_device=replica.device)

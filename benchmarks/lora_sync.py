@@ -53,7 +53,7 @@ def start_pair(kind: str, engine: str, model_path: str, rank: int, transport: st
 
     lora = LoraOptions(rank=rank) if kind == "lora" else None
     learner = LearnerWorker.remote(0, 1, 1)
-    host, port = ray.get(learner.address.remote(), timeout=timeout_s)
+    host, port = ray.get(learner.rendezvous.remote(timeout_s), timeout=timeout_s)  # one rank: port 0, no group
     ray.get(learner.setup.remote(LearnerSpec(model_path, OptimConfig(), lora=lora), GRPOLoss(), host, port),
             timeout=timeout_s)
     options = {"kv_cache_mb": 64} if engine == "vllm" else {}
@@ -61,8 +61,11 @@ def start_pair(kind: str, engine: str, model_path: str, rank: int, transport: st
     ray.get(replica.ready.remote(), timeout=timeout_s)
     receivers = ray.get(replica.receiving_processes.remote(transport), timeout=timeout_s)
     spec = make_spec(transport, ray.get(learner.weight_metadata.remote(), timeout=timeout_s), receivers=receivers,
-                     timeout_s=timeout_s, bucket_bytes=16 << 20, host=host, port=port)
-    ray.get([learner.init_weight_sender.remote(spec), replica.init_update_group.remote(spec.for_rank(1))],
+                     timeout_s=timeout_s, bucket_bytes=16 << 20, host=host)
+    # as cluster.form_sync_group: learner rank 0 opens its end first (a group binds its store: the replica
+    # gets the port it bound), then finishes it while the replica joins
+    spec = spec.with_init(ray.get(learner.open_weight_sender.remote(spec), timeout=timeout_s + 30))
+    ray.get([learner.finish_weight_sender.remote(), replica.init_update_group.remote(spec.for_rank(1))],
             timeout=timeout_s + 30)
     return learner, replica
 

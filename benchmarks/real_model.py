@@ -13,7 +13,7 @@ Parts (`--parts`, all by default):
   mismatch  per engine, on its recipe batch: |engine lp - learner lp| (mean, max) and k3 KL(engine||learner)
             = mean(exp(r) - 1 - r), r = lp_learner - lp_engine; learner lps: `Learner.compute_logprobs`.
   sync      a `Learner` here is learner rank 0 and sends the whole model to each engine over `--transports`
-            (registry `make_spec` / `build_sender`): wall time of send + `receive_weights()`, bytes, GB/s.
+            (registry `make_spec` / `open_sender`): wall time of send + `receive_weights()`, bytes, GB/s.
   jobs      `jobs/grpo.py config=<recipe>` per `--job-backends`, `--job-steps` steps, data.eval_size=8, no
             time budget: sequences/s = steps x prompts x group / rl_seconds (incl. final checkpoint + eval).
 
@@ -226,17 +226,18 @@ def part_sync(lt, engines: dict, learner, args) -> dict:
     """This process as learner rank 0, each engine the one receiver; both ends built by the registry."""
     import asyncio
 
-    from rayllm_rl.weight_sync import find_free_port, metas_to_spec
-    from rayllm_rl.weight_sync.registry import build_sender, make_spec
+    from rayllm_rl.weight_sync import metas_to_spec
+    from rayllm_rl.weight_sync.registry import make_spec, open_sender
 
     runs, metas = [], learner.weight_metas()
     for transport in args.transports:
         for name, engine in engines.items():
-            spec = make_spec(transport, metas_to_spec(metas), receivers=1, timeout_s=300.0, host="127.0.0.1",
-                             port=find_free_port())
-            joined = asyncio.run_coroutine_threadsafe(engine.init_update_group(spec.for_rank(1)), lt.loop)
+            spec = make_spec(transport, metas_to_spec(metas), receivers=1, timeout_s=300.0, host="127.0.0.1")
+            opened = open_sender(spec, metas)  # a group binds its store here; the engine joins the port it bound
+            joined = asyncio.run_coroutine_threadsafe(
+                engine.init_update_group(spec.with_init(opened.init).for_rank(1)), lt.loop)
             try:
-                sender = build_sender(spec, metas)  # a group: waits (<= timeout_s) for the receiver to join
+                sender = opened.finish()  # a group: waits (<= timeout_s) for the receiver to join
             finally:
                 joined.result(360)
             try:

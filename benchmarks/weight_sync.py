@@ -8,7 +8,8 @@ channels then handed to the replicas, as `cluster.form_sync_group` does):
 
 * sender: a benchmark-local actor standing in for learner rank 0, one per group. It holds the
   model's weights (`from_pretrained`), perturbs them before every sync (so each version has its own
-  checksum; not timed) and sends through `build_sender`.
+  checksum; not timed) and sends through the registry's `open_sender` end (opened first: a group binds
+  its store there, on a port the OS gives; finished while the replicas join).
 * receivers: the job's own `InferenceReplica` actors. Transformers: `--replicas` (2) per transport,
   each set in its own group for the whole run, as in a job, where a replica never changes transport
   (a Transformers replica fed by shm or the object store holds read-only views, and gloo's double
@@ -72,6 +73,7 @@ class Sender:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         self.named = {k: v.detach() for k, v in model.named_parameters()}  # what a learner sends
         self.ends: dict[str, object] = {}
+        self.opened: dict[str, object] = {}  # ends opened and not yet finished
         self.stats: dict[str, dict] = {}
 
     def metas(self) -> tuple:
@@ -79,21 +81,25 @@ class Sender:
 
         return metas_to_spec(metadata_of(self.named))
 
-    def address(self) -> tuple[str, int]:
-        from rayllm_rl.weight_sync import find_free_port
-
-        ip = ray.util.get_node_ip_address()
-        return ip, find_free_port(ip)
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
 
     def open(self, key: str, spec):
-        """Build the sending end of group `key` (a group transport waits here for every receiver);
-        returns the receivers' init info (Ray channels: what it made), as `LearnerWorker.init_weight_sender`."""
+        """Open the sending end of group `key` (a group transport binds its store here, on a port the OS
+        gives); returns the receivers' init info (that port; Ray channels: what it made), as
+        `LearnerWorker.open_weight_sender`."""
         from rayllm_rl.weight_sync import metadata_of
-        from rayllm_rl.weight_sync.registry import build_sender, receivers_init
+        from rayllm_rl.weight_sync.registry import open_sender
 
         self.close(key)
-        self.ends[key] = build_sender(spec, metadata_of(self.named))
-        return receivers_init(spec, self.ends[key])
+        self.opened[key] = open_sender(spec, metadata_of(self.named))
+        return self.opened[key].init
+
+    def finish(self, key: str) -> bool:
+        """Complete the end `open` opened (a group transport waits here for every receiver), as
+        `LearnerWorker.finish_weight_sender`: the driver calls it while the replicas join."""
+        self.ends[key] = self.opened.pop(key).finish()
+        return True
 
     def size(self) -> tuple[int, int]:
         """(parameters, bytes) of what a sync carries."""
@@ -129,7 +135,10 @@ class Sender:
         return self.stats[key]
 
     def close(self, key: str | None = None) -> None:
-        for k in [key] if key is not None else list(self.ends):
+        for k in [key] if key is not None else list({*self.ends, *self.opened}):
+            opened = self.opened.pop(k, None)
+            if opened is not None:
+                opened.close()
             end = self.ends.pop(k, None)
             if end is not None:
                 end.close()
@@ -251,17 +260,18 @@ class Bench:
         touch of fresh segments and store pages, first connections); returns the forming seconds."""
         sender = self.sender(key)
         t0 = time.perf_counter()
-        host, port = self.get(sender.address.remote())
+        host = self.get(sender.node_ip.remote())
         ranks = self.get([r.receiving_processes.remote(transport) for r in replicas])
         info = transport_info(transport)
-        readers = list(zip(replicas, self.get([r.node_id.remote() for r in replicas]))) if info.sender_first else ()
+        readers = list(zip(replicas, self.get([r.node_id.remote() for r in replicas]))) if info.needs_readers else ()
         spec = make_spec(transport, self.metas, receivers=sum(ranks), timeout_s=self.timeout_s,
-                         bucket_bytes=self.bucket_bytes, host=host, port=port, readers=readers)
+                         bucket_bytes=self.bucket_bytes, host=host, readers=readers)
         first = [1 + sum(ranks[:i]) for i in range(len(replicas))]
-        opened = sender.open.remote(key, spec)
-        if info.sender_first:  # as cluster.form_sync_group: the sender's end first, then the replicas'
-            spec = spec.with_init(self.get(opened))
-        self.get([opened] + [r.init_update_group.remote(spec.for_rank(k)) for r, k in zip(replicas, first)])
+        # as cluster.form_sync_group: the sender's end opened first (a group binds its store: the replicas get
+        # the port it bound), then finished while the replicas join
+        spec = spec.with_init(self.get(sender.open.remote(key, spec)))
+        self.get([sender.finish.remote(key)] + [r.init_update_group.remote(spec.for_rank(k))
+                                                for r, k in zip(replicas, first)])
         backend = getattr(spec.info, "tensor_transport", None)
         if backend and key not in self.collective:  # Ray Direct Transport: a Ray collective group of sender + replicas
             self.collective[key] = bounded(lambda: create_collective_group([sender, *replicas], backend=backend),

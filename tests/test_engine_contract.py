@@ -16,8 +16,9 @@ import torch
 from rayllm_rl.inference.protocol import LLMRequest, PromptTooLongError, SamplingParams
 from rayllm_rl.learner.logprobs import token_logprobs
 from rayllm_rl.sampling_mask import SamplingMask
-from rayllm_rl.weight_sync import find_free_port, metadata_of
-from rayllm_rl.weight_sync.registry import TRANSPORTS, build_sender, make_spec, receivers_init
+from rayllm_rl.weight_sync import metadata_of
+from rayllm_rl.weight_sync.registry import TRANSPORTS, make_spec
+from weight_sync_helpers import OpenedInBackground
 
 ENGINES = ["transformers", pytest.param("vllm", marks=pytest.mark.vllm)]
 TIMEOUT_S = 300
@@ -179,22 +180,17 @@ def perturbed(hf_model, scale, seed):
 
 def update_over_group(loop, engine, named, version, transport):
     """Learner rank 0 in this process: send `named` stamped `version` through the engine's own sink,
-    both ends built by the transport registry."""
+    both ends built by the transport registry, learner rank 0's opened first as the driver does (a group
+    binds its store there; Ray channels make what the receiver reads)."""
     metas = metadata_of(named)
     info = TRANSPORTS[transport]
     spec = make_spec(transport, [(m.name, m.shape, str(m.dtype).removeprefix("torch.")) for m in metas],
-                     receivers=1, timeout_s=60.0, bucket_bytes=1 << 16, host="127.0.0.1", port=find_free_port(),
-                     readers=[reader_stand_in()] if info.sender_first else ())
+                     receivers=1, timeout_s=60.0, bucket_bytes=1 << 16, host="127.0.0.1",
+                     readers=[reader_stand_in()] if info.needs_readers else ())
+    rank0 = OpenedInBackground(spec, metas)  # finishes while the engine joins (a group waits for its peers)
+    loop.run(engine.init_update_group(rank0.spec.for_rank(1)))
+    sender = rank0.sender(60)
     box: dict = {}
-    if info.sender_first:  # learner rank 0's end makes what the receiver reads (Ray channels): built first
-        sender = build_sender(spec, metas)
-        loop.run(engine.init_update_group(spec.with_init(receivers_init(spec, sender)).for_rank(1)))
-    else:
-        t = threading.Thread(target=lambda: box.setdefault("sender", build_sender(spec, metas)))  # groups wait for peers
-        t.start()
-        loop.run(engine.init_update_group(spec.for_rank(1)))
-        t.join(60)
-        sender = box["sender"]
     if spec.info.pulls:  # publish first, then the receiver fetches what the handoff names
         stats, handoff = sender.send(named, version)
         result = loop.run(engine.receive_weights(handoff))

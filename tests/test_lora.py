@@ -213,17 +213,16 @@ def test_export_merges_into_a_full_model(tiny_model_path, batch, tmp_path, capsy
 # ---------------------------------------------------------------------------- sync and engines
 def sync_adapter(loop, engine, learner: Learner, version: int, transport: str = "gloo"):
     """Learner → engine over a real transport (this process is learner rank 0): returns (engine result, stats)."""
-    from rayllm_rl.weight_sync import find_free_port, metas_to_spec
-    from rayllm_rl.weight_sync.registry import build_sender, make_spec
+    from rayllm_rl.weight_sync import metas_to_spec
+    from rayllm_rl.weight_sync.registry import make_spec
+    from weight_sync_helpers import OpenedInBackground
 
     metas = learner.weight_metas()
     spec = make_spec(transport, metas_to_spec(metas), receivers=engine.receiving_processes(transport), timeout_s=60.0,
-                     bucket_bytes=1 << 16, host="127.0.0.1", port=find_free_port())
-    box: dict = {}
-    t = threading.Thread(target=lambda: box.setdefault("sender", build_sender(spec, metas)))
-    t.start()
-    loop.run(engine.init_update_group(spec.for_rank(1)))
-    t.join(60)
+                     bucket_bytes=1 << 16, host="127.0.0.1")
+    rank0 = OpenedInBackground(spec, metas)  # a group binds its store here, finishes while the engine joins
+    loop.run(engine.init_update_group(rank0.spec.for_rank(1)))
+    box: dict = {"sender": rank0.sender(60)}
     send = threading.Thread(target=lambda: box.setdefault("sent", box["sender"].send(learner.iter_named_tensors(),
                                                                                       version)))
     send.start()

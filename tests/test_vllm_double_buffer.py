@@ -17,8 +17,9 @@ import torch
 from test_engine_contract import LoopThread, chat_ids, forward_logprobs, generate, greedy_reference, perturbed
 
 from rayllm_rl.inference.protocol import LLMRequest, SamplingParams
-from rayllm_rl.weight_sync import find_free_port, metadata_of
-from rayllm_rl.weight_sync.registry import build_sender, make_spec
+from rayllm_rl.weight_sync import metadata_of
+from rayllm_rl.weight_sync.registry import make_spec
+from weight_sync_helpers import OpenedInBackground
 
 pytestmark = pytest.mark.vllm
 GREEDY = SamplingParams(max_new_tokens=8, greedy=True, ignore_eos=True)
@@ -56,13 +57,11 @@ def test_update_loads_behind_generation_and_swaps_between_steps(tiny_model_path,
             fresh = model_with(tiny_model_path, new)
             metas = metadata_of(new)
             spec = make_spec("gloo", [(m.name, m.shape, str(m.dtype).removeprefix("torch.")) for m in metas],
-                             receivers=1, timeout_s=60.0, bucket_bytes=1 << 16, host="127.0.0.1", port=find_free_port())
+                             receivers=1, timeout_s=60.0, bucket_bytes=1 << 16, host="127.0.0.1")
+            rank0 = OpenedInBackground(spec, metas)  # binds its store here, finishes while the engine joins
+            loop.run(engine.init_update_group(rank0.spec.for_rank(1)))
+            sender = rank0.sender(60)
             box: dict = {}
-            joiner = threading.Thread(target=lambda: box.setdefault("sender", build_sender(spec, metas)))
-            joiner.start()
-            loop.run(engine.init_update_group(spec.for_rank(1)))
-            joiner.join(60)
-            sender = box["sender"]
             try:
                 send = threading.Thread(target=lambda: box.setdefault("sent", sender.send(new, version)))
                 send.start()

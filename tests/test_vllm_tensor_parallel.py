@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from rayllm_rl.inference.protocol import LLMRequest, SamplingParams
-from rayllm_rl.weight_sync import find_free_port, metadata_of
-from rayllm_rl.weight_sync.registry import build_sender, make_spec
+from rayllm_rl.weight_sync import metadata_of
+from rayllm_rl.weight_sync.registry import make_spec
 
 from test_engine_contract import ray_session  # noqa: E402,F401  (the contract's local Ray, as a fixture here)
+from weight_sync_helpers import OpenedInBackground  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -51,13 +52,11 @@ def test_a_tensor_parallel_replica_receives_weights_on_every_worker(tiny_model_p
         fresh.load_state_dict(new, strict=False)
         metas = metadata_of(new)
         spec = make_spec(transport, [(m.name, m.shape, str(m.dtype).removeprefix("torch.")) for m in metas],
-                         receivers=ranks, timeout_s=120.0, bucket_bytes=1 << 16, host="127.0.0.1", port=find_free_port())
+                         receivers=ranks, timeout_s=120.0, bucket_bytes=1 << 16, host="127.0.0.1")
+        rank0 = OpenedInBackground(spec, metas)  # a group binds its store here, finishes while the workers join
+        loop.run(engine.init_update_group(rank0.spec.for_rank(1)))  # the workers take ranks 1 and 2
+        sender = rank0.sender(120)
         box: dict = {}
-        t = threading.Thread(target=lambda: box.setdefault("sender", build_sender(spec, metas)))
-        t.start()
-        loop.run(engine.init_update_group(spec.for_rank(1)))  # the workers take ranks 1 and 2
-        t.join(120)
-        sender = box["sender"]
         if spec.info.pulls:
             _, handoff = sender.send(new, 1)
             out = loop.run(engine.receive_weights(handoff))

@@ -3,7 +3,8 @@ replicas that keep generating while they receive, bounded timeouts, plan mismatc
 Ray collective transport (CPU backends) between two Ray actors.
 
 Peers of the gloo tests are separate processes (multiprocessing "forkserver", not Ray), and
-so is the Ray driver. Top-level imports stay light (no transformers, no ray) because every
+so is the Ray driver. Rank 0 binds its store (`listen_store`, a port the OS gives) before any peer is
+told the port, as the product does: in this process, or in a child that sends its port back. Top-level imports stay light (no transformers, no ray) because every
 child imports this module. The two slow scenarios run in the background from the first test
 on (see `_Background`), which keeps the file well under a minute on 2 cores.
 """
@@ -22,8 +23,9 @@ import torch
 
 from rayllm_rl.weight_sync import (
     DoubleBufferReceiver, StatelessGlooGroup, TensorMeta, WeightReceiver, WeightSender, WeightSyncError,
-    WeightSyncTimeout, find_free_port, metadata_of, pack, plan_buckets, unpack_into,
+    WeightSyncTimeout, metadata_of, pack, plan_buckets, unpack_into,
 )
+from rayllm_rl.rendezvous import listen_store
 
 # forkserver: a clean single-threaded server process that imported torch and the transport once
 # forks every peer, so peers start in milliseconds instead of re-importing torch (~1.4 s each).
@@ -103,7 +105,8 @@ def test_sender_receiver_threads_lazy_out_of_order_mixed_dtypes():
     named = {**synthetic_weights(1, 6), "half": torch.randn(33).half(), "big": torch.randn(200, 200),
              "scalar": torch.tensor(1.5)}
     metas = metadata_of(named)
-    port = find_free_port()
+    store = listen_store(HOST, 2, 20)  # rank 0's, bound before the receiver is told its port
+    port = store.port
     out: dict = {}
 
     def receiver():
@@ -114,7 +117,7 @@ def test_sender_receiver_threads_lazy_out_of_order_mixed_dtypes():
 
     th = threading.Thread(target=receiver)
     th.start()
-    with StatelessGlooGroup(HOST, port, 0, 2, timeout_s=20) as grp:
+    with StatelessGlooGroup(HOST, port, 0, 2, timeout_s=20, store=store) as grp:
         assert not torch.distributed.is_initialized()
         sender = WeightSender(grp, metas, 4096)
         stats = sender.send(iter(list(named.items())[::-1]), version=3)  # lazy and reversed
@@ -130,7 +133,8 @@ def test_rejected_send_still_drains_a_lazy_source():
     named = synthetic_weights(2, 5)
     metas = metadata_of(named)
     wrong = metas[:-1]  # the receiver expects one tensor less
-    port = find_free_port()
+    store = listen_store(HOST, 2, 20)
+    port = store.port
     out: dict = {}
 
     def receiver():
@@ -149,7 +153,7 @@ def test_rejected_send_still_drains_a_lazy_source():
 
     th = threading.Thread(target=receiver)
     th.start()
-    with StatelessGlooGroup(HOST, port, 0, 2, timeout_s=20) as grp:
+    with StatelessGlooGroup(HOST, port, 0, 2, timeout_s=20, store=store) as grp:
         with pytest.raises(WeightSyncError, match="rejected"):
             WeightSender(grp, metas, 4096).send(source(), version=2)
     th.join(30)
@@ -226,7 +230,8 @@ def _two_replicas(model_path):
     """Main process = learner rank 0 with perturbed weights, 2 replica processes (rank 1 generates)."""
     from transformers import AutoModelForCausalLM
 
-    port = find_free_port()
+    store = listen_store(HOST, 3, 60)  # rank 0's: bound here before the replicas are told its port
+    port = store.port
     q, cmd_qs = CTX.Queue(), [CTX.Queue() for _ in range(2)]
     procs = [CTX.Process(target=_replica_main, args=(port, r, 3, model_path, r == 1, q, cq), daemon=True)
              for r, cq in zip((1, 2), cmd_qs)]
@@ -240,7 +245,7 @@ def _two_replicas(model_path):
         metas = metadata_of(sent)
         for cq in cmd_qs:
             cq.put(metas)
-        group = StatelessGlooGroup(HOST, port, 0, 3, timeout_s=60)
+        group = StatelessGlooGroup(HOST, port, 0, 3, timeout_s=60, store=store)
         sender = WeightSender(group, metas, SMALL_BUCKET)
         ready = [_get(q) for _ in procs]
         assert all(kind == "ready" for kind, _ in ready), ready
@@ -321,8 +326,9 @@ def two_replica_sync(background):
 
 # ---------------------------------------------------------------------------- failures
 def _peer(role, port, metas, q, kwargs):
-    """A child process: 'idle_receiver' joins and never receives; 'sender' sends with a hook;
-    'receiver' receives and reports its error."""
+    """A child process: 'idle_receiver' joins and never receives; 'sender' (rank 0) binds its store,
+    reports ("port", its port) for the test to join, and sends with a hook; 'receiver' receives and
+    reports its error. The receivers join `port`, the store the test's rank 0 bound."""
     torch.set_num_threads(1)
     try:
         if role == "idle_receiver":
@@ -331,7 +337,9 @@ def _peer(role, port, metas, q, kwargs):
             time.sleep(kwargs.get("sleep", 15))
             return
         if role == "sender":
-            grp = StatelessGlooGroup(HOST, port, 0, 2, timeout_s=30)
+            store = listen_store(HOST, 2, 30)
+            q.put(("port", store.port))
+            grp = StatelessGlooGroup(HOST, store.port, 0, 2, timeout_s=30, store=store)
             named = synthetic_weights(0)
             after, action = kwargs["after"], kwargs["action"]
 
@@ -371,10 +379,10 @@ def _spawn(role, port, metas, **kwargs):
 
 @pytest.mark.slow  # spawns processes
 def test_sender_times_out_when_receiver_never_joins():
-    port = find_free_port()
+    store = listen_store(HOST, 2, 2.0)  # rank 0 binds its store; nobody is told the port
     t0 = time.perf_counter()
     with pytest.raises(WeightSyncTimeout) as ei:
-        StatelessGlooGroup(HOST, port, 0, 2, timeout_s=2.0)
+        StatelessGlooGroup(HOST, store.port, 0, 2, timeout_s=2.0, store=store)
     elapsed = time.perf_counter() - t0
     assert 1.5 < elapsed < 6, elapsed
     msg = str(ei.value)
@@ -386,10 +394,10 @@ def test_sender_times_out_when_receiver_never_joins():
 @pytest.mark.slow  # spawns processes
 def test_sender_times_out_when_receiver_joins_but_never_receives():
     metas = metadata_of(synthetic_weights(0))
-    port = find_free_port()
-    p, q = _spawn("idle_receiver", port, metas, sleep=15)
+    store = listen_store(HOST, 2, 30)
+    p, q = _spawn("idle_receiver", store.port, metas, sleep=15)
     try:
-        grp = StatelessGlooGroup(HOST, port, 0, 2, timeout_s=30)
+        grp = StatelessGlooGroup(HOST, store.port, 0, 2, timeout_s=30, store=store)
         assert _get(q)[0] == "joined"
         sender = WeightSender(grp, metas, 4096, timeout_s=2.0)
         t0 = time.perf_counter()
@@ -412,9 +420,10 @@ def test_sender_times_out_when_receiver_joins_but_never_receives():
 def test_receiver_raises_within_timeout_when_sender_fails_mid_sync(action, error):
     named = synthetic_weights(0)
     metas = metadata_of(named)
-    port = find_free_port()
-    p, q = _spawn("sender", port, metas, after=6, action=action)
+    p, q = _spawn("sender", 0, metas, after=6, action=action)  # rank 0 in the child: it binds, then reports its port
     try:
+        kind, port = _get(q)
+        assert kind == "port", (kind, port)
         grp = StatelessGlooGroup(HOST, port, 1, 2, timeout_s=30)
         receiver = WeightReceiver(grp, metas, 4096, timeout_s=2.0)
         n = len(receiver.buckets)
@@ -440,10 +449,10 @@ def test_header_mismatch_raises_on_both_sides():
     metas = metadata_of(named)
     wrong = list(metas)
     wrong[3] = TensorMeta(wrong[3].name, (64, 10), wrong[3].dtype)  # the receiver's model differs
-    port = find_free_port()
-    p, q = _spawn("receiver", port, wrong)
+    store = listen_store(HOST, 2, 20)
+    p, q = _spawn("receiver", store.port, wrong)
     try:
-        grp = StatelessGlooGroup(HOST, port, 0, 2, timeout_s=20)
+        grp = StatelessGlooGroup(HOST, store.port, 0, 2, timeout_s=20, store=store)
         with pytest.raises(WeightSyncError) as ei:
             WeightSender(grp, metas, 4096).send(named, version=4)
         assert not isinstance(ei.value, WeightSyncTimeout)
@@ -462,10 +471,10 @@ def test_header_mismatch_raises_on_both_sides():
 def test_sender_aborts_cleanly_when_a_tensor_is_missing():
     named = synthetic_weights(0)
     metas = metadata_of(named)
-    port = find_free_port()
-    p, q = _spawn("receiver", port, metas)
+    store = listen_store(HOST, 2, 20)
+    p, q = _spawn("receiver", store.port, metas)
     try:
-        grp = StatelessGlooGroup(HOST, port, 0, 2, timeout_s=20)
+        grp = StatelessGlooGroup(HOST, store.port, 0, 2, timeout_s=20, store=store)
         t0 = time.perf_counter()
         with pytest.raises(WeightSyncError, match="missing"):
             WeightSender(grp, metas, 4096).send({k: v for k, v in list(named.items())[1:]}, version=4)

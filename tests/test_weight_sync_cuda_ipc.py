@@ -20,7 +20,7 @@ from rayllm_rl.weight_sync.cuda_ipc import (
     EXPORT_KEYS, HANDOFF_KEYS, CudaIpcReceiver, CudaIpcSender, decode_export, encode_export,
 )
 from rayllm_rl.weight_sync.common import WeightSyncError
-from rayllm_rl.weight_sync.registry import build_receiver, build_sender, make_spec, plan_transport, transport_info
+from rayllm_rl.weight_sync.registry import build_receiver, make_spec, open_sender, plan_transport, transport_info
 from rayllm_rl.weight_sync.scheme import NoInit
 
 METAS = [TensorMeta("embed.weight", (10, 4), torch.bfloat16), TensorMeta("norm.weight", (4,), torch.float32)]
@@ -77,7 +77,9 @@ def test_the_registry_describes_cuda_ipc_and_builds_its_sender():
             info.device_local) == (True, False, False, True, False, True, True)
     spec = make_spec("cuda_ipc", metas_to_spec(METAS), receivers=2, timeout_s=5, bucket_bytes=1 << 20)
     assert spec.init == NoInit() and spec.world_size == 3  # no rendezvous: nothing but the handoff travels
-    sender = build_sender(spec, METAS)
+    opened = open_sender(spec, METAS)
+    assert opened.init == NoInit()  # the receivers' spec is the driver's own
+    sender = opened.finish()
     assert isinstance(sender, CudaIpcSender) and sender.receivers == 2  # an export of each tensor per receiving rank
     assert sender.metas == METAS
 
@@ -312,7 +314,7 @@ def test_a_real_hand_over_between_two_processes_on_one_gpu(copies):
     child = ctx.Process(target=_receiver_child, args=(spec.for_rank(1).as_dict(), copies, inbox, outbox))
     child.start()
     try:
-        sender = build_sender(spec, metas)
+        sender = open_sender(spec, metas).finish()  # waits for nobody: the handoff carries the handles
         ptrs = {k: v.data_ptr() for k, v in named.items()}
         stats, handoff = sender.send(named, 9)
         assert {k: v.data_ptr() for k, v in named.items()} == ptrs  # the learner's own memory: no copy

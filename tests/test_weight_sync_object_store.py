@@ -10,7 +10,7 @@ import torch
 
 from rayllm_rl.weight_sync import WeightSyncError, WeightSyncTimeout, metadata_of
 from rayllm_rl.weight_sync.object_store import Handoff
-from rayllm_rl.weight_sync.registry import build_receiver, build_sender, make_spec
+from rayllm_rl.weight_sync.registry import build_receiver, make_spec, open_sender
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_importing_tests")]  # its actors run this module's classes
 
@@ -61,7 +61,7 @@ class Learner:
     def __init__(self, spec, seed, make="weights"):
         self.make = MAKERS[make]
         self.named = self.make(seed)
-        self.sender = build_sender(spec, metadata_of(self.named))
+        self.sender = open_sender(spec, metadata_of(self.named)).finish()  # waits for nobody: it publishes
 
     def publish(self, version, seed):
         self.named = self.make(seed)
@@ -172,7 +172,7 @@ def test_a_handoff_of_another_plan_is_refused_before_any_fetch():
     spec, metas = spec_of(named)
     receiver = build_receiver(spec.for_rank(1), Target(named))
     other, _ = spec_of(named, bucket_bytes=1 << 30)
-    sender = build_sender(other, metas)
+    sender = open_sender(other, metas).finish()
     _, handoff = sender.send(named, 1)
     with pytest.raises(WeightSyncError, match=r"phase 'handoff'.*same metas and bucket_bytes"):
         receiver.receive(handoff)
@@ -181,7 +181,7 @@ def test_a_handoff_of_another_plan_is_refused_before_any_fetch():
 def test_a_sender_given_a_wrong_tensor_names_it_and_publishes_nothing():
     named = weights(5)
     spec, metas = spec_of(named)
-    sender = build_sender(spec, metas)
+    sender = open_sender(spec, metas).finish()
     bad = {**named, "layer.0.w": torch.zeros(3, 3)}
     with pytest.raises(WeightSyncError, match=r"layer.0.w is \(3, 3\)/torch.float32, planned \(64, 64\)"):
         sender.send(bad, 1)

@@ -11,7 +11,7 @@ import ray
 import torch
 
 from rayllm_rl.weight_sync import WeightSyncError, WeightSyncTimeout, metadata_of
-from rayllm_rl.weight_sync.registry import build_receiver, build_sender, make_spec, plan_transport, receivers_init
+from rayllm_rl.weight_sync.registry import build_receiver, make_spec, open_sender, plan_transport
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_importing_tests")]  # its actors run this module's classes
 
@@ -56,8 +56,9 @@ class Learner:
         self.named = weights(0)
         spec = make_spec("ray_channel", metas_spec(self.named), receivers=len(readers), timeout_s=self.timeout_s,
                          readers=readers)
-        self.sender = build_sender(spec, metadata_of(self.named))
-        return spec.with_init(receivers_init(spec, self.sender))
+        opened = open_sender(spec, metadata_of(self.named))  # the writer makes the channels its readers attach
+        self.sender = opened.finish()
+        return spec.with_init(opened.init)
 
     def send(self, version, seed):
         self.named = weights(seed)
@@ -181,16 +182,17 @@ def test_setups_that_cannot_work_are_refused_naming_the_problem():
     stand_in = Replica.remote()
     far = make_spec("ray_channel", spec_metas, receivers=1, timeout_s=5, readers=[(stand_in, "f" * 56)])
     with pytest.raises(ValueError, match=r"readers on nodes \['f{56}'\].*use object_store across nodes"):
-        build_sender(far, metadata_of(named))
+        open_sender(far, metadata_of(named))
     here = ray.get(stand_in.node_id.remote(), timeout=60)
     spec = make_spec("ray_channel", spec_metas, receivers=1, timeout_s=5, readers=[(stand_in, here)])
     with pytest.raises(ValueError, match=r"the spec has no channels; build learner rank 0's end first"):
         build_receiver(spec.for_rank(1), Target(named))
     with pytest.raises(ValueError, match=r"ray.sync_transport=ray_channel needs every replica on the learner's node"):
         plan_transport("ray_channel", learner_gpus=False, replica_gpus=False, learner_node="a", replica_nodes=["b"])
-    sender = build_sender(spec, metadata_of(named))
+    opened = open_sender(spec, metadata_of(named))
+    sender = opened.finish()
     try:
-        receiver = build_receiver(spec.with_init(receivers_init(spec, sender)).for_rank(1), Target(named))
+        receiver = build_receiver(spec.with_init(opened.init).for_rank(1), Target(named))
         with pytest.raises(WeightSyncError, match=r"phase 'read channel 0'.*got a handoff"):
             receiver.receive(object())
     finally:

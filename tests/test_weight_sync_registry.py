@@ -55,8 +55,10 @@ def test_spec_init_per_transport_and_rank_offsets():
     assert seg0.endswith("_0") and seg1.endswith("_1") and seg0[:-2] == seg1[:-2]
     store = make_spec("object_store", METAS, receivers=3, timeout_s=7, bucket_bytes=1)
     assert store.init == NoInit() and store.info.pulls and store.info.receiver_needs_ray
-    with pytest.raises(ValueError, match="learner rank 0's host and port"):
+    with pytest.raises(ValueError, match="learner rank 0's host is needed"):
         make_spec("gloo", METAS, receivers=1, timeout_s=7, bucket_bytes=1)
+    # no port is picked ahead: rank 0 binds one the OS gives when it opens its end (a port given is tried first)
+    assert make_spec("gloo", METAS, receivers=1, timeout_s=7, host="h").init == GroupInit("h", 0)
 
 
 def test_bucket_size_zero_is_the_transports_own_default():
@@ -89,7 +91,7 @@ def test_every_transport_is_described_by_properties_engines_may_ask():
     assert {n: t.tensor_transport for n, t in TRANSPORTS.items() if t.tensor_transport} == {"rdt_gloo": "gloo",
                                                                                           "rdt_nccl": "nccl"}
     assert [n for n, t in TRANSPORTS.items() if not t.cross_node] == ["ray_channel", "shm", "cuda_ipc"]
-    assert [n for n, t in TRANSPORTS.items() if t.sender_first] == ["ray_channel"]  # the driver builds its sender first
+    assert [n for n, t in TRANSPORTS.items() if t.needs_readers] == ["ray_channel"]  # the driver names its readers
     assert transport_info("nccl").gpu_only and not transport_info("gloo").gpu_only
 
 
@@ -112,7 +114,7 @@ def test_ray_direct_ends_check_what_ray_delivered():
     import torch
 
     from rayllm_rl.weight_sync import metadata_of
-    from rayllm_rl.weight_sync.registry import build_receiver, build_sender
+    from rayllm_rl.weight_sync.registry import build_receiver, open_sender
 
     named = {"embed.weight": torch.randn(10, 4), "norm.weight": torch.randn(4).to(torch.bfloat16)}
     metas = metadata_of(named)
@@ -129,8 +131,9 @@ def test_ray_direct_ends_check_what_ray_delivered():
             self.params.update(back)
             return 0.0
 
-    sender, target = build_sender(spec, metas), Target()
-    receiver = build_receiver(spec.for_rank(1), target)
+    opened, target = open_sender(spec, metas), Target()
+    sender = opened.finish()  # nothing to wait for: the receiver gets the tensors in the handoff
+    receiver = build_receiver(spec.with_init(opened.init).for_rank(1), target)
     stats, handoff = sender.send(reversed(list(named.items())), 4)  # any order
     assert stats.bytes == 10 * 4 * 4 + 4 * 2 and handoff["tensors"]["embed.weight"].data_ptr() == \
         named["embed.weight"].data_ptr()  # no copy on the sender: Ray sends the tensor itself
@@ -152,8 +155,9 @@ def test_a_group_receiver_never_writes_storage_another_transport_handed_the_engi
     import torch
 
     from rayllm_rl.inference.transformers_engine import TransformersEngine
-    from rayllm_rl.weight_sync import find_free_port, metadata_of
-    from rayllm_rl.weight_sync.registry import build_receiver, build_sender
+    from rayllm_rl.weight_sync import metadata_of
+    from rayllm_rl.weight_sync.registry import build_receiver
+    from weight_sync_helpers import OpenedInBackground
 
     engine = TransformersEngine(tiny_model_path)
     params = engine.named_parameters()
@@ -168,12 +172,10 @@ def test_a_group_receiver_never_writes_storage_another_transport_handed_the_engi
     engine.swap_weights(views, 1)
     metas = metadata_of(params)
     spec = make_spec("gloo", [(m.name, m.shape, str(m.dtype)[6:]) for m in metas], receivers=1, timeout_s=30,
-                     bucket_bytes=1 << 20, host="127.0.0.1", port=find_free_port())
-    box = {}
-    t = threading.Thread(target=lambda: box.setdefault("sender", build_sender(spec, metas)))
-    t.start()
-    receiver = build_receiver(spec.for_rank(1), engine)
-    t.join(30)
+                     bucket_bytes=1 << 20, host="127.0.0.1")
+    rank0 = OpenedInBackground(spec, metas)  # binds its store; finishes while the receiver joins
+    receiver = build_receiver(rank0.spec.for_rank(1), engine)
+    box = {"sender": rank0.sender(30)}
     for version in (2, 3):
         new = {k: torch.full(v.shape, float(version)) for k, v in params.items()}
         send = threading.Thread(target=lambda: box.__setitem__("sent", box["sender"].send(new, version)))
@@ -183,3 +185,78 @@ def test_a_group_receiver_never_writes_storage_another_transport_handed_the_engi
         assert all(torch.equal(engine.named_parameters()[k], v) for k, v in new.items())
     receiver.close()
     box["sender"].close()
+
+
+@pytest.mark.parametrize("transport", ["gloo", "shm"])
+def test_a_group_forms_although_the_port_it_was_asked_to_try_is_taken(transport):
+    """A port another process holds (the race a port picked ahead and bound later loses): learner rank 0's
+    store tries it, falls back to one the OS gives, and the receiver, told the port rank 0 bound, joins the
+    group; the weights then arrive exactly."""
+    import socket
+    import threading
+
+    import torch
+
+    from rayllm_rl.weight_sync import metadata_of
+    from rayllm_rl.weight_sync.registry import build_receiver, open_sender
+
+    g = torch.Generator().manual_seed(3)
+    named = {"embed.weight": torch.randn(40, 16, generator=g), "norm.weight": torch.randn(16, generator=g).bfloat16(),
+             "lm_head.weight": torch.randn(40, 16, generator=g)}
+    metas = metadata_of(named)
+
+    class Target:
+        def __init__(self):
+            self.params = {k: torch.zeros_like(v) for k, v in named.items()}
+
+        def named_parameters(self):
+            return dict(self.params)
+
+        def swap_weights(self, back, version):
+            for k, t in back.items():
+                self.params[k], back[k] = t, self.params[k]
+            return 0.0
+
+    def in_thread(fn, box, key):
+        def run():
+            try:
+                box[key] = fn()
+            except BaseException as exc:  # noqa: BLE001 - asserted below
+                box[f"{key}_error"] = exc
+
+        th = threading.Thread(target=run, daemon=True)
+        th.start()
+        return th
+
+    def joined(th, box, key, timeout_s=30):
+        th.join(timeout_s)
+        assert not th.is_alive(), f"{key}: not done within {timeout_s}s"
+        assert f"{key}_error" not in box, box[f"{key}_error"]
+        return box[key]
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        spec = make_spec(transport, [(m.name, m.shape, str(m.dtype)[6:]) for m in metas], receivers=1, timeout_s=30,
+                         bucket_bytes=1 << 10, host="127.0.0.1", port=port)
+        opened = open_sender(spec, metas)
+        sender = receiver = None
+        try:
+            assert opened.init.port != port and opened.init.port > 0, (opened.init, port)
+            target, box = Target(), {}
+            joining = in_thread(lambda: build_receiver(spec.with_init(opened.init).for_rank(1), target), box, "receiver")
+            sender = opened.finish()  # waits (<= 30 s) for the receiver to join the port rank 0 bound
+            receiver = joined(joining, box, "receiver")
+            receiving = in_thread(receiver.receive_and_swap, box, "got")
+            stats, _ = sender.send(named, 5)  # a push transport: the receiver takes it in the collective
+            assert joined(receiving, box, "got")["version"] == 5 and stats.version == 5
+            assert stats.bytes == sum(m.nbytes for m in metas)
+            for k, v in named.items():
+                assert target.params[k].dtype == v.dtype and torch.equal(target.params[k], v), k
+        finally:
+            opened.close()  # (a no-op once finished)
+            if receiver is not None:
+                receiver.close()
+            if sender is not None:
+                sender.close()

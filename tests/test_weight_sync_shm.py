@@ -3,7 +3,8 @@
 The end-to-end test runs the sender in this process and two replica processes (forkserver,
 as in test_weight_sync.py) that each serve the tiny model from the shared segments. The
 protocol tests run their receiver on a thread of this process with a stand-in engine, which
-keeps them to about a second each (2 shared cores).
+keeps them to about a second each (2 shared cores). The sender is rank 0 of the control group here:
+it binds its store (`listen_store`) before the receivers are told its port.
 """
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ import torch
 
 from rayllm_rl.weight_sync import (
     ShmWeightReceiver, ShmWeightSender, StatelessGlooGroup, TensorMeta, WeightSyncError, WeightSyncTimeout,
-    find_free_port, metadata_of, plan_layout,
+    metadata_of, plan_layout,
 )
+from rayllm_rl.rendezvous import listen_store
 
 CTX = mp.get_context("forkserver")
 CTX.set_forkserver_preload(["rayllm_rl.weight_sync", "pytest"])  # (the tests dir is not on its path)
@@ -87,7 +89,8 @@ def test_sync_to_two_replica_processes_shares_the_segments(tiny_model_path):
     from transformers import AutoModelForCausalLM
 
     n_syncs, versions = 3, (10, 11, 12)
-    port = find_free_port()
+    store = listen_store(HOST, 3, 60)  # rank 0's, bound before the replicas are told its port
+    port = store.port
     q, cmd_qs = CTX.Queue(), [CTX.Queue() for _ in range(2)]
     procs = [CTX.Process(target=_replica_main, args=(port, r, 3, tiny_model_path, n_syncs, q, cq), daemon=True)
              for r, cq in zip((1, 2), cmd_qs)]
@@ -98,7 +101,7 @@ def test_sync_to_two_replica_processes_shares_the_segments(tiny_model_path):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
         base = {n: p.detach() for n, p in model.named_parameters()}
         metas = metadata_of(base)
-        group = StatelessGlooGroup(HOST, port, 0, 3, timeout_s=60)
+        group = StatelessGlooGroup(HOST, port, 0, 3, timeout_s=60, store=store)
         sender = ShmWeightSender(group, metas, timeout_s=60)
         assert len(set(sender.segment_names)) == 2
         for cq in cmd_qs:
@@ -208,7 +211,8 @@ class _Peer:
 def test_sender_refuses_to_write_before_the_previous_ack():
     named = {1: _weights(1), 2: _weights(2), 3: _weights(3)}
     metas = metadata_of(named[1])
-    port, names_q, got_v2 = find_free_port(), queue_mod.Queue(), threading.Event()
+    store, names_q, got_v2 = listen_store(HOST, 2, 10), queue_mod.Queue(), threading.Event()
+    port = store.port
 
     def script(rx, out):
         out["first"] = rx.receive_and_swap()  # version 1: swapped and acked
@@ -216,7 +220,7 @@ def test_sender_refuses_to_write_before_the_previous_ack():
         got_v2.set()
 
     peer = _Peer(port, metas, names_q, script)
-    group = StatelessGlooGroup(HOST, port, 0, 2, timeout_s=10)
+    group = StatelessGlooGroup(HOST, port, 0, 2, timeout_s=10, store=store)
     sender = ShmWeightSender(group, metas, timeout_s=2.0)
     try:
         names_q.put(sender.segment_names)
@@ -261,7 +265,8 @@ def test_layout_mismatch_raises_on_both_sides():
     wrong[2] = TensorMeta(wrong[2].name, wrong[2].shape[::-1], wrong[2].dtype)  # same bytes, other shape
     assert plan_layout(wrong).nbytes == plan_layout(metas).nbytes
     assert plan_layout(wrong).fingerprint != plan_layout(metas).fingerprint
-    port, names_q = find_free_port(), queue_mod.Queue()
+    store, names_q = listen_store(HOST, 2, 10), queue_mod.Queue()
+    port = store.port
 
     def script(rx, out):
         try:
@@ -270,7 +275,7 @@ def test_layout_mismatch_raises_on_both_sides():
             out["rx_error"] = exc
 
     peer = _Peer(port, wrong, names_q, script)
-    group = StatelessGlooGroup(HOST, port, 0, 2, timeout_s=10)
+    group = StatelessGlooGroup(HOST, port, 0, 2, timeout_s=10, store=store)
     sender = ShmWeightSender(group, metas, timeout_s=10)
     try:
         names_q.put(sender.segment_names)
@@ -292,7 +297,8 @@ def test_layout_mismatch_raises_on_both_sides():
 def test_segments_unlinked_on_close_and_replicas_keep_their_weights():
     named = _weights(6)
     metas = metadata_of(named)
-    port, names_q = find_free_port(), queue_mod.Queue()
+    store, names_q = listen_store(HOST, 2, 10), queue_mod.Queue()
+    port = store.port
 
     def script(rx, out):
         out["info"] = rx.receive_and_swap()
@@ -300,7 +306,7 @@ def test_segments_unlinked_on_close_and_replicas_keep_their_weights():
         rx.close()
 
     peer = _Peer(port, metas, names_q, script)
-    group = StatelessGlooGroup(HOST, port, 0, 2, timeout_s=10)
+    group = StatelessGlooGroup(HOST, port, 0, 2, timeout_s=10, store=store)
     sender = ShmWeightSender(group, metas, name_prefix=f"rlws_test_{port}", timeout_s=10)
     try:
         assert sender.segment_names == (f"rlws_test_{port}_0", f"rlws_test_{port}_1")
