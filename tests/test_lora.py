@@ -363,7 +363,7 @@ def test_fsdp_two_ranks_train_the_same_adapter(tiny_model_path, batch, tmp_path)
     assert max(float((saved[n] - want[n]).abs().max()) for n in want) <= 1e-5
 
 
-def _fsdp_rank(dist_cfg: DistConfig, queue, path: str, batch, ckpt: str) -> None:
+def _fsdp_rank(dist_cfg, queue, path: str, batch, ckpt: str) -> None:
     torch.set_num_threads(1)
     from rayllm_rl.learner.checkpoint import save_checkpoint
     from rayllm_rl.learner.distributed import DistConfig, destroy_distributed

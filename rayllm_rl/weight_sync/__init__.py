@@ -11,7 +11,7 @@
   :mod:`~rayllm_rl.weight_sync.shm`, :mod:`~rayllm_rl.weight_sync.object_store`,
   :mod:`~rayllm_rl.weight_sync.ray_channel`, :mod:`~rayllm_rl.weight_sync.ray_direct`,
   :mod:`~rayllm_rl.weight_sync.cuda_ipc` (the Ray ones import Ray, and only when built).
-* :mod:`~rayllm_rl.weight_sync.common`: the errors every transport raises, `find_free_port`, `Closing`.
+* :mod:`~rayllm_rl.weight_sync.common`: the errors every transport raises, `Closing`.
 * :mod:`~rayllm_rl.weight_sync.gloo_group`: :class:`StatelessGlooGroup` / :class:`StatelessNcclGroup`,
   private groups that leave the global ``torch.distributed`` state alone (so they live beside FSDP).
 * :mod:`~rayllm_rl.weight_sync.buckets`: metadata, deterministic bucket plans, pack / unpack;
@@ -23,7 +23,7 @@ from rayllm_rl.weight_sync.buckets import (
     TensorMeta, bucket_numel, metadata_of, metas_from_spec, metas_to_spec, pack, plan_buckets, plan_fingerprint,
     unpack_into,
 )
-from rayllm_rl.weight_sync.common import WeightSyncError, WeightSyncTimeout, find_free_port
+from rayllm_rl.weight_sync.common import WeightSyncError, WeightSyncTimeout
 from rayllm_rl.weight_sync.gloo_group import StatelessGlooGroup, StatelessNcclGroup
 from rayllm_rl.weight_sync.ends import ReceiverEnd, SenderEnd, SyncStats
 from rayllm_rl.weight_sync.broadcast import DEFAULT_BUCKET_BYTES, DoubleBufferReceiver, WeightReceiver, WeightSender
@@ -33,6 +33,6 @@ from rayllm_rl.weight_sync.shm_segments import ShmLayout, plan_layout
 __all__ = [
     "TensorMeta", "metadata_of", "plan_buckets", "plan_fingerprint", "bucket_numel", "pack", "unpack_into",
     "metas_to_spec", "metas_from_spec", "StatelessNcclGroup", "StatelessGlooGroup", "WeightSyncError",
-    "WeightSyncTimeout", "find_free_port", "SyncStats", "SenderEnd", "ReceiverEnd", "WeightSender", "WeightReceiver",
+    "WeightSyncTimeout", "SyncStats", "SenderEnd", "ReceiverEnd", "WeightSender", "WeightReceiver",
     "DoubleBufferReceiver", "DEFAULT_BUCKET_BYTES", "ShmWeightSender", "ShmWeightReceiver", "ShmLayout", "plan_layout",
 ]

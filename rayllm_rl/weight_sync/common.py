@@ -1,13 +1,12 @@
-"""What every weight transport shares: its errors (a failed or timed-out phase) and two small utilities.
+"""What every weight transport shares: its errors (a failed or timed-out phase) and `Closing`.
 
 Kept apart from any transport so the learner, the launchers and the tests can name a weight-sync failure
-or pick a rendezvous port without importing a transport (nor torch.distributed, nor Ray).
+without importing a transport (nor torch.distributed, nor Ray). No port is picked here: a group's rank 0
+binds its store and publishes the port it got (`rayllm_rl.rendezvous`).
 """
 from __future__ import annotations
 
-import socket
-
-__all__ = ["WeightSyncError", "WeightSyncTimeout", "is_timeout_error", "sync_error", "find_free_port", "Closing"]
+__all__ = ["WeightSyncError", "WeightSyncTimeout", "is_timeout_error", "sync_error", "Closing"]
 
 
 class WeightSyncError(RuntimeError):
@@ -49,15 +48,6 @@ def sync_error(exc: BaseException | None, *, phase: str, rank: int, world_size: 
     msg = (f"weight sync phase '{phase}' {what} on rank {rank} of world size {world_size} "
            f"(timeout {timeout_s:g}s{', ' + where if where else ''}){'; ' + detail if detail else ''}{cause}")
     return cls(msg, phase=phase, rank=rank, world_size=world_size, timeout_s=timeout_s)
-
-
-def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on `host` right now (the OS picks it; racy by nature)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class Closing:
