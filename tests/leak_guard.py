@@ -28,9 +28,10 @@ RAY_DAEMONS = ("raylet", "gcs_server", "dashboard", "log_monitor", "monitor.py",
                "plasma_store")
 """Processes of a Ray session: a held session's own processes and workers come and go with it."""
 
-PROCESS_SINGLETONS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
-"""Helpers Python starts once for this process (shared memory's tracker, torch's forkserver) and keeps for its
-life: the first test that needs one starts it, none leaks it."""
+PROCESS_SINGLETONS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "wandb-core")
+"""Helpers started once for this process and kept for its life (shared memory's tracker, torch's forkserver,
+W&B's service, which `wandb.finish` leaves for the next run of the process): the first test that needs one
+starts it, none leaks it."""
 
 EXIT_GRACE_S = 15.0
 """How long a process or an actor name may take to go once its owner stopped it (a killed Ray worker, a vLLM
