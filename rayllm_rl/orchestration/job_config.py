@@ -155,6 +155,15 @@ class SFTConfig:
     preset (arithmetic 300, so the CPU demo ends in minutes; else 0)."""
 
 
+def list_items(items):
+    """A list of names as the command line gives it: `[a,b]` arrives as the items '[a' and 'b]'
+    (rayllm_rl.config splits text on commas), so brackets, quotes and empty items go."""
+    if not isinstance(items, (list, tuple)):
+        return items
+    items = [n.strip().strip("[]").strip().strip("'\"") if isinstance(n, str) else n for n in items]
+    return [n for n in items if n != ""]
+
+
 @dataclasses.dataclass
 class TrainerConfig:
     """Loop length, checkpoints, timeouts and outputs."""
@@ -214,11 +223,7 @@ class TrackersConfig:
     """Bound on a tracker's start (W&B) and close; a tracker that hangs longer is abandoned with a warning."""
 
     def __post_init__(self) -> None:
-        # the command line's `[a,b]` arrives as the items '[a' and 'b]' (rayllm_rl.config splits text on commas)
-        if isinstance(self.loggers, (list, tuple)):
-            self.loggers = [n.strip().strip("[]").strip().strip("'\"") if isinstance(n, str) else n
-                            for n in self.loggers]
-            self.loggers = [n for n in self.loggers if n != ""]
+        self.loggers = list_items(self.loggers)
 
     def check(self) -> None:
         """An unknown or repeated logger name fails naming the key."""
