@@ -195,12 +195,19 @@ class TrainerConfig:
     """Rollbacks to the last checkpoint after a crashed role before the run gives up (Ray backend)."""
     call_timeout_s: PosFloat = 600.0
     """Timeout of every other blocking call (Ray: train step, batch wait, episode; local: a full buffer)."""
+    callbacks: list[str] = dataclasses.field(default_factory=list)
+    """Callbacks by import path, e.g. `trainer.callbacks=[my_pkg.hooks:StopAtReward]`: each a class or factory
+    called with no arguments, run on the driver after each step and eval (docs/callbacks.md); one that does
+    not import fails config validation. `train(..., callbacks=[obj])` passes objects from Python."""
 
     moved_keys: ClassVar[dict[str, str]] = {
         "loggers": "trackers.loggers", "wandb_project": "trackers.wandb_project", "wandb_mode": "trackers.wandb_mode",
         "mlflow_tracking_uri": "trackers.mlflow_tracking_uri", "mlflow_experiment": "trackers.mlflow_experiment",
         "tracker_timeout_s": "trackers.timeout_s"}
     """Keys this section had: each fails naming its new place (rayllm_rl.config)."""
+
+    def __post_init__(self) -> None:
+        self.callbacks = list_items(self.callbacks)
 
 
 @dataclasses.dataclass
