@@ -120,7 +120,7 @@ class ScriptedBackend:
         self._call("shutdown")
 
 
-def run(tmp_path, monkeypatch, crashes, *overrides, faults=None):
+def run(tmp_path, monkeypatch, crashes, *overrides, faults=None, callbacks=None):
     """Run the real driver on a ScriptedBackend; returns (backend, summary or the exception raised)."""
     cfg = load_config(GRPOJobConfig, ["trainer.backend=local", "sft.steps=0", "data.eval_size=4",
                                       f"rollout.prompts_per_step={B}", f"rollout.group_size={G}",
@@ -130,7 +130,7 @@ def run(tmp_path, monkeypatch, crashes, *overrides, faults=None):
                         lambda plan, model_path, task, tokenizer: made.append(ScriptedBackend(plan.config, tokenizer, crashes, faults))
                         or made[0])
     try:
-        out = driver.train(cfg.validate())
+        out = driver.train(cfg.validate(), callbacks=callbacks)
     except RoleCrashed as exc:
         out = exc
     return made[0], out
@@ -193,3 +193,28 @@ def test_a_crash_before_the_first_checkpoint_fails_the_run(tmp_path, monkeypatch
     assert isinstance(out, RoleCrashed) and out.roles == ["inference-0"]
     assert backend.count("save_checkpoint") == 0 and backend.count("recover") == 0
     assert backend.count("next_batch") == 0 and backend.count("shutdown") == 1
+
+
+def test_a_callbacks_stop_holds_across_a_rollback(tmp_path, monkeypatch):
+    """A callback stops the run at step 2, before step 2's periodic checkpoint; the final drain finds the
+    collector dead, so the run rolls back to step 0's checkpoint, trains steps 1 and 2 again and stops there."""
+    from rayllm_rl.orchestration.callbacks import Callback
+
+    class StopAtTwo(Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_step_end(self, record, control):
+            self.seen.append(record["step"])
+            control.should_training_stop = record["step"] == 2
+
+    stopper = StopAtTwo()
+    backend, summary = run(tmp_path, monkeypatch, {("drain", 1): ["collector"]}, "trainer.steps=6",
+                           "trainer.checkpoint_every=2", callbacks=[stopper])
+    ckpts = [str(Path(summary["run_dir"]) / "checkpoints" / f"step_{n}") for n in (0, 2)]
+    assert summary["steps"] == 2 and summary["version"] == 2 and stopper.seen == [1, 2, 1, 2]
+    assert summary["stopped_by"] == {"callback": "StopAtTwo", "hook": "on_step_end", "step": 2, "reason": ""}
+    assert summary["recoveries"] == [{"roles": ["collector"], "at_step": 2, "resumed_from": ckpts[0]}]
+    # no periodic save at the step that stopped: step 2 is saved once per pass, as the final checkpoint
+    assert [p for (p,) in backend.calls["save_checkpoint"]] == [ckpts[0], ckpts[1], ckpts[1]]
+    assert [v for (v,) in backend.calls["sync_weights"]] == [0, 1, 2, 0, 1, 2] and backend.count("drain") == 2

@@ -2,14 +2,15 @@
 
     build roles -> SFT on the learner -> sync v0 -> eval -> start collector ->
     [B episodes (<= eta versions old), advantages computed where they are -> learner step ->
-     v += 1 -> weights to the engines -> tell the collector v] x N -> checkpoint -> eval -> summary
+     v += 1 -> weights to the engines -> tell the collector v -> callbacks] x N -> checkpoint -> eval -> summary
 
 `trainer.backend=ray` runs the roles as actors (RayBackend), `local` in this process
 (LocalBackend); this loop, its resume, checkpoints and summary are the same for both. The loop is
 synchronous for max_staleness = 0 (the collector admits one batch per version) and
 asynchronous for max_staleness >= 1. The driver owns the policy version. It holds a batch by
 handle and reads only its metadata: on Ray the batch goes from the buffer to the learners by
-reference (`driver_bytes` in each step's record counts what did pass through).
+reference (`driver_bytes` in each step's record counts what did pass through). The user's callbacks
+(callbacks.py) see each step's record and evaluation here, on the driver, and may end the run early.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from rayllm_rl.models.tiny import ensure_tiny_model
 from rayllm_rl.learner.checkpoint import prune_checkpoints
 from rayllm_rl.learner.mismatch import mismatch_summary
 from rayllm_rl.orchestration.backend import Backend, RoleCrashed
+from rayllm_rl.orchestration.callbacks import CallbackList, RunInfo
 from rayllm_rl.orchestration.factories import build_task
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.job_plan import JobPlan, make_plan
@@ -34,13 +36,15 @@ def open_backend(plan: JobPlan, model_path: str, task, tokenizer) -> Backend:
     return plan.backend_class()(plan, model_path, task, tokenizer)
 
 
-def train(cfg: GRPOJobConfig, plan: JobPlan | None = None) -> dict:
+def train(cfg: GRPOJobConfig, plan: JobPlan | None = None, *, callbacks: list | None = None) -> dict:
     """Run a whole job of a validated config; returns the summary (also written to the run directory).
-    `plan`: the job's plan if the caller made it already (`make_plan(cfg)`)."""
+    `plan`: the job's plan if the caller made it already (`make_plan(cfg)`). `callbacks`: Callback objects
+    (orchestration/callbacks.py), run on this process before those `trainer.callbacks` names."""
     from transformers import AutoTokenizer
 
     t_start = time.perf_counter()
     plan = plan or make_plan(cfg)
+    hooks = CallbackList(callbacks, cfg.trainer.callbacks)  # a bad one fails here, before anything starts
     reporter = RunReporter(cfg.trainer.run_dir, config=dataclasses.asdict(cfg), trackers=cfg.trackers)
     backend = None
     try:
@@ -53,9 +57,10 @@ def train(cfg: GRPOJobConfig, plan: JobPlan | None = None) -> dict:
         model_path = sft_warmed_demo_model(cfg, model_path, task, tokenizer, reporter, plan.learner_threads)
         backend = open_backend(plan, model_path, task, tokenizer)  # a failed start cleans up after itself
         run = RunState(t_start=t_start, checkpoint=cfg.resume or None)
+        hooks.train_begin(RunInfo(cfg, str(reporter.run_dir), model_path, cfg.trainer.steps), reporter)
         while True:
             try:
-                return _run(cfg, backend, reporter, task, run, reference=plan.needs_reference)
+                return _run(cfg, backend, reporter, task, run, plan.needs_reference, hooks)
             except RoleCrashed as crash:  # roll every role back to the last checkpoint and go on
                 if run.checkpoint is None or len(run.recoveries) >= cfg.trainer.max_recoveries:
                     raise
@@ -83,7 +88,8 @@ class RunState:
     """What a time budget cut short (SFT warm start, RL), said in the summary."""
 
 
-def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run: RunState, reference: bool) -> dict:
+def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run: RunState, reference: bool,
+         callbacks: CallbackList) -> dict:
     if cfg.resume:
         step, version = backend.restore(cfg.resume)
     else:
@@ -96,7 +102,7 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
     if reference:
         backend.start_reference(cfg.resume or None)
     if run.eval_before is None:
-        run.eval_before = backend.evaluate()
+        run.eval_before = callbacks.evaluate(step, backend.evaluate())
         reporter.log({"phase": "eval", "step": step, **run.eval_before}, show=True)
     ckpt_dir = Path(reporter.run_dir) / "checkpoints"
     run.checkpoint = run.checkpoint or backend.save_checkpoint(str(ckpt_dir / f"step_{step}"), step, version)
@@ -106,7 +112,7 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
     t_rl, B, col = time.perf_counter(), cfg.rollout.prompts_per_step, {"tokens_per_s": None}
     progress = reporter.progress(total=cfg.trainer.steps, desc=f"grpo eta={cfg.rollout.max_staleness}")
     progress.update(step)
-    while step < cfg.trainer.steps:
+    while step < cfg.trainer.steps and not callbacks.stopped(step):
         t0 = time.perf_counter()
         batch, meta = backend.next_batch(B, version)  # a handle, and the batch's metadata
         t_wait = time.perf_counter() - t0
@@ -124,10 +130,12 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
                   "sync_seconds": sync["sync_s"], "stall_s": sync["stall_s"], "tokens_per_s": col["tokens_per_s"],
                   **train_metrics, "driver_bytes": backend.driver_bytes()}
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
-            record["eval_reward"] = backend.evaluate()["eval_reward"]
+            record["eval_reward"] = callbacks.evaluate(step, backend.evaluate())["eval_reward"]
         reporter.log(record, show=step % cfg.trainer.log_every == 0)
         backend.publish(record)
         progress.update(1, reward=record["reward"])
+        if callbacks.step_end(record):  # a callback stopped the run: it ends as at trainer.steps
+            break
         if cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0 and step < cfg.trainer.steps:
             run.checkpoint = backend.save_checkpoint(str(ckpt_dir / f"step_{step}"), step, version)
             prune_checkpoints(ckpt_dir, cfg.trainer.keep_checkpoints)
@@ -139,7 +147,7 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
     progress.close()
     ckpt = backend.save_checkpoint(str(ckpt_dir / f"step_{step}"), step, version)
     backend.drain()
-    eval_after = backend.evaluate()
+    eval_after = callbacks.evaluate(step, backend.evaluate())
     reporter.log({"phase": "eval", "step": step, **eval_after}, show=True)
     before, after = run.eval_before["eval_reward"], eval_after["eval_reward"]
     lags = [r["staleness_max"] for r in reporter.records if r.get("phase") == "rl"]
@@ -151,5 +159,6 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
                "wall_seconds": round(time.perf_counter() - run.t_start, 1), "rl_seconds": round(time.perf_counter() - t_rl, 1),
                "run_dir": str(reporter.run_dir), "checkpoint": ckpt, "eval_before": run.eval_before,
                "eval_after": eval_after, "recoveries": run.recoveries, **backend.summary_stats()}
+    callbacks.train_end(summary)  # adds stopped_by and callback_errors
     reporter.finish(summary)
     return summary

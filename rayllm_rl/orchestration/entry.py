@@ -7,7 +7,8 @@ from __future__ import annotations
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 
 
-def train(config: GRPOJobConfig | None = None, overrides: list[str] | None = None) -> dict:
+def train(config: GRPOJobConfig | None = None, overrides: list[str] | None = None, *,
+          callbacks: list | None = None) -> dict:
     """Validate the config (before any actor starts), run it, return the summary.
 
     `overrides` are `key.sub=value` strings applied on top of `config` (or of the defaults).
@@ -17,7 +18,9 @@ def train(config: GRPOJobConfig | None = None, overrides: list[str] | None = Non
     not a `validate()`d one, whose filled values all count as the user's. With the Ray
     backend a local Ray started here is shut down at the end; a Ray the caller had already
     initialised (or `ray.address`) is left running. The HF libraries' progress bars are off during the
-    run (the job's console holds one bar) and put back as they were.
+    run (the job's console holds one bar) and put back as they were. `callbacks`: Callback objects
+    (orchestration/callbacks.py) called on this process after each step and evaluation, before those
+    `trainer.callbacks` names; one that raises is counted in the summary's `callback_errors`.
     """
     from rayllm_rl.config import apply_dict, parse_overrides
 
@@ -34,4 +37,4 @@ def train(config: GRPOJobConfig | None = None, overrides: list[str] | None = Non
 
     plan = make_plan(cfg)
     with hf_progress_bars_off(), plan.backend_class().session():
-        return run_driver(cfg, plan)
+        return run_driver(cfg, plan, callbacks=callbacks)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from rayllm_rl.config import check_fields
+from rayllm_rl.orchestration.callbacks import check_callback_paths
 from rayllm_rl.orchestration.object_path import import_object
 from rayllm_rl.orchestration.presets import PRESET_KEYS, TASK_PRESETS, get_key
 
@@ -30,6 +31,7 @@ def check_job(cfg: Any, environment: bool = True) -> None:
     check_placement(cfg)
     check_local_backend(cfg)
     cfg.trackers.check()
+    check_callback_paths(cfg.trainer.callbacks)  # a callback that does not import fails here, naming the key
     cfg.reward.check(environment)
     check_engine(cfg, environment)
     check_lora(cfg)

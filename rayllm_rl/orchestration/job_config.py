@@ -155,6 +155,15 @@ class SFTConfig:
     preset (arithmetic 300, so the CPU demo ends in minutes; else 0)."""
 
 
+def list_items(items):
+    """A list of names as the command line gives it: `[a,b]` arrives as the items '[a' and 'b]'
+    (rayllm_rl.config splits text on commas), so brackets, quotes and empty items go."""
+    if not isinstance(items, (list, tuple)):
+        return items
+    items = [n.strip().strip("[]").strip().strip("'\"") if isinstance(n, str) else n for n in items]
+    return [n for n in items if n != ""]
+
+
 @dataclasses.dataclass
 class TrainerConfig:
     """Loop length, checkpoints, timeouts and outputs."""
@@ -186,12 +195,19 @@ class TrainerConfig:
     """Rollbacks to the last checkpoint after a crashed role before the run gives up (Ray backend)."""
     call_timeout_s: PosFloat = 600.0
     """Timeout of every other blocking call (Ray: train step, batch wait, episode; local: a full buffer)."""
+    callbacks: list[str] = dataclasses.field(default_factory=list)
+    """Callbacks by import path, e.g. `trainer.callbacks=[my_pkg.hooks:StopAtReward]`: each a class or factory
+    called with no arguments, run on the driver after each step and eval (docs/callbacks.md); one that does
+    not import fails config validation. `train(..., callbacks=[obj])` passes objects from Python."""
 
     moved_keys: ClassVar[dict[str, str]] = {
         "loggers": "trackers.loggers", "wandb_project": "trackers.wandb_project", "wandb_mode": "trackers.wandb_mode",
         "mlflow_tracking_uri": "trackers.mlflow_tracking_uri", "mlflow_experiment": "trackers.mlflow_experiment",
         "tracker_timeout_s": "trackers.timeout_s"}
     """Keys this section had: each fails naming its new place (rayllm_rl.config)."""
+
+    def __post_init__(self) -> None:
+        self.callbacks = list_items(self.callbacks)
 
 
 @dataclasses.dataclass
@@ -214,11 +230,7 @@ class TrackersConfig:
     """Bound on a tracker's start (W&B) and close; a tracker that hangs longer is abandoned with a warning."""
 
     def __post_init__(self) -> None:
-        # the command line's `[a,b]` arrives as the items '[a' and 'b]' (rayllm_rl.config splits text on commas)
-        if isinstance(self.loggers, (list, tuple)):
-            self.loggers = [n.strip().strip("[]").strip().strip("'\"") if isinstance(n, str) else n
-                            for n in self.loggers]
-            self.loggers = [n for n in self.loggers if n != ""]
+        self.loggers = list_items(self.loggers)
 
     def check(self) -> None:
         """An unknown or repeated logger name fails naming the key."""

@@ -24,7 +24,7 @@ SUMMARY_KEYS = frozenset({
     "max_staleness", "max_version_lag", "budget_cuts", "eval_prompts", "wall_seconds", "rl_seconds", "run_dir",
     "checkpoint", "eval_before", "eval_after", "failed_episodes", "episodes_rerun", "episodes_lost", "restarts",
     "recoveries", "buffer", "reward_failures", "replica_versions_held", "weight_transport",
-    "learner_checksums_equal_replicas", "reward_services", "mismatch"})
+    "learner_checksums_equal_replicas", "reward_services", "mismatch", "stopped_by", "callback_errors"})
 """The summary's keys, the same on both backends (docs/ray-orchestration.md describes each)."""
 
 
