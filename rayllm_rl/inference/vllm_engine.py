@@ -29,7 +29,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from rayllm_rl.inference.protocol import LLMRequest, LLMResponse, check_request, weights_checksum
-from rayllm_rl.inference.vllm_shutdown import stop_async_llm
+from rayllm_rl.inference.vllm_shutdown import stop_async_llm, unlink_orphaned_segments
 from rayllm_rl.lora import LoraOptions
 from rayllm_rl.weight_sync.registry import SyncSpec
 
@@ -185,6 +185,7 @@ class VLLMEngine:
         self.max_positions = self.options.max_model_len or self._fitting_length(config)
         self._version = int(version)
         self._llm = None
+        self._segments_before: set[str] = set()
         self._eager = True  # set by _build: no CUDA graphs or torch.compile
         self._start_lock: asyncio.Lock | None = None
         self._sync_timeout_s: float | None = None  # set when the update group is joined
@@ -229,6 +230,10 @@ class VLLMEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from rayllm_rl.inference.vllm_shutdown import shm_segments
+
+        self._segments_before = shm_segments()  # what exists before vLLM makes its queues (aclose sweeps the rest)
+
         o = self.options
         on_cpu = not torch.cuda.is_available()
         self._eager = on_cpu if o.enforce_eager is None else bool(o.enforce_eager)
@@ -266,12 +271,14 @@ class VLLMEngine:
                 await asyncio.gather(handler, return_exceptions=True)
         finally:
             stop_async_llm(llm)
+            unlink_orphaned_segments(self._segments_before)
 
     def shutdown(self) -> None:
         """Stop vLLM from outside its loop (prefer `aclose`); idempotent."""
         llm, self._llm = self._llm, None
         if llm is not None:
             stop_async_llm(llm)
+            unlink_orphaned_segments(self._segments_before)
 
     # ---------------------------------------------------------------- generation
     @property
@@ -527,13 +534,17 @@ class VLLMEngine:
         return weights_checksum(named)
 
     async def close_update_group(self) -> None:
+        """Leave the group: vLLM's workers drop their ends (bounded by ray.sync_timeout_s), then this actor's
+        receiving end and staging segment go whatever the workers did."""
         receiver, staging, self._receiver, self._staging = self._receiver, self._staging, None, None
-        if self._llm is not None:
-            await self._llm.shutdown_weight_transfer_engine()
-        if receiver is not None:
-            receiver.close()
-        if staging is not None:
-            staging.close()
+        try:
+            if self._llm is not None:
+                await asyncio.wait_for(self._llm.shutdown_weight_transfer_engine(), self._sync_timeout_s or 120.0)
+        finally:
+            if receiver is not None:
+                receiver.close()
+            if staging is not None:
+                staging.close()
 
     # ---------------------------------------------------------------- LoRA policy (vllm_lora.py)
     def _lora_args(self) -> dict[str, Any]:

@@ -1,10 +1,17 @@
-"""Stopping a vLLM AsyncLLM so that no engine process outlives it, even when vLLM's own stop trips.
+"""Stopping a vLLM AsyncLLM so that no engine process, and no shared-memory queue, outlives it, even when
+vLLM's own stop trips.
 
 vLLM 0.32's `kill_process_tree` (vllm/utils/system_utils.py) logs `child.name()` before it kills
 each child and suppresses only `ProcessLookupError`. A tensor-parallel worker that exits between
 the listing and the naming raises `psutil.NoSuchProcess` out of `AsyncLLM.shutdown`: the rest of
 the tree is not killed and the client's sockets are not closed, and a second `shutdown` is a no-op
 (its finalizer is already detached). `stop_async_llm` finishes both jobs itself.
+
+A worker vLLM had to kill (on a busy machine its exit can outlast vLLM's wait) leaves its message queue's
+segment (`/dev/shm/psm_*`) to Python's resource tracker, which unlinks it only when the process that started
+the tracker exits: a replica actor killed by Ray takes its tracker with it, a long-lived process keeps the
+segment until it ends. `unlink_orphaned_segments` removes the ones that appeared since the engine started and
+that no live process maps any more.
 """
 
 from __future__ import annotations
@@ -65,3 +72,47 @@ def stop_async_llm(llm: Any, reap_timeout_s: float = REAP_TIMEOUT_S) -> None:
         resources = getattr(getattr(llm, "engine_core", None), "resources", None)
         if callable(resources):
             resources()  # its engine manager is detached already: this closes the sockets and tasks
+
+
+SEGMENT_PREFIX = "psm_"
+"""Python's `shared_memory` names: vLLM's message queues between the engine core and its workers."""
+
+
+def shm_segments(directory: str = "/dev/shm") -> set[str]:
+    """Names of the shared-memory segments a vLLM engine's queues may use, now."""
+    try:
+        return {n for n in os.listdir(directory) if n.startswith(SEGMENT_PREFIX)}
+    except FileNotFoundError:
+        return set()
+
+
+def mapped_segments(names: set[str], directory: str = "/dev/shm") -> set[str]:
+    """Those of `names` that some live process maps or holds open (its /proc maps and fds)."""
+    paths = {os.path.join(directory, n): n for n in names}
+    held: set[str] = set()
+    for entry in os.listdir("/proc") if names else ():
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{entry}/maps") as f:
+                text = f.read()
+            held.update(name for path, name in paths.items() if path in text)
+            for fd in os.listdir(f"/proc/{entry}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{entry}/fd/{fd}")
+                    if target in paths:
+                        held.add(paths[target])
+    return held
+
+
+def unlink_orphaned_segments(before: set[str], directory: str = "/dev/shm") -> list[str]:
+    """Unlink the segments made since `before` (taken when the engine started) that no live process maps:
+    what the engine's killed processes left. Returns their names."""
+    new = shm_segments(directory) - before
+    orphans = sorted(new - mapped_segments(new, directory))
+    for name in orphans:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, name))
+    if orphans:
+        log.info("unlinked %d shared-memory segment(s) vLLM's stopped processes left: %s", len(orphans), orphans)
+    return orphans

@@ -70,6 +70,9 @@ class ActorProcess:
 
 TURN_LOG_LEN = 4096
 
+CLOSE_GROUP_S = 60.0
+"""Bound on leaving the weight-sync group at close when the replica never joined one (else ray.sync_timeout_s)."""
+
 
 @ray_actor(enable_tensor_transport=True)  # receives weights over Ray Direct Transport (rdt_* transports)
 class InferenceReplica(ActorProcess):
@@ -169,8 +172,14 @@ class InferenceReplica(ActorProcess):
         return await self.engine.weights_checksum()
 
     async def close(self) -> None:
-        await self.engine.close_update_group()
-        await self.engine.aclose()
+        """Leave the sync group, then stop the engine whatever leaving did: vLLM unlinks its shared-memory queues
+        only when it stops itself, and the job kills this process next."""
+        try:
+            await asyncio.wait_for(self.engine.close_update_group(), self._sync_timeout_s or CLOSE_GROUP_S)
+        except Exception as exc:  # noqa: BLE001 - still stop the engine
+            warnings.warn(f"leaving the weight-sync group on close: {type(exc).__name__}: {exc}", RuntimeWarning)
+        finally:
+            await self.engine.aclose()
 
 
 @ray_actor
