@@ -11,13 +11,18 @@ import ray
 
 
 def get_within(refs, timeout_s: float, what: str, key: str = "trainer.call_timeout_s"):
-    """`ray.get(refs)` bounded by `timeout_s`; when it expires, a TimeoutError that says what was awaited,
-    for how long, and which setting to raise (`key`)."""
-    try:
-        return ray.get(refs, timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError as exc:
-        raise TimeoutError(f"{what}: not done within {key}={timeout_s:g}s; raise {key} if this machine needs "
-                           "longer (a busy machine starts engines several times slower than an idle one)") from exc
+    """`ray.get(refs)` bounded by `timeout_s`, failing at once with the first member's error (the others are not
+    waited for: a group a member failed to join cannot form); when the time runs out, a TimeoutError that says
+    what was awaited, for how long, and which setting to raise (`key`)."""
+    pending = list(refs) if isinstance(refs, list) else [refs]
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
+        if not ready:
+            raise TimeoutError(f"{what}: not done within {key}={timeout_s:g}s; raise {key} if this machine needs "
+                               "longer (a busy machine starts engines several times slower than an idle one)")
+        ray.get(ready[0])  # a member's own error, raised now
+    return ray.get(refs)
 
 
 class ActorGroup:
