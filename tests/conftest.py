@@ -14,14 +14,16 @@ SESSION_START = leak_guard.own_start_ticks()
 
 def pytest_configure(config):
     leak_guard.start_session()
-    config.addinivalue_line("markers", "leaks_ok: the test checks a leak itself; the guard does not run after it")
+    config.addinivalue_line("markers", "fixture_owned(*kinds): what of these kinds ('processes', 'shm segments', "
+                                       "'named actors') the test makes belongs to a longer-lived fixture (its module's "
+                                       "check, after the fixtures' teardown, covers them)")
 
 
-def _check_leaks(before: leak_guard.Snapshot, what: str) -> None:
+def _check_leaks(before: leak_guard.Snapshot, what: str, owned: tuple[str, ...] = ()) -> None:
     held = leak_guard.ray_held()
-    leaks = before.leaks(held)
+    leaks = before.leaks(held, skip=owned)
     if leaks:
-        before.clean(held)
+        before.clean(held, skip=owned)
         pytest.fail(f"{what} left behind {leak_guard.describe(leaks)} (now cleaned up, so the next test starts "
                     "clean)", pytrace=False)
 
@@ -37,12 +39,10 @@ def _module_leak_guard(request):
 @pytest.fixture(autouse=True)
 def _leak_guard(request):
     """After each test: no Ray it did not hold, no named actor, process or shm segment it started is left."""
-    if request.node.get_closest_marker("leaks_ok"):
-        yield
-        return
     before = leak_guard.Snapshot.take(SESSION_START)
     yield
-    _check_leaks(before, request.node.nodeid)
+    marker = request.node.get_closest_marker("fixture_owned")
+    _check_leaks(before, request.node.nodeid, tuple(marker.args) if marker else ())
 
 
 @pytest.fixture(scope="session")

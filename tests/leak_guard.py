@@ -33,6 +33,9 @@ PROCESS_SINGLETONS = ("multiprocessing.resource_tracker", "multiprocessing.forks
 W&B's service, which `wandb.finish` leaves for the next run of the process): the first test that needs one
 starts it, none leaks it."""
 
+KINDS = ("named actors", "processes", "shm segments")
+"""What a test may leave besides a Ray nobody holds; a `fixture_owned` marker names those a fixture owns."""
+
 EXIT_GRACE_S = 15.0
 """How long a process or an actor name may take to go once its owner stopped it (a killed Ray worker, a vLLM
 engine core that shuts down) before it counts as left behind."""
@@ -178,35 +181,41 @@ class Snapshot:
                 found[pid] = cmd[:200]
         return found
 
-    def leaks(self, ray_held: bool, grace_s: float = EXIT_GRACE_S) -> dict[str, list[str]]:
-        """What is left, after waiting up to `grace_s` for what is going away: {kind: descriptions}."""
+    def leaks(self, ray_held: bool, grace_s: float = EXIT_GRACE_S, skip: tuple[str, ...] = ()) -> dict[str, list[str]]:
+        """What is left, after waiting up to `grace_s` for what is going away: {kind: descriptions}; the kinds in
+        `skip` ("processes", "shm segments", "named actors") are a longer-lived fixture's and not looked at."""
+        if unknown := set(skip) - set(KINDS):
+            raise ValueError(f"unknown kinds {sorted(unknown)}; kinds: {KINDS}")
         deadline = time.monotonic() + grace_s
         while True:
+            new = {} if "processes" in skip else self.new_processes(ray_held)
             out = {"ray": ["Ray is still initialised but no fixture holds it"] if _ray_initialized() and not ray_held
                    else [],
-                   "named actors": sorted(f"{ns}/{name}" for ns, name in named_actors() - self.actors),
-                   "processes": [f"{pid}: {cmd}" for pid, cmd in sorted(self.new_processes(ray_held).items())],
-                   "shm segments": sorted(self.new_segments())}
+                   "named actors": [] if "named actors" in skip else
+                   sorted(f"{ns}/{name}" for ns, name in named_actors() - self.actors),
+                   "processes": [f"{pid}: {cmd}" for pid, cmd in sorted(new.items())],
+                   "shm segments": [] if "shm segments" in skip else sorted(self.new_segments())}
             out = {k: v for k, v in out.items() if v}
             if not out or time.monotonic() > deadline or list(out) == ["ray"]:
                 return out
             time.sleep(0.2)
 
-    def clean(self, ray_held: bool) -> None:
-        """Remove what the test left: its named actors, Ray if nobody holds it, its processes, its segments."""
+    def clean(self, ray_held: bool, skip: tuple[str, ...] = ()) -> None:
+        """Remove what the test left: its named actors, Ray if nobody holds it, its processes, its segments (but
+        not the kinds in `skip`, a longer-lived fixture's)."""
         if _ray_initialized():
             import ray
 
-            for ns, name in named_actors() - self.actors:
+            for ns, name in () if "named actors" in skip else named_actors() - self.actors:
                 try:
                     ray.kill(ray.get_actor(name, namespace=ns), no_restart=True)
                 except Exception:  # noqa: BLE001 - gone meanwhile
                     pass
             if not ray_held:
                 ray.shutdown()
-        for pid in self.new_processes(ray_held):
+        for pid in () if "processes" in skip else self.new_processes(ray_held):
             _kill_tree(pid)
-        for name in self.new_segments():
+        for name in () if "shm segments" in skip else self.new_segments():
             try:
                 os.unlink(os.path.join(SHM_DIR, name))
             except FileNotFoundError:

@@ -148,10 +148,12 @@ def test_gsm8k_weights_and_truth_field():
     "<think>" * 10_000 + "</think>" * 10_000 + "<answer>72</answer>",
 ])
 def test_gsm8k_long_completions_are_fast(completion):
+    """No regex backtracks over 100k characters: the slowest case parses in ~0.2 s on an idle 2-core machine, a
+    quadratic one would take minutes; 10 s tells them apart also with the machine's cores busy."""
     parser = GSM8KRewardParser()
     start = time.perf_counter()
     out = parser("p", completion, [], [], answer="#### 72")
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < 10.0
     assert 0.0 <= out["reward"] <= 1.0
 
 
@@ -294,6 +296,7 @@ def test_verifier_timeout_hook_then_recovers():
 
 
 @pytest.mark.slow
+@pytest.mark.fixture_owned("processes")  # the verifier starts a fresh worker after the timeout: the module's fixture owns it
 def test_verifier_real_pathological_input(verifier):
     """sympy evaluates 9^(9^(9^9)) with exact big ints in C: only killing the process stops it."""
     before = verifier.num_timeouts

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -61,44 +62,67 @@ def rl_records(summary) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["phase"] == "rl"]
 
 
-@pytest.mark.parametrize("transport", ["object_store", "ray_channel", "rdt_gloo", "shm", "gloo"])  # every CPU transport of the registry
-def test_sync_makes_replica_weights_equal(local_ray, tmp_path, transport):
-    from rayllm_rl.models.tiny import ensure_tiny_model
-    from rayllm_rl.orchestration.factories import build_task
-    from rayllm_rl.orchestration.ray.cluster import build_cluster
-    from rayllm_rl.orchestration.ray.backend import make_workflow
+SYNC_TRANSPORTS = ["object_store", "ray_channel", "shm", "gloo", "rdt_gloo"]
+"""Every CPU transport of the registry, in the order one cluster forms their groups (rdt_gloo last: Ray's gloo
+collective group takes learner rank 0's global torch.distributed group for the rest of its life)."""
+SYNC_JOB = ("ray.num_replicas=2", "rollout.max_staleness=1", "ray.namespace=rayllm_sync_test")
+"""Its own namespace: the module's jobs start their actors under the same names meanwhile."""
 
+
+@pytest.fixture(scope="class")
+def sync_cluster(local_ray, tmp_path_factory):
+    """One job's actors (2 replicas) for every transport: each test forms its transport's group afresh on them,
+    as a replica restart does (`rejoin_sync_group`), instead of starting a cluster of its own."""
     import functools
 
-    cfg = small_cfg(tmp_path, "ray.num_replicas=2", "rollout.max_staleness=1", f"ray.sync_transport={transport}")
+    from rayllm_rl.models.tiny import ensure_tiny_model
+    from rayllm_rl.orchestration.factories import build_task
+    from rayllm_rl.orchestration.ray.backend import make_workflow
+    from rayllm_rl.orchestration.ray.cluster import build_cluster
+
+    cfg = small_cfg(tmp_path_factory.mktemp("sync"), *SYNC_JOB, f"ray.sync_transport={SYNC_TRANSPORTS[0]}")
     path = ensure_tiny_model()
     plan = make_plan(cfg.validate())
     cluster = build_cluster(plan, path, build_task(cfg), functools.partial(make_workflow, cfg, path))
-    assert cluster.transport == transport
-    assert list(cluster.roles()) == [a.name for a in plan.actors]  # the actors the dry run lists, by name
     try:
-        # Perturb the learner with one SFT-free RL-shaped step, then sync v1 to both replicas.
-        import torch
+        yield SimpleNamespace(cluster=cluster, plan=plan, path=path, versions=iter(range(1, 100)))
+    finally:
+        cluster.shutdown()
+
+
+@pytest.mark.fixture_owned("shm segments")  # each group's segments (shm) are the class's cluster's
+class TestSync:
+    """The transports' tests share one cluster, shut down after the last of them."""
+
+    @pytest.mark.parametrize("transport", SYNC_TRANSPORTS)
+    def test_sync_makes_replica_weights_equal(self, sync_cluster, tmp_path, transport):
+        from transformers import AutoTokenizer
 
         from rayllm_rl.data.sft import make_sft_batch
         from rayllm_rl.objectives import SFTLoss
-        from transformers import AutoTokenizer
+        from rayllm_rl.orchestration.ray.cluster import rejoin_sync_group
 
+        cluster, path = sync_cluster.cluster, sync_cluster.path
+        plan = make_plan(small_cfg(tmp_path, *SYNC_JOB, f"ray.sync_transport={transport}").validate())
+        if cluster.transport != transport:
+            rejoin_sync_group(cluster, plan, [])
+        assert cluster.transport == transport
+        assert list(cluster.roles()) == [a.name for a in plan.actors]  # the actors the dry run lists, by name
+        # Perturb the learner with one SFT step, then sync the next version to both replicas.
         tok = AutoTokenizer.from_pretrained(path)
         batch = make_sft_batch(tok, [[{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "<answer>2</answer>"}]])
         cluster.learners.train_step(batch, SFTLoss())
         before = cluster.replicas.checksums()
         learner_sum = cluster.learners.checksums()[0]
         assert all(abs(b - learner_sum) > 1e-6 for b in before)
-        stats = cluster.sync_weights(1)
+        version = next(sync_cluster.versions)
+        stats = cluster.sync_weights(version)
         assert cluster.replicas.checksums() == [learner_sum, learner_sum]
-        assert [held[-1] for held in cluster.replicas.versions_held()] == [1, 1]
+        assert [held[-1] for held in cluster.replicas.versions_held()] == [version, version]
         assert stats["sync_bytes"] > 0 and stats["stall_s"] < stats["sync_s"] + stats["receive_s"]
         named = cluster.get(cluster.learners[0].reference_weights.remote())
         assert sum(t.numel() for t in named.values()) * 4 <= stats["sync_bytes"]
         assert isinstance(named[next(iter(named))], torch.Tensor)
-    finally:
-        cluster.shutdown()
 
 
 @pytest.mark.parametrize("eta", [0, 1])

@@ -35,24 +35,45 @@ def vllm_cfg(tmp_path, *extra: str) -> GRPOJobConfig:
 # One transport of each receive path into a vLLM replica actor: the object store (the actor fetches and stages
 # into vLLM's workers), Ray's channels (read in place), and a group the vLLM workers join themselves (shm). Every
 # CPU transport into the vLLM engine is in tests/test_engine_contract.py, and every one between the Ray actors in
-# tests/test_ray_pipeline.py (35 s each here: the suite's time limit is why not all five).
-@pytest.mark.parametrize("transport", ["object_store", "ray_channel", "shm"])
-def test_vllm_replica_logprobs_equal_learner_after_sync(local_ray, tmp_path, transport):
-    from transformers import AutoTokenizer
+# tests/test_ray_pipeline.py. The three share one cluster (one vLLM start): each forms its group afresh on it.
+VLLM_TRANSPORTS = ["object_store", "ray_channel", "shm"]
 
-    from rayllm_rl.data.sft import make_sft_batch
-    from rayllm_rl.data.trajectory import concat_padded, make_trajectory
-    from rayllm_rl.inference.protocol import LLMRequest, SamplingParams
+
+@pytest.fixture(scope="class")
+def vllm_cluster(local_ray, tmp_path_factory):
+    from types import SimpleNamespace
+
     from rayllm_rl.models.tiny import ensure_tiny_model
-    from rayllm_rl.objectives import SFTLoss
     from rayllm_rl.orchestration.factories import build_task
-    from rayllm_rl.orchestration.ray.cluster import build_cluster
     from rayllm_rl.orchestration.ray.backend import make_workflow
+    from rayllm_rl.orchestration.ray.cluster import build_cluster
 
-    cfg = vllm_cfg(tmp_path, f"ray.sync_transport={transport}")
+    cfg = vllm_cfg(tmp_path_factory.mktemp("vllm-sync"), f"ray.sync_transport={VLLM_TRANSPORTS[0]}")
     path = ensure_tiny_model()
     cluster = build_cluster(make_plan(cfg.validate()), path, build_task(cfg), functools.partial(make_workflow, cfg, path))
     try:
+        yield SimpleNamespace(cluster=cluster, path=path, versions=iter(range(1, 100)))
+    finally:
+        cluster.shutdown()
+
+
+@pytest.mark.fixture_owned("shm segments")  # each group's segments (staging, shm) are the class's cluster's
+class TestVLLMSync:
+    @pytest.mark.parametrize("transport", VLLM_TRANSPORTS)
+    def test_vllm_replica_logprobs_equal_learner_after_sync(self, vllm_cluster, tmp_path, transport):
+        from transformers import AutoTokenizer
+
+        from rayllm_rl.data.sft import make_sft_batch
+        from rayllm_rl.data.trajectory import concat_padded, make_trajectory
+        from rayllm_rl.inference.protocol import LLMRequest, SamplingParams
+        from rayllm_rl.learner.reference import ReferenceModel  # a full forward of the learner's weights, here
+        from rayllm_rl.objectives import SFTLoss
+        from rayllm_rl.orchestration.ray.cluster import rejoin_sync_group
+
+        cluster, path = vllm_cluster.cluster, vllm_cluster.path
+        cfg = vllm_cfg(tmp_path, f"ray.sync_transport={transport}")
+        if cluster.transport != transport:
+            rejoin_sync_group(cluster, make_plan(cfg.validate()), [])
         assert cluster.transport == transport
         (replica,) = cluster.replicas
         tok = AutoTokenizer.from_pretrained(path)
@@ -60,8 +81,9 @@ def test_vllm_replica_logprobs_equal_learner_after_sync(local_ray, tmp_path, tra
         cluster.learners.train_step(make_sft_batch(tok, demo), SFTLoss())
         learner_sum = cluster.get(cluster.learners[0].checksum.remote())
         assert abs(cluster.get(replica.checksum.remote()) - learner_sum) > 1e-6, "the SFT step changed the weights"
-        stats = cluster.sync_weights(1)
-        assert cluster.get(replica.version_history.remote())[-1] == 1
+        version = next(vllm_cluster.versions)
+        stats = cluster.sync_weights(version)
+        assert cluster.get(replica.version_history.remote())[-1] == version
         assert cluster.get(replica.checksum.remote()) == learner_sum
         assert stats["stall_s"] >= 0 and stats["receive_s"] > 0
 
@@ -72,21 +94,17 @@ def test_vllm_replica_logprobs_equal_learner_after_sync(local_ray, tmp_path, tra
         responses = cluster.get([replica.agenerate.remote(LLMRequest(input_ids=p, sampling=sampling)) for p in prompts])
         trajs = []
         for r in responses:
-            assert r.output_versions == [1] * r.output_len
+            assert r.output_versions == [version] * r.output_len
             n_in = r.input_len
             trajs.append(make_trajectory(r.input_tokens + r.output_tokens, [0.0] * n_in + r.output_logprobs,
                                          [0] * n_in + [1] * r.output_len, [-1] * n_in + r.output_versions, 0.0))
         batch = concat_padded(trajs)
-        from rayllm_rl.learner.reference import ReferenceModel  # a full forward of the learner's weights, here
-
         learner = ReferenceModel(path, temperature=cfg.rollout.temperature,
                                  named_tensors=cluster.get(cluster.learners[0].reference_weights.remote()))
         learner_lp = learner.compute_logprobs(batch)
         mask = batch["loss_mask"]
         diff = (learner_lp[mask] - batch["logprobs"][mask]).abs().max().item()
         assert mask.sum() == 32 and diff <= 1e-4, diff
-    finally:
-        cluster.shutdown()
 
 
 def test_grpo_job_trains_through_vllm_replicas(local_ray, tmp_path):

@@ -108,3 +108,43 @@ def test_kill_trees_tolerates_a_process_that_is_already_gone():
     done.wait(30)
     assert kill_trees([done.pid]) == []
     assert os.getpid() not in kill_trees([])
+
+
+def _killed_worker_leaves_its_queue(name: str, ready) -> None:
+    """A worker stand-in: makes its message queue's segment as vLLM's workers do, reports, and is killed."""
+    from multiprocessing import shared_memory
+
+    queue = shared_memory.SharedMemory(name=name, create=True, size=4096)
+    ready.send(queue.name)
+    time.sleep(300)
+
+
+def test_segments_a_killed_worker_left_are_unlinked_and_live_ones_kept(tmp_path):
+    """The sweep after an engine's stop: a segment made since the engine started whose maker was killed (so
+    nobody maps it, and its resource tracker died with it) goes; one a live process maps, and one that existed
+    before the engine started, stay."""
+    from multiprocessing import shared_memory
+
+    from rayllm_rl.inference.vllm_shutdown import shm_segments, unlink_orphaned_segments
+
+    older = shared_memory.SharedMemory(create=True, size=4096)  # before the engine: not its to remove
+    older.close()
+    before = shm_segments()
+    live = shared_memory.SharedMemory(create=True, size=4096)  # made since, still mapped here
+    ctx = mp.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    orphan_name = f"psm_t{os.getpid()}"
+    worker = ctx.Process(target=_killed_worker_leaves_its_queue, args=(orphan_name, send), daemon=True)
+    worker.start()
+    try:
+        assert recv.poll(60) and recv.recv() == orphan_name
+        worker.kill()
+        worker.join(10)
+        assert os.path.exists(f"/dev/shm/{orphan_name}")  # what vLLM's killed worker leaves
+        assert unlink_orphaned_segments(before) == [orphan_name]
+        assert not os.path.exists(f"/dev/shm/{orphan_name}")
+        assert os.path.exists(f"/dev/shm/{live.name}") and os.path.exists(f"/dev/shm/{older.name}")
+    finally:
+        for seg in (live, older):
+            seg.close()
+            seg.unlink()
