@@ -18,26 +18,24 @@ from rayllm_rl.learner.logprobs import token_logprobs
 from rayllm_rl.sampling_mask import SamplingMask
 from rayllm_rl.weight_sync import metadata_of
 from rayllm_rl.weight_sync.registry import TRANSPORTS, make_spec
+from budgets import VLLM_START_S
+from rayllm_rl.loop_thread import EventLoopThread
 from weight_sync_helpers import OpenedInBackground
 
 ENGINES = ["transformers", pytest.param("vllm", marks=pytest.mark.vllm)]
-TIMEOUT_S = 300
+TIMEOUT_S = VLLM_START_S
+"""The longest engine call the tests await: a vLLM engine's start (tests/budgets.py)."""
 
 
-class LoopThread:
-    """One event loop on its own thread: every call of an engine runs on it, as in its actor."""
+class LoopThread(EventLoopThread):
+    """The product's loop thread, driving an engine as its actor does: `run` awaits one coroutine through the
+    product's own bounded `call` (a TimeoutError names the call)."""
 
     def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
+        super().__init__("engine-test-loop")
 
     def run(self, coro, timeout_s: float = TIMEOUT_S):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-    def close(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        return self.call(coro, timeout_s, getattr(coro, "__qualname__", "an engine call"))
 
 
 def build_engine(kind: str, path: str):
