@@ -108,8 +108,10 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
                 return allowed
         raise ConfigError(f"config key {key!r}: {value!r} is not one of {typing.get_args(tp)}")
     if origin in (tuple, list):
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip() != ""]
+        if isinstance(value, str):  # "a,b" or "[a,b]" from the command line
+            text = value.strip()
+            text = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+            value = [v.strip() for v in text.split(",") if v.strip() != ""]
         elif not isinstance(value, (list, tuple)):
             value = [value]  # a single value is a one-element sequence
         args = typing.get_args(tp)
