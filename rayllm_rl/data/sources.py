@@ -48,6 +48,10 @@ def load_rows(source: str, split: str = "train", *, required: Sequence[str] = ()
     """
     import datasets
 
+    if not isinstance(source, (str, os.PathLike)):  # rows given in Python: the same checks as a file's
+        dataset = dataset_of(source, field)
+        check_fields(dataset, required, field, check_row)
+        return dataset
     if not source:
         raise ValueError(f"{field} is empty: give a local .jsonl/.parquet/.arrow/.csv file or a dataset name")
     path = Path(os.path.expanduser(source))
@@ -82,6 +86,76 @@ def load_rows(source: str, split: str = "train", *, required: Sequence[str] = ()
     if not checked:
         check_fields(dataset, required, source, check_row)
     return dataset
+
+
+def dataset_of(rows: Any, field: str):
+    """`rows` given in Python as a `datasets.Dataset`: one as it is, a list of dicts made one (`from_list`);
+    ValueError naming `field` for a DatasetDict (which split?), a streaming dataset, an empty list or an item
+    that is not a dict."""
+    import datasets
+
+    if isinstance(rows, datasets.Dataset):
+        dataset = rows
+    elif isinstance(rows, datasets.DatasetDict):
+        raise ValueError(f"{field} is a DatasetDict with splits {sorted(rows)}: pass one split, e.g. "
+                         f"{field}=ds[{sorted(rows)[0]!r}]")
+    elif isinstance(rows, (list, tuple)):
+        bad = next((i for i, r in enumerate(rows) if not isinstance(r, Mapping)), None)
+        if bad is not None:
+            raise ValueError(f"{field}[{bad}] is {type(rows[bad]).__name__} {_short(rows[bad])}: expected a dict of "
+                             "columns per row")
+        dataset = datasets.Dataset.from_list([dict(r) for r in rows]) if rows else None
+    else:
+        raise ValueError(f"{field} is a {type(rows).__name__}: expected a datasets.Dataset or a list of dicts "
+                         "(a streaming dataset: materialize it, e.g. Dataset.from_list(list(stream)))")
+    if dataset is None or len(dataset) == 0:
+        raise ValueError(f"{field}: no rows; a task needs at least one prompt row")
+    return dataset
+
+
+def first_row(source: str, split: str = "train") -> dict[str, Any] | None:
+    """The first row of a local source, read without loading the rest (for the dry run): a JSON/JSONL file's
+    first object, a parquet file's first row, a csv file's first row as `datasets` types it (pandas), an arrow
+    file's or a `save_to_disk` folder's (memory-mapped); None for a folder of files or a hub dataset."""
+    kind = source_kind(source)
+    path = Path(os.path.expanduser(source))
+    if kind == "file":
+        suffix = path.suffix.lower()
+        if FILE_BUILDERS.get(suffix) == "json":
+            return next((row for _, row in _json_rows(path)), None)
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            parquet = pq.ParquetFile(path)
+            rows = parquet.read_row_group(0).slice(0, 1).to_pylist() if parquet.num_row_groups else []
+            return rows[0] if rows else None
+        if suffix == ".csv":
+            import pandas
+
+            frame = pandas.read_csv(path, nrows=1)  # typed as the `datasets` csv reader (pandas) types it
+            if not len(frame):
+                return None
+            return {k: (v.item() if hasattr(v, "item") else v) for k, v in frame.iloc[0].to_dict().items()}
+        if suffix == ".arrow":
+            import datasets
+
+            dataset = datasets.Dataset.from_file(str(path))
+            return dataset[0] if len(dataset) else None
+    if kind == "disk":
+        import datasets
+
+        ds = datasets.load_from_disk(str(path))
+        ds = ds[split] if isinstance(ds, datasets.DatasetDict) and split in ds else ds
+        return ds[0] if isinstance(ds, datasets.Dataset) and len(ds) else None
+    return None
+
+
+def json_file_rows(source: str) -> Iterator[Any] | None:
+    """Every row of a local .jsonl/.json file, one at a time (nothing cached); None for any other source."""
+    path = Path(os.path.expanduser(source))
+    if source_kind(source) != "file" or FILE_BUILDERS.get(path.suffix.lower()) != "json":
+        return None
+    return (row for _, row in _json_rows(path))
 
 
 def source_kind(source: str) -> str:
