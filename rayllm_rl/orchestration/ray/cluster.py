@@ -203,24 +203,27 @@ INLINE_LIMIT_BYTES = int(os.environ.get("RAY_max_direct_call_object_size", 100 *
 100 KiB by default); a larger one goes to the object store, owned by the caller."""
 
 
-def check_inlined(role: str, args: tuple) -> None:
+def check_inlined(role: str, args: tuple, names: tuple[str, ...] = (), hint: str = "") -> None:
     """A restartable actor's constructor arguments must be small enough for Ray to inline them: Ray
     re-runs the constructor on a restart with the same arguments, and one kept in the object store
     is gone once the driver drops its reference (the restart then fails). Also no ObjectRef or
-    actor handle among them (pass a name the actor looks up)."""
+    actor handle among them (pass a name the actor looks up). `names[i]` says what argument i is, `hint`
+    what to do about one too big (default: pass a path or a name instead)."""
     from ray import cloudpickle
 
     for i, arg in enumerate(args):
+        named = f"{i} ({names[i]})" if i < len(names) else str(i)
         ref = _first_ref(arg)
         if ref is not None:
-            raise TypeError(f"{role}: constructor argument {i} holds a Ray reference ({type(ref).__name__}); a "
+            raise TypeError(f"{role}: constructor argument {named} holds a Ray reference ({type(ref).__name__}); a "
                             f"restart would depend on it staying in scope: pass a name the actor looks up instead")
         size = len(cloudpickle.dumps(arg))
         if size >= INLINE_LIMIT_BYTES:
-            raise ValueError(f"{role}: constructor argument {i} ({type(arg).__name__}) pickles to {size} bytes, "
-                             f">= {INLINE_LIMIT_BYTES} (Ray's max_direct_call_object_size): Ray would keep it in the "
-                             f"object store and a restart of this actor would fail once it is released; pass a "
-                             f"path or a name the actor looks up instead")
+            what = named if i < len(names) else f"{i} ({type(arg).__name__})"
+            raise ValueError(f"{role}: constructor argument {what} pickles to {size} bytes, >= {INLINE_LIMIT_BYTES} "
+                             f"(Ray's max_direct_call_object_size): Ray would keep it in the object store and a restart "
+                             f"of this actor would fail once it is released; "
+                             f"{hint or 'pass a path or a name the actor looks up instead'}")
 
 
 def _first_ref(obj, depth: int = 0):
@@ -294,7 +297,7 @@ def start_roles(cluster: Cluster, plan: JobPlan, model_path: str, task, workflow
     # takes names, not handles, and small inlined arguments only, so a restart never depends on an
     # object-store argument the driver may have dropped.
     env_args = (workflow_factory, replica_names, BUFFER, ns, build_episode_filter(cfg), call_timeout_s, 1)
-    check_inlined("env worker", env_args)
+    check_inlined("env worker", env_args, names=("workflow factory: the job config and the task's worker part",))
     for name in (ENV_WORKER.format(i) for i in range(rc.num_env_workers)):
         cluster.env_workers.handles.append(EnvWorker.options(
             name=name, namespace=ns, max_concurrency=1000, max_restarts=plan.actor(name).restarts,
