@@ -2,6 +2,8 @@
 
     from rayllm_rl import GRPOJobConfig, train
     summary = train(GRPOJobConfig(), ["trainer.steps=50", "rollout.max_staleness=1"])
+    summary = train(reward_fn=my_reward, train_dataset=my_rows)          # your rows, your reward (task=prompts)
+    summary = GRPOTrainer(model="Qwen/Qwen2.5-0.5B-Instruct", reward_funcs=my_reward, train_dataset=my_rows).train()
 
 Names are resolved lazily, so importing `rayllm_rl.data` (or any other core module) does not
 import Ray: only `rayllm_rl.orchestration.ray` (and the Ray weight transports) do.
@@ -11,6 +13,9 @@ from __future__ import annotations
 _LAZY = {
     "train": ("rayllm_rl.orchestration.entry", "train"),
     "GRPOJobConfig": ("rayllm_rl.orchestration.job_config", "GRPOJobConfig"),
+    "GRPOTrainer": ("rayllm_rl.orchestration.trainer", "GRPOTrainer"),
+    "JobInputs": ("rayllm_rl.orchestration.job_inputs", "JobInputs"),
+    "Task": ("rayllm_rl.envs.task", "Task"),
     "load_config": ("rayllm_rl.config", "load_config"),
 }
 

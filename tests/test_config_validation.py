@@ -12,12 +12,19 @@ def cfg_of(*overrides: str) -> GRPOJobConfig:
 
 
 @pytest.mark.parametrize("override,key", [("rollout.workflow=rlvx", "rollout.workflow"),
-                                          ("trainer.backend=lcoal", "trainer.backend"), ("task=gsm9k", "task"),
+                                          ("trainer.backend=lcoal", "trainer.backend"),
                                           ("ray.sync_transport=tcp", "ray.sync_transport")])
 def test_enum_typos_name_key_value_and_allowed(override, key):
     value = override.split("=")[1]
     with pytest.raises(ConfigError, match=rf"{key}.*{value}.*not one of"):
         cfg_of(override)
+
+
+def test_a_task_typo_names_the_built_in_tasks_and_the_close_one():
+    """`task` is a built-in name (the registry) or an import path; a typo fails before anything starts."""
+    with pytest.raises(ValueError, match=r"task='gsm9k' is neither a built-in task \['arithmetic', 'gsm8k', 'ifeval', "
+                                         r"'math', 'prompts', 'reasoning_gym'\] \(close: \['gsm8k'\]\) nor an import path"):
+        cfg_of("task=gsm9k")
 
 
 def test_enum_set_in_python_is_checked_too():

@@ -217,10 +217,11 @@ def test_restartable_actor_arguments_must_be_inlined(tiny_model_path):
     from rayllm_rl.config import load_config
     from rayllm_rl.orchestration.ray.cluster import INLINE_LIMIT_BYTES, check_inlined
     from rayllm_rl.orchestration.job_config import GRPOJobConfig
+    from rayllm_rl.orchestration.factories import build_task
     from rayllm_rl.orchestration.ray.backend import make_workflow
 
-    cfg = load_config(GRPOJobConfig, [])
-    factory = functools.partial(make_workflow, cfg, tiny_model_path)
+    cfg = load_config(GRPOJobConfig, []).validate()
+    factory = functools.partial(make_workflow, cfg, tiny_model_path, build_task(cfg).worker_part())
     assert len(cloudpickle.dumps(factory)) < INLINE_LIMIT_BYTES // 4  # the env worker's factory: well inside
     check_inlined("env worker", (factory, ["inference-0"], "replay-buffer", "ns", None, 60.0, 1))
     with pytest.raises(ValueError, match=r"env worker: constructor argument 1 \(bytes\) pickles to 2000\d\d bytes"):

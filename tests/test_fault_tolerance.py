@@ -90,7 +90,8 @@ def test_env_worker_restarts_after_the_driver_dropped_its_constructor_arguments(
                                       "rollout.max_staleness=1", "ray.num_replicas=1", "ray.num_env_workers=1",
                                       "trainer.call_timeout_s=120", "ray.sync_timeout_s=60", f"ray.namespace={ns}"]).validate()
     model_path = ensure_tiny_model()
-    factory, task = functools.partial(make_workflow, cfg, model_path), build_task(cfg)
+    task = build_task(cfg)
+    factory = functools.partial(make_workflow, cfg, model_path, task.worker_part())
     cluster = build_cluster(make_plan(cfg.validate()), model_path, task, factory)
     try:
         del factory, task  # the driver keeps nothing it passed to a constructor (it holds no ObjectRef either)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fixtures.hub_cache import go_offline, gsm8k_rows, publish_dataset
+from fixtures.hub_cache import GSM8K_FIXTURE, go_offline, gsm8k_rows, publish_dataset
 from rayllm_rl.data.sources import DatasetSourceError, load_rows
 from rayllm_rl.envs.dataset_envs import GSM8KEnv
 
@@ -102,9 +102,10 @@ def test_env_worker_task_holds_no_dataset_and_its_env_takes_the_given_row(tokeni
     import torch
     from tensordict import NonTensorData, TensorDict
 
-    from rayllm_rl.envs.task import make_worker_task
+    from rayllm_rl.envs.dataset_tasks import make_gsm8k
+    from rayllm_rl.orchestration.job_config import DataConfig
 
-    task = make_worker_task("gsm8k")
+    task = make_gsm8k(DataConfig(path=str(GSM8K_FIXTURE), eval_size=1)).worker_part()
     assert task.train is None and task.eval is None
     env = task.make_env(tokenizer, seed=0)
     row = gsm8k_rows()[1]

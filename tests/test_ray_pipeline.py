@@ -83,7 +83,8 @@ def sync_cluster(local_ray, tmp_path_factory):
     cfg = small_cfg(tmp_path_factory.mktemp("sync"), *SYNC_JOB, f"ray.sync_transport={SYNC_TRANSPORTS[0]}")
     path = ensure_tiny_model()
     plan = make_plan(cfg.validate())
-    cluster = build_cluster(plan, path, build_task(cfg), functools.partial(make_workflow, cfg, path))
+    task = build_task(cfg)
+    cluster = build_cluster(plan, path, task, functools.partial(make_workflow, cfg, path, task.worker_part()))
     try:
         yield SimpleNamespace(cluster=cluster, plan=plan, path=path, versions=iter(range(1, 100)))
     finally:

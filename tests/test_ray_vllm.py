@@ -50,7 +50,8 @@ def vllm_cluster(local_ray, tmp_path_factory):
 
     cfg = vllm_cfg(tmp_path_factory.mktemp("vllm-sync"), f"ray.sync_transport={VLLM_TRANSPORTS[0]}")
     path = ensure_tiny_model()
-    cluster = build_cluster(make_plan(cfg.validate()), path, build_task(cfg), functools.partial(make_workflow, cfg, path))
+    task = build_task(cfg)
+    cluster = build_cluster(make_plan(cfg.validate()), path, task, functools.partial(make_workflow, cfg, path, task.worker_part()))
     try:
         yield SimpleNamespace(cluster=cluster, path=path, versions=iter(range(1, 100)))
     finally:

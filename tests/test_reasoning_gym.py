@@ -119,7 +119,7 @@ def test_system_prompt_and_instruction():
 
 def test_eval_size_limits_an_eval_path_too(tmp_path):
     """data.eval_size is honoured for every task: with data.eval_path it takes a seeded sample of it."""
-    from rayllm_rl.envs.task import make_task
+    from rayllm_rl.envs.task_registry import make_task
 
     train, held = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
     train.write_text("".join(json.dumps({"question": f"q{i}", "answer": f"#### {i}"}) + "\n" for i in range(20)))

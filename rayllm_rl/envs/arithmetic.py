@@ -39,3 +39,13 @@ def make_arithmetic_splits(max_operand: int = 20, eval_size: int = 128, seed: in
 def sft_target(row: dict[str, Any]) -> str:
     """The demonstration the SFT warm start imitates."""
     return f"<answer>{row['answer']}</answer>"
+
+
+def make_task(data_cfg: Any = None, seed: int = 0, inputs: Any = None):
+    """The registry's factory (`task=arithmetic`): disjoint train/eval pairs of operands up to `data.max_operand`,
+    `data.eval_size` of them held out (defaults without a DataConfig: make_arithmetic_splits')."""
+    from rayllm_rl.envs.task import Task
+
+    kwargs = {} if data_cfg is None else {"max_operand": data_cfg.max_operand, "eval_size": data_cfg.eval_size}
+    train, eval_ = make_arithmetic_splits(seed=seed, **kwargs)
+    return Task("arithmetic", train, eval_, arithmetic_reward, sft_target)

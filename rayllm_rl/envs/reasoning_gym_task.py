@@ -149,3 +149,22 @@ class ReasoningGymEnv(DatasetChatEnv):
         if "reward_fn" not in kwargs:
             raise ValueError("ReasoningGymEnv needs reward_fn=ReasoningGymReward(...) (make_reward(cfg) builds it)")
         super().__init__(dataset, tokenizer, prompt_key="messages", **kwargs)
+
+
+def make_task(data_cfg: Any = None, seed: int = 0, inputs: Any = None):
+    """The registry's factory (`task=reasoning_gym`): `data.reasoning_gym`'s generator, `data.eval_size` held-out
+    rows of its eval seed (200 without a DataConfig), scored by the generator's own scorer."""
+    from rayllm_rl.envs.task import Task, in_memory
+
+    cfg = ReasoningGymConfig() if data_cfg is None else data_cfg.reasoning_gym
+    train, eval_ = make_splits(cfg, 200 if data_cfg is None else data_cfg.eval_size)
+    return Task("reasoning_gym", in_memory(train), in_memory(eval_), make_reward(cfg), None, ReasoningGymEnv)
+
+
+def plan_rows(data_cfg: Any, inputs: Any = None) -> dict[str, Any]:
+    """What the dry run says of the generated rows (generated on the driver at start: nothing read or downloaded)."""
+    rg = data_cfg.reasoning_gym
+    source = f"reasoning-gym {rg.dataset} {rg.options}"
+    return {"train": {"kind": "generator", "source": source,
+                      "status": f"{rg.train_size} rows of seed {rg.seed}, minus the eval questions"},
+            "eval": {"kind": "generator", "source": source, "status": f"{data_cfg.eval_size} rows of seed {rg.eval_seed}"}}

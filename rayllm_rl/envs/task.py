@@ -1,12 +1,12 @@
-"""A task bundles train/eval prompt datasets, a verifiable reward and optional SFT demonstrations."""
+"""A task bundles train/eval prompt datasets, a verifiable reward and optional SFT demonstrations.
+
+Which tasks exist and how each is built: `task_registry.py`.
+"""
 from __future__ import annotations
 
 import dataclasses
 import functools
 from typing import Any, Callable
-
-TASKS = ("arithmetic", "gsm8k", "math", "ifeval", "reasoning_gym")
-
 
 @dataclasses.dataclass
 class Task:
@@ -15,7 +15,7 @@ class Task:
     name: str
     train: Any
     """`datasets.Dataset` of prompt rows (a `messages` field plus reward fields); None in an env worker's
-    task (`make_worker_task`), which gets its rows one per episode."""
+    task (`worker_part`), which gets its rows one per episode."""
     eval: Any
     """Held-out `datasets.Dataset` (never trained on); None in an env worker's task."""
     reward_fn: Callable[..., Any]
@@ -33,31 +33,16 @@ class Task:
         factory per task (its envs share one RewardCaller's counters); `with_reward` makes a new task."""
         return None if self.env_cls is None else _row_fed_env_factory(self.env_cls, self.reward_fn)
 
+    def worker_part(self) -> "Task":
+        """This task without its rows: what an env worker needs (reward fn, env class, SFT target), shipped to it
+        by value in its constructor arguments (Ray's cloudpickle: a reward defined in the user's script or
+        notebook travels too). The driver loads and checks the rows once; workers get each row per episode."""
+        return dataclasses.replace(self, train=None, eval=None)
+
     def with_reward(self, reward_fn: Callable[..., Any]) -> "Task":
         """This task scoring with `reward_fn` instead of its rule (its env, if any, too), e.g. the weighted
         rule + reward model + judge of `reward.*`; rows and SFT target unchanged."""
         return dataclasses.replace(self, reward_fn=reward_fn)
-
-
-DEFAULT_CONFIGS: dict[str, str | None] = {"gsm8k": "main", "math": "default", "ifeval": None}
-"""Config used when `data.path` names a hub dataset with several configs and none: GSM8K's "main"
-(openai/gsm8k: main, socratic); "default", the all-subjects config of DigitalLearningGmbH/MATH-lighteval
-(EleutherAI/hendrycks_math has only per-subject configs: the error lists them); google/IFEval has one."""
-
-KNOWN_DATASETS = {"gsm8k": "openai/gsm8k", "math": "DigitalLearningGmbH/MATH-lighteval", "ifeval": "google/IFEval"}
-"""The hub dataset each task's format follows, suggested when `data.path` is empty."""
-
-
-def _task_parts(name: str):
-    """(env class, prompt builder, reward fn, SFT target) of a dataset task."""
-    from rayllm_rl.envs import dataset_envs
-
-    make_messages, reward_fn, sft_target = {
-        "gsm8k": lambda: (dataset_envs.gsm8k_messages, _gsm8k_reward(), _gsm8k_sft()),
-        "math": lambda: (dataset_envs.math_prompt, _math_reward(), None),
-        "ifeval": lambda: (dataset_envs.ifeval_prompt, _ifeval_reward(), None),
-    }[name]()
-    return dataset_envs.ENVS[name], make_messages, reward_fn, sft_target
 
 
 def _row_fed_env_factory(env_cls, reward_fn):
@@ -67,39 +52,8 @@ def _row_fed_env_factory(env_cls, reward_fn):
     return functools.partial(_make_env, env_cls, RewardCaller(reward_fn))  # one caller: shared counters
 
 
-def _dataset_task(name: str, data_cfg: Any, seed: int) -> Task:
-    """gsm8k / math / ifeval: rows from `data_cfg.path` (+ `eval_path` or a held-out slice).
-
-    `eval_path` naming no split reads its "test" split (`EVAL_SPLIT`); an `eval_path` that is the same
-    rows as `path` (same file, or same dataset, config and split) is refused with a ValueError.
-
-    Every row of both sources is checked here, on the driver before any actor starts, against the
-    task env's `required_fields` and `check_row`: a malformed file raises ValueError naming the
-    file and line (see `load_rows`); a hub dataset with several configs and none given uses the
-    task's DEFAULT_CONFIGS entry if it has it, else the error lists its configs."""
-    from rayllm_rl.data.sources import EVAL_SPLIT, add_messages, load_rows, source_identity, split_held_out
-
-    if not data_cfg.path:
-        raise ValueError(f"task={name} reads its prompts from data.path (a local .jsonl/.json/.parquet file, a "
-                         f"dataset folder or a hub dataset, e.g. data.path={KNOWN_DATASETS[name]}); none was given")
-    env_cls, make_messages, reward_fn, sft_target = _task_parts(name)
-    checks = {"required": env_cls.required_fields, "check_row": env_cls.check_row,
-              "default_config": DEFAULT_CONFIGS[name]}
-    rows = load_rows(data_cfg.path, data_cfg.split, **checks)
-    held = None
-    if data_cfg.eval_path:  # with no split named, its "test" split: never data.split's training rows
-        held = load_rows(data_cfg.eval_path, EVAL_SPLIT, field="data.eval_path", **checks)
-        trained = source_identity(data_cfg.path, data_cfg.split, rows)
-        if source_identity(data_cfg.eval_path, EVAL_SPLIT, held) == trained:
-            where, config, split = trained
-            raise ValueError(
-                f"data.eval_path={data_cfg.eval_path!r} and data.path={data_cfg.path!r} (with data.split="
-                f"{data_cfg.split!r}) are the same rows ({where}, config {config}, split {split}): the evaluation "
-                "would score the policy on its training rows; point data.eval_path at a held-out split or "
-                "file, or leave it empty to hold out data.eval_size rows of data.path")
-    train, eval_ = split_held_out(rows, data_cfg.eval_size, seed, held)
-    train, eval_ = add_messages(train, make_messages), add_messages(eval_, make_messages) if len(eval_) else eval_
-    return Task(name, in_memory(train), in_memory(eval_), reward_fn, sft_target, env_cls)
+def _make_env(env_cls, reward_fn, tokenizer, seed: int = 0):
+    return env_cls(None, tokenizer, reward_fn=reward_fn, seed=seed)  # rows come with each reset
 
 
 def in_memory(dataset):
@@ -115,73 +69,82 @@ def in_memory(dataset):
     return dataset.flatten_indices(keep_in_memory=True)
 
 
-def make_worker_task(name: str, data_cfg: Any = None) -> Task:
-    """The part of a task an env worker needs: its reward fn and env factory, no dataset (`train` and
-    `eval` are None). The driver loads and checks the rows once; workers get each row per episode.
-    `data_cfg` (a DataConfig) is read by the tasks whose reward depends on it (reasoning_gym)."""
-    if name == "arithmetic":
-        from rayllm_rl.envs.arithmetic import arithmetic_reward, sft_target
+def load_split_rows(data_cfg: Any, seed: int, inputs: Any, *, task: str, make_messages: Callable[[dict], list],
+                    required: tuple[str, ...] = (), check_row: Callable[[dict], None] | None = None,
+                    default_config: str | None = None, example_path: str = ""):
+    """(train, eval) `datasets.Dataset`s of a task that reads its rows, each with a `messages` column (the prompt
+    chat, `make_messages(row)`), held in memory; every row checked (`required`, `check_row`) on the driver.
 
-        return Task("arithmetic", None, None, arithmetic_reward, sft_target)
-    if name == "reasoning_gym":
-        from rayllm_rl.envs import reasoning_gym_task as rg
+    Training rows: `train_dataset=` (a `datasets.Dataset` or a list of dicts given in Python) or `data.path`;
+    held-out rows: `eval_dataset=` or `data.eval_path` (naming no split: its "test" split), a seeded sample of
+    `data.eval_size` of them, else `data.eval_size` rows held out of the training rows. No eval prompt is a
+    training prompt: an eval source that is the training source (same file, or same dataset, config and
+    split) or shares prompts with it (the same `messages`) is refused naming how many; rows held out of the
+    training source whose prompt is repeated in it take those repeats out of training (logged)."""
+    from rayllm_rl.data.sources import EVAL_SPLIT, load_rows, source_identity, split_held_out
 
-        return Task(name, None, None, rg.make_reward(_rg_config(data_cfg)), None, rg.ReasoningGymEnv)
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; available: {list(TASKS)}")
-    env_cls, _, reward_fn, sft_target = _task_parts(name)
-    return Task(name, None, None, reward_fn, sft_target, env_cls)
-
-
-def _rg_config(data_cfg: Any):
-    """The `data.reasoning_gym` section of a DataConfig (its defaults when none is given)."""
-    from rayllm_rl.envs.reasoning_gym_task import ReasoningGymConfig
-
-    return ReasoningGymConfig() if data_cfg is None else data_cfg.reasoning_gym
-
-
-def _make_env(env_cls, reward_fn, tokenizer, seed: int = 0):
-    return env_cls(None, tokenizer, reward_fn=reward_fn, seed=seed)  # rows come with each reset
-
-
-def _gsm8k_reward():
-    from rayllm_rl.rewards.gsm8k import GSM8KRewardParser
-
-    return GSM8KRewardParser()
-
-
-def _gsm8k_sft():
-    from rayllm_rl.rewards.gsm8k import gsm8k_sft_target
-
-    return gsm8k_sft_target
-
-
-def _math_reward():
-    from rayllm_rl.rewards.math_answer import MathRewardFn
-
-    return MathRewardFn()
+    train_obj, eval_obj = getattr(inputs, "train_dataset", None), getattr(inputs, "eval_dataset", None)
+    train_src, train_key = (train_obj, "train_dataset") if train_obj is not None else (data_cfg.path, "data.path")
+    if train_src is None or (isinstance(train_src, str) and not train_src):
+        raise ValueError(f"task={task} reads its prompts from data.path (a local .jsonl/.json/.parquet/.csv file, a "
+                         f"dataset folder or a hub dataset, e.g. data.path={example_path}) or from train(train_dataset="
+                         "...); none was given")
+    checks = {"required": required, "check_row": check_row, "default_config": default_config}
+    rows = load_rows(train_src, data_cfg.split, field=train_key, **checks)
+    held, eval_key = None, ""
+    if eval_obj is not None:
+        held, eval_key = load_rows(eval_obj, field="eval_dataset", **checks), "eval_dataset"
+    elif data_cfg.eval_path:  # with no split named, its "test" split: never data.split's training rows
+        held, eval_key = load_rows(data_cfg.eval_path, EVAL_SPLIT, field="data.eval_path", **checks), "data.eval_path"
+        trained = source_identity(data_cfg.path, data_cfg.split, rows) if train_key == "data.path" else None
+        if source_identity(data_cfg.eval_path, EVAL_SPLIT, held) == trained:
+            where, config, split = trained
+            raise ValueError(
+                f"data.eval_path={data_cfg.eval_path!r} and data.path={data_cfg.path!r} (with data.split="
+                f"{data_cfg.split!r}) are the same rows ({where}, config {config}, split {split}): the evaluation "
+                "would score the policy on its training rows; point data.eval_path at a held-out split or "
+                "file, or leave it empty to hold out data.eval_size rows of data.path")
+    train, eval_ = split_held_out(rows, data_cfg.eval_size, seed, held)
+    train = train.map(lambda row: {"messages": make_messages(row)})
+    eval_ = eval_.map(lambda row: {"messages": make_messages(row)}) if len(eval_) else eval_
+    labels = {"data.path": f"data.path={data_cfg.path!r}", "data.eval_path": f"data.eval_path={data_cfg.eval_path!r}"}
+    train = _without_eval_prompts(train, eval_, labels.get(eval_key, eval_key), labels.get(train_key, train_key))
+    return in_memory(train), in_memory(eval_)
 
 
-def _ifeval_reward():
-    from rayllm_rl.rewards.ifeval import IFEvalScorer
+def prompt_key(messages: Any) -> str:
+    """A prompt chat as one comparable string (two prompts render the same under any chat template iff equal)."""
+    import json
 
-    return IFEvalScorer()
+    return json.dumps([{"role": m["role"], "content": m["content"]} for m in messages], sort_keys=True)
 
 
-def make_task(name: str, data_cfg: Any = None, seed: int = 0) -> Task:
-    """Build a registered task by name; `data_cfg` is a DataConfig (path, eval_path, eval_size, ...)."""
-    if name == "arithmetic":
-        from rayllm_rl.envs.arithmetic import arithmetic_reward, make_arithmetic_splits, sft_target
+def refuse_shared_prompts(train_prompts: set[str], eval_prompts: set[str], eval_key: str, train_key: str) -> None:
+    """ValueError naming both keys and how many eval prompts (`prompt_key`s) are also training prompts, if any."""
+    shared = eval_prompts & train_prompts
+    if shared:
+        raise ValueError(f"{eval_key}: {len(shared)} of its {len(eval_prompts)} distinct eval prompts are also training "
+                         f"prompts ({train_key}; e.g. {sorted(shared)[0][:120]}): the evaluation would score the policy "
+                         "on prompts it trains on; take them out of one of the two, or give no eval source to hold out "
+                         "data.eval_size rows of the training rows")
 
-        kwargs = {} if data_cfg is None else {"max_operand": data_cfg.max_operand, "eval_size": data_cfg.eval_size}
-        train, eval_ = make_arithmetic_splits(seed=seed, **kwargs)
-        return Task("arithmetic", train, eval_, arithmetic_reward, sft_target)
-    if name == "reasoning_gym":
-        from rayllm_rl.envs import reasoning_gym_task as rg
 
-        cfg = _rg_config(data_cfg)
-        train, eval_ = rg.make_splits(cfg, 200 if data_cfg is None else data_cfg.eval_size)
-        return Task(name, in_memory(train), in_memory(eval_), rg.make_reward(cfg), None, rg.ReasoningGymEnv)
-    if name in TASKS:
-        return _dataset_task(name, data_cfg, seed)
-    raise ValueError(f"unknown task {name!r}; available: {list(TASKS)}")
+def _without_eval_prompts(train, eval_, eval_key: str, train_key: str):
+    """`train` minus its rows whose prompt is an eval prompt. From a separate eval source (`eval_key`) any
+    such row is an error (`refuse_shared_prompts`); held out of the training source (`eval_key` ""), the
+    training copies of a repeated prompt are dropped and logged."""
+    if not len(eval_):
+        return train
+    held = {prompt_key(m) for m in eval_["messages"]}
+    trained = [prompt_key(m) for m in train["messages"]]
+    if eval_key:
+        refuse_shared_prompts(set(trained), held, eval_key, train_key)
+        return train
+    keep = [i for i, key in enumerate(trained) if key not in held]
+    if len(keep) == len(train):
+        return train
+    import logging
+
+    logging.getLogger(__name__).warning(
+        "%s: %d training rows repeat a held-out prompt and are not trained on", train_key, len(train) - len(keep))
+    return train.select(keep)

@@ -26,6 +26,7 @@ from rayllm_rl.orchestration.backend import Backend, RoleCrashed
 from rayllm_rl.orchestration.callbacks import CallbackList, RunInfo
 from rayllm_rl.orchestration.factories import build_task
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.orchestration.job_inputs import JobInputs
 from rayllm_rl.orchestration.job_plan import JobPlan, make_plan
 from rayllm_rl.orchestration.reporting import RunReporter
 from rayllm_rl.orchestration.sft_warmup import sft_warm_start, sft_warmed_demo_model
@@ -36,10 +37,13 @@ def open_backend(plan: JobPlan, model_path: str, task, tokenizer) -> Backend:
     return plan.backend_class()(plan, model_path, task, tokenizer)
 
 
-def train(cfg: GRPOJobConfig, plan: JobPlan | None = None, *, callbacks: list | None = None) -> dict:
+def train(cfg: GRPOJobConfig, plan: JobPlan | None = None, inputs: JobInputs | None = None, *,
+          callbacks: list | None = None) -> dict:
     """Run a whole job of a validated config; returns the summary (also written to the run directory).
-    `plan`: the job's plan if the caller made it already (`make_plan(cfg)`). `callbacks`: Callback objects
-    (orchestration/callbacks.py), run on this process before those `trainer.callbacks` names."""
+    `plan`: the job's plan if the caller made it already (`make_plan(cfg)`); `inputs`: the job's objects
+    (`JobInputs`: reward functions, datasets, a task given in Python; None = what the config's paths name).
+    `callbacks`: Callback objects (orchestration/callbacks.py), run on this process before those
+    `trainer.callbacks` names."""
     from transformers import AutoTokenizer
 
     t_start = time.perf_counter()
@@ -52,7 +56,7 @@ def train(cfg: GRPOJobConfig, plan: JobPlan | None = None, *, callbacks: list | 
         # any actor starts (a miss or a GGUF transformers cannot dequantize fails here)
         model = cfg.model
         model_path = resolve_model_path(model.path, model.revision, model.gguf_file) if model.path else ensure_tiny_model()
-        task, tokenizer = build_task(cfg), AutoTokenizer.from_pretrained(model_path)
+        task, tokenizer = build_task(cfg, inputs), AutoTokenizer.from_pretrained(model_path)
         # LoRA on the demo model: its SFT-warmed base
         model_path = sft_warmed_demo_model(cfg, model_path, task, tokenizer, reporter, plan.learner_threads)
         backend = open_backend(plan, model_path, task, tokenizer)  # a failed start cleans up after itself

@@ -1,14 +1,19 @@
-"""`train(config)`: one entry point for a job, from `jobs/grpo.py` or from Python.
+"""`train(config, overrides, **objects)`: one entry point for a job, from `jobs/grpo.py` or from Python.
 
-Makes the job's plan once (`job_plan.make_plan`), runs it on the backend the plan names, and returns the same JSON-able summary the job prints.
+Gathers the job's Python objects (`JobInputs`), makes the job's plan once (`job_plan.make_plan`), runs it on
+the backend the plan names, and returns the same JSON-able summary the job prints.
 """
 from __future__ import annotations
+
+from typing import Any, Callable, Sequence
 
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 
 
 def train(config: GRPOJobConfig | None = None, overrides: list[str] | None = None, *,
-          callbacks: list | None = None) -> dict:
+          callbacks: list | None = None, reward_fn: Callable[..., Any] | Sequence[Callable[..., Any]] | None = None,
+          reward_weights: Sequence[float] | None = None, train_dataset: Any = None, eval_dataset: Any = None,
+          task: Any = None) -> dict:
     """Validate the config (before any actor starts), run it, return the summary.
 
     `overrides` are `key.sub=value` strings applied on top of `config` (or of the defaults).
@@ -21,13 +26,26 @@ def train(config: GRPOJobConfig | None = None, overrides: list[str] | None = Non
     run (the job's console holds one bar) and put back as they were. `callbacks`: Callback objects
     (orchestration/callbacks.py) called on this process after each step and evaluation, before those
     `trainer.callbacks` names; one that raises is counted in the summary's `callback_errors`.
+
+    Objects instead of import paths (`JobInputs`), each reaching the Ray env workers by value (a function
+    defined in your script or notebook too):
+    - `reward_fn`: the reward of the prompt task, a callable or a list of them (`reward.fn`), each
+      `fn(prompt, completion, prompt_ids, completion_ids, **columns) -> float | {"reward": float, ...}`, sync
+      or async; with `task` unset the job trains `task=prompts` on `train_dataset` (or `data.path`);
+    - `reward_weights`: one weight per reward function (`reward.fn_weights`; default all 1.0);
+    - `train_dataset` / `eval_dataset`: a `datasets.Dataset` or a list of dicts, in place of `data.path` /
+      `data.eval_path`, checked as files are;
+    - `task`: a `Task` (with its rows) or a factory `factory(data_cfg, seed) -> Task`, in place of `task=`.
     """
     from rayllm_rl.config import apply_dict, parse_overrides
+    from rayllm_rl.orchestration.job_inputs import JobInputs
 
     cfg = config if config is not None else GRPOJobConfig()
     if overrides:
         cfg = apply_dict(cfg, parse_overrides(list(overrides)))
-    cfg = cfg.validate()  # a new config, the presets filled: everything below reads filled values
+    inputs = JobInputs.of(cfg, reward_fn=reward_fn, reward_weights=reward_weights, train_dataset=train_dataset,
+                          eval_dataset=eval_dataset, task=task)
+    cfg = cfg.validate(inputs=inputs)  # a new config, the presets filled: everything below reads filled values
     from rayllm_rl.orchestration.driver import train as run_driver
     from rayllm_rl.orchestration.reporting import hf_progress_bars_off
 
@@ -37,4 +55,4 @@ def train(config: GRPOJobConfig | None = None, overrides: list[str] | None = Non
 
     plan = make_plan(cfg)
     with hf_progress_bars_off(), plan.backend_class().session():
-        return run_driver(cfg, plan, callbacks=callbacks)
+        return run_driver(cfg, plan, inputs, callbacks=callbacks)

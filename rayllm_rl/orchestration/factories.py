@@ -2,6 +2,7 @@
 rollout workflow (by `rollout.workflow`), episode filter and whether a reference model is needed."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import typing
 from typing import Any, Callable, Mapping
@@ -9,21 +10,49 @@ from typing import Any, Callable, Mapping
 import torch
 
 from rayllm_rl.data.selectors import uniform_group_mask
-from rayllm_rl.envs.task import Task, make_task, make_worker_task
+from rayllm_rl.envs.task import Task
+from rayllm_rl.envs.task_registry import make_task
 from rayllm_rl.inference.protocol import SamplingParams
 from rayllm_rl.orchestration.job_config import GRPOJobConfig, RolloutConfig
+from rayllm_rl.orchestration.job_inputs import JobInputs
 from rayllm_rl.orchestration.object_path import import_object
 from rayllm_rl.workflows.rlvr import RLVRWorkflow
 
 
-def build_task(cfg: GRPOJobConfig) -> Task:
-    """The job's task with its rows, loaded and checked once, on the driver (a bad source fails here)."""
-    return make_task(cfg.task, cfg.data, seed=cfg.trainer.seed)
+def build_task(cfg: GRPOJobConfig, inputs: JobInputs | None = None) -> Task:
+    """The job's task with its rows, built once, on the driver, before any actor starts (a bad source, column or
+    reward fails here): the registry's task `cfg.task`, or the custom one of `inputs` (None = the objects the
+    config's import paths name). Env workers get its `worker_part()`."""
+    inputs = inputs if inputs is not None else JobInputs.of(cfg)
+    if inputs.task is None:
+        task = make_task(cfg.task, cfg.data, cfg.trainer.seed, inputs)
+    else:
+        task = custom_task(cfg, inputs)
+    if cfg.rollout.workflow == "env" and task.env_cls is None:
+        raise ValueError(f"rollout.workflow=env needs a task with a ChatEnv; task {task.name!r} has none (Task.env_cls): "
+                         "use rollout.workflow=rlvr or multi_turn")
+    return task
 
 
-def build_worker_task(cfg: GRPOJobConfig) -> Task:
-    """The task as an env worker needs it: reward fn and env factory, no dataset (rows come per episode)."""
-    return make_worker_task(cfg.task, cfg.data)
+def custom_task(cfg: GRPOJobConfig, inputs: JobInputs) -> Task:
+    """The task given as an object or a factory (`factory(data_cfg, seed) -> Task`), checked: a Task with training
+    rows holding the prompt chat in `messages`, its reward probed on the first one (all its fields as keywords)."""
+    from rayllm_rl.envs.prompt_task import MESSAGES, chat_text
+    from rayllm_rl.envs.task import in_memory
+    from rayllm_rl.rewards.user_reward import probe
+
+    made = inputs.task if isinstance(inputs.task, Task) else inputs.task(cfg.data, cfg.trainer.seed)
+    if not isinstance(made, Task):
+        raise ValueError(f"{inputs.task_label} returned a {type(made).__name__}, not a rayllm_rl.envs.task.Task")
+    for part in ("train", "eval"):
+        rows = getattr(made, part)
+        if rows is None or MESSAGES not in rows.column_names or (part == "train" and len(rows) == 0):
+            raise ValueError(f"{inputs.task_label}: its Task.{part} must be a datasets.Dataset with a {MESSAGES!r} column "
+                             f"(each row's prompt chat){' and at least one row' if part == 'train' else ''}; got "
+                             f"{None if rows is None else f'{len(rows)} rows with columns {rows.column_names}'}")
+    first = made.train[0]
+    probe(made.reward_fn, f"{inputs.task_label}'s reward_fn", chat_text(first[MESSAGES]), first)
+    return dataclasses.replace(made, train=in_memory(made.train), eval=in_memory(made.eval))
 
 
 def build_sampling(cfg: GRPOJobConfig) -> SamplingParams:

@@ -11,22 +11,26 @@ from typing import Any
 from rayllm_rl.config import check_fields
 from rayllm_rl.orchestration.callbacks import check_callback_paths
 from rayllm_rl.orchestration.object_path import import_object
-from rayllm_rl.orchestration.presets import PRESET_KEYS, TASK_PRESETS, get_key
+from rayllm_rl.envs.task_registry import PROMPT_TASK, TASKS, task_entry
+from rayllm_rl.orchestration.presets import PRESET_KEYS, get_key
 
 IN_PROCESS_ENGINE = "transformers"
 """The one engine `trainer.backend=local` runs (in this process, on the CPU)."""
 
 
-def check_job(cfg: Any, environment: bool = True) -> None:
-    """Every check of a resolved config (`presets.resolve_presets`); `environment=False` skips the
+def check_job(cfg: Any, environment: bool = True, inputs: Any = None) -> None:
+    """Every check of a resolved config (`presets.resolve_presets`); `inputs`: the job's objects
+    (`job_inputs.JobInputs`; None = those the config's import paths name). `environment=False` skips the
     checks of this machine (the vllm package installed), for a dry run that plans other machines."""
+    from rayllm_rl.orchestration.job_inputs import JobInputs
+
     check_fields(cfg)
+    inputs = inputs if inputs is not None else JobInputs.of(cfg)
+    check_task(cfg, inputs)
     unresolved = [key for key in PRESET_KEYS if get_key(cfg, key) is None]
     if unresolved:
-        raise ValueError(f"task={cfg.task!r} has no preset for {unresolved}; set them or use one of "
-                         f"{sorted(TASK_PRESETS)}")
+        raise ValueError(f"task={cfg.task!r} has no preset for {unresolved}; set them")
     check_rollout_fields(cfg)
-    check_task_data(cfg)
     cfg.algo.build_loss(cfg.rollout.max_new_tokens)  # the loss's own checks (e.g. GRPO's clip_eps_low < 1)
     check_placement(cfg)
     check_local_backend(cfg)
@@ -57,21 +61,48 @@ def check_rollout_fields(cfg: Any) -> None:
                          f"with it (got workflow={r.workflow}, agent={r.agent!r})")
     if r.workflow == "openai_agent":
         import_object(r.agent)  # an agent that cannot be imported fails here, not in the env workers
-    if r.workflow == "env" and cfg.task == "arithmetic":
-        raise ValueError("rollout.workflow=env needs a task with a ChatEnv (gsm8k, math, ifeval, reasoning_gym); "
-                         "task=arithmetic has none: use rollout.workflow=rlvr or multi_turn")
+    entry = task_entry(cfg.task)
+    if r.workflow == "env" and entry.rows != "factory" and not entry.has_env:
+        with_env = sorted(name for name, e in TASKS.items() if e.has_env)
+        raise ValueError(f"rollout.workflow=env needs a task with a ChatEnv ({', '.join(with_env)}); "
+                         f"task={cfg.task} has none: use rollout.workflow=rlvr or multi_turn")
 
 
-def check_task_data(cfg: Any) -> None:
-    """`data.reasoning_gym.*` is read by task=reasoning_gym only, which checks it (generator, options, seeds)."""
-    if cfg.task == "reasoning_gym":
-        cfg.data.reasoning_gym.check()
-        for key in ("path", "eval_path"):
-            if getattr(cfg.data, key):
-                raise ValueError(f"data.{key}={getattr(cfg.data, key)!r} is not read by task=reasoning_gym: its rows "
-                                 "are generated (data.reasoning_gym.*, data.eval_size); unset it")
-    elif cfg.data.reasoning_gym != type(cfg.data.reasoning_gym)():
-        raise ValueError(f"data.reasoning_gym.* is read only by task=reasoning_gym, not task={cfg.task}")
+def check_task(cfg: Any, inputs: Any) -> None:
+    """The task is a built-in one or a custom one given by import path or object (`task_registry.task_entry`),
+    and what it reads matches what was given: the reward functions go with the prompt task only, which needs
+    them; a task that generates its rows refuses data.path / data.eval_path and datasets given in Python; a
+    custom factory reads its own rows; the `data.*` keys only one task reads (its entry's `data_keys`) are
+    refused for the others, and checked for it."""
+    entry = task_entry(cfg.task)
+    if inputs.reward_fns and not entry.takes_reward:
+        where = f"reward.fn={cfg.reward.fn}" if cfg.reward.fn else "reward_fn="
+        raise ValueError(f"{where} is the reward of task={PROMPT_TASK} (set with task unset, or task={PROMPT_TASK}); "
+                         f"task={cfg.task} scores with its own reward: unset task to train on data.path's rows with "
+                         "yours, or add a reward model or judge to the task's rule (reward.model, reward.judge)")
+    if entry.takes_reward and not inputs.reward_fns:
+        raise ValueError(f"task={cfg.task} scores with your reward: set reward.fn=package.module:function (or pass "
+                         "train(reward_fn=...))")
+    given = {"data.path": cfg.data.path, "data.eval_path": cfg.data.eval_path,
+             "train_dataset=": inputs.train_dataset is not None, "eval_dataset=": inputs.eval_dataset is not None}
+    refused = {"generated": ("data.path", "data.eval_path", "train_dataset=", "eval_dataset="),
+               "factory": ("train_dataset=", "eval_dataset=")}.get(entry.rows, ())
+    for key in refused:
+        if given[key]:
+            how = ("its rows are generated (data.eval_size sets the held-out rows)" if entry.rows == "generated" else
+                   "its factory makes its own rows (it gets data_cfg: read data.path there)")
+            value = f"={given[key]!r}" if isinstance(given[key], str) else ""
+            hint = "; to train on your rows with your reward, set reward.fn" if entry.rows == "generated" else ""
+            raise ValueError(f"{key}{value} is not read by task={cfg.task}: {how}; unset it{hint}")
+    defaults = type(cfg.data)()
+    for name, other in TASKS.items():
+        for key in other.data_keys:
+            if other is not entry and getattr(cfg.data, key) != getattr(defaults, key):
+                raise ValueError(f"data.{key} is read only by task={name}, not task={cfg.task}")
+    for key in entry.data_keys:
+        check = getattr(getattr(cfg.data, key), "check", None)
+        if callable(check):
+            check()
 
 
 def check_placement(cfg: Any) -> None:

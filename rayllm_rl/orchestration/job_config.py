@@ -66,7 +66,8 @@ class DataConfig:
     path: str = ""
     """Training rows: a local .jsonl/.json/.parquet/.arrow/.csv file, a save_to_disk folder, or a hub
     dataset `name[:config[:split]]` ("openai/gsm8k:main"); with no config the task's default is used
-    (gsm8k: main), or the error lists the configs. Loaded once, on the driver. Ignored by the arithmetic task."""
+    (gsm8k: main), or the error lists the configs. Loaded once, on the driver. Refused by the tasks that
+    generate their rows (arithmetic, reasoning_gym)."""
     split: str = "train"
     """Split to read from a DatasetDict folder or a hub dataset."""
     eval_path: str = ""
@@ -76,7 +77,17 @@ class DataConfig:
     eval_size: NonNegInt | None = None
     """Held-out prompts (never trained on) for greedy evaluation, for every task: held out of `path`, or
     a seeded sample of `eval_path` when that has more rows; None = the task's preset (arithmetic 200, gsm8k
-    500, math 500, ifeval 300, reasoning_gym 200)."""
+    500, math 500, ifeval 300, reasoning_gym 200, prompts 100)."""
+    prompt_column: str = "messages"
+    """task=prompts only: the column holding each row's prompt, a chat (a list of {role, content}) or a string
+    (made one user message); rendered under the model's chat template. Every other column reaches the
+    reward as a keyword argument."""
+    system_prompt: str = ""
+    """task=prompts only: a system message put before every prompt that has none of its own; empty = none (the
+    model's chat template may add its own default)."""
+    sft_column: str = ""
+    """task=prompts only: a column holding each row's demonstration (the assistant's answer) for the SFT warm
+    start (`sft.steps`); empty = no demonstrations (no warm start)."""
     max_operand: int = 29
     """Arithmetic task only: operands are drawn from 0..max_operand."""
     reasoning_gym: ReasoningGymConfig = dataclasses.field(default_factory=ReasoningGymConfig)
@@ -325,9 +336,11 @@ class GRPOJobConfig:
     """Model to train."""
     inference: InferenceConfig = dataclasses.field(default_factory=InferenceConfig)
     """Inference engine of the replicas."""
-    task: Literal["arithmetic", "gsm8k", "math", "ifeval", "reasoning_gym"] = "arithmetic"
-    """Task: arithmetic (built-in demo, a+b in <answer> tags), gsm8k, math, ifeval (these read data.path),
-    reasoning_gym (a reasoning-gym generator, data.reasoning_gym.*, scored by its own scorer)."""
+    task: str | None = None
+    """A built-in task (envs/task_registry.py): arithmetic (the demo, a+b in <answer> tags), gsm8k, math, ifeval
+    (these read data.path), reasoning_gym (a reasoning-gym generator, data.reasoning_gym.*), prompts (your rows
+    in data.path, scored by reward.fn); or 'package.module:factory', a factory(data_cfg, seed) -> Task.
+    None = prompts when reward.fn (or train(reward_fn=...)) is given, else arithmetic."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     """Dataset source and evaluation split."""
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
@@ -350,15 +363,18 @@ class GRPOJobConfig:
     resume: str = ""
     """Checkpoint directory to resume from (same step, version and data order)."""
 
-    def validate(self, *, environment: bool = True) -> "GRPOJobConfig":
-        """A new config, the presets resolved (`presets.resolve_presets`) and every cross-field check passed
-        (`job_checks.check_job`), before any actor starts; `self` is left as it was. `environment=False`
-        skips the checks of this machine (the vllm package installed), for a dry run that plans a job
-        for other machines."""
+    def validate(self, *, environment: bool = True, inputs: Any = None) -> "GRPOJobConfig":
+        """A new config, the task and presets resolved (`presets.resolve_presets`) and every cross-field check
+        passed (`job_checks.check_job`), before any actor starts; `self` is left as it was. `inputs`: the
+        job's objects (`job_inputs.JobInputs`; None = those the config's import paths name, imported here, so
+        a path that does not import fails now). `environment=False` skips the checks of this machine (the
+        vllm package installed), for a dry run that plans a job for other machines."""
         from rayllm_rl.orchestration.job_checks import check_job
+        from rayllm_rl.orchestration.job_inputs import JobInputs
 
-        resolved = resolve_presets(self)
-        check_job(resolved, environment)
+        inputs = inputs if inputs is not None else JobInputs.of(self)
+        resolved = resolve_presets(self, inputs)
+        check_job(resolved, environment, inputs)
         return resolved
 
 

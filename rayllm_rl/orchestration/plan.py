@@ -33,10 +33,6 @@ from rayllm_rl.sampling_mask import SamplingMask
 
 GiB = float(1 << 30)
 
-PROMPT_TOKENS_ESTIMATE = {"arithmetic": 24, "gsm8k": 160, "math": 200, "ifeval": 160}
-"""Typical prompt length in tokens (chat template included) of each task, for the memory estimate only."""
-
-
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -45,6 +41,13 @@ class PlanError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------- model
+
+
+def _prompt_tokens(cfg: GRPOJobConfig) -> int:
+    """Typical prompt length of the task (its registry entry's estimate), for the memory estimate only."""
+    from rayllm_rl.envs.task_registry import task_entry
+
+    return task_entry(cfg.task).prompt_tokens
 
 
 def read_model_config(cfg: GRPOJobConfig) -> tuple[dict | None, str]:
@@ -135,24 +138,31 @@ def _source_plan(source: str, split: str, field: str, default_config: str | None
     return {**out, "status": f"{missing}: will download at start"}
 
 
-def data_plan(cfg: GRPOJobConfig) -> dict[str, Any] | None:
-    """The data sources of a dataset task (train, eval), each checked by `_source_plan`; None for arithmetic
-    (built in). An eval source naming no split reads "test"; the same source for both is a PlanError."""
+def data_plan(cfg: GRPOJobConfig, inputs: Any = None) -> dict[str, Any] | None:
+    """The data sources of the task (train, eval), each checked by `_source_plan`, plus what the task's registry
+    entry adds (`plan_rows`: generated rows described, the prompt task's first row and reward checked); None
+    for a task that generates its rows and says nothing (arithmetic). An eval source naming no split reads
+    "test"; the same source for both is a PlanError, as is what `plan_rows` refuses."""
     from rayllm_rl.data.sources import EVAL_SPLIT
-    from rayllm_rl.envs.task import DEFAULT_CONFIGS, KNOWN_DATASETS
+    from rayllm_rl.envs.task_registry import task_entry
+    from rayllm_rl.orchestration.job_inputs import JobInputs
+    from rayllm_rl.orchestration.object_path import import_object
 
-    if cfg.task == "arithmetic":
-        return None
-    if cfg.task == "reasoning_gym":  # generated on the driver at start: nothing to read, nothing to download
-        rg = cfg.data.reasoning_gym
-        return {"train": {"kind": "generator", "source": f"reasoning-gym {rg.dataset} {rg.options}",
-                          "status": f"{rg.train_size} rows of seed {rg.seed}, minus the eval questions"},
-                "eval": {"kind": "generator", "source": f"reasoning-gym {rg.dataset} {rg.options}",
-                         "status": f"{cfg.data.eval_size} rows of seed {rg.eval_seed}"}}
+    entry = task_entry(cfg.task)
+    inputs = inputs if inputs is not None else JobInputs.of(cfg)
+
+    def extra() -> dict[str, Any]:
+        return import_object(entry.plan_rows)(cfg.data, inputs) if entry.plan_rows else {}
+
+    if entry.rows == "generated":
+        return extra() or None
+    if entry.rows == "factory":
+        return {"train": {"kind": "factory", "source": cfg.task, "status": "rows made by the factory at start"},
+                "eval": None}
     if not cfg.data.path:
-        raise PlanError(f"task={cfg.task} reads its prompts from data.path (e.g. data.path={KNOWN_DATASETS[cfg.task]}); "
+        raise PlanError(f"task={cfg.task} reads its prompts from data.path (e.g. data.path={entry.example_path}); "
                         "none was given")
-    default = DEFAULT_CONFIGS.get(cfg.task)
+    default = entry.default_config
     plan = {"train": _source_plan(cfg.data.path, cfg.data.split, "data.path", default), "eval": None}
     if cfg.data.eval_path:
         plan["eval"] = _source_plan(cfg.data.eval_path, EVAL_SPLIT, "data.eval_path", default)
@@ -161,7 +171,7 @@ def data_plan(cfg: GRPOJobConfig) -> dict[str, Any] | None:
         if a["kind"] == b["kind"] and all(a.get(k) is not None and a.get(k) == b.get(k) for k in same):
             raise PlanError(f"data.eval_path={cfg.data.eval_path!r} and data.path={cfg.data.path!r} are the same rows: "
                             "the evaluation would score the policy on its training rows")
-    return plan
+    return {**plan, **extra()}
 
 
 def _tiny_model_config() -> tuple[dict, str]:
@@ -215,7 +225,7 @@ def learner_memory(plan: JobPlan, arch: dict) -> dict[str, Any]:
     P, W = arch["params"], plan.learner_ranks
     H, I, L, V = arch["hidden_size"], arch["intermediate_size"], arch["num_layers"], arch["vocab_size"]
     kv_dim = arch["num_key_value_heads"] * arch["head_dim"]
-    seq = PROMPT_TOKENS_ESTIMATE.get(cfg.task, 128) + cfg.rollout.max_new_tokens
+    seq = _prompt_tokens(cfg) + cfg.rollout.max_new_tokens
     rows = math.ceil(cfg.rollout.prompts_per_step * cfg.rollout.group_size / max(1, cfg.optim.num_minibatches) / W)
     budget = int(_optim(cfg, "max_tokens_per_micro_batch", 0) or 0)  # padded tokens; a longer row goes alone
     row_cap = int(cfg.optim.micro_batch_size or 0)  # 0 = no row cap (with a token budget)
@@ -254,7 +264,7 @@ def kv_cache_memory(plan: JobPlan, arch: dict) -> dict[str, Any]:
     cfg = plan.config
     b = DTYPE_BYTES[cfg.model.dtype]
     per_token = 2 * arch["num_layers"] * arch["num_key_value_heads"] * arch["head_dim"] * b
-    seq = PROMPT_TOKENS_ESTIMATE.get(cfg.task, 128) + cfg.rollout.max_new_tokens
+    seq = _prompt_tokens(cfg) + cfg.rollout.max_new_tokens
     in_flight = math.ceil(cfg.rollout.prompts_per_step * cfg.rollout.group_size * (cfg.rollout.max_staleness + 1)
                           / plan.replicas)
     rc = cfg.ray

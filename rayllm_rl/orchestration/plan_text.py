@@ -57,6 +57,9 @@ def format_plan(plan: dict) -> str:
         elif src:
             out.append(f"data ({role}): {key}={src['source']}: {src['status']}"
                        + (f", split {src['split']}" if "split" in src else ""))
+    rows = (plan.get("data") or {}).get("rows")
+    if rows:
+        out.append(f"data (rows): {rows['status']}")
     if plan.get("note"):
         out.append(plan["note"])
     if plan["actors"]:

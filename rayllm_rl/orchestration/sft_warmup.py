@@ -69,9 +69,9 @@ def sft_warmed_demo_model(cfg, model_path: str, task, tokenizer, reporter, threa
     as they are; `JobPlan.learner_threads`). Returns a local HF directory."""
     if cfg.model.lora.rank <= 0 or cfg.model.path:
         return model_path
-    from rayllm_rl.orchestration.presets import TASK_PRESETS
+    from rayllm_rl.envs.task_registry import task_entry
 
-    preset = TASK_PRESETS[cfg.task]
+    preset = task_entry(cfg.task).presets
     # no time budget: the cached base must not depend on how busy the machine was
     sft = dataclasses.replace(cfg.sft, steps=preset["sft.steps"], lr=preset["sft.lr"], time_budget_s=0.0)
     if sft.steps <= 0 or task.sft_target is None:

@@ -98,6 +98,14 @@ class RewardConfig:
     """What the policy is trained on: rule_weight * the task's rule + model.weight * RM + judge.weight * judge.
     Evaluation always scores with the task's rule alone."""
 
+    fn: list[str] = dataclasses.field(default_factory=list)
+    """Your reward, the rule of task=prompts: 'package.module:function', or several `[a.b:f,a.b:g]` (summed with
+    `fn_weights`), each `fn(prompt, completion, prompt_ids, completion_ids, **columns) -> float | {"reward": float,
+    **components}`, sync or async (rewards/user_reward.py). Setting it with `task` unset trains task=prompts on
+    data.path's rows. From Python: train(reward_fn=...)."""
+    fn_weights: list[float] = dataclasses.field(default_factory=list)
+    """One weight per `fn` (TRL's reward_weights): the reward is their weighted sum, each function's own value
+    logged as reward_<name>; empty = all 1.0."""
     rule_weight: float = 1.0
     """Weight of the task's rule reward (0 = trained on the reward model and/or judge alone; the rule is
     still computed and logged as reward_rule)."""

@@ -17,10 +17,12 @@ from rayllm_rl.orchestration.ray.actors import ReferenceActor
 from rayllm_rl.orchestration.backend import ROLE_KINDS, RoleCrashed
 from rayllm_rl.orchestration.fault_ledger import FaultLedger
 from rayllm_rl.orchestration.ray.cluster import (
-    FAILED_START_CLOSE_S, Cluster, build_cluster, init_ray, rejoin_sync_group, restarted_replicas, wait_names_free,
+    FAILED_START_CLOSE_S, Cluster, build_cluster, check_inlined, init_ray, rejoin_sync_group, restarted_replicas,
+    wait_names_free,
 )
 from rayllm_rl.hub import resolve_model_path
-from rayllm_rl.orchestration.factories import build_worker_task, build_workflow
+from rayllm_rl.envs.task import Task
+from rayllm_rl.orchestration.factories import build_workflow
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.job_plan import REFERENCE, JobPlan
 from rayllm_rl.orchestration.ray.router import ReplicaRouter
@@ -43,15 +45,22 @@ def session_for_job():
             ray.shutdown()
 
 
-def make_workflow(cfg: GRPOJobConfig, model_path: str):
-    """Top-level (picklable) factory run inside each EnvWorker: the task's reward and env, no dataset (the
-    collector hands each episode its row), the tokenizer from `model_path` resolved on this node, and the
-    `reward.*` scorers over the reward-model and judge actors."""
+def make_workflow(cfg: GRPOJobConfig, model_path: str, worker_task: Task):
+    """Top-level (picklable) factory run inside each EnvWorker: `worker_task` is the driver's task without its
+    rows (`Task.worker_part`: reward fn, env class), shipped by value in the env worker's constructor
+    arguments, so a reward defined in the user's script reaches it too (the collector hands each episode its
+    row); the tokenizer from `model_path` resolved on this node, and the `reward.*` scorers over the
+    reward-model and judge actors."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model_path, cfg.model.revision))
-    return build_workflow(cfg, build_worker_task(cfg), tokenizer, make_tools=ray_python_tools,
+    return build_workflow(cfg, worker_task, tokenizer, make_tools=ray_python_tools,
                           reward_scorers=ray_reward_scorers(cfg))
+
+
+WORKER_TASK_HINT = ("keep large data (a lookup table, a model) out of the reward's closure and attributes: load it "
+                    "inside the reward from a path (once per process, e.g. functools.cache)")
+"""What to do about a task's worker part too big to inline in the env workers' constructor arguments."""
 
 
 def _crash_aware(method):
@@ -95,9 +104,11 @@ class RayBackend:
             raise
 
     def _build(self) -> None:
-        cfg = self.cfg
+        cfg, worker_task = self.cfg, self.task.worker_part()
+        check_inlined("env worker", (worker_task,), names=(f"task {worker_task.name!r} without its rows: reward fn, env "
+                                                          "class, SFT target",), hint=WORKER_TASK_HINT)
         self.cluster: Cluster = build_cluster(self.plan, self.model_path, self.task,
-                                              functools.partial(make_workflow, cfg, self.model_path))
+                                              functools.partial(make_workflow, cfg, self.model_path, worker_task))
         self.reference = None
         self._pending_version = None  # the last set_version call, awaited at the next one
         self._synced: int | None = None
