@@ -386,7 +386,6 @@ class PolicyVersion(Transform):
 
 
 # ---------------------------------------------------------------------------- rewards
-_RESERVED = frozenset({"prompt", "completions", "prompt_ids", "completion_ids"})
 
 
 class RewardTransform(Transform):
@@ -490,7 +489,9 @@ class RewardTransform(Transform):
         else:
             completion_ids = encode_text(tok, completion)
         row = act["row"] if has_key(act, "row") else {}
-        extra = {k: v for k, v in dict(row).items() if k not in _RESERVED}
+        from rayllm_rl.workflows.rewards import REWARD_ARGS  # the row fields the reward's positional args shadow
+
+        extra = {k: v for k, v in dict(row).items() if k not in REWARD_ARGS}
         return dict(
             prompt=prompt,
             completions=completion,

@@ -6,7 +6,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from rayllm_rl.inference.protocol import InferenceEngine, LLMRequest, SamplingParams
 from rayllm_rl.workflows.rewards import RewardCaller
-from rayllm_rl.workflows.rlvr import row_messages, tokenize_prompt
+from rayllm_rl.workflows.rlvr import row_fields, row_messages, tokenize_prompt
 
 
 async def evaluate_greedy(engine: InferenceEngine, tokenizer, rows: Iterable[Mapping[str, Any]],
@@ -21,7 +21,8 @@ async def evaluate_greedy(engine: InferenceEngine, tokenizer, rows: Iterable[Map
     totals: dict[str, float] = {}
     for row, resp in zip(rows, responses):
         text = tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
-        scores = await reward.score(tokenizer.decode(resp.input_tokens), text, resp.input_tokens, resp.output_tokens, **row)
+        scores = await reward.score(tokenizer.decode(resp.input_tokens), text, resp.input_tokens, resp.output_tokens,
+                                    **row_fields(row))
         for k, v in scores.items():
             totals[k] = totals.get(k, 0.0) + v
     n = max(1, len(rows))

@@ -18,6 +18,10 @@ from typing import Any, Callable, Mapping
 log = logging.getLogger(__name__)
 
 
+REWARD_ARGS = frozenset({"prompt", "completions", "prompt_ids", "completion_ids"})
+"""The positional arguments of a reward function: a row field of the same name is not passed as a keyword."""
+
+
 def component_keys_of(reward_fn: Callable[..., Any]) -> tuple[str, ...]:
     """The component names a reward function declares (`component_keys` attribute), else ()."""
     return tuple(getattr(reward_fn, "component_keys", ()) or ())

@@ -10,13 +10,14 @@ from tensordict import TensorDict
 from rayllm_rl.data.trajectory import TrajectoryBuilder, concat_padded
 from rayllm_rl.inference.protocol import InferenceEngine, LLMRequest, SamplingParams
 from rayllm_rl.workflows.base import RolloutWorkflow
-from rayllm_rl.workflows.rewards import RewardCaller
+from rayllm_rl.workflows.rewards import REWARD_ARGS, RewardCaller
 
 
 def row_fields(data: Mapping[str, Any]) -> dict[str, Any]:
     """The dataset row's own fields (what reward functions get as `**row`): without the collector's
-    `prompt_ids` and `group_id`."""
-    return {k: v for k, v in data.items() if k not in ("prompt_ids", "group_id")}
+    `prompt_ids` and `group_id`, and without a field named as one of the reward's positional arguments
+    (`REWARD_ARGS`: a TRL-style `prompt` column; the env path's RewardTransform drops them too)."""
+    return {k: v for k, v in data.items() if k not in ("prompt_ids", "group_id") and k not in REWARD_ARGS}
 
 
 def row_messages(row: Mapping[str, Any], prompt_key: str = "messages") -> list[dict[str, str]]:
