@@ -6,7 +6,7 @@ LoRA learning-rate presets, a prompt-length estimate (the dry run's memory plan,
 come from, and which `data.*` keys only it reads (`job_checks.py`). A task outside the table is
 `task=package.module:factory` (or a `Task` / factory object given to `train(task=...)`); it takes the
 `CUSTOM` entry. `task` left unset is `arithmetic`, or `prompts` when a reward function is given
-(`resolve_task_name`).
+(`resolve_task_name`). Readers look entries up at call time (`find_entry`, `task_entry`), never copy the table.
 """
 from __future__ import annotations
 
@@ -111,13 +111,19 @@ def is_custom(name: str) -> bool:
     return bool(sep and module and attr)
 
 
+def find_entry(name: str | None) -> TaskEntry | None:
+    """The entry of task `name` (built-in, or `CUSTOM` for a custom one); None for an unknown or unset name."""
+    if name in TASKS:
+        return TASKS[name]
+    return CUSTOM if name and is_custom(name) else None
+
+
 def task_entry(name: str) -> TaskEntry:
     """The entry of task `name`: a built-in one, or `CUSTOM` for an import path or a Python task; ValueError
     naming `task`, the built-in names (and the close ones) otherwise."""
-    if name in TASKS:
-        return TASKS[name]
-    if is_custom(name):
-        return CUSTOM
+    entry = find_entry(name)
+    if entry is not None:
+        return entry
     close = difflib.get_close_matches(str(name), list(TASKS), n=3, cutoff=0.6)
     raise ValueError(f"task={name!r} is neither a built-in task {sorted(TASKS)}"
                      + (f" (close: {close})" if close else "") + " nor an import path 'package.module:factory'")

@@ -11,7 +11,8 @@ from typing import Any
 from rayllm_rl.config import check_fields
 from rayllm_rl.orchestration.callbacks import check_callback_paths
 from rayllm_rl.orchestration.object_path import import_object
-from rayllm_rl.envs.task_registry import PROMPT_TASK, TASKS, task_entry
+from rayllm_rl.envs import task_registry
+from rayllm_rl.envs.task_registry import PROMPT_TASK, task_entry
 from rayllm_rl.orchestration.presets import PRESET_KEYS, get_key
 
 IN_PROCESS_ENGINE = "transformers"
@@ -63,7 +64,7 @@ def check_rollout_fields(cfg: Any) -> None:
         import_object(r.agent)  # an agent that cannot be imported fails here, not in the env workers
     entry = task_entry(cfg.task)
     if r.workflow == "env" and entry.rows != "factory" and not entry.has_env:
-        with_env = sorted(name for name, e in TASKS.items() if e.has_env)
+        with_env = sorted(name for name, e in task_registry.TASKS.items() if e.has_env)
         raise ValueError(f"rollout.workflow=env needs a task with a ChatEnv ({', '.join(with_env)}); "
                          f"task={cfg.task} has none: use rollout.workflow=rlvr or multi_turn")
 
@@ -95,7 +96,7 @@ def check_task(cfg: Any, inputs: Any) -> None:
             hint = "; to train on your rows with your reward, set reward.fn" if entry.rows == "generated" else ""
             raise ValueError(f"{key}{value} is not read by task={cfg.task}: {how}; unset it{hint}")
     defaults = type(cfg.data)()
-    for name, other in TASKS.items():
+    for name, other in task_registry.TASKS.items():
         for key in other.data_keys:
             if other is not entry and getattr(cfg.data, key) != getattr(defaults, key):
                 raise ValueError(f"data.{key} is read only by task={name}, not task={cfg.task}")

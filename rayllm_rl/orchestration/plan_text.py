@@ -4,17 +4,18 @@ from __future__ import annotations
 import json
 import sys
 
-from rayllm_rl.orchestration.presets import TASK_PRESETS
+from rayllm_rl.envs import task_registry
 
 
 def describe_presets() -> str:
-    """The TASK PRESETS table of `--help`: each task-dependent key and its value per task."""
-    tasks = list(TASK_PRESETS)
-    keys = list(TASK_PRESETS[tasks[0]])
-    width = max(len(k) for k in keys) + 2
+    """The TASK PRESETS table of `--help`: each task-dependent key and its value per built-in task (the
+    registry's); a task given by import path takes the prompt task's."""
+    presets = {name: entry.presets for name, entry in task_registry.TASKS.items()}
+    keys = list(task_registry.PRESET_KEYS)
+    width, col = max(len(k) for k in keys) + 2, max(12, *(len(t) + 2 for t in presets))
     lines = ["TASK PRESETS (what a field left None becomes; model.dtype=auto: bfloat16 with GPU learners and "
-             "replicas, else float32):", " " * (width + 2) + "".join(f"{t:>12}" for t in tasks)]
-    lines += [f"  {k:<{width}}" + "".join(f"{TASK_PRESETS[t][k]!s:>12}" for t in tasks) for k in keys]
+             "replicas, else float32):", " " * (width + 2) + "".join(f"{t:>{col}}" for t in presets)]
+    lines += [f"  {k:<{width}}" + "".join(f"{p[k]!s:>{col}}" for p in presets.values()) for k in keys]
     return "\n".join(lines)
 
 

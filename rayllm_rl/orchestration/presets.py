@@ -11,14 +11,15 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from rayllm_rl.envs.task_registry import CUSTOM, PRESET_KEYS, TASKS, is_custom, resolve_task_name
+from rayllm_rl.envs.task_registry import PRESET_KEYS, TASKS, find_entry, resolve_task_name
 
 TASK_PRESETS: dict[str, dict[str, Any]] = {name: dict(entry.presets) for name, entry in TASKS.items()}
 """Per built-in task, the value each task-dependent field (left None) takes at `resolve_presets`; the same keys
-for every task. A view of the registry (`envs/task_registry.py`); docs/recipes.md says why each value."""
+for every task. A copy of the registry's presets (`envs/task_registry.py`) as the package ships it, for
+reading; `resolve_presets` reads the registry itself. docs/recipes.md says why each value."""
 
 LORA_LR_PRESETS: dict[str, dict[str, Any]] = {name: dict(entry.lora_presets) for name, entry in TASKS.items()}
-"""With `model.lora.rank > 0`, these replace TASK_PRESETS' values: an adapter is trained at about 10x the
+"""(A copy of the registry's, as TASK_PRESETS.) With `model.lora.rank > 0`, these replace TASK_PRESETS' values: an adapter is trained at about 10x the
 full-weight learning rate (the usual LoRA rule, e.g. Thinking Machines' "LoRA Without Regret"; TRL's LoRA
 examples use 1e-5..2e-4). A value the user sets still wins (docs/lora.md)."""
 
@@ -39,7 +40,7 @@ def auto_dtype(cfg: Any) -> str:
 def preset_values(cfg: Any) -> dict[str, Any]:
     """{dotted key: value} the presets give `cfg`'s task (resolved) and placement: the registry entry's, the
     prompt task's for a custom task (`CUSTOM`), none for an unknown task (the job's checks report it)."""
-    entry = TASKS.get(cfg.task) or (CUSTOM if cfg.task and is_custom(cfg.task) else None)
+    entry = find_entry(cfg.task)
     wanted = dict(entry.presets) if entry else {}
     wanted["model.dtype"] = auto_dtype(cfg)
     if cfg.model.lora.rank > 0 and entry:  # an adapter learns at a higher rate than full weights (docs/lora.md)

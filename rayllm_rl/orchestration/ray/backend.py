@@ -63,6 +63,15 @@ WORKER_TASK_HINT = ("keep large data (a lookup table, a model) out of the reward
 """What to do about a task's worker part too big to inline in the env workers' constructor arguments."""
 
 
+def worker_part(task: Task) -> Task:
+    """`task.worker_part()`, checked to ride in an env worker's constructor arguments (`check_inlined`: inlined
+    by Ray, so a restart finds it; no ObjectRef); one too big fails naming the task and what to do."""
+    part = task.worker_part()
+    check_inlined("env worker", (part,), names=(f"task {part.name!r} without its rows: reward fn, env class, "
+                                                "SFT target",), hint=WORKER_TASK_HINT)
+    return part
+
+
 def _crash_aware(method):
     """A failed call whose cause is a dead actor raises RoleCrashed naming it (else the error as is)."""
     @functools.wraps(method)
@@ -104,9 +113,7 @@ class RayBackend:
             raise
 
     def _build(self) -> None:
-        cfg, worker_task = self.cfg, self.task.worker_part()
-        check_inlined("env worker", (worker_task,), names=(f"task {worker_task.name!r} without its rows: reward fn, env "
-                                                          "class, SFT target",), hint=WORKER_TASK_HINT)
+        cfg, worker_task = self.cfg, worker_part(self.task)
         self.cluster: Cluster = build_cluster(self.plan, self.model_path, self.task,
                                               functools.partial(make_workflow, cfg, self.model_path, worker_task))
         self.reference = None
