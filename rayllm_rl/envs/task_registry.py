@@ -141,8 +141,8 @@ def resolve_task_name(task: str | None, has_reward: bool, python_task: str | Non
 
 def make_task(name: str, data_cfg: Any = None, seed: int = 0, inputs: Any = None):
     """Build built-in task `name` with its rows (`data_cfg` a DataConfig, `inputs` the job's JobInputs or None)."""
-    if name not in TASKS:
-        task_entry(name)  # the error naming the built-in tasks
-        raise ValueError(f"task={name!r} is not built in: build it with its factory (JobInputs.task)")
-    module, _, attr = TASKS[name].factory.partition(":")
+    entry = task_entry(name)
+    if not entry.factory:
+        raise ValueError(f"task={name!r} is not built in: its own factory builds it (JobInputs.task)")
+    module, _, attr = entry.factory.partition(":")
     return getattr(importlib.import_module(module), attr)(data_cfg, seed, inputs)

@@ -47,11 +47,9 @@ class JobInputs:
         and `task: gsm8k`, `train_dataset=` and `data.path`) is a ValueError naming both."""
         fns, labels = _reward_fns(cfg, reward_fn)
         weights = _weights(cfg, reward_weights, len(fns))
-        for obj, keyword, key in ((train_dataset, "train_dataset", "data.path"),
-                                  (eval_dataset, "eval_dataset", "data.eval_path")):
-            if obj is not None and getattr(cfg.data, key.split(".")[1]):
-                raise ValueError(f"{keyword}= and {key}={getattr(cfg.data, key.split('.')[1])!r} both name the rows: "
-                                 f"give one")
+        for obj, keyword, field in ((train_dataset, "train_dataset", "path"), (eval_dataset, "eval_dataset", "eval_path")):
+            if obj is not None and getattr(cfg.data, field):
+                raise ValueError(f"{keyword}= and data.{field}={getattr(cfg.data, field)!r} both name the rows: give one")
         custom, label, python_name = _task(cfg, task)
         return cls(fns, weights, labels, train_dataset, eval_dataset, custom, label, python_name)
 
