@@ -183,7 +183,7 @@ def test_a_reward_that_fails_at_run_time_scores_zero_and_is_counted_per_function
 
 
 BAD_REWARDS = [
-    ("reward.fn=nosuchmodule:score", r"cannot import reward.fn='nosuchmodule:score': no module named 'nosuchmodule'"),
+    ("reward.fn=nosuchmodule:score", r"cannot import reward.fn='nosuchmodule:score': No module named 'nosuchmodule'"),
     ("reward.fn=myreward:scor", r"cannot import reward.fn='myreward:scor': module 'myreward' has no attribute 'scor'; "
                                 r"close names: \['score'\]"),
     ("reward.fn=myreward:two_args", r"reward.fn='myreward:two_args': cannot be called as fn\(prompt, completion, "

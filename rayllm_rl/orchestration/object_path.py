@@ -20,13 +20,13 @@ def import_object(path: str, key: str = ""):
     where = f"{key}={path!r}" if key else repr(path)
     module, _, name = path.partition(":")
     if not is_import_path(path):
-        raise ValueError(f"{where}: expected 'package.module:function', got {path!r}")
+        raise ValueError((f"{key}: " if key else "") + f"expected 'package.module:function', got {path!r}")
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as exc:
         missing = exc.name or ""
         if missing and (module == missing or module.startswith(missing + ".")):
-            raise ValueError(f"cannot import {where}: no module named {missing!r} (is the folder holding it on "
+            raise ValueError(f"cannot import {where}: No module named {missing!r} (is the folder holding it on "
                              "PYTHONPATH, or in the job's working dir?)") from exc
         raise ValueError(f"cannot import {where}: importing module {module!r} failed: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - the module's own code raised while importing
