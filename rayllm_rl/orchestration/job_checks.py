@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 from rayllm_rl.config import check_fields
-from rayllm_rl.orchestration.callbacks import check_callback_paths
-from rayllm_rl.orchestration.object_path import import_object
 from rayllm_rl.envs import task_registry
 from rayllm_rl.envs.task_registry import PROMPT_TASK, task_entry
+from rayllm_rl.orchestration.callbacks import check_callback_paths
+from rayllm_rl.orchestration.object_path import import_object
 from rayllm_rl.orchestration.presets import PRESET_KEYS, get_key
 
 IN_PROCESS_ENGINE = "transformers"
