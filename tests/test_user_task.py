@@ -376,6 +376,10 @@ def test_a_task_by_import_path_or_object_takes_the_prompt_tasks_presets(user_mod
     assert score(task, "red!", task.train[0]) == {"reward": 1.0}
     plan = dry_run_json(capsys, "task=myreward:make_echo")
     assert plan["task"] == "myreward:make_echo" and plan["data"]["train"]["kind"] == "factory"
+    from test_recipes import grpo_main
+
+    grpo_main()(["task=myreward:make_echo", "--dry-run"])
+    assert "data (train): myreward:make_echo: rows made by the factory at start" in capsys.readouterr().out
     # the same factory as a Python object
     import myreward
 

@@ -50,7 +50,7 @@ def format_plan(plan: dict) -> str:
            "trainer.time_budget_s={trainer_time_budget_s:g}; eval: {eval}".format(**plan["schedule"])]
     for role, key in (("train", "data.path"), ("eval", "data.eval_path")):
         src = (plan.get("data") or {}).get(role)
-        if src and src["kind"] == "generator":
+        if src and src["kind"] in ("generator", "factory"):
             out.append(f"data ({role}): {src['source']}: {src['status']}")
         elif src and src["kind"] == "hub":
             out.append(f"data ({role}): {key}={src['source']} (hub dataset {src['name']}, config "
