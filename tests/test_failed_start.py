@@ -35,9 +35,28 @@ def notebook_ray(fault_file):
     still there to find. Its workers run `start_faults.install` and read `fault_file`; 2 logical GPUs."""
     pythonpath = os.pathsep.join(filter(None, [TESTS_DIR, os.environ.get("PYTHONPATH")]))
     env = {**JOB_ENV, "PYTHONPATH": pythonpath, FAULT_FILE_VAR: str(fault_file)}
-    with local_ray_session("test_failed_start", num_cpus=2, num_gpus=2,
+    with local_ray_session("test_failed_start", actor_env=False, num_cpus=2, num_gpus=2,
                            runtime_env={"env_vars": env, "worker_process_setup_hook": "start_faults.install"}):
         yield
+
+
+def test_actors_on_a_ray_the_user_started_still_get_their_environment(notebook_ray):
+    """A Ray a user started lacks the actors' environment in its job env: each actor then carries it itself."""
+    import ray
+
+    from rayllm_rl.orchestration.ray.actors import ACTOR_ENV_VARS, ActorProcess, job_sets_actor_env, ray_actor
+
+    @ray_actor
+    class Probe(ActorProcess):
+        def env(self, keys):
+            return {k: os.environ.get(k) for k in keys}
+
+    probe = Probe.remote()
+    try:
+        assert not job_sets_actor_env()
+        assert ray.get(probe.env.remote(list(ACTOR_ENV_VARS)), timeout=ACTOR_START_S) == ACTOR_ENV_VARS
+    finally:
+        ray.kill(probe)
 
 
 def job(tmp_path, *extra: str) -> GRPOJobConfig:

@@ -81,14 +81,14 @@ def nodes():
     import ray
 
     import leak_guard
-    from ray_sessions import JOB_ENV
+    from ray_sessions import JOB_ENV, with_actor_env
 
     temp = tempfile.mkdtemp(prefix="/tmp/rayllm-mn-")
     nodes = None
     with leak_guard.holding_ray("test_multinode"):
         try:  # torn down whatever happens, also when a node fails to start
             nodes = Nodes(temp)
-            ray.init(address=nodes.cluster.address, runtime_env={"env_vars": JOB_ENV})
+            ray.init(**with_actor_env({"address": nodes.cluster.address, "runtime_env": {"env_vars": JOB_ENV}}))
             yield nodes
         finally:
             ray.shutdown()

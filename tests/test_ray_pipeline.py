@@ -126,6 +126,24 @@ class TestSync:
         assert isinstance(named[next(iter(named))], torch.Tensor)
 
 
+def test_a_jobs_own_ray_gives_the_actors_their_environment_in_its_job_env(local_ray):
+    """The Ray a job starts carries the actors' environment in its job env, so no actor needs a runtime env of its
+    own (which would cost it a fresh worker process)."""
+    from rayllm_rl.orchestration.ray.actors import ACTOR_ENV_VARS, ActorProcess, job_sets_actor_env, ray_actor
+
+    @ray_actor
+    class Probe(ActorProcess):
+        def env(self, keys):
+            return {k: os.environ.get(k) for k in keys}
+
+    probe = Probe.remote()
+    try:
+        assert job_sets_actor_env()
+        assert ray.get(probe.env.remote(list(ACTOR_ENV_VARS)), timeout=60) == ACTOR_ENV_VARS
+    finally:
+        ray.kill(probe)
+
+
 @pytest.mark.parametrize("eta", [0, 1])
 def test_training_respects_staleness_and_versions(local_ray, tmp_path, eta):
     from rayllm_rl.orchestration.driver import train

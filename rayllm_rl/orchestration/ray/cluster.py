@@ -12,6 +12,7 @@ from typing import Any
 import ray
 
 from rayllm_rl.orchestration.ray.actors import (
+    ACTOR_ENV_VARS,
     EnvWorker,
     InferenceReplica,
     LearnerWorker,
@@ -44,8 +45,10 @@ guards it as it guards the rest of the cluster."""
 
 
 def local_init_kwargs(cfg: GRPOJobConfig, **extra: Any) -> dict[str, Any]:
-    """The `ray.init` arguments of the local Ray a job starts (`extra`, e.g. `num_cpus`, added)."""
-    runtime_env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(cfg.ray.threads_per_actor)}}
+    """The `ray.init` arguments of the local Ray a job starts (`extra`, e.g. `num_cpus`, added). Its runtime env
+    carries `ACTOR_ENV_VARS`, so the actors start in the job's own workers (`JobEnvActorClass`)."""
+    runtime_env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(cfg.ray.threads_per_actor),
+                                **ACTOR_ENV_VARS}}
     return {"address": "local", "_temp_dir": cfg.ray.temp_dir or None, "include_dashboard": cfg.ray.dashboard,
             "dashboard_host": DASHBOARD_HOST, "runtime_env": runtime_env, "log_to_driver": True,
             "_system_config": LOCAL_SYSTEM_CONFIG, **extra}
