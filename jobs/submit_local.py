@@ -33,8 +33,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "launch" / "ray_head"))
+sys.path.insert(0, str(ROOT))  # run from a checkout without install
 
 import rayllm_ray_head  # noqa: E402
+from rayllm_rl.orchestration.ray.actor_env import runtime_env_json  # noqa: E402  (imports nothing heavy)
 
 RAY_BIN = str(Path(sys.executable).parent / "ray")
 AGENT_NOT_READY = "No available agent to submit job"
@@ -219,8 +221,9 @@ def submit(address: str, token_path: str, overrides: list[str], agent_timeout_s:
 
 def submit_once(address: str, token_path: str, overrides: list[str], timeout_s: float) -> tuple[int, str]:
     """One `ray job submit` run; its output is echoed to stderr as it comes. TimeoutError after `timeout_s`."""
-    cmd = [RAY_BIN, "job", "submit", f"--address={address}", f"--working-dir={ROOT}", "--",
-           "python", "jobs/grpo.py", *overrides]
+    # the actors' environment in the job's runtime env: they start in the job's own workers (actors.JobEnvActorClass)
+    cmd = [RAY_BIN, "job", "submit", f"--address={address}", f"--working-dir={ROOT}",
+           f"--runtime-env-json={runtime_env_json()}", "--", "python", "jobs/grpo.py", *overrides]
     proc = subprocess.Popen(cmd, env=ray_env(token_path), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:

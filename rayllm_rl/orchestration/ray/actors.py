@@ -24,20 +24,8 @@ from rayllm_rl.rollout.replay_buffer import ReplayBuffer
 from rayllm_rl.hub import resolve_model_path
 from rayllm_rl.inference.protocol import LLMRequest, LLMResponse, weights_checksum
 from rayllm_rl.orchestration.fault_ledger import ENV_PID, LOST, RERUN
+from rayllm_rl.orchestration.ray.actor_env import ACTOR_ENV_VARS
 from rayllm_rl.orchestration.ray.router import ReplicaNotReady, ReplicaRouter
-
-
-ACTOR_ENV_VARS = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0",
-                  "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "1"}
-"""Environment of every actor process, merged with the job's: HF_HUB_DISABLE_PROGRESS_BARS turns off
-huggingface_hub's and transformers' progress bars (checkpoint "Writing model shards", "Loading
-weights"), which Ray would forward to the driver's console under its progress bar.
-RAY_WARN_BLOCKING_GET_INSIDE_ASYNC=0: a replica fetches weights with `ray.get` on a worker thread
-(`asyncio.to_thread`), which does not block its event loop; Ray warns about any `ray.get` in an
-async actor's process all the same.
-RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1: an actor given no GPU gets CUDA_VISIBLE_DEVICES="" (Ray 2.60 leaves it
-unset, ray-project/ray#54868), so a CPU replica, learner or reference on a GPU node cannot pick up GPU 0 by
-itself (the engines and the reference choose CUDA when torch sees a GPU)."""
 
 
 def ray_actor(cls=None, **options):
