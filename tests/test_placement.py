@@ -38,7 +38,9 @@ def _reserve(num_replicas, num_learners, gpus_per_replica, gpus_per_learner, ten
 
 @pytest.fixture(scope="module")
 def gpu_ray():
-    with local_ray_session("gpu_ray", num_cpus=2, num_gpus=4):
+    # A Ray as a user starts it: these tests probe what Ray itself gives each actor (a job's own Ray carries the
+    # actors' environment in its runtime env, which sets CUDA_VISIBLE_DEVICES="" for 0-GPU actors).
+    with local_ray_session("gpu_ray", actor_env=False, num_cpus=2, num_gpus=4):
         yield
 
 
