@@ -11,8 +11,7 @@ def cfg_of(*overrides: str) -> GRPOJobConfig:
     return load_config(GRPOJobConfig, list(overrides)).validate()
 
 
-@pytest.mark.parametrize("override,key", [("rollout.workflow=rlvx", "rollout.workflow"),
-                                          ("trainer.backend=lcoal", "trainer.backend"),
+@pytest.mark.parametrize("override,key", [("trainer.backend=lcoal", "trainer.backend"),
                                           ("ray.sync_transport=tcp", "ray.sync_transport")])
 def test_enum_typos_name_key_value_and_allowed(override, key):
     value = override.split("=")[1]
@@ -27,10 +26,23 @@ def test_a_task_typo_names_the_built_in_tasks_and_the_close_one():
         cfg_of("task=gsm9k")
 
 
+def test_a_workflow_typo_names_the_built_in_workflows_and_the_close_one():
+    """`rollout.workflow` is a built-in name or an import path of a workflow of your own (test_custom_workflow.py)."""
+    with pytest.raises(ValueError, match=r"rollout.workflow='rlvx' is neither a built-in workflow \['auto', 'rlvr', "
+                                         r"'multi_turn', 'env', 'openai_agent', 'python_tool'\] \(close: \['rlvr'\]\) "
+                                         r"nor an import path 'package.module:Name'"):
+        cfg_of("rollout.workflow=rlvx")
+
+
 def test_enum_set_in_python_is_checked_too():
     cfg = GRPOJobConfig()
+    cfg.trainer.backend = "lcoal"
+    with pytest.raises(ConfigError, match=r"'trainer.backend': 'lcoal' is not one of"):
+        cfg.validate()
+    cfg = GRPOJobConfig()
     cfg.rollout.workflow = "multiturn"
-    with pytest.raises(ConfigError, match=r"'rollout.workflow': 'multiturn' is not one of \('auto', 'rlvr'"):
+    with pytest.raises(ValueError, match=r"rollout.workflow='multiturn' is neither a built-in workflow .* \(close: "
+                                         r"\['multi_turn'\]\)"):
         cfg.validate()
 
 

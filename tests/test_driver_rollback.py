@@ -127,8 +127,8 @@ def run(tmp_path, monkeypatch, crashes, *overrides, faults=None, callbacks=None)
                                       "trainer.eval_every=0", f"trainer.run_dir={tmp_path}", *overrides])
     made = []
     monkeypatch.setattr(driver, "open_backend",
-                        lambda plan, model_path, task, tokenizer: made.append(ScriptedBackend(plan.config, tokenizer, crashes, faults))
-                        or made[0])
+                        lambda plan, model_path, task, tokenizer, workflow=None:
+                        made.append(ScriptedBackend(plan.config, tokenizer, crashes, faults)) or made[0])
     try:
         out = driver.train(cfg.validate(), callbacks=callbacks)
     except RoleCrashed as exc:

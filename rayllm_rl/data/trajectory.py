@@ -8,10 +8,10 @@ responses turn by turn (append-only, so multi-turn episodes never re-tokenize th
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
-from tensordict import TensorDict
+from tensordict import TensorDict, TensorDictBase
 
 TOKEN_KEYS = ("input_ids", "attention_mask", "loss_mask", "logprobs", "versions")
 SEQ_KEYS = ("rewards", "group_id")
@@ -118,6 +118,55 @@ def validate_trajectory(td: TensorDict) -> None:
             raise ValueError(f"trajectory key {k!r} must have shape {tuple(shape[:1])} (one per sequence), got {tuple(td[k].shape)}")
     if bool((td["loss_mask"] & ~td["attention_mask"]).any()):
         raise ValueError("trajectory loss_mask is 1 on a padding position")
+
+
+EPISODE_CONTRACT = (f"an episode is a TensorDict with batch dim first holding {list(TOKEN_KEYS)} [n, T] and "
+                    f"{list(SEQ_KEYS)} [n] (TrajectoryBuilder makes them; docs/extending.md)")
+
+
+def check_episode(out: Any, group_id: int | None = None, source: str = "the workflow") -> TensorDict | None:
+    """What a workflow's `arun_episode` returned, as the trajectory batch the buffer stores, or None (AReaL's "reject
+    this episode"). A dict of tensors becomes a TensorDict and the required keys take their dtypes (`DTYPES`).
+    ValueError naming `source` and what is wrong: not a TensorDict, missing keys or bad shapes
+    (`validate_trajectory`), a trained token (loss_mask 1) with no policy version or a non-finite logprob, a
+    non-finite reward, or a `group_id` other than the row's (every trajectory of an episode carries it)."""
+    if out is None:
+        return None
+    where = f"{source}.arun_episode returned"
+    if isinstance(out, Mapping) and not isinstance(out, TensorDictBase):
+        try:
+            out = TensorDict({k: torch.as_tensor(v) for k, v in out.items()}, batch_size=[len(out["input_ids"])])
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise ValueError(f"{where} a dict that is not a batch of trajectories ({type(exc).__name__}: {exc}); "
+                             f"{EPISODE_CONTRACT}") from None
+    if not isinstance(out, TensorDictBase):
+        raise ValueError(f"{where} a {type(out).__name__}, not a TensorDict (or None to reject it); {EPISODE_CONTRACT}")
+    missing = [k for k in TOKEN_KEYS + SEQ_KEYS if k not in out.keys()]
+    if missing:
+        raise ValueError(f"{where} an episode missing the keys {missing} (it has {sorted(out.keys())}); "
+                         f"{EPISODE_CONTRACT}")
+    for key, dtype in DTYPES.items():
+        if out[key].dtype != dtype:
+            out[key] = out[key].to(dtype)
+    try:
+        validate_trajectory(out)
+    except ValueError as exc:
+        raise ValueError(f"{where} an invalid episode: {exc}; {EPISODE_CONTRACT}") from None
+    trained = out["loss_mask"]
+    unversioned = int((out["versions"][trained] < 0).sum())
+    if unversioned:
+        raise ValueError(f"{where} {unversioned} trained tokens (loss_mask 1) with no policy version (versions < 0): "
+                         "each generated token carries the version of the policy that sampled it "
+                         "(LLMResponse.output_versions, which TrajectoryBuilder.add_generated copies)")
+    if not bool(torch.isfinite(out["logprobs"][trained]).all()):
+        raise ValueError(f"{where} non-finite logprobs on trained tokens: they must be the engine's behaviour logprobs")
+    if not bool(torch.isfinite(out["rewards"]).all()):
+        raise ValueError(f"{where} non-finite rewards {out['rewards'].tolist()[:8]}")
+    if group_id is not None and not bool((out["group_id"] == int(group_id)).all()):
+        raise ValueError(f"{where} trajectories with group_id {sorted(set(out['group_id'].tolist()))[:4]} for a row of "
+                         f"group {int(group_id)}: every trajectory of an episode carries the row's data['group_id'] "
+                         "(the collector's id of the episode, and GRPO's group)")
+    return out
 
 
 def concat_padded(tds: Iterable[TensorDict]) -> TensorDict:

@@ -33,8 +33,9 @@ from rayllm_rl.orchestration.sft_warmup import sft_warm_start, sft_warmed_demo_m
 from rayllm_rl.view.records import TraceWriter
 
 
-def open_backend(plan: JobPlan, model_path: str, task, tokenizer) -> Backend:
-    return plan.backend_class()(plan, model_path, task, tokenizer)
+def open_backend(plan: JobPlan, model_path: str, task, tokenizer, workflow=None) -> Backend:
+    """The plan's backend over the job's roles; `workflow`: the user's own rollout workflow (JobInputs.workflow)."""
+    return plan.backend_class()(plan, model_path, task, tokenizer, workflow=workflow)
 
 
 def train(cfg: GRPOJobConfig, plan: JobPlan | None = None, inputs: JobInputs | None = None, *,
@@ -48,6 +49,7 @@ def train(cfg: GRPOJobConfig, plan: JobPlan | None = None, inputs: JobInputs | N
 
     t_start = time.perf_counter()
     plan = plan or make_plan(cfg)
+    inputs = inputs if inputs is not None else JobInputs.of(cfg)
     hooks = CallbackList(callbacks, cfg.trainer.callbacks)  # a bad one fails here, before anything starts
     reporter = RunReporter(cfg.trainer.run_dir, config=dataclasses.asdict(cfg), trackers=cfg.trackers)
     backend = None
@@ -59,7 +61,7 @@ def train(cfg: GRPOJobConfig, plan: JobPlan | None = None, inputs: JobInputs | N
         task, tokenizer = build_task(cfg, inputs), AutoTokenizer.from_pretrained(model_path)
         # LoRA on the demo model: its SFT-warmed base
         model_path = sft_warmed_demo_model(cfg, model_path, task, tokenizer, reporter, plan.learner_threads)
-        backend = open_backend(plan, model_path, task, tokenizer)  # a failed start cleans up after itself
+        backend = open_backend(plan, model_path, task, tokenizer, inputs.workflow)  # a failed start cleans up
         run = RunState(t_start=t_start, checkpoint=cfg.resume or None)
         hooks.train_begin(RunInfo(cfg, str(reporter.run_dir), model_path, cfg.trainer.steps), reporter)
         while True:

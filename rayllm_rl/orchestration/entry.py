@@ -5,7 +5,7 @@ the backend the plan names, and returns the same JSON-able summary the job print
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 
@@ -13,7 +13,7 @@ from rayllm_rl.orchestration.job_config import GRPOJobConfig
 def train(config: GRPOJobConfig | None = None, overrides: list[str] | None = None, *,
           callbacks: list | None = None, reward_fn: Callable[..., Any] | Sequence[Callable[..., Any]] | None = None,
           reward_weights: Sequence[float] | None = None, train_dataset: Any = None, eval_dataset: Any = None,
-          task: Any = None) -> dict:
+          task: Any = None, workflow: Any = None, workflow_kwargs: Mapping[str, Any] | None = None) -> dict:
     """Validate the config (before any actor starts), run it, return the summary.
 
     `overrides` are `key.sub=value` strings applied on top of `config` (or of the defaults).
@@ -35,7 +35,12 @@ def train(config: GRPOJobConfig | None = None, overrides: list[str] | None = Non
     - `reward_weights`: one weight per reward function (`reward.fn_weights`; default all 1.0);
     - `train_dataset` / `eval_dataset`: a `datasets.Dataset` or a list of dicts, in place of `data.path` /
       `data.eval_path`, checked as files are;
-    - `task`: a `Task` (with its rows) or a factory `factory(data_cfg, seed) -> Task`, in place of `task=`.
+    - `task`: a `Task` (with its rows) or a factory `factory(data_cfg, seed) -> Task`, in place of `task=`;
+    - `workflow`: a rollout workflow of your own, in place of `rollout.workflow=package.module:Name`: a class or
+      factory called in each env worker with the keywords it names of `reward_fn, tokenizer, sampling,
+      group_size, max_turns, turn_discount, task, config` (`workflows.custom.JOB_KEYWORDS`) plus
+      `workflow_kwargs`, returning an object with `async arun_episode(engine, data) -> TensorDict`; or such an
+      object itself (pickled to each worker: keep it small). docs/extending.md has the contract.
     """
     from rayllm_rl.config import apply_dict, parse_overrides
     from rayllm_rl.orchestration.job_inputs import JobInputs
@@ -44,7 +49,7 @@ def train(config: GRPOJobConfig | None = None, overrides: list[str] | None = Non
     if overrides:
         cfg = apply_dict(cfg, parse_overrides(list(overrides)))
     inputs = JobInputs.of(cfg, reward_fn=reward_fn, reward_weights=reward_weights, train_dataset=train_dataset,
-                          eval_dataset=eval_dataset, task=task)
+                          eval_dataset=eval_dataset, task=task, workflow=workflow, workflow_kwargs=workflow_kwargs)
     cfg = cfg.validate(inputs=inputs)  # a new config, the presets filled: everything below reads filled values
     from rayllm_rl.orchestration.driver import train as run_driver
     from rayllm_rl.orchestration.reporting import hf_progress_bars_off

@@ -1,10 +1,9 @@
 """Build the job's parts from its config, once, the same way for every backend: task, sampling,
-rollout workflow (by `rollout.workflow`), episode filter and whether a reference model is needed."""
+rollout workflow (the user's own, or the built-in one `rollout.workflow` names), episode filter."""
 from __future__ import annotations
 
 import dataclasses
 import functools
-import typing
 from typing import Any, Callable, Mapping
 
 import torch
@@ -13,9 +12,10 @@ from rayllm_rl.data.selectors import uniform_group_mask
 from rayllm_rl.envs.task import Task
 from rayllm_rl.envs.task_registry import make_task
 from rayllm_rl.inference.protocol import SamplingParams
-from rayllm_rl.orchestration.job_config import GRPOJobConfig, RolloutConfig
+from rayllm_rl.orchestration.job_config import BUILTIN_WORKFLOWS, GRPOJobConfig
 from rayllm_rl.orchestration.job_inputs import JobInputs
 from rayllm_rl.orchestration.object_path import import_object
+from rayllm_rl.workflows.custom import CustomWorkflow
 from rayllm_rl.workflows.rlvr import RLVRWorkflow
 
 
@@ -60,9 +60,6 @@ def build_sampling(cfg: GRPOJobConfig) -> SamplingParams:
     return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
 
 
-WORKFLOWS = typing.get_args(typing.get_type_hints(RolloutConfig)["workflow"])
-"""The values `rollout.workflow` takes (its Literal type)."""
-
 PYTHON_TOOL_PROMPT = ("You may run Python: write a ```python block and its output comes back in <tool_response>. "
                       "Give the final answer without a code block.")
 
@@ -86,17 +83,25 @@ def training_task(cfg: GRPOJobConfig, task: Task, reward_scorers: Mapping[str, A
 
 
 def build_workflow(cfg: GRPOJobConfig, task: Task, tokenizer, make_tools: Callable[[], list] = local_python_tools,
-                   reward_scorers: Mapping[str, Any] | None = None):
-    """The rollout workflow named by `rollout.workflow` ('auto': the task's env if it has one).
+                   reward_scorers: Mapping[str, Any] | None = None, custom: CustomWorkflow | None = None):
+    """The rollout workflow: the user's own (`custom`, the job's `JobInputs.workflow`) built with the job's
+    keywords (`workflows.custom.JOB_KEYWORDS`), else the built-in one `rollout.workflow` names ('auto': the
+    task's env if it has one). The one place that turns a workflow's name into a workflow.
 
     `make_tools()` builds one episode's tools for `python_tool`; `reward_scorers` ({"model": ..., "judge":
     ...}) score for `reward.*`; each backend hands in its own (in-process, or Ray actors), so nothing here
     asks which backend runs."""
     task = training_task(cfg, task, reward_scorers)
     r = cfg.rollout
+    if custom is not None:
+        return custom.build({"reward_fn": task.reward_fn, "tokenizer": tokenizer, "sampling": build_sampling(cfg),
+                             "group_size": r.group_size, "max_turns": r.max_turns, "turn_discount": r.turn_discount,
+                             "task": task.worker_part(), "config": cfg})
     kind = r.workflow
-    if kind not in WORKFLOWS:
-        raise ValueError(f"rollout.workflow must be one of {list(WORKFLOWS)}, got {kind!r}")
+    if kind not in BUILTIN_WORKFLOWS:
+        raise ValueError(f"rollout.workflow={kind!r} is not a built-in workflow {list(BUILTIN_WORKFLOWS)}, and no "
+                         "workflow of your own was handed in (JobInputs.workflow: rollout.workflow=package.module:Name "
+                         "imported, or train(workflow=...))")
     if kind == "auto":
         kind = "env" if task.make_env is not None else "rlvr"
     if kind == "env":

@@ -6,6 +6,7 @@ One field's own bounds and allowed values are in its type (`rayllm_rl.config.Lim
 """
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 from rayllm_rl.config import check_fields
@@ -31,7 +32,7 @@ def check_job(cfg: Any, environment: bool = True, inputs: Any = None) -> None:
     unresolved = [key for key in PRESET_KEYS if get_key(cfg, key) is None]
     if unresolved:
         raise ValueError(f"task={cfg.task!r} has no preset for {unresolved}; set them")
-    check_rollout_fields(cfg)
+    check_rollout_fields(cfg, inputs)
     cfg.algo.build_loss(cfg.rollout.max_new_tokens)  # the loss's own checks (e.g. GRPO's clip_eps_low < 1)
     check_placement(cfg)
     check_local_backend(cfg)
@@ -48,15 +49,34 @@ def check_job(cfg: Any, environment: bool = True, inputs: Any = None) -> None:
                    colocated=rc.placement == "colocated")
 
 
-def check_rollout_fields(cfg: Any) -> None:
-    """A rollout field the chosen workflow never reads is a mistake, not a no-op."""
+def check_rollout_fields(cfg: Any, inputs: Any = None) -> None:
+    """`rollout.workflow` is a built-in workflow or one of the user's (`inputs.workflow`, the job's JobInputs), and a
+    rollout field the chosen workflow never reads is a mistake, not a no-op: a custom workflow reads `max_turns`
+    and `turn_discount` when its class or factory takes them as keywords."""
+    from rayllm_rl.orchestration.job_config import BUILTIN_WORKFLOWS
+
     r, defaults = cfg.rollout, type(cfg.rollout)()
+    custom = getattr(inputs, "workflow", None)
+    if custom is None and r.workflow not in BUILTIN_WORKFLOWS:
+        close = difflib.get_close_matches(r.workflow, BUILTIN_WORKFLOWS, n=3, cutoff=0.6)
+        raise ValueError(f"rollout.workflow={r.workflow!r} is neither a built-in workflow {list(BUILTIN_WORKFLOWS)}"
+                         + (f" (close: {close})" if close else "") + " nor an import path 'package.module:Name' of "
+                         "a workflow of your own (docs/extending.md)")
     turns = {"multi_turn", "env", "python_tool", "auto"}
-    if r.max_turns != defaults.max_turns and r.workflow not in turns:
-        raise ValueError(f"rollout.max_turns={r.max_turns} is read only by rollout.workflow in {sorted(turns)}; "
-                         f"rollout.workflow={r.workflow} is single-turn")
-    if r.turn_discount != defaults.turn_discount and r.workflow != "multi_turn":
-        raise ValueError(f"rollout.turn_discount is read only by rollout.workflow=multi_turn, not {r.workflow}")
+    readers = {"max_turns": turns, "turn_discount": {"multi_turn"}}
+    for key, builtin in readers.items():
+        value = getattr(r, key)
+        if value == getattr(defaults, key):
+            continue
+        if custom is not None and not custom.takes(key):
+            raise ValueError(f"rollout.{key}={value} is not read by {custom.label}: its class or factory takes no "
+                             f"{key!r} keyword")
+        if custom is None and r.workflow not in builtin:
+            raise ValueError(f"rollout.max_turns={value} is read only by rollout.workflow in {sorted(builtin)} (or a "
+                             f"workflow of your own taking max_turns); rollout.workflow={r.workflow} is single-turn"
+                             if key == "max_turns" else
+                             f"rollout.turn_discount is read only by rollout.workflow=multi_turn (or a workflow of your "
+                             f"own taking turn_discount), not {r.workflow}")
     if bool(r.agent) != (r.workflow == "openai_agent"):
         raise ValueError("rollout.agent='package.module:async_fn' goes with rollout.workflow=openai_agent and only "
                          f"with it (got workflow={r.workflow}, agent={r.agent!r})")

@@ -95,6 +95,11 @@ class DataConfig:
     instruction and system line, and the format reward (envs/reasoning_gym_task.py, docs/tasks.md)."""
 
 
+BUILTIN_WORKFLOWS = ("auto", "rlvr", "multi_turn", "env", "openai_agent", "python_tool")
+"""The built-in values of `rollout.workflow` (`factories.build_workflow` builds each); any other value is an import
+path 'package.module:Name' of a workflow of your own, or "python:<name>" for one given to `train(workflow=...)`."""
+
+
 @dataclasses.dataclass
 class RolloutConfig:
     """Sampling and grouping of rollouts."""
@@ -118,12 +123,18 @@ class RolloutConfig:
     distribution (the ratio is then biased by the dropped mass, log M in [log top_p, 0] per token)."""
     max_staleness: NonNegInt = 1
     """AReaL's eta: rollouts may be up to this many policy versions old (0 = synchronous)."""
-    workflow: Literal["auto", "rlvr", "multi_turn", "env", "openai_agent", "python_tool"] = "auto"
+    workflow: str = "auto"
     """'rlvr' (one turn, reward per completion), 'multi_turn' (AReaL's retry-with-feedback math agent),
     'env' (the task's ChatEnv, e.g. GSM8KEnv, run token-in/token-out), 'openai_agent' (agent code
     written with the OpenAI SDK, see `agent`), 'python_tool' (multi-turn agent whose ```python blocks run in
-    the sandbox, results masked out of the loss; set max_turns >= 2), or 'auto' (env when the task has
-    one, else rlvr)."""
+    the sandbox, results masked out of the loss; set max_turns >= 2), 'auto' (env when the task has
+    one, else rlvr); or 'package.module:Name', a workflow of your own: a class or factory each env worker
+    calls with the keywords it names of reward_fn, tokenizer, sampling, group_size, max_turns, turn_discount,
+    task, config (plus `workflow_kwargs`), returning an object with `async arun_episode(engine, data) ->
+    TensorDict` (docs/extending.md)."""
+    workflow_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Keyword arguments of your own workflow's class or factory (AReaL's `workflow_kwargs`), e.g.
+    `rollout.workflow_kwargs.hint_every=2`; text from the command line takes the type of the parameter's default."""
     max_turns: int = 1
     """Policy turns per episode for the multi_turn, env and python_tool workflows."""
     agent: str = ""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from rayllm_rl.orchestration.object_path import import_object
 
@@ -37,21 +37,29 @@ class JobInputs:
     """How errors name the custom task ("task='m:f'" or "task= (its name)")."""
     python_task: str = ""
     """The name of a task given as an object: `task` resolves to "python:<it>" (a Task's name, a factory's)."""
+    workflow: Any = None
+    """A rollout workflow of the user's own (`workflows.custom.CustomWorkflow`: the class, factory or instance and
+    its keyword arguments), from `train(workflow=..., workflow_kwargs=...)` or `rollout.workflow=package.module:Name`
+    imported; None = the built-in one `rollout.workflow` names."""
+    python_workflow: str = ""
+    """The name of a workflow given as an object: `rollout.workflow` resolves to "python:<it>"."""
 
     @classmethod
     def of(cls, cfg: Any, *, reward_fn: Callable | Sequence[Callable] | None = None,
            reward_weights: Sequence[float] | None = None, train_dataset: Any = None, eval_dataset: Any = None,
-           task: Any = None) -> "JobInputs":
+           task: Any = None, workflow: Any = None, workflow_kwargs: Mapping[str, Any] | None = None) -> "JobInputs":
         """The objects of a job whose config is `cfg` (resolved or not): the keywords of `train`, plus the
         config's import paths imported. Giving one thing both ways (e.g. `reward_fn=` and `reward.fn`, `task=`
-        and `task: gsm8k`, `train_dataset=` and `data.path`) is a ValueError naming both."""
+        and `task: gsm8k`, `train_dataset=` and `data.path`, `workflow=` and `rollout.workflow=rlvr`) is a
+        ValueError naming both."""
         fns, labels = _reward_fns(cfg, reward_fn)
         weights = _weights(cfg, reward_weights, len(fns))
         for obj, keyword, field in ((train_dataset, "train_dataset", "path"), (eval_dataset, "eval_dataset", "eval_path")):
             if obj is not None and getattr(cfg.data, field):
                 raise ValueError(f"{keyword}= and data.{field}={getattr(cfg.data, field)!r} both name the rows: give one")
         custom, label, python_name = _task(cfg, task)
-        return cls(fns, weights, labels, train_dataset, eval_dataset, custom, label, python_name)
+        flow, python_flow = _workflow(cfg, workflow, workflow_kwargs)
+        return cls(fns, weights, labels, train_dataset, eval_dataset, custom, label, python_name, flow, python_flow)
 
 
 def _reward_fns(cfg: Any, given) -> tuple[tuple[Callable, ...], tuple[str, ...]]:
@@ -111,3 +119,43 @@ def _task(cfg: Any, given) -> tuple[Any, str, str]:
             raise ValueError(f"task={name!r} is a {type(factory).__name__}, not a factory factory(data_cfg, seed) -> Task")
         return factory, f"task={name!r}", ""
     return None, "", ""
+
+
+def _workflow(cfg: Any, given, given_kwargs: Mapping[str, Any] | None):
+    """(the job's CustomWorkflow or None, the name `rollout.workflow` resolves to for one given in Python): the
+    object of `workflow=`, or `rollout.workflow=package.module:Name` imported (naming the key when it does not
+    import), with its keyword arguments (`workflow_kwargs=` or `rollout.workflow_kwargs`, command-line text
+    converted to the parameters' types), checked against its signature (`CustomWorkflow.check`)."""
+    from rayllm_rl.config import coerce
+    from rayllm_rl.orchestration.object_path import is_import_path
+    from rayllm_rl.workflows.custom import PYTHON_WORKFLOW_PREFIX, CustomWorkflow, name_of, typed_kwargs
+
+    name = cfg.rollout.workflow or "auto"
+    configured = dict(cfg.rollout.workflow_kwargs or {})
+    if given_kwargs is not None and configured:
+        raise ValueError(f"workflow_kwargs= and rollout.workflow_kwargs={configured} both give the workflow's keyword "
+                         "arguments: give one")
+    if given_kwargs is not None and not isinstance(given_kwargs, Mapping):
+        raise ValueError(f"workflow_kwargs= is a {type(given_kwargs).__name__}: expected a dict of keyword arguments")
+    if given_kwargs is not None:
+        kwargs, key = dict(given_kwargs), "workflow_kwargs="
+    else:
+        kwargs, key = configured, "rollout.workflow_kwargs"
+    if given is not None:
+        if name != "auto" and not name.startswith(PYTHON_WORKFLOW_PREFIX):
+            raise ValueError(f"workflow= (a Python object) and rollout.workflow={name!r} both name the workflow: give one")
+        source, label, python_name = given, f"workflow= ({name_of(given)})", name_of(given)
+    elif name.startswith(PYTHON_WORKFLOW_PREFIX):
+        raise ValueError(f"rollout.workflow={name!r} names a workflow given as a Python object, and none was given "
+                         "(train(workflow=...))")
+    elif is_import_path(name):
+        source, label, python_name = import_object(name, "rollout.workflow"), f"rollout.workflow={name!r}", ""
+    else:
+        if kwargs:
+            raise ValueError(f"{key}={kwargs} are the keyword arguments of a workflow of your own (rollout.workflow="
+                             f"package.module:Name, or train(workflow=...)); rollout.workflow={name!r} is not one (a "
+                             "built-in workflow takes none)")
+        return None, ""
+    spec = CustomWorkflow(source, typed_kwargs(source, kwargs, coerce, key.rstrip("=")), label, key)
+    spec.check()
+    return spec, python_name

@@ -12,6 +12,7 @@ import copy
 from typing import Any
 
 from rayllm_rl.envs.task_registry import PRESET_KEYS, TASKS, find_entry, resolve_task_name
+from rayllm_rl.workflows.custom import PYTHON_WORKFLOW_PREFIX
 
 TASK_PRESETS: dict[str, dict[str, Any]] = {name: dict(entry.presets) for name, entry in TASKS.items()}
 """Per built-in task, the value each task-dependent field (left None) takes at `resolve_presets`; the same keys
@@ -52,10 +53,14 @@ def resolve_presets(cfg: Any, inputs: Any = None) -> Any:
     """A new config: `cfg` with `task` resolved (`task_registry.resolve_task_name`: left unset, `prompts` when a
     reward function is given by `reward.fn` or in `inputs` (the job's JobInputs), a task object's
     "python:<name>", else `arithmetic`) and each field it leaves None (and `model.dtype=auto`) filled from
-    `preset_values`. Idempotent; `cfg` is not changed."""
+    `preset_values`; `rollout.workflow` left "auto" is "python:<name>" for a workflow given as a Python object.
+    Idempotent; `cfg` is not changed."""
     out = copy.deepcopy(cfg)
     out.task = resolve_task_name(cfg.task, bool(cfg.reward.fn) or bool(getattr(inputs, "reward_fns", ())),
                                  getattr(inputs, "python_task", "") or None)
+    python_workflow = getattr(inputs, "python_workflow", "")
+    if python_workflow and out.rollout.workflow == "auto":  # train(workflow=...): named in config.json and the logs
+        out.rollout.workflow = PYTHON_WORKFLOW_PREFIX + python_workflow
     for key, value in preset_values(out).items():
         *path, field = key.split(".")
         section = get_key(out, ".".join(path)) if path else out

@@ -1,7 +1,7 @@
 """`GRPOTrainer`: TRL's front door (`GRPOTrainer(model, reward_funcs, train_dataset, ...).train()`) over `train`.
 
-It only translates: `model` is `model.path`, `reward_funcs` / `reward_weights` / the datasets / `callbacks`
-are `train`'s objects, `args` the job config (a GRPOJobConfig, a dict of keys, or a list of `key=value`
+It only translates: `model` is `model.path`, `reward_funcs` / `reward_weights` / the datasets / `callbacks` /
+`workflow` (AReaL's custom rollout workflow, with `workflow_kwargs`) are `train`'s objects, `args` the job config (a GRPOJobConfig, a dict of keys, or a list of `key=value`
 overrides). What runs, and every check before any actor starts, is `train`'s.
 """
 from __future__ import annotations
@@ -13,13 +13,15 @@ from rayllm_rl.orchestration.job_config import GRPOJobConfig
 
 class GRPOTrainer:
     """`GRPOTrainer(model=None, reward_funcs=None, train_dataset=None, eval_dataset=None, args=None,
-    reward_weights=None, callbacks=None).train() -> summary`: the job `train(config, reward_fn=..., ...)` runs."""
+    reward_weights=None, callbacks=None, workflow=None, workflow_kwargs=None).train() -> summary`: the job
+    `train(config, reward_fn=..., ...)` runs."""
 
     def __init__(self, model: str | None = None,
                  reward_funcs: Callable[..., Any] | Sequence[Callable[..., Any]] | None = None,
                  train_dataset: Any = None, eval_dataset: Any = None,
                  args: GRPOJobConfig | Mapping[str, Any] | Sequence[str] | None = None,
-                 reward_weights: Sequence[float] | None = None, callbacks: Sequence[Any] | None = None) -> None:
+                 reward_weights: Sequence[float] | None = None, callbacks: Sequence[Any] | None = None,
+                 workflow: Any = None, workflow_kwargs: Mapping[str, Any] | None = None) -> None:
         config = config_of(args)
         if model is not None:
             if not isinstance(model, str):
@@ -37,6 +39,8 @@ class GRPOTrainer:
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.callbacks = callbacks
         """Callback objects (orchestration/callbacks.py), as TRL's `callbacks`."""
+        self.workflow, self.workflow_kwargs = workflow, workflow_kwargs
+        """A rollout workflow of your own (`train(workflow=...)`, docs/extending.md) and its keyword arguments."""
 
     def train(self) -> dict:
         """Run the job (`rayllm_rl.train`); returns its summary."""
@@ -44,7 +48,7 @@ class GRPOTrainer:
 
         return train(self.config, callbacks=self.callbacks, reward_fn=self.reward_funcs,
                      reward_weights=self.reward_weights, train_dataset=self.train_dataset,
-                     eval_dataset=self.eval_dataset)
+                     eval_dataset=self.eval_dataset, workflow=self.workflow, workflow_kwargs=self.workflow_kwargs)
 
 
 def config_of(args: GRPOJobConfig | Mapping[str, Any] | Sequence[str] | None) -> GRPOJobConfig:

@@ -17,7 +17,7 @@ from typing import Any, Awaitable, Callable
 
 from tensordict import TensorDict
 
-from rayllm_rl.data.trajectory import validate_trajectory
+from rayllm_rl.data.trajectory import check_episode
 from rayllm_rl.rollout.staleness import StalenessController
 
 log = logging.getLogger(__name__)
@@ -34,10 +34,11 @@ class EpisodeOutcome:
 
 async def run_and_store(workflow, engine, row: dict, put: Callable[[TensorDict], Awaitable[Any]],
                         episode_filter: Callable[[TensorDict], bool] | None = None) -> EpisodeOutcome:
-    """Run one episode, check it is a valid trajectory batch, and `put` it unless the filter rejects it."""
-    td = await workflow.arun_episode(engine, row)
-    validate_trajectory(td)
-    if episode_filter is not None and not episode_filter(td):
+    """Run one episode, check it is a valid trajectory batch of the row's group (`check_episode`: a custom
+    workflow's mistakes fail the episode naming the workflow and the keys), and `put` it unless rejected: the
+    workflow returned None (AReaL's way to drop an episode), or the filter refuses it."""
+    td = check_episode(await workflow.arun_episode(engine, row), row.get("group_id"), type(workflow).__name__)
+    if td is None or (episode_filter is not None and not episode_filter(td)):
         return EpisodeOutcome(accepted=False)
     await put(td)
     return EpisodeOutcome(accepted=True, generated_tokens=int(td["loss_mask"].sum()))

@@ -159,3 +159,10 @@ class RewardCaller:
         for key, value in (inner() if callable(inner) else {}).items():
             out[key] = out.get(key, 0) + value
         return out
+
+
+def workflow_reward_counters(workflow) -> dict[str, int]:
+    """The reward calls and failures of `workflow.reward` (a RewardCaller, or anything with `counters()`), for the
+    summary's `reward_failures`; {} when it has none (a workflow of the user's own may keep anything there)."""
+    counters = getattr(getattr(workflow, "reward", None), "counters", None)
+    return dict(counters()) if callable(counters) else {}

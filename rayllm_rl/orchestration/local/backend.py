@@ -32,6 +32,7 @@ from rayllm_rl.orchestration.local.reward_scorers import local_reward_scorers
 from rayllm_rl.orchestration.job_plan import JobPlan
 from rayllm_rl.rollout.staleness import StalenessController
 from rayllm_rl.workflows.evaluation import evaluate_greedy
+from rayllm_rl.workflows.rewards import workflow_reward_counters
 
 
 class LocalBackend:
@@ -40,7 +41,8 @@ class LocalBackend:
     session = staticmethod(contextlib.nullcontext)
     """Around a job run by `entry.train`: nothing to start or stop outside this process."""
 
-    def __init__(self, plan: JobPlan, model_path: str, task, tokenizer):
+    def __init__(self, plan: JobPlan, model_path: str, task, tokenizer, workflow=None):
+        """`workflow`: the user's own rollout workflow (`JobInputs.workflow`), built here; None = the built-in one."""
         self.plan, cfg = plan, plan.config
         random.seed(cfg.trainer.seed)
         torch.manual_seed(cfg.trainer.seed)
@@ -60,7 +62,7 @@ class LocalBackend:
             self.loss = plan.loss
             self.reward_scorers = local_reward_scorers(cfg)  # {} unless reward.model / reward.judge is on
             self.workflow = build_workflow(cfg, task, tokenizer, make_tools=local_python_tools,
-                                           reward_scorers=self.reward_scorers)
+                                           reward_scorers=self.reward_scorers, custom=workflow)
             self.episode_filter = build_episode_filter(cfg)
             self.reference = None
             self.faults = FaultLedger(ROLE_KINDS)
@@ -171,11 +173,10 @@ class LocalBackend:
         return extra["step"], extra["version"]
 
     def summary_stats(self) -> dict[str, Any]:
-        reward = getattr(self.workflow, "reward", None)
         engine_sum = self.loop.call(self.engine.weights_checksum(), 60, "engine checksum")
         return {"failed_episodes": self.collector_stats()["failed_episodes"], **self.faults.summary(),
                 "buffer": self.loop.run(self.buffer.buffer.stats),
-                "reward_failures": reward.counters() if reward is not None else {},
+                "reward_failures": workflow_reward_counters(self.workflow),
                 "replica_versions_held": [list(self.versions_held)], "weight_transport": "in-process",
                 "learner_checksums_equal_replicas": weights_checksum(self.learner.named_tensors()) == engine_sum,
                 "reward_services": {"reward-model": dataclasses.asdict(self.reward_scorers["model"].stats)}

@@ -229,8 +229,9 @@ class EnvWorker(ActorProcess):
         await asyncio.wait_for(self.buffer.put.remote(td, self.timeout_s, episode_id), self.timeout_s + 30)
 
     def stats(self) -> dict[str, Any]:
-        reward = getattr(self.workflow, "reward", None)
-        return {"episodes": self.episodes, **(reward.counters() if reward is not None else {})}
+        from rayllm_rl.workflows.rewards import workflow_reward_counters
+
+        return {"episodes": self.episodes, **workflow_reward_counters(self.workflow)}
 
 
 @ray_actor

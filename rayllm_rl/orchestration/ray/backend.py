@@ -28,6 +28,7 @@ from rayllm_rl.orchestration.job_plan import REFERENCE, JobPlan
 from rayllm_rl.orchestration.ray.router import ReplicaRouter
 from rayllm_rl.orchestration.ray.reward_actors import ray_reward_scorers, reward_service_stats
 from rayllm_rl.orchestration.ray.tool_services import ray_python_tools
+from rayllm_rl.workflows.custom import CustomWorkflow
 from rayllm_rl.workflows.evaluation import evaluate_greedy
 
 log = logging.getLogger(__name__)
@@ -45,22 +46,32 @@ def session_for_job():
             ray.shutdown()
 
 
-def make_workflow(cfg: GRPOJobConfig, model_path: str, worker_task: Task):
+def make_workflow(cfg: GRPOJobConfig, model_path: str, worker_task: Task, custom: CustomWorkflow | None = None):
     """Top-level (picklable) factory run inside each EnvWorker: `worker_task` is the driver's task without its
-    rows (`Task.worker_part`: reward fn, env class), shipped by value in the env worker's constructor
-    arguments, so a reward defined in the user's script reaches it too (the collector hands each episode its
-    row); the tokenizer from `model_path` resolved on this node, and the `reward.*` scorers over the
-    reward-model and judge actors."""
+    rows (`Task.worker_part`: reward fn, env class) and `custom` the user's own workflow (its class, factory or
+    instance), both shipped by value in the env worker's constructor arguments, so a reward or a workflow
+    defined in the user's script reaches it too (the collector hands each episode its row); the tokenizer from
+    `model_path` resolved on this node, and the `reward.*` scorers over the reward-model and judge actors."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model_path, cfg.model.revision))
     return build_workflow(cfg, worker_task, tokenizer, make_tools=ray_python_tools,
-                          reward_scorers=ray_reward_scorers(cfg))
+                          reward_scorers=ray_reward_scorers(cfg), custom=custom)
 
 
 WORKER_TASK_HINT = ("keep large data (a lookup table, a model) out of the reward's closure and attributes: load it "
                     "inside the reward from a path (once per process, e.g. functools.cache)")
 """What to do about a task's worker part too big to inline in the env workers' constructor arguments."""
+
+
+def shipped_workflow(custom: CustomWorkflow | None) -> CustomWorkflow | None:
+    """The user's workflow, checked to ride in an env worker's constructor arguments (`check_inlined`); one too
+    big (an instance holding a tokenizer or a model, a closure over a large object) fails naming it."""
+    if custom is not None:
+        check_inlined("env worker", (custom,), names=(f"the workflow of {custom.label}",),
+                      hint="pass a class or factory (the job hands it the tokenizer, reward and sampling in each env "
+                           "worker) and load large data inside it from a path")
+    return custom
 
 
 def worker_part(task: Task) -> Task:
@@ -91,9 +102,11 @@ class RayBackend:
 
     session = staticmethod(session_for_job)
 
-    def __init__(self, plan: JobPlan, model_path: str, task, tokenizer):
+    def __init__(self, plan: JobPlan, model_path: str, task, tokenizer, workflow: CustomWorkflow | None = None):
+        """`workflow`: the user's own rollout workflow (`JobInputs.workflow`), built in each env worker."""
         from rayllm_rl.orchestration.ray.metrics import RayMetrics
 
+        self.workflow = shipped_workflow(workflow)  # too big to inline fails before Ray starts
         init_ray(plan.config)
         self.plan, self.cfg = plan, plan.config
         self.model_path, self.task, self.tokenizer = model_path, task, tokenizer
@@ -114,8 +127,8 @@ class RayBackend:
 
     def _build(self) -> None:
         cfg, worker_task = self.cfg, worker_part(self.task)
-        self.cluster: Cluster = build_cluster(self.plan, self.model_path, self.task,
-                                              functools.partial(make_workflow, cfg, self.model_path, worker_task))
+        self.cluster: Cluster = build_cluster(self.plan, self.model_path, self.task, functools.partial(
+            make_workflow, cfg, self.model_path, worker_task, self.workflow))
         self.reference = None
         self._pending_version = None  # the last set_version call, awaited at the next one
         self._synced: int | None = None
