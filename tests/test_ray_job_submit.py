@@ -131,19 +131,30 @@ def test_env_seconds_names_a_bad_value(monkeypatch):
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-def test_job_submit_runs_and_prints_summary(tmp_path):
+def test_job_submit_runs_a_users_reward_by_import_path_and_prints_summary(tmp_path):
+    """The user's own job through `ray job submit` to a local head: their reward by import path from the working
+    dir (examples/user_reward/myreward.py, uploaded with it), their JSONL of messages + answer rows; setting
+    reward.fn is all it takes (the prompt task). It finishes, prints its summary and leaves no Ray process."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)})
+                            + "\n" for a in range(5) for b in range(5)))
     env = dict(os.environ, **{k: str(v) for k, v in SCRIPT_BOUNDS_S.items()})
     out = subprocess.run(
-        [sys.executable, "jobs/submit_local.py", "sft.steps=2", "trainer.steps=3", "data.eval_size=16",
-         "trainer.eval_every=0", "rollout.prompts_per_step=4", f"trainer.run_dir={tmp_path}"],
+        [sys.executable, "jobs/submit_local.py", "reward.fn=examples.user_reward.myreward:score", f"data.path={rows}",
+         "trainer.steps=3", "data.eval_size=4", "trainer.eval_every=0", "rollout.prompts_per_step=4",
+         "rollout.group_size=2", "rollout.max_new_tokens=6", f"trainer.run_dir={tmp_path / 'runs'}"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "succeeded" in out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 3 and summary["version"] == 3 and summary["max_version_lag"] <= 1
+    assert summary["reward_failures"]["reward_calls"] >= 3 * 4 * 2 and summary["reward_failures"]["reward_errors"] == 0
+    assert set(summary["eval_after"]) == {"eval_reward", "eval_tagged", "eval_right", "eval_n"}  # its components
     run = Path(summary["run_dir"])
-    assert run.parent == tmp_path and (run / "metrics.jsonl").exists() and (run / "reward_curve.png").exists()
+    assert run.parent == tmp_path / "runs" and (run / "metrics.jsonl").exists() and (run / "reward_curve.png").exists()
+    config = json.loads((run / "config.json").read_text())
+    assert config["task"] == "prompts" and config["reward"]["fn"] == ["examples.user_reward.myreward:score"]
     assert (Path(summary["checkpoint"]) / "config.json").exists()
     leftovers = subprocess.run(["pgrep", "-f", "rayhead-"], capture_output=True, text=True).stdout.split()
     assert leftovers == [], f"ray processes left running: {leftovers}"

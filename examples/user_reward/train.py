@@ -1,7 +1,7 @@
 """Your reward function on your own JSONL rows, trained from Python (rayllm_rl.train with reward_fn=).
 
     python examples/user_reward/train.py                      # small: the offline tiny model, about a minute
-    python examples/user_reward/train.py --full               # SmolLM2-135M-Instruct (`make models`), ~50 min on 2 cores
+    python examples/user_reward/train.py --full               # SmolLM2-135M-Instruct (`make models`), under 30 min on 2 cores
     python examples/user_reward/train.py trainer.steps=20     # any job override after the flags wins
 
 It writes `rows.jsonl` and `held_out.jsonl` (one chat prompt in `messages` and the `answer` per line) under
@@ -41,8 +41,8 @@ SMALL = ["sft.steps=60", "sft.batch_size=32", "sft.lr=1e-3", "data.sft_column=de
 
 FULL = [f"model.path={SMOLLM2}", "model.dtype=float32", "rollout.prompts_per_step=8", "rollout.group_size=8",
         "rollout.max_new_tokens=48", "rollout.temperature=0.7", "optim.lr=2e-5", "optim.warmup_steps=5",
-        "optim.max_tokens_per_micro_batch=2048", "trainer.steps=200", "trainer.time_budget_s=2700",
-        "trainer.eval_every=15", "trainer.log_every=1", "trainer.checkpoint_every=0", "data.eval_size=200"]
+        "optim.max_tokens_per_micro_batch=2048", "trainer.steps=200", "trainer.time_budget_s=1440",
+        "trainer.eval_every=10", "trainer.log_every=1", "trainer.checkpoint_every=0", "data.eval_size=200"]
 """SmolLM2-135M-Instruct with no warm start: the settings of recipes/smollm2-135m_reasoning-gym_cpu.yaml."""
 
 
