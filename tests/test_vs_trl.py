@@ -25,7 +25,7 @@ Numerical Algorithms, section 3.1), so two evaluations differ by at most 2 * R *
 reduction in the step: the vocabulary softmax (384), the MLP width (384) or a weight gradient's sum over the
 batch's padded positions (TRL's 16 rows x 41 = 656 here); scale is each parameter tensor's largest gradient entry
 for the gradient, and the largest per-token |A| * max(ratio, 1 + eps) for the loss. So 2 * 656 * 2^-24 = 7.8e-5 of
-the scale here; the two actually differ by under 2e-6 of it (docs/vs_trl_gradient.md).
+the scale here; the two actually differ by under 2e-6 of it (docs/performance.md, "Issue V: our GRPO step against TRL's").
 """
 from __future__ import annotations
 
