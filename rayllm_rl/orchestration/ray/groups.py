@@ -128,14 +128,20 @@ class LearnerGroup(ActorGroup):
 
 
 class ReplicaGroup(ActorGroup):
-    """The inference replicas (`actors.InferenceReplica`)."""
+    """The inference replicas (`actors.InferenceReplica`); their engines' start has a bound of its own
+    (`ray.engine_start_timeout_s`, `start_timeout_s`; None = the group's call timeout)."""
+
+    def __init__(self, handles: list[Any], timeout_s: float, role: str = "inference replicas",
+                 start_timeout_s: float | None = None):
+        super().__init__(handles, timeout_s, role)
+        self.start_timeout_s = start_timeout_s or timeout_s
 
     def ready(self, indices: list[int] | None = None) -> None:
         """Engines up (vLLM: its engine core), for all replicas or those at `indices`."""
         members = self.handles if indices is None else [self.handles[i] for i in indices]
-        get_within([r.ready.remote() for r in members], self.timeout_s,
+        get_within([r.ready.remote() for r in members], self.start_timeout_s,
                    f"{len(members)} inference replica(s): load the model and start the engine (vLLM-CPU: ~40 s on "
-                   "an idle 2-core machine, over 120 s with one core busy)")
+                   "an idle 2-core machine, over 120 s with one core busy)", "ray.engine_start_timeout_s")
 
     def node_ips(self) -> list[str]:
         return self.each(lambda r: r.node_ip.remote())
