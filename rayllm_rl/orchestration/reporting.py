@@ -239,6 +239,8 @@ class RunReporter:
             self._metrics.write(json.dumps(record, default=float) + "\n")
         if self.trackers is not None:
             self.trackers.log(record)
+        if "eval_reward" in record:  # the curve on disk is current after every evaluation, not only at the end
+            self.plot_rewards()
         if show:
             keys = [k for k in ("phase", "step", "sft_step", "reward", "eval_reward", "loss", "nll", "collect_s", "train_s") if k in record]
             parts = [f"{k}={record[k]:.4g}" if isinstance(record[k], float) else f"{k}={record[k]}" for k in keys]
@@ -269,15 +271,16 @@ class RunReporter:
             self._metrics.close()
 
     def plot_rewards(self) -> Path | None:
+        """`reward_curve.png`: the sampled training reward per step and the held-out eval reward. Drawn on a bare
+        `Figure` (its own Agg canvas), never through pyplot: the process's matplotlib backend (a notebook's inline
+        one) stays as it was."""
         rl = [r for r in self.records if r.get("phase") == "rl" and "reward" in r]
         if not rl:
             return None
-        import matplotlib
+        from matplotlib.figure import Figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 3.5))
+        fig = Figure(figsize=(6, 3.5))
+        ax = fig.subplots()
         ax.plot([r["step"] for r in rl], [r["reward"] for r in rl], label="train reward (sampled)")
         ev = [r for r in self.records if "eval_reward" in r]
         if ev:
@@ -288,7 +291,6 @@ class RunReporter:
         fig.tight_layout()
         path = self.run_dir / "reward_curve.png"
         fig.savefig(path, dpi=100)
-        plt.close(fig)
         return path
 
     def finish(self, summary: dict[str, Any]) -> None:
