@@ -45,6 +45,16 @@ TASKS = {  # reasoning-gym generators, each with options giving two-term, one-or
                          "operators": ["+", "-"]},  # no "/": integer answers only, as chain_sum's
 }
 TIMEOUT_S = 4 * 3600.0
+NOT_MATCHED = [
+    "Adam beta2: ours 0.99 (the recipe's optim.beta2 default), TRL 0.999 (its default, as asked)",
+    "warmup: ours lr x (k+1)/warmup at optimizer step k (first step 1/5 of lr), TRL constant_with_warmup k/warmup "
+    "(first step lr 0)",
+    "schedule: ours asynchronous (rollout.max_staleness=1, generation overlaps training, engine logprobs as the "
+    "behaviour policy); TRL synchronous on-policy (num_iterations=1, ratio exactly 1)",
+    "generation: ours the chosen engine (TransformersEngine / vLLM); TRL model.generate in the training process",
+    "data order: the same training rows, each side's own shuffle of them",
+    "processes: ours a Ray job (driver, engine and learner actors); TRL one process",
+]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -63,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--samples", type=int, default=0, help="samples per prompt (0: the recipe's)")
     a("--max-new-tokens", type=int, default=0, help="rollout and eval (0: the recipe's)")
     a("--train-size", type=int, default=0, help="training rows generated (0: the recipe's / the task default)")
+    a("--advantage", default="trl", choices=["trl", "ours"],
+      help="ours: TRL's group std (unbiased, eps 1e-4: the same loss, tests/test_vs_trl.py) or our defaults "
+           "(population, eps 1e-6: TRL's advantages x sqrt(G/(G-1)))")
     a("--threads", type=int, default=0, help="TRL side: torch threads (0: torch's default)")
     a("--smoke", action="store_true", help="tiny model, 1 seed, 20 s, 8 eval rows, 8 tokens, 2 prompts x 2")
     a("--out", default="")
@@ -95,7 +108,9 @@ def settings(args) -> dict:
             "lr": optim["lr"], "warmup_steps": optim["warmup_steps"], "grad_clip": 1.0, "clip_eps": 0.2,
             "instruction": rg.get("instruction", ""), "seed": rg.get("seed", 1), "eval_seed": rg.get("eval_seed", 2),
             "train_size": args.train_size or rg.get("train_size", 20000), "eval_size": args.eval_size,
-            "rl_seconds": args.rl_seconds, "recipe": args.recipe}
+            "rl_seconds": args.rl_seconds, "recipe": args.recipe, "ours_advantage": args.advantage,
+            "adam_betas": {"ours": [optim.get("beta1", 0.9), optim.get("beta2", 0.99)], "trl": [0.9, 0.999]},
+            "not_matched": NOT_MATCHED}
 
 
 def rg_config(task: str, s: dict):
@@ -138,6 +153,8 @@ def run_ours(args, s: dict, task: str, seed: int, engine: str, tmp: str) -> dict
            f"rollout.max_new_tokens={s['max_new_tokens']}", f"trainer.seed={seed}", "trainer.steps=100000",
            f"trainer.time_budget_s={s['rl_seconds']}", "trainer.eval_every=0",
            f"trainer.run_dir={tmp}/ours-{task}-{engine}-{seed}"]
+    if args.advantage == "trl":
+        cmd += ["algo.advantage.std_estimator=unbiased", "algo.advantage.eps=1e-4"]
     t0 = time.perf_counter()
     proc = run_child(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -187,6 +204,7 @@ def child_trl(spec: dict) -> dict:
 
     from rayllm_rl.envs.reasoning_gym_task import make_reward, make_splits
     from rayllm_rl.hub import resolve_model_path
+    from rayllm_rl.workflows.rlvr import tokenize_prompt
 
     s = spec["settings"]
     cfg = rg_config(spec["task"], s)
@@ -228,11 +246,25 @@ def child_trl(spec: dict) -> dict:
     ds = train.rename_column("messages", "prompt")  # TRL's conversational prompt: its own chat template on it
     trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, processing_class=tok, train_dataset=ds,
                           callbacks=[WallBudget()])
+    prompt_check = {"batches": 0, "prompts": 0, "differ": 0}
+    tokenize = trainer._tokenize_prompts
+
+    def checked_tokenize(prompts):  # every prompt TRL samples from: its token ids against our job's
+        out = tokenize(prompts)
+        prompt_check["batches"] += 1
+        prompt_check["prompts"] += len(prompts)
+        prompt_check["differ"] += sum(list(ids) != tokenize_prompt(tok, p) for ids, p in zip(out[0], prompts))
+        return out
+
+    trainer._tokenize_prompts = checked_tokenize
     trainer.train()
     rl_seconds = time.perf_counter() - clock["t0"]
     steps = trainer.state.global_step
     after = greedy_eval(model_dir, trainer.model, tok, eval_rows, scorer, s["max_new_tokens"])
-    return {**per_run(steps, rl_seconds, before, after, P * G), "eval_n": len(eval_rows)}
+    if prompt_check["differ"]:
+        raise RuntimeError(f"TRL's prompt token ids differ from our job's: {prompt_check}")
+    return {**per_run(steps, rl_seconds, before, after, P * G), "eval_n": len(eval_rows),
+            "prompt_ids_checked": prompt_check}
 
 
 def run_trl(args, s: dict, task: str, seed: int, tmp: str) -> dict:
@@ -283,6 +315,14 @@ def main(argv=None) -> dict:
                             {k: r.get(k) for k in ("error", "steps", "sequences_per_s", "eval_before", "eval_after",
                                                    "gain")}), file=sys.stderr, flush=True)
     result["summary"] = {t: {n: spread(rs) for n, rs in by.items()} for t, by in result["runs"].items()}
+    for task, by in result["runs"].items():  # the same greedy eval of the same start model: one figure per seed
+        before = {}
+        for name, rs in by.items():
+            for r in rs:
+                if r.get("eval_before") is not None:
+                    before.setdefault(r["seed"], {})[name] = r["eval_before"]
+        result["summary"][task]["eval_before_equal_across_sides"] = all(
+            len(set(v.values())) == 1 for v in before.values()) if before else None
     result["ok"] = all("error" not in r for by in result["runs"].values() for rs in by.values() for r in rs)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1, default=str))
