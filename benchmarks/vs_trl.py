@@ -176,6 +176,9 @@ def greedy_eval(model_dir: str, model, tokenizer, rows, reward, max_new_tokens: 
     from rayllm_rl.workflows.evaluation import evaluate_greedy
 
     was_training = model.training
+    # The engine freezes the model it serves (eval(), requires_grad_(False)): on TRL's model that would leave every
+    # later step with no gradient (a first 600 s run trained 11 steps at grad_norm 0), so each flag is restored.
+    trainable = [p.requires_grad for p in model.parameters()]
     engine = TransformersEngine(model_dir, model=model.eval(), dtype=torch.float32, device="cpu")
 
     async def go():
@@ -186,6 +189,8 @@ def greedy_eval(model_dir: str, model, tokenizer, rows, reward, max_new_tokens: 
 
     out = asyncio.run(go())
     model.train(was_training)
+    for p, flag in zip(model.parameters(), trainable):
+        p.requires_grad_(flag)
     return out["eval_reward"]
 
 
