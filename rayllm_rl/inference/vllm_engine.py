@@ -153,6 +153,18 @@ class VLLMEngine:
     """Share of `kv_cache_mb` a context length is sized for: vLLM keeps some of the budget (SmolLM2-135M at
     128 MiB: it offered 2,688 tokens of the 2,912 the bytes hold, 92%)."""
 
+    def _executor(self, on_cpu: bool):
+        """The engine core's executor: one worker inside the engine-core process when there is one rank; vLLM's
+        own choice across ranks. On CPU the class, not "uni": vLLM-CPU swaps the name "uni" for its
+        multiprocessing executor, which spawns a second process importing vLLM (about 6 s idle on 2 cores)."""
+        if self.tensor_parallel_size > 1:
+            return None
+        if on_cpu:
+            from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+            return UniProcExecutor
+        return "uni"
+
     def _fitting_length(self, config) -> int:
         """Context length when `max_model_len` is 0: the model's max_position_embeddings on GPUs; on CPU at
         most what `kv_cache_mb` holds (vLLM refuses to start when one request of the full length does not
@@ -246,8 +258,7 @@ class VLLMEngine:
             tensor_parallel_size=self.tensor_parallel_size, worker_extension_cls=WORKER_EXTENSION,
             weight_transfer_config={"backend": "rayllm"}, disable_log_stats=True,
             use_tqdm_on_load=False,  # no loading bar: Ray forwards it to the driver's console
-            # One worker inside the engine-core process on CPU; vLLM's own choice on GPUs.
-            distributed_executor_backend="uni" if self.tensor_parallel_size == 1 else None,
+            distributed_executor_backend=self._executor(on_cpu),
             **({"kv_cache_memory_bytes": int(o.kv_cache_mb) << 20} if on_cpu
                else {"gpu_memory_utilization": o.gpu_memory_utilization or self.placement_defaults(False)[
                    "gpu_memory_utilization"], "enable_sleep_mode": o.enable_sleep_mode}),
