@@ -5,9 +5,12 @@ from __future__ import annotations
 import functools
 import io
 import logging
+import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 from pathlib import Path
@@ -230,7 +233,7 @@ def test_restartable_actor_arguments_must_be_inlined(tiny_model_path):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_engine_process_exits_clean(tiny_model_path, tmp_path):
+def test_vllm_engine_process_exits_clean(tiny_model_path, tmp_path, request):
     """An engine closed with `aclose` leaves no AsyncLLM for interpreter shutdown, whose `__del__`
     would then fail ("Exception ignored in AsyncLLM.__del__ ... 'NoneType' object is not callable")."""
     script = tmp_path / "engine_exit.py"
@@ -253,8 +256,14 @@ def test_vllm_engine_process_exits_clean(tiny_model_path, tmp_path):
         if __name__ == "__main__":
             asyncio.run(main())
     """))
+    # The engine's temp dir, where vLLM's zmq sockets and its gloo file store go; short, as socket paths must be
+    temp = Path(tempfile.mkdtemp(prefix="/tmp/ve-"))
+    request.addfinalizer(lambda: shutil.rmtree(temp, ignore_errors=True))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).resolve().parents[1])
+                          cwd=Path(__file__).resolve().parents[1], env={**os.environ, "TMPDIR": str(temp)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "generated 4 alive False" in proc.stdout, proc.stdout[-2000:]
+    # torch's compile cache (torchinductor_<user>) is shared by design and meant to persist
+    left = sorted(p.name for p in temp.iterdir() if not p.name.startswith("torchinductor_"))
+    assert left == [], f"the engine left these in its temp dir: {left}"
     assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]

@@ -29,7 +29,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from rayllm_rl.inference.protocol import LLMRequest, LLMResponse, check_request, weights_checksum
-from rayllm_rl.inference.vllm_shutdown import stop_async_llm, unlink_orphaned_segments
+from rayllm_rl.inference.vllm_shutdown import engine_ipc_dir, remove_ipc_dir, stop_async_llm, unlink_orphaned_segments
 from rayllm_rl.lora import LoraOptions
 from rayllm_rl.weight_sync.registry import SyncSpec
 
@@ -198,6 +198,7 @@ class VLLMEngine:
         self._version = int(version)
         self._llm = None
         self._segments_before: set[str] = set()
+        self._ipc_dir: str | None = None  # vLLM's zmq sockets for this engine (removed when it stops)
         self._eager = True  # set by _build: no CUDA graphs or torch.compile
         self._start_lock: asyncio.Lock | None = None
         self._sync_timeout_s: float | None = None  # set when the update group is joined
@@ -264,7 +265,12 @@ class VLLMEngine:
                    "gpu_memory_utilization"], "enable_sleep_mode": o.enable_sleep_mode}),
             **(self._lora_args() if self.lora is not None else {}),
         )
-        self._llm = AsyncLLM.from_engine_args(args)
+        self._ipc_dir = engine_ipc_dir()
+        try:
+            self._llm = AsyncLLM.from_engine_args(args)
+        except BaseException:
+            remove_ipc_dir(self._ipc_dir)  # vLLM stopped what it started; the sockets' directory goes too
+            raise
 
     async def aclose(self) -> None:
         """Stop vLLM from the loop that serves it: the output handler first, then the engine core
@@ -283,6 +289,7 @@ class VLLMEngine:
         finally:
             stop_async_llm(llm)
             unlink_orphaned_segments(self._segments_before)
+            remove_ipc_dir(self._ipc_dir)
 
     def shutdown(self) -> None:
         """Stop vLLM from outside its loop (prefer `aclose`); idempotent."""
@@ -290,6 +297,7 @@ class VLLMEngine:
         if llm is not None:
             stop_async_llm(llm)
             unlink_orphaned_segments(self._segments_before)
+            remove_ipc_dir(self._ipc_dir)
 
     # ---------------------------------------------------------------- generation
     @property

@@ -12,6 +12,10 @@ segment (`/dev/shm/psm_*`) to Python's resource tracker, which unlinks it only w
 the tracker exits: a replica actor killed by Ray takes its tracker with it, a long-lived process keeps the
 segment until it ends. `unlink_orphaned_segments` removes the ones that appeared since the engine started and
 that no live process maps any more.
+
+vLLM names its zmq sockets `ipc://<VLLM_RPC_BASE_PATH>/<uuid>` (default: the temp dir) and never removes
+them: three per engine. `engine_ipc_dir` gives each engine a directory of its own for them, which
+`remove_ipc_dir` deletes when the engine stops.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
+import tempfile
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -116,3 +122,27 @@ def unlink_orphaned_segments(before: set[str], directory: str = "/dev/shm") -> l
     if orphans:
         log.info("unlinked %d shared-memory segment(s) vLLM's stopped processes left: %s", len(orphans), orphans)
     return orphans
+
+
+IPC_ENV = "VLLM_RPC_BASE_PATH"
+IPC_PATH_MAX = 107
+"""The longest unix socket path (`sizeof(sockaddr_un.sun_path) - 1`): zmq refuses longer ones."""
+_USER_IPC_BASE = os.environ.get(IPC_ENV)
+"""A base the user set before this module was imported: engines' directories go inside it."""
+
+
+def engine_ipc_dir() -> str:
+    """A new directory for one engine's zmq sockets, set as vLLM's `VLLM_RPC_BASE_PATH` for the engine about
+    to start in this process (its engine core inherits it). Remove it with `remove_ipc_dir`."""
+    base = _USER_IPC_BASE or tempfile.gettempdir()
+    if len(base) + len("/vllm-ipc-12345678/") + 36 > IPC_PATH_MAX:  # a uuid's socket would not fit sun_path
+        base = "/tmp"
+    path = tempfile.mkdtemp(prefix="vllm-ipc-", dir=base)
+    os.environ[IPC_ENV] = path
+    return path
+
+
+def remove_ipc_dir(path: str | None) -> None:
+    """Delete an engine's socket directory (once its processes are stopped); None: nothing to do."""
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
