@@ -43,29 +43,35 @@ def rl_records(run_dir: Path) -> list[dict]:
 STEPS, B, NS = 8, 4, "rayllm_ft_test"
 
 
-def run_and_kill(tmp_path, role: str, after_step: int, *extra: str) -> dict:
-    """Run a short job in a thread, SIGKILL `role`'s process once RL step `after_step` is logged."""
+def run_and_kill(tmp_path, role: str, after_step: int, *extra: str, then: tuple = (), steps: int = STEPS) -> dict:
+    """Run a short job in a thread, SIGKILL `role`'s process once RL step `after_step` is logged. `then`: more
+    (role, steps) kills, each once the previous kill's rollback is logged and `steps` RL steps after it."""
     from rayllm_rl.orchestration.driver import train
 
     cfg = load_config(GRPOJobConfig, [
         "sft.steps=2", "data.eval_size=8", "data.max_operand=9", f"rollout.prompts_per_step={B}",
-        "rollout.group_size=4", "rollout.max_new_tokens=6", f"trainer.steps={STEPS}", "trainer.eval_every=0",
+        "rollout.group_size=4", "rollout.max_new_tokens=6", f"trainer.steps={steps}", "trainer.eval_every=0",
         "rollout.max_staleness=1", f"trainer.run_dir={tmp_path}", "trainer.call_timeout_s=60", "ray.sync_timeout_s=30",
         f"ray.namespace={NS}", *extra,
     ]).validate()
     out: dict = {}
     runner = threading.Thread(target=lambda: out.update(summary=train(cfg)), daemon=True)
     runner.start()
-    run_dirs: list[Path] = []
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not out:
-        run_dirs = [p for p in tmp_path.iterdir() if p.is_dir()]
-        if run_dirs and len(rl_records(run_dirs[0])) >= after_step:
-            break
-        time.sleep(0.2)
-    assert not out and run_dirs, "the run ended (or never started) before the fault could be injected"
-    actor = ray.get_actor(role, namespace=NS)  # found by name from another driver's point of view
-    os.kill(ray.get(actor.pid.remote(), timeout=30), signal.SIGKILL)
+    for rollbacks, (who, wait_steps) in enumerate([(role, after_step), *then]):
+        run_dirs: list[Path] = []
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not out:  # `rollbacks` recoveries logged, then `steps` RL steps
+            run_dirs = [p for p in tmp_path.iterdir() if p.is_dir()]
+            records = all_records(run_dirs[0]) if run_dirs else []
+            cuts = [i for i, r in enumerate(records) if r.get("phase") == "recovery"]
+            since = records[cuts[-1] + 1:] if cuts else records
+            if len(cuts) == rollbacks and sum(r.get("phase") == "rl" for r in since) >= wait_steps:
+                break
+            time.sleep(0.2)
+        assert not out and run_dirs, f"the run ended (or never started) before {who} could be killed"
+        assert time.monotonic() < deadline, f"no {wait_steps} RL steps after rollback {rollbacks} in time"
+        actor = ray.get_actor(who, namespace=NS)  # found by name from another driver's point of view
+        os.kill(ray.get(actor.pid.remote(), timeout=30), signal.SIGKILL)
     runner.join(timeout=400)
     assert "summary" in out, f"the run did not finish after {role} was killed"
     return out["summary"]
@@ -160,31 +166,40 @@ def test_replica_sigkill_rejoins_with_the_current_weights_without_a_rollback(loc
     assert held[0] == 0 and held[1] >= 3 and held[-1] == STEPS and held == sorted(held)
 
 
-@pytest.mark.parametrize("role,kind,extra", [
-    ("learner-0", "learner", []), ("collector", "collector", []), ("replay-buffer", "replay-buffer", []),
-    ("env-0", "env", ["ray.env_worker_restarts=0"]),  # beyond its restart budget: dead for good
-])
-def test_stateful_role_sigkill_rolls_back_to_the_last_checkpoint(local_ray, tmp_path, role, kind, extra):
-    summary = run_and_kill(tmp_path, role, 3, "trainer.checkpoint_every=2", *extra)
-    assert summary["steps"] == STEPS and summary["version"] == STEPS
-    assert summary["restarts"][kind] == 1 and len(summary["recoveries"]) == 1
-    rec = summary["recoveries"][0]
-    assert role in rec["roles"] and rec["resumed_from"].endswith(("step_2", "step_4", "step_6"))  # a loaded machine lags
-    resumed_at = int(rec["resumed_from"].rsplit("_", 1)[1])
-    records = all_records(Path(summary["run_dir"]))
-    cut = next(i for i, r in enumerate(records) if r.get("phase") == "recovery")
-    # Steps logged before the crash survive up to the checkpoint; the rest are redone after it.
-    # (The checkpoint may be the last step logged, so the steps need not repeat.)
-    history = [r for r in records[:cut] if r.get("phase") == "rl" and r["step"] <= resumed_at]
-    history += [r for r in records[cut:] if r.get("phase") == "rl"]
-    assert [r["step"] for r in history] == list(range(1, STEPS + 1))  # the same version sequence, once
-    assert [r["version"] for r in history] == list(range(1, STEPS + 1))
+ROLLBACKS = [("learner-0", "learner"), ("collector", "collector"), ("replay-buffer", "replay-buffer"),
+             ("env-0", "env")]  # the env worker with no restart budget (ray.env_worker_restarts=0): dead for good
+
+
+def test_each_stateful_role_sigkilled_in_turn_rolls_back_to_the_last_checkpoint(local_ray, tmp_path):
+    """One job, four crashes, one role at a time: each is SIGKILLed a few RL steps after the previous rollback (the
+    first after step 3), costs one rollback to the last checkpoint (every 2 steps), and the run ends with every
+    step's version once, in order, and every episode trained once."""
+    kills, steps = [(role, 2) for role, _ in ROLLBACKS[1:]], 24  # steps: room for 4 kills, each a few steps late
+    summary = run_and_kill(tmp_path, ROLLBACKS[0][0], 3, "trainer.checkpoint_every=2", "ray.env_worker_restarts=0",
+                           f"trainer.max_recoveries={len(ROLLBACKS)}", then=kills, steps=steps)
+    assert summary["steps"] == steps and summary["version"] == steps
+    assert len(summary["recoveries"]) == len(ROLLBACKS), summary["recoveries"]
+    assert all(role in rec["roles"] for (role, _), rec in zip(ROLLBACKS, summary["recoveries"])), summary["recoveries"]
+    assert {kind: summary["restarts"][kind] for _, kind in ROLLBACKS} == {kind: 1 for _, kind in ROLLBACKS}
+    # Steps logged before a crash survive up to the checkpoint it resumed from; the rest are redone after it.
+    # (The checkpoint may be the last step logged, so the steps need not repeat; a loaded machine lags.)
+    history: list[dict] = []
+    for record in all_records(Path(summary["run_dir"])):
+        if record.get("phase") == "recovery":
+            assert record["resumed_from"].rsplit("_", 1)[0].endswith("step"), record
+            resumed_at = int(record["resumed_from"].rsplit("_", 1)[1])
+            assert resumed_at % 2 == 0 and resumed_at >= 2, record  # a checkpoint of trainer.checkpoint_every=2
+            history = [h for h in history if h["step"] <= resumed_at]
+        elif record.get("phase") == "rl":
+            history.append(record)
+    assert [r["step"] for r in history] == list(range(1, steps + 1))  # the same version sequence, once
+    assert [r["version"] for r in history] == list(range(1, steps + 1))
     trained = [gid for r in history for gid in r["episode_ids"]]
-    assert len(trained) == STEPS * B and len(set(trained)) == len(trained), "an episode lost or trained twice"
+    assert len(trained) == steps * B and len(set(trained)) == len(trained), "an episode lost or trained twice"
     assert summary["learner_checksums_equal_replicas"] and summary["failed_episodes"] == 0
-    if kind == "env":  # no episode is lost in the end: any the dead worker held were run again after the rollback
-        # (it may hold none: killed while the collector waited at the staleness bound, the liveness check finds it)
-        assert summary["episodes_lost"] == 0
+    # No episode is lost in the end: any the dead env worker held were run again after the rollback (it may hold
+    # none: killed while the collector waited at the staleness bound, the liveness check finds it).
+    assert summary["episodes_lost"] == 0
 
 
 def test_a_lone_replica_restarted_while_the_driver_waits_gets_the_weights_in_that_wait(local_ray):

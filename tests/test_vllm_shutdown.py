@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from types import SimpleNamespace
 
@@ -148,3 +150,33 @@ def test_segments_a_killed_worker_left_are_unlinked_and_live_ones_kept(tmp_path)
         for seg in (live, older):
             seg.close()
             seg.unlink()
+
+
+def test_each_engine_start_gets_its_own_socket_dir_and_no_later_process_inherits_it(monkeypatch, request):
+    """vLLM's zmq sockets go to `VLLM_RPC_BASE_PATH`: an engine's start gets a new directory there, the variable
+    is restored after the start (a Ray worker started later inherited a directory already removed: its engine
+    failed with FileNotFoundError), a directory of ours inherited anyway is not built on, a user's base is."""
+    from rayllm_rl.inference.vllm_shutdown import IPC_ENV, engine_ipc_dir, remove_ipc_dir
+
+    monkeypatch.setenv(IPC_ENV, "/tmp/vllm-ipc-gone")  # inherited from an engine that has stopped
+    with engine_ipc_dir() as path:
+        assert os.environ[IPC_ENV] == path and os.path.isdir(path)
+        assert os.path.dirname(path) != "/tmp/vllm-ipc-gone"
+    assert os.environ[IPC_ENV] == "/tmp/vllm-ipc-gone" and os.path.isdir(path)  # kept until the engine stops
+    remove_ipc_dir(path)
+    assert not os.path.exists(path)
+
+    user_base = tempfile.mkdtemp(prefix="/tmp/us-")  # short: a socket's path must fit sun_path
+    request.addfinalizer(lambda: shutil.rmtree(user_base, ignore_errors=True))
+    monkeypatch.setenv(IPC_ENV, str(user_base))
+    with pytest.raises(RuntimeError, match="start failed"):
+        with engine_ipc_dir() as path:
+            assert os.path.dirname(path) == str(user_base)
+            raise RuntimeError("start failed")
+    assert not os.path.exists(path) and os.environ[IPC_ENV] == str(user_base)  # a failed start removes it
+
+    monkeypatch.delenv(IPC_ENV)
+    with engine_ipc_dir() as path:
+        pass
+    assert IPC_ENV not in os.environ
+    remove_ipc_dir(path)

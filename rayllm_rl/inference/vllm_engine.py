@@ -265,12 +265,8 @@ class VLLMEngine:
                    "gpu_memory_utilization"], "enable_sleep_mode": o.enable_sleep_mode}),
             **(self._lora_args() if self.lora is not None else {}),
         )
-        self._ipc_dir = engine_ipc_dir()
-        try:
+        with engine_ipc_dir() as self._ipc_dir:  # a failed start removes it (vLLM stops what it started)
             self._llm = AsyncLLM.from_engine_args(args)
-        except BaseException:
-            remove_ipc_dir(self._ipc_dir)  # vLLM stopped what it started; the sockets' directory goes too
-            raise
 
     async def aclose(self) -> None:
         """Stop vLLM from the loop that serves it: the output handler first, then the engine core

@@ -14,7 +14,7 @@ segment until it ends. `unlink_orphaned_segments` removes the ones that appeared
 that no live process maps any more.
 
 vLLM names its zmq sockets `ipc://<VLLM_RPC_BASE_PATH>/<uuid>` (default: the temp dir) and never removes
-them: three per engine. `engine_ipc_dir` gives each engine a directory of its own for them, which
+them: three per engine. `engine_ipc_dir` gives each engine's start a directory of its own for them, which
 `remove_ipc_dir` deletes when the engine stops.
 """
 
@@ -125,21 +125,35 @@ def unlink_orphaned_segments(before: set[str], directory: str = "/dev/shm") -> l
 
 
 IPC_ENV = "VLLM_RPC_BASE_PATH"
+IPC_PREFIX = "vllm-ipc-"
 IPC_PATH_MAX = 107
 """The longest unix socket path (`sizeof(sockaddr_un.sun_path) - 1`): zmq refuses longer ones."""
-_USER_IPC_BASE = os.environ.get(IPC_ENV)
-"""A base the user set before this module was imported: engines' directories go inside it."""
 
 
-def engine_ipc_dir() -> str:
-    """A new directory for one engine's zmq sockets, set as vLLM's `VLLM_RPC_BASE_PATH` for the engine about
-    to start in this process (its engine core inherits it). Remove it with `remove_ipc_dir`."""
-    base = _USER_IPC_BASE or tempfile.gettempdir()
-    if len(base) + len("/vllm-ipc-12345678/") + 36 > IPC_PATH_MAX:  # a uuid's socket would not fit sun_path
+@contextlib.contextmanager
+def engine_ipc_dir():
+    """Yield a new directory for the zmq sockets of the engine started inside the block: it is vLLM's
+    `VLLM_RPC_BASE_PATH` there (the engine core spawned meanwhile inherits it) and the variable is restored after,
+    so no later process inherits a directory that goes when the engine stops. The caller removes the directory
+    with `remove_ipc_dir` when the engine stops; a block that raises removes it here. A base the user set is
+    kept: the directory is made inside it."""
+    before = os.environ.get(IPC_ENV)
+    base = before if before and os.path.isdir(before) and not os.path.basename(before).startswith(IPC_PREFIX) \
+        else tempfile.gettempdir()
+    if len(base) + len(f"/{IPC_PREFIX}12345678/") + 36 > IPC_PATH_MAX:  # a uuid's socket would not fit sun_path
         base = "/tmp"
-    path = tempfile.mkdtemp(prefix="vllm-ipc-", dir=base)
+    path = tempfile.mkdtemp(prefix=IPC_PREFIX, dir=base)
     os.environ[IPC_ENV] = path
-    return path
+    try:
+        yield path
+    except BaseException:
+        remove_ipc_dir(path)
+        raise
+    finally:
+        if before is None:
+            os.environ.pop(IPC_ENV, None)
+        else:
+            os.environ[IPC_ENV] = before
 
 
 def remove_ipc_dir(path: str | None) -> None:
