@@ -89,13 +89,21 @@ def inspect_gguf(path: str) -> GGUFInfo:
         raise GGUFError(f"GGUF file {path!r} does not exist")
     try:
         import gguf  # noqa: F401 - transformers' loader needs it; say so here rather than mid-load
-        from gguf import GGUFReader
-        from gguf.quants import _type_traits
-        from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES, load_gguf_checkpoint
+        import transformers.modeling_gguf_pytorch_utils  # noqa: F401
     except ImportError as error:  # pragma: no cover - both are project dependencies
         raise GGUFError(f"reading GGUF file {path!r} needs the 'gguf' and 'accelerate' packages: {error}") from error
+    with read_once():  # the reader below and load_gguf_checkpoint's: one parse of the file
+        return _read_info(path)
+
+
+def _read_info(path: str) -> GGUFInfo:
+    """`inspect_gguf`'s reading and checks (the readers it makes are `gguf.GGUFReader`'s at call time)."""
+    import gguf
+    from gguf.quants import _type_traits
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES, load_gguf_checkpoint
+
     try:
-        reader = GGUFReader(path)
+        reader = gguf.GGUFReader(path)
         architecture = str(_field(reader, "general.architecture"))
         name = str(_field(reader, "general.name") or "")
         types: dict[str, int] = {}
