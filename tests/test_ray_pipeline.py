@@ -144,20 +144,20 @@ def test_a_jobs_own_ray_gives_the_actors_their_environment_in_its_job_env(local_
         ray.kill(probe)
 
 
-@pytest.mark.parametrize("eta", [0, 1])
-def test_training_respects_staleness_and_versions(local_ray, tmp_path, eta):
-    from rayllm_rl.orchestration.driver import train
+def check_versions_and_staleness(summary: dict, eta: int, steps: int) -> None:
+    """A Ray job's records: every step once, in order, each trained on tokens at most `eta` versions old that its
+    replicas held; the summary's schema is the local backend's; the batches went from the buffer to the learners
+    by reference. Asserted on jobs the tests below run anyway (eta 0: the resume test's first job; 1: two FSDP
+    learners), which saves two jobs of their own."""
     from rayllm_rl.orchestration.reporting import SUMMARY_KEYS
 
-    summary = train(small_cfg(tmp_path, "trainer.steps=4", f"rollout.max_staleness={eta}"))
     assert set(summary) == SUMMARY_KEYS and summary["backend"] == "ray"  # the local backend's schema too
     assert summary["weight_transport"] == "object_store"  # the default on CPU: Ray's object store
     records = rl_records(summary)
-    assert [r["step"] for r in records] == [1, 2, 3, 4]
-    assert [r["version"] for r in records] == [1, 2, 3, 4]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert [r["version"] for r in records] == list(range(1, steps + 1))
     for r in records:
-        lag_allowed = eta
-        assert r["staleness_max"] <= lag_allowed
+        assert r["staleness_max"] <= eta
         trained_at = r["version"] - 1  # the learner was at this version when it sampled the batch
         assert all(trained_at - v <= eta and v <= trained_at for v in r["token_versions"])
     assert summary["max_version_lag"] <= eta and summary["failed_episodes"] == 0
@@ -221,6 +221,7 @@ def test_resume_continues_same_step_version_and_data(local_ray, tmp_path):
     # policy away from it even when the tiny model's rewards (hence advantages) are all zero
     kl = ("algo.kl_coef=0.05", "optim.weight_decay=0.1")
     first = train(small_cfg(tmp_path / "a", "trainer.steps=4", "trainer.checkpoint_every=2", "rollout.max_staleness=0", *kl))
+    check_versions_and_staleness(first, eta=0, steps=4)
     ckpt = Path(first["run_dir"]) / "checkpoints" / "step_2"
     assert ckpt.exists()
     resumed = train(small_cfg(tmp_path / "b", "trainer.steps=4", "rollout.max_staleness=0", f"resume={ckpt}", *kl))
@@ -240,6 +241,7 @@ def test_two_fsdp_learner_actors_train_and_sync(local_ray, tmp_path):
 
     summary = train(small_cfg(tmp_path, "trainer.steps=3", "ray.num_learners=2", "rollout.max_staleness=1"))
     assert summary["steps"] == 3 and summary["version"] == 3
+    check_versions_and_staleness(summary, eta=1, steps=3)
     assert summary["learner_checksums_equal_replicas"]  # both FSDP ranks' full weights == every replica's
     assert summary["replica_versions_held"] == [[0, 0, 1, 2, 3]]
 
