@@ -70,7 +70,8 @@ def test_a_test_that_fails_on_purpose_fails_alone_and_the_tests_after_it_pass(tm
              f"{TESTS_DIR}/test_placement.py::test_whole_gpus_give_distinct_devices"]
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *suite],
-                         env={**os.environ, FAIL_VAR: "1"}, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+                         env={**os.environ, FAIL_VAR: "1", "RAYLLM_LEAK_GRACE_S": "3"}, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
     tail = out.stdout[-3000:]
     assert out.returncode == 1, tail
     assert "1 failed, 2 passed, 1 error" in tail, tail
