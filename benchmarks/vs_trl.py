@@ -78,6 +78,9 @@ def parse_args(argv=None) -> argparse.Namespace:
            "(population, eps 1e-6: TRL's advantages x sqrt(G/(G-1)))")
     a("--threads", type=int, default=0, help="TRL side: torch threads (0: torch's default)")
     a("--smoke", action="store_true", help="tiny model, 1 seed, 20 s, 8 eval rows, 8 tokens, 2 prompts x 2")
+    a("--ours-set", action="append", default=[], metavar="KEY=VALUE",
+      help="ours: a job override after the benchmark's own, for an ablation (e.g. rollout.max_staleness=0); "
+           "repeatable; the runs are labelled with them")
     a("--out", default="")
     a("--child", help=argparse.SUPPRESS)
     a("--spec", help=argparse.SUPPRESS)
@@ -155,6 +158,7 @@ def run_ours(args, s: dict, task: str, seed: int, engine: str, tmp: str) -> dict
            f"trainer.run_dir={tmp}/ours-{task}-{engine}-{seed}"]
     if args.advantage == "trl":
         cmd += ["algo.advantage.std_estimator=unbiased", "algo.advantage.eps=1e-4"]
+    cmd += args.ours_set  # an ablation's changes win
     t0 = time.perf_counter()
     proc = run_child(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -305,15 +309,17 @@ def main(argv=None) -> dict:
     resolve_model_path(args.model)  # converts a GGUF once, before either side starts its clock
     s = settings(args)
     sides = ["ours", "trl"] if args.side == "both" else [args.side]
-    result = {"settings": s, "tasks": args.tasks, "seeds": args.seed_list, "sides": sides, "engines": args.engines,
+    result = {"settings": {**s, "ours_set": args.ours_set}, "tasks": args.tasks, "seeds": args.seed_list, "sides": sides, "engines": args.engines,
               "model": args.model, "smoke": args.smoke, "runs": {}, "summary": {}}
     with tempfile.TemporaryDirectory(prefix="vs_trl-") as tmp:
         for task in args.tasks:
             for seed in args.seed_list:
                 for side in sides:
-                    for name in ([f"ours-{e}" for e in args.engines] if side == "ours" else ["trl"]):
+                    for engine in (args.engines if side == "ours" else [None]):
+                        name = "trl" if engine is None else f"ours-{engine}" + (
+                            f"[{' '.join(args.ours_set)}]" if args.ours_set else "")
                         print(f"vs_trl: {task} seed {seed} {name} ...", file=sys.stderr, flush=True)
-                        r = run_ours(args, s, task, seed, name[5:], tmp) if side == "ours" \
+                        r = run_ours(args, s, task, seed, engine, tmp) if side == "ours" \
                             else run_trl(args, s, task, seed, tmp)
                         result["runs"].setdefault(task, {}).setdefault(name, []).append({"seed": seed, **r})
                         print(f"vs_trl: {task} seed {seed} {name}: " + json.dumps(
