@@ -113,7 +113,7 @@ def settings(args) -> dict:
             "train_size": args.train_size or rg.get("train_size", 20000), "eval_size": args.eval_size,
             "rl_seconds": args.rl_seconds, "recipe": args.recipe, "ours_advantage": args.advantage,
             "adam_betas": {"ours": [optim.get("beta1", 0.9), optim.get("beta2", 0.99)], "trl": [0.9, 0.999]},
-            "not_matched": NOT_MATCHED}
+            "not_matched": NOT_MATCHED, "ours_set": args.ours_set}
 
 
 def rg_config(task: str, s: dict):
@@ -309,7 +309,7 @@ def main(argv=None) -> dict:
     resolve_model_path(args.model)  # converts a GGUF once, before either side starts its clock
     s = settings(args)
     sides = ["ours", "trl"] if args.side == "both" else [args.side]
-    result = {"settings": {**s, "ours_set": args.ours_set}, "tasks": args.tasks, "seeds": args.seed_list, "sides": sides, "engines": args.engines,
+    result = {"settings": s, "tasks": args.tasks, "seeds": args.seed_list, "sides": sides, "engines": args.engines,
               "model": args.model, "smoke": args.smoke, "runs": {}, "summary": {}}
     with tempfile.TemporaryDirectory(prefix="vs_trl-") as tmp:
         for task in args.tasks:

@@ -256,7 +256,7 @@ def test_vllm_engine_process_exits_clean(tiny_model_path, tmp_path, request):
         if __name__ == "__main__":
             asyncio.run(main())
     """))
-    # The engine's temp dir, where vLLM's zmq sockets and its gloo file store go; short, as socket paths must be
+    # The engine's temp dir, for vLLM's zmq sockets and its gloo file store (short: a socket path must fit sun_path)
     temp = Path(tempfile.mkdtemp(prefix="/tmp/ve-"))
     request.addfinalizer(lambda: shutil.rmtree(temp, ignore_errors=True))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,

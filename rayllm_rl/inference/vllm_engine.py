@@ -283,17 +283,19 @@ class VLLMEngine:
                 handler.cancel()
                 await asyncio.gather(handler, return_exceptions=True)
         finally:
-            stop_async_llm(llm)
-            unlink_orphaned_segments(self._segments_before)
-            remove_ipc_dir(self._ipc_dir)
+            self._stop(llm)
 
     def shutdown(self) -> None:
         """Stop vLLM from outside its loop (prefer `aclose`); idempotent."""
         llm, self._llm = self._llm, None
         if llm is not None:
-            stop_async_llm(llm)
-            unlink_orphaned_segments(self._segments_before)
-            remove_ipc_dir(self._ipc_dir)
+            self._stop(llm)
+
+    def _stop(self, llm) -> None:
+        """Stop `llm`'s processes, then remove what they leave: shared-memory segments and the socket directory."""
+        stop_async_llm(llm)
+        unlink_orphaned_segments(self._segments_before)
+        remove_ipc_dir(self._ipc_dir)
 
     # ---------------------------------------------------------------- generation
     @property
