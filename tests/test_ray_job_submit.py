@@ -82,6 +82,7 @@ def test_the_head_binds_its_own_ports_and_a_failed_start_stops_it(monkeypatch, t
     assert {"--port=0", "--dashboard-port=0", "--dashboard-agent-listen-port=0"} <= set(cmd)
     assert not any(a.startswith("--ray-client-server-port") for a in cmd)
     assert env["RAY_START_HOOK"] == "rayllm_ray_head.no_client_server"
+    assert env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] == "0"  # no 30 s drain when the head stops after its job
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT / "launch" / "ray_head")
     assert len(stopped) == 1
 
