@@ -210,13 +210,21 @@ def format_noise(pairs, corruptions: int = 20, scrambles: int = 40, seed: int = 
     return out
 
 
+COMPACT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+"""The classifier's own chat template: the turns' text run together ("1+2=<answer>3</answer>", 11 tokens on average
+where the tiny policy's ChatML takes 23). The job's reward service reads a conversation through the RM's template,
+as it does any RM's that brings its own."""
+
+
 def train_reward_classifier(path, groups: list[list[tuple[dict, str, float]]], shares: list[float],
-                            steps: int = 800, batch: int = 128, lr: float = 1e-3, seed: int = 0) -> list[float]:
+                            steps: int = 600, batch: int = 128, lr: float = 1e-3, seed: int = 0) -> list[float]:
     """Train `build_tiny_reward_model(path)` with binary cross-entropy on labelled (row, completion, label)
     examples (its logit is the log-odds of the rule's 1; AdamW, one torch thread), `shares[i]` of each batch
     drawn from `groups[i]`; keep the best of the checks every 100 steps (by the worst group's accuracy) and
     save it to `path`; returns its accuracy on each group (logit > 0 <=> label 1)."""
     model, tok = build_tiny_reward_model(path, seed=seed)
+    tok.chat_template = COMPACT_TEMPLATE
+    tok.save_pretrained(path)
     tok.padding_side = "right"
     examples = [e for group in groups for e in group]
     texts = [tok.apply_chat_template([*row["messages"], {"role": "assistant", "content": c}], tokenize=False)
@@ -235,6 +243,8 @@ def train_reward_classifier(path, groups: list[list[tuple[dict, str, float]]], s
                      for (enc, labels), share in zip(encoded, shares)]
             ids = torch.cat([enc["input_ids"][idx] for enc, _, idx in picks])
             mask = torch.cat([enc["attention_mask"][idx] for enc, _, idx in picks])
+            width = int(mask.sum(1).max())  # right-padded: the columns past the batch's longest are padding only
+            ids, mask = ids[:, :width], mask[:, :width]
             logits = model(input_ids=ids, attention_mask=mask).logits[:, 0]
             loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, torch.cat([l[i] for _, l, i in picks]))
             opt.zero_grad()

@@ -363,7 +363,7 @@ def test_policy_learns_arithmetic_from_a_reward_model_alone(ray_with_two_gpus, t
     classifier trained here on completions the task's rule labelled (an answer table, format noise and the
     SFT'd policy's own samples). The rule (logged as reward_rule, never optimised) rises on the training
     rollouts and on the greedy training prompts; the held-out eval is reported (docs/reward-models.md:
-    rule 0.20 -> 0.44, greedy 0.25 -> 0.75, held-out 0.0 -> 0.0 on 5 prompts)."""
+    rule 0.21 -> 0.40-0.44, greedy 0.25 -> 0.55-0.75, held-out 0.0 -> 0.2 on 5 prompts)."""
     import statistics
 
     from rayllm_rl.envs.arithmetic import make_arithmetic_splits
@@ -411,7 +411,7 @@ def test_policy_learns_arithmetic_from_a_reward_model_alone(ray_with_two_gpus, t
     trained_first, trained_last = statistics.fmean(trained[:15]), statistics.fmean(trained[-15:])
     assert rm_gap < 0.15  # the RM's score tracks the rule on the policy's own rollouts
     assert trained_last > trained_first + 0.1, (trained_first, trained_last)
-    # Six runs (docs/reward-models.md): the rule on sampled (temperature 1) rollouts 0.19-0.22 -> 0.25-0.47;
+    # Nine runs (docs/reward-models.md): the rule on sampled (temperature 1) rollouts 0.19-0.23 -> 0.25-0.47;
     # greedy answers to the training prompts 0.25 -> 0.55-0.75.
     assert last > first, (first, last)
     assert greedy_train[80] >= greedy_train[0] + 0.2, greedy_train
