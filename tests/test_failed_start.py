@@ -1,5 +1,5 @@
 """A job's start that fails at any stage removes what it started and raises its own error; the next `train()`
-in the same process (a notebook's Ray kept running) then succeeds.
+in the same process (a notebook's Ray kept running), after all of them, then succeeds.
 
 The stages: an inference engine not ready in time, a weight-sync group that fails to form after learner rank 0
 made its shared-memory segments, a reward service that cannot load (with a placement group reserved on Ray's
@@ -91,7 +91,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("stage", list(CASES))
-def test_a_failed_start_leaves_nothing_and_the_next_train_succeeds(notebook_ray, fault_file, tmp_path, stage):
+def test_a_failed_start_raises_its_own_error_and_leaves_nothing(notebook_ray, fault_file, tmp_path, stage):
     from rayllm_rl.orchestration.entry import train
 
     overrides, fault, error, message = CASES[stage]
@@ -104,6 +104,13 @@ def test_a_failed_start_leaves_nothing_and_the_next_train_succeeds(notebook_ray,
     finally:
         fault_file.write_text("")
     assert what_is_left() == {"named actors": [], "placement groups": [], "segments": []}
+
+
+def test_the_next_train_after_the_failed_starts_succeeds(notebook_ray, tmp_path):
+    """After the failed starts above, in the same process and on the same Ray (a notebook's): one train that
+    succeeds shows none of them left anything in its way (run alone, it trains on a Ray nothing failed on)."""
+    from rayllm_rl.orchestration.entry import train
+
     summary = train(job(tmp_path / "next"))
     assert summary["steps"] == 1 and summary["version"] == 1
     assert summary["learner_checksums_equal_replicas"] is True

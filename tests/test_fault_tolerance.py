@@ -43,9 +43,11 @@ def rl_records(run_dir: Path) -> list[dict]:
 STEPS, B, NS = 8, 4, "rayllm_ft_test"
 
 
-def run_and_kill(tmp_path, role: str, after_step: int, *extra: str, then: tuple = (), steps: int = STEPS) -> dict:
+def run_and_kill(tmp_path, role: str, after_step: int, *extra: str, then: tuple = (), steps: int = STEPS,
+                 rollbacks: bool = True) -> dict:
     """Run a short job in a thread, SIGKILL `role`'s process once RL step `after_step` is logged. `then`: more
-    (role, steps) kills, each once the previous kill's rollback is logged and `steps` RL steps after it."""
+    (role, steps) kills, each once the previous kill's rollback is logged and `steps` RL steps after it; with
+    `rollbacks=False` (kills that cost no rollback), once RL step `steps` is logged."""
     from rayllm_rl.orchestration.driver import train
 
     cfg = load_config(GRPOJobConfig, [
@@ -57,19 +59,20 @@ def run_and_kill(tmp_path, role: str, after_step: int, *extra: str, then: tuple 
     out: dict = {}
     runner = threading.Thread(target=lambda: out.update(summary=train(cfg)), daemon=True)
     runner.start()
-    for rollbacks, (who, wait_steps) in enumerate([(role, after_step), *then]):
+    for kill, (who, wait_steps) in enumerate([(role, after_step), *then]):
+        recoveries = kill if rollbacks else 0
         run_dirs: list[Path] = []
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not out:  # `rollbacks` recoveries logged, then `steps` RL steps
+        while time.monotonic() < deadline and not out:  # `recoveries` logged, then `wait_steps` RL steps
             run_dirs = [p for p in tmp_path.iterdir() if p.is_dir()]
             records = all_records(run_dirs[0]) if run_dirs else []
             cuts = [i for i, r in enumerate(records) if r.get("phase") == "recovery"]
             since = records[cuts[-1] + 1:] if cuts else records
-            if len(cuts) == rollbacks and sum(r.get("phase") == "rl" for r in since) >= wait_steps:
+            if len(cuts) == recoveries and sum(r.get("phase") == "rl" for r in since) >= wait_steps:
                 break
             time.sleep(0.2)
         assert not out and run_dirs, f"the run ended (or never started) before {who} could be killed"
-        assert time.monotonic() < deadline, f"no {wait_steps} RL steps after rollback {rollbacks} in time"
+        assert time.monotonic() < deadline, f"no {wait_steps} RL steps after rollback {recoveries} in time"
         actor = ray.get_actor(who, namespace=NS)  # found by name from another driver's point of view
         os.kill(ray.get(actor.pid.remote(), timeout=30), signal.SIGKILL)
     runner.join(timeout=400)
@@ -139,31 +142,24 @@ def test_env_worker_restarts_after_the_driver_dropped_its_constructor_arguments(
     assert "Loading weights" not in console, "an HF progress bar reached the driver's console from an actor"
 
 
-def test_env_worker_sigkill_restarts_and_loses_no_episode(local_ray, tmp_path):
-    summary = run_and_kill(tmp_path, "env-0", 2)
-    steps = STEPS
-    assert summary["steps"] == steps and summary["restarts"]["env"] >= 1 and summary["recoveries"] == []
-    assert summary["episodes_lost"] == 0 and summary["failed_episodes"] == 0
-    records = rl_records(Path(summary["run_dir"]))
-    trained = [gid for r in records for gid in r["episode_ids"]]
-    assert len(trained) == steps * B and len(set(trained)) == len(trained), "an episode was trained twice"
-    assert summary["learner_checksums_equal_replicas"]
-
-
 @pytest.mark.parametrize("transport", ["auto", "ray_channel"])  # the object store; Ray's channels, made anew
-def test_replica_sigkill_rejoins_with_the_current_weights_without_a_rollback(local_ray, tmp_path, transport):
-    """Ray restarts the replica; it refuses requests (the router waits) until the next sync, which
-    fails, re-forms the sync group with the new process and sends the current weights again."""
-    summary = run_and_kill(tmp_path, "inference-0", 3, f"ray.sync_transport={transport}")
+def test_env_worker_and_replica_sigkilled_restart_without_a_rollback_and_lose_no_episode(local_ray, tmp_path, transport):
+    """One job, two crashes that cost no rollback. Ray restarts the env worker (after step 2); the collector runs
+    the episodes it had in flight again and the buffer stores each once. Ray restarts the replica (after step 4);
+    it refuses requests (the router waits) until the next sync, which fails, re-forms the sync group with the new
+    process and sends the current weights again."""
+    summary = run_and_kill(tmp_path, "env-0", 2, f"ray.sync_transport={transport}", then=[("inference-0", 4)],
+                           rollbacks=False)
     assert summary["steps"] == STEPS and summary["version"] == STEPS
-    assert summary["restarts"]["inference"] == 1 and summary["recoveries"] == []
+    assert summary["restarts"]["env"] >= 1 and summary["restarts"]["inference"] == 1 and summary["recoveries"] == []
+    assert summary["episodes_lost"] == 0 and summary["failed_episodes"] == 0
     records = rl_records(Path(summary["run_dir"]))
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     trained = [gid for r in records for gid in r["episode_ids"]]
-    assert len(trained) == STEPS * B and len(set(trained)) == len(trained)
-    assert summary["failed_episodes"] == 0 and summary["learner_checksums_equal_replicas"]
+    assert len(trained) == STEPS * B and len(set(trained)) == len(trained), "an episode lost or trained twice"
+    assert summary["learner_checksums_equal_replicas"]
     held = summary["replica_versions_held"][0]  # the new process's history: base weights, then current ones
-    assert held[0] == 0 and held[1] >= 3 and held[-1] == STEPS and held == sorted(held)
+    assert held[0] == 0 and held[1] >= 4 and held[-1] == STEPS and held == sorted(held)
 
 
 ROLLBACKS = [("learner-0", "learner"), ("collector", "collector"), ("replay-buffer", "replay-buffer"),
