@@ -147,8 +147,8 @@ def test_a_jobs_own_ray_gives_the_actors_their_environment_in_its_job_env(local_
 def check_versions_and_staleness(summary: dict, eta: int, steps: int) -> None:
     """A Ray job's records: every step once, in order, each trained on tokens at most `eta` versions old that its
     replicas held; the summary's schema is the local backend's; the batches went from the buffer to the learners
-    by reference. Asserted on jobs the tests below run anyway (eta 0: the resume test's first job; 1: two FSDP
-    learners), which saves two jobs of their own."""
+    by reference. Asserted on jobs the tests below run anyway (eta 0: the GSM8K job the resume test resumes; 1: two
+    FSDP learners), which saves two jobs of their own."""
     from rayllm_rl.orchestration.reporting import SUMMARY_KEYS
 
     assert set(summary) == SUMMARY_KEYS and summary["backend"] == "ray"  # the local backend's schema too
@@ -212,19 +212,33 @@ def test_the_reference_is_the_learners_policy_built_without_the_driver_and_kl_is
         backend.shutdown()
 
 
-def test_resume_continues_same_step_version_and_data(local_ray, tmp_path):
+GSM8K_KL = ("task=gsm8k", f"data.path={Path(__file__).parent / 'fixtures' / 'gsm8k.jsonl'}", "data.eval_size=2",
+            "rollout.prompts_per_step=2", "rollout.max_new_tokens=12", "trainer.steps=4", "rollout.max_staleness=0",
+            "algo.kl_coef=0.05", "algo.kl_reward_coef=0.01", "optim.weight_decay=0.1")
+"""A GSM8KEnv job with the reference actor serving KL to the loss (kl_coef) and to the reward (kl_reward_coef); weight
+decay moves the policy away from the reference even when the tiny model's rewards (hence advantages) are all zero."""
+
+
+@pytest.fixture(scope="module")
+def gsm8k_kl_run(local_ray, tmp_path_factory):
+    """The GSM8K job with reference KL, checkpointed every 2 steps: its own test and the resume test read it."""
+    from rayllm_rl.orchestration.driver import train
+
+    return train(small_cfg(tmp_path_factory.mktemp("gsm8k_kl"), *GSM8K_KL, "trainer.checkpoint_every=2"))
+
+
+def test_resume_continues_same_step_version_and_data(local_ray, gsm8k_kl_run, tmp_path):
+    """Resumed from the step-2 checkpoint, the job runs steps 3 and 4 on the same rows, as the same versions, and
+    keeps the original reference."""
     from rayllm_rl.orchestration.driver import train
 
     from safetensors.torch import load_file
 
-    # with a reference actor, the resumed run must keep the original reference; weight decay moves the
-    # policy away from it even when the tiny model's rewards (hence advantages) are all zero
-    kl = ("algo.kl_coef=0.05", "optim.weight_decay=0.1")
-    first = train(small_cfg(tmp_path / "a", "trainer.steps=4", "trainer.checkpoint_every=2", "rollout.max_staleness=0", *kl))
+    first = gsm8k_kl_run
     check_versions_and_staleness(first, eta=0, steps=4)
     ckpt = Path(first["run_dir"]) / "checkpoints" / "step_2"
     assert ckpt.exists()
-    resumed = train(small_cfg(tmp_path / "b", "trainer.steps=4", "rollout.max_staleness=0", f"resume={ckpt}", *kl))
+    resumed = train(small_cfg(tmp_path / "b", *GSM8K_KL, f"resume={ckpt}"))
     a, b = rl_records(first), rl_records(resumed)
     assert [r["step"] for r in b] == [3, 4] and [r["version"] for r in b] == [3, 4]
     assert [r["data_sha"] for r in b] == [r["data_sha"] for r in a[2:]]
@@ -236,30 +250,34 @@ def test_resume_continues_same_step_version_and_data(local_ray, tmp_path):
     assert shared and not all(torch.equal(ref_a[k], policy[k].to(ref_a[k].dtype)) for k in shared)
 
 
-def test_two_fsdp_learner_actors_train_and_sync(local_ray, tmp_path):
+@pytest.fixture(scope="module")
+def fsdp_agent_run(local_ray, tmp_path_factory):
+    """One job for two tests: two FSDP learner ranks (eta 1), and an agent written with openai.AsyncOpenAI as the
+    rollout workflow."""
     from rayllm_rl.orchestration.driver import train
 
-    summary = train(small_cfg(tmp_path, "trainer.steps=3", "ray.num_learners=2", "rollout.max_staleness=1"))
+    return train(small_cfg(tmp_path_factory.mktemp("fsdp_agent"), "trainer.steps=3", "ray.num_learners=2",
+                           "rollout.max_staleness=1", "rollout.workflow=openai_agent",
+                           "rollout.agent=rayllm_rl.agents.examples:answer_then_check"))
+
+
+def test_two_fsdp_learner_actors_train_and_sync(fsdp_agent_run):
+    summary = fsdp_agent_run
     assert summary["steps"] == 3 and summary["version"] == 3
     check_versions_and_staleness(summary, eta=1, steps=3)
     assert summary["learner_checksums_equal_replicas"]  # both FSDP ranks' full weights == every replica's
     assert summary["replica_versions_held"] == [[0, 0, 1, 2, 3]]
 
 
-def test_gsm8k_env_in_ray_env_workers_with_reference_kl(local_ray, tmp_path):
+def test_gsm8k_env_in_ray_env_workers_with_reference_kl(gsm8k_kl_run):
     """GSM8KEnv runs inside the env workers (ChatEnvWorkflow) through real training steps, with the
     reference actor serving KL both to the loss (kl_coef) and to the reward (kl_reward_coef)."""
-    from rayllm_rl.orchestration.driver import train
-
-    fixture = Path(__file__).parent / "fixtures" / "gsm8k.jsonl"
-    summary = train(small_cfg(
-        tmp_path, "task=gsm8k", f"data.path={fixture}", "data.eval_size=2", "rollout.prompts_per_step=2",
-        "rollout.max_new_tokens=12", "trainer.steps=2", "algo.kl_coef=0.05", "algo.kl_reward_coef=0.01"))
-    assert summary["steps"] == 2 and summary["failed_episodes"] == 0
+    summary = gsm8k_kl_run
+    assert summary["steps"] == 4 and summary["failed_episodes"] == 0
     components = ("reward_answer", "reward_think", "reward_right", "reward_contained", "success")
     for key in components:
         assert f"eval_{key}" in summary["eval_before"] and f"eval_{key}" in summary["eval_after"]
-    assert summary["reward_failures"]["reward_calls"] >= 2 * 2 * 4  # steps x prompts x group
+    assert summary["reward_failures"]["reward_calls"] >= 4 * 2 * 4  # steps x prompts x group
     assert summary["reward_failures"]["reward_errors"] == 0
     for rec in rl_records(summary):
         assert set(components) <= set(rec) and "num_turns" in rec
@@ -270,14 +288,11 @@ def test_gsm8k_env_in_ray_env_workers_with_reference_kl(local_ray, tmp_path):
     assert abs(first["kl_penalty"]) < 1e-3  # step 1 samples from the reference's own weights
 
 
-def test_openai_sdk_agent_trains_in_ray_env_workers(local_ray, tmp_path):
+def test_openai_sdk_agent_trains_in_ray_env_workers(fsdp_agent_run):
     """An agent written with openai.AsyncOpenAI runs in the env workers against the replicas; its two
     completions per episode become one token-exact trajectory that the learner trains on."""
-    from rayllm_rl.orchestration.driver import train
-
-    summary = train(small_cfg(tmp_path, "trainer.steps=2", "rollout.workflow=openai_agent",
-                              "rollout.agent=rayllm_rl.agents.examples:answer_then_check"))
-    assert summary["steps"] == 2 and summary["failed_episodes"] == 0
+    summary = fsdp_agent_run
+    assert summary["steps"] == 3 and summary["failed_episodes"] == 0
     for rec in rl_records(summary):
         assert rec["num_completions"] == 2.0 and rec["seqs"] == 4 * 4
         assert rec["token_versions"] and max(rec["token_versions"]) <= rec["version"] - 1
