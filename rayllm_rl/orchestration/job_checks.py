@@ -39,6 +39,10 @@ def check_job(cfg: Any, environment: bool = True, inputs: Any = None) -> None:
     cfg.trackers.check()
     check_callback_paths(cfg.trainer.callbacks)  # a callback that does not import fails here, naming the key
     cfg.reward.check(environment)
+    if environment:  # this machine runs the job: each optional feature used has its extra installed
+        from rayllm_rl.extras import check_extras
+
+        check_extras(cfg)
     check_engine(cfg, environment)
     check_lora(cfg)
     from rayllm_rl.weight_sync.registry import plan_transport

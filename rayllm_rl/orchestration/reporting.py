@@ -223,6 +223,7 @@ class RunReporter:
         if config is not None:
             (self.run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
         self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1) if "jsonl" in loggers else None
+        self._said_no_plot = False  # the missing-matplotlib warning, once
         self.records: list[dict[str, Any]] = []
         self.t0 = time.perf_counter()
         self._bar: _Progress | None = None
@@ -276,6 +277,14 @@ class RunReporter:
         one) stays as it was."""
         rl = [r for r in self.records if r.get("phase") == "rl" and "reward" in r]
         if not rl:
+            return None
+        from rayllm_rl.extras import installed
+
+        if not installed("matplotlib"):  # the core install: metrics.jsonl holds the same numbers
+            if not self._said_no_plot:
+                self._said_no_plot = True
+                logging.getLogger(__name__).warning("no reward_curve.png: it needs matplotlib "
+                                                    "(pip install 'rayllm_rl[trackers]')")
             return None
         from matplotlib.figure import Figure
 

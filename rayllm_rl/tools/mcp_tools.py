@@ -128,6 +128,9 @@ class MCPClientPool:
     """
 
     def __init__(self, servers: Sequence[MCPServerConfig] | MCPServerConfig, *, connect: bool = True) -> None:
+        from rayllm_rl.extras import require
+
+        require("MCP tool servers (MCPClientPool, MCPToolTransform)", "mcp")
         servers = [servers] if isinstance(servers, MCPServerConfig) else list(servers)
         names = [s.name for s in servers]
         if len(set(names)) != len(names):

@@ -7,8 +7,8 @@ import sys
 from rayllm_rl.view.page import write_page
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rayllm_rl.view", description=__doc__)
+def main(argv: list[str] | None = None, prog: str = "python -m rayllm_rl.view") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     parser.add_argument("run_dir", help="a run directory (it holds traces.jsonl and metrics.jsonl)")
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,129 @@
+"""`rayllm-rl` (also `python -m rayllm_rl`): the package's command line.
+
+    rayllm-rl train [config=recipe:NAME | config=FILE.yaml] [key.sub=value ...]
+    rayllm-rl dry-run [--json] [config=...] [key.sub=value ...]
+    rayllm-rl view RUN_DIR
+    rayllm-rl recipes
+    rayllm-rl version
+
+`train` runs a GRPO-family job; its last stdout line is the JSON summary. `dry-run` validates the config
+and prints the job's plan (data, actors, CPUs/GPUs, placement, transport, memory) without starting Ray or
+loading weights. `view` writes RUN_DIR/trace.html. `recipes` lists the ready-made configs shipped in the
+package (`config=recipe:NAME`). `rayllm-rl train --help` lists every config key, its default and meaning.
+
+`python jobs/grpo.py ARGS` in a checkout (what `ray job submit --working-dir . -- python jobs/grpo.py ARGS`
+runs) is `rayllm-rl train ARGS`, with `--dry-run [--json]` for `dry-run`.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import sys
+
+JOB_HELP = """GRPO-family training job: `rayllm-rl train [config=recipe:NAME | config=FILE.yaml] [key.sub=value ...]`
+(or `python jobs/grpo.py ...` in a checkout; `--dry-run [--json]` plans it without starting anything).
+
+With no arguments it runs the embedded default on a local Ray (CPU): the offline tiny Qwen2, the built-in
+arithmetic task with its demo preset (an SFT warm start, 10-token answers, a 7-minute RL budget), then
+asynchronous GRPO (rollout.max_staleness=1). Fields shown as None below take the task's preset (TASK PRESETS
+at the end); a value given in YAML or on the command line always wins. Ready-made configs: `rayllm-rl recipes`.
+Under `ray job submit` it joins that cluster; `trainer.backend=local` runs everything in one process. The last
+stdout line is a JSON summary.
+
+--dry-run validates the config and prints the job's plan (data sources, actors, CPUs/GPUs, placement, weight
+transport, engine, learner and KV-cache memory estimates) without starting Ray or loading any weights or rows;
+--json prints it as one JSON object instead.
+"""
+
+JOB_FLAGS = ("--dry-run", "--json")
+
+
+def job_main(argv: list[str]) -> dict:
+    """The job's command line (`rayllm-rl train`, `jobs/grpo.py`): validate, then train or print the plan.
+    Returns the summary (or the plan); a bad flag or config exits naming it."""
+    from rayllm_rl.config import describe, load_config
+    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+
+    if any(a in ("-h", "--help") for a in argv):
+        from rayllm_rl.orchestration.plan_text import describe_presets
+
+        print(JOB_HELP, describe(GRPOJobConfig()), describe_presets(), sep="\n")
+        sys.exit(0)
+    flags = {a for a in argv if a.startswith("--")}
+    if flags - set(JOB_FLAGS):
+        raise SystemExit(f"unknown flag(s) {sorted(flags - set(JOB_FLAGS))}; flags: {', '.join(JOB_FLAGS)}, -h/--help")
+    if "--json" in flags and "--dry-run" not in flags:
+        raise SystemExit("--json goes with --dry-run (the job itself always ends with a JSON summary line)")
+    cfg = load_config(GRPOJobConfig, [a for a in argv if a not in flags])
+    if "--dry-run" in flags:  # a plan for the job's machines: this one need not have their packages
+        from rayllm_rl.orchestration.plan_text import dry_run
+
+        return dry_run(cfg.validate(environment=False), as_json="--json" in flags)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    from rayllm_rl.orchestration.entry import train  # validates first: cross-field mistakes fail before any actor
+
+    summary = train(cfg)
+    sys.stdout.write(json.dumps(summary, default=str) + "\n")
+    sys.stdout.flush()
+    return summary
+
+
+def _train(args: list[str]) -> int:
+    job_main(args)
+    return 0
+
+
+def _dry_run(args: list[str]) -> int:
+    job_main([*args, "--dry-run"] if "--dry-run" not in args else args)
+    return 0
+
+
+def _view(args: list[str]) -> int:
+    from rayllm_rl.view.__main__ import main as view_main
+
+    return view_main(args, prog="rayllm-rl view")
+
+
+def _recipes(args: list[str]) -> int:
+    from rayllm_rl.config import packaged_recipes
+
+    if args:
+        raise SystemExit(f"rayllm-rl recipes takes no arguments (got {args})")
+    for name, path in packaged_recipes().items():
+        first = path.read_text().splitlines()[0].lstrip("# ").strip() if path.stat().st_size else ""
+        print(f"{name}\n    config=recipe:{name}\n    {first}")
+    return 0
+
+
+def _version(args: list[str]) -> int:
+    from rayllm_rl import __version__
+
+    print(__version__)
+    return 0
+
+
+COMMANDS = {"train": _train, "dry-run": _dry_run, "view": _view, "recipes": _recipes, "version": _version}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`rayllm-rl COMMAND [ARGS]`; the exit code (an unknown command: 2, naming the close ones)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(__doc__.strip())
+        return 0
+    if argv[0] == "--version":
+        return _version([])
+    command, args = argv[0], argv[1:]
+    if command not in COMMANDS:
+        close = difflib.get_close_matches(command, COMMANDS, n=2)
+        if "=" in command:  # a config override where the command goes
+            close = ["train"]
+        print(f"rayllm-rl: unknown command {command!r}" + (f" (did you mean {' or '.join(close)}?)" if close else "")
+              + f"; commands: {', '.join(COMMANDS)}. `rayllm-rl --help` says what each does.", file=sys.stderr)
+        return 2
+    return COMMANDS[command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""The optional features and the pip extra each needs. The core install (torch, transformers, ray[default],
+tensordict, datasets) runs the built-in arithmetic and prompt tasks with the Transformers engine; a config that
+uses a feature whose package is missing fails at `validate()`, naming the extra: `pip install 'rayllm_rl[lora]'`."""
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+EXTRAS: dict[str, tuple[str, ...]] = {
+    "vllm": ("vllm",),
+    "trackers": ("tensorboard", "wandb", "mlflow", "matplotlib"),
+    "mcp": ("mcp",),
+    "gguf": ("gguf", "accelerate"),
+    "reasoning-gym": ("reasoning_gym",),
+    "math": ("math_verify", "latex2sympy2_extended"),
+    "lora": ("peft",),
+    "agents": ("openai",),
+}
+"""Each extra and the modules it installs (pyproject.toml's optional-dependencies; `[all]` is every one)."""
+
+TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+"""trackers.loggers names and the module each needs (jsonl needs none)."""
+
+
+class MissingExtraError(ImportError):
+    """A feature the config asks for needs a package this environment lacks; the message names the extra."""
+
+
+def installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def require(feature: str, extra: str) -> None:
+    """MissingExtraError naming `feature` and `pip install 'rayllm_rl[extra]'` when a module of `extra` is missing."""
+    missing = [m for m in EXTRAS[extra] if not installed(m)]
+    if missing:
+        raise MissingExtraError(f"{feature} needs {', '.join(missing)}, which this environment lacks: "
+                                f"pip install 'rayllm_rl[{extra}]' (or rayllm_rl[all])")
+
+
+def require_module(feature: str, extra: str, module: str) -> None:
+    """As `require`, for the one module of `extra` that `feature` uses (e.g. wandb of the trackers)."""
+    if not installed(module):
+        raise MissingExtraError(f"{feature} needs {module}, which this environment lacks: "
+                                f"pip install 'rayllm_rl[{extra}]' (or rayllm_rl[all])")
+
+
+def check_extras(cfg: Any) -> None:
+    """Every optional feature a resolved job config uses has its packages here (the job's own machine)."""
+    for name in cfg.trackers.loggers:
+        if name in TRACKER_MODULES:
+            require_module(f"trackers.loggers={name}", "trackers", TRACKER_MODULES[name])
+    if cfg.task == "reasoning_gym":
+        require("task=reasoning_gym", "reasoning-gym")
+    if cfg.task == "math":
+        require("task=math (its answer checker)", "math")
+    if cfg.model.lora.enabled:
+        require("model.lora.enabled=true", "lora")
+    if str(cfg.model.path).endswith(".gguf") or cfg.model.gguf_file:
+        require(f"model.path={cfg.model.path} (a GGUF file, dequantized by transformers)", "gguf")
+    if cfg.rollout.workflow == "openai_agent":
+        require("rollout.workflow=openai_agent (agents written with the OpenAI SDK)", "agents")

@@ -1,0 +1,70 @@
+"""Optional features live in pip extras (rayllm_rl/extras.py): a config that uses one whose package is missing fails
+at validate(), before anything starts, naming the extra to install; the dry run (which plans other machines) does
+not ask for them; the core packages cover the default job. The extras' packages are all installed here, so their
+absence is simulated by `extras.installed` answering False for them: the failure path only."""
+from __future__ import annotations
+
+import importlib.util
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from rayllm_rl import extras
+from rayllm_rl.config import load_config
+from rayllm_rl.orchestration.job_config import GRPOJobConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CASES = [
+    (["trackers.loggers=[jsonl,wandb]"], "trackers.loggers=wandb needs wandb", "trackers"),
+    (["trackers.loggers=[jsonl,tensorboard]"], "trackers.loggers=tensorboard needs tensorboard", "trackers"),
+    (["task=reasoning_gym"], "task=reasoning_gym needs reasoning_gym", "reasoning-gym"),
+    (["task=math", f"data.path={ROOT / 'tests' / 'fixtures' / 'math.jsonl'}"], "task=math (its answer checker) needs "
+     "math_verify, latex2sympy2_extended", "math"),
+    (["model.lora.rank=8"], "model.lora.enabled=true needs peft", "lora"),
+    (["rollout.workflow=openai_agent", "rollout.agent=rayllm_rl.agents.examples:answer_then_check"],
+     "rollout.workflow=openai_agent (agents written with the OpenAI SDK) needs openai", "agents"),
+]
+
+
+@pytest.fixture
+def without_extras(monkeypatch):
+    """Every extra's modules answer 'not installed'; the core's still do."""
+    optional = {m for modules in extras.EXTRAS.values() for m in modules}
+    monkeypatch.setattr(extras, "installed", lambda module: module not in optional and
+                        importlib.util.find_spec(module) is not None)
+
+
+@pytest.mark.parametrize("overrides, feature, extra", CASES, ids=[c[2] + ":" + c[0][0] for c in CASES])
+def test_a_feature_whose_extra_is_missing_fails_at_validate_naming_the_extra(without_extras, overrides, feature, extra):
+    cfg = load_config(GRPOJobConfig, overrides)
+    with pytest.raises(extras.MissingExtraError, match=re.escape(f"{feature}, which this environment lacks: "
+                                                                  f"pip install 'rayllm_rl[{extra}]'")):
+        cfg.validate()
+    cfg.validate(environment=False)  # the dry run plans the job's machines: this one need not have them
+
+
+def test_the_default_job_needs_no_extra(without_extras):
+    load_config(GRPOJobConfig, []).validate()
+
+
+def test_a_gguf_model_names_the_gguf_extra(without_extras):
+    with pytest.raises(extras.MissingExtraError, match=re.escape("pip install 'rayllm_rl[gguf]'")):
+        extras.check_extras(load_config(GRPOJobConfig, ["model.path=models/SmolLM2-135M-Instruct.Q4_1.gguf"]))
+
+
+def test_the_extras_here_are_pyprojects_and_all_holds_every_one_but_vllm():
+    """extras.EXTRAS names every optional-dependency group of pyproject.toml (dev aside), `all` holds the rest
+    (vllm has a CPU build `make` installs and a CUDA one), and the core holds exactly the five packages the package
+    needs plus pyyaml."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    groups = project["optional-dependencies"]
+    assert set(groups) - {"dev", "all"} == set(extras.EXTRAS)
+    everything = re.fullmatch(r"rayllm_rl\[(.*)\]", groups["all"][0]).group(1).split(",")
+    assert set(everything) == set(extras.EXTRAS) - {"vllm"}
+    core = {re.split(r"[\[<>=]", d)[0] for d in project["dependencies"]}
+    assert core == {"torch", "transformers", "ray", "tensordict", "datasets", "pyyaml"}
+    for extra, modules in extras.EXTRAS.items():
+        assert all(importlib.util.find_spec(m) is not None for m in modules) or extra == "vllm", extra
