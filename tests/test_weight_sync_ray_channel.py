@@ -3,7 +3,6 @@ mutable store objects in turn, replicas read it in place and swap it in; Ray hol
 every replica has dropped that channel's previous version."""
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -49,12 +48,14 @@ class Target:
 
 @ray.remote(num_cpus=0)
 class Learner:
-    def __init__(self, timeout_s=10.0):
-        self.timeout_s = timeout_s
+    sender = None
 
-    def open(self, readers):
+    def open(self, readers, timeout_s):
+        """A new pair of channels to `readers` (the previous pair, if any, closed first)."""
+        if self.sender is not None:
+            self.sender.close()
         self.named = weights(0)
-        spec = make_spec("ray_channel", metas_spec(self.named), receivers=len(readers), timeout_s=self.timeout_s,
+        spec = make_spec("ray_channel", metas_spec(self.named), receivers=len(readers), timeout_s=timeout_s,
                          readers=readers)
         opened = open_sender(spec, metadata_of(self.named))  # the writer makes the channels its readers attach
         self.sender = opened.finish()
@@ -75,7 +76,12 @@ class Replica:
     def node_id(self):
         return ray.get_runtime_context().get_node_id()
 
+    receiver = None
+
     def join(self, spec, rank, keep_old=False):
+        """Attach to a new pair of channels, with a fresh sink (what the previous test's sink held is dropped)."""
+        if self.receiver is not None:
+            self.receiver.close()
         self.receiver = build_receiver(spec.for_rank(rank), Target(weights(0), keep_old))
         return True
 
@@ -99,16 +105,34 @@ class Replica:
         return {k: v.clone() for k, v in self.receiver.target.params.items()}
 
 
-def setup(n=2, timeout_s=10.0, keep_old=False):
-    replicas = [Replica.remote() for _ in range(n)]
-    readers = list(zip(replicas, ray.get([r.node_id.remote() for r in replicas], timeout=60)))
-    learner = Learner.remote(timeout_s)
-    spec = ray.get(learner.open.remote(readers), timeout=60)
-    ray.get([r.join.remote(spec, 1 + i, keep_old) for i, r in enumerate(replicas)], timeout=60)
-    return learner, replicas
+@pytest.fixture(scope="module")
+def actors(ray_importing_tests):
+    """One learner and two replica actors for the module: each test opens a new pair of channels between them
+    (`setup`), so it pays no actor start of its own."""
+    replicas = [Replica.remote() for _ in range(2)]
+    learner = Learner.remote()
+    ray.get([learner.__ray_ready__.remote(), *(r.__ray_ready__.remote() for r in replicas)], timeout=120)
+    yield learner, replicas
+    for actor in (learner, *replicas):
+        ray.kill(actor)
 
 
-def test_two_replicas_read_every_version_in_place():
+@pytest.fixture
+def setup(actors):
+    """setup(n, timeout_s, keep_old) -> (learner, the first n replicas), joined to a new pair of channels."""
+    learner, all_replicas = actors
+
+    def open_channels(n=2, timeout_s=10.0, keep_old=False):
+        replicas = all_replicas[:n]
+        readers = list(zip(replicas, ray.get([r.node_id.remote() for r in replicas], timeout=60)))
+        spec = ray.get(learner.open.remote(readers, timeout_s), timeout=60)
+        ray.get([r.join.remote(spec, 1 + i, keep_old) for i, r in enumerate(replicas)], timeout=60)
+        return learner, replicas
+
+    return open_channels
+
+
+def test_two_replicas_read_every_version_in_place(setup):
     learner, replicas = setup()
     nbytes = sum(t.numel() * t.element_size() for t in weights(0).values())
     for version in range(1, 5):  # both channels, twice each
@@ -124,7 +148,7 @@ def test_two_replicas_read_every_version_in_place():
                 assert torch.equal(out["tensors"][k], v) and out["tensors"][k].dtype == v.dtype, k
 
 
-def test_a_write_waits_for_the_replicas_to_let_go_of_that_channel():
+def test_a_write_waits_for_the_replicas_to_let_go_of_that_channel(setup):
     """Version 2 goes to the other channel while the replicas decode with version 1; version 3 would
     overwrite version 1's channel, so it waits: here the replicas never read version 2, and the write
     times out naming its phase, while the replicas' version-1 weights stay as sent."""
@@ -146,7 +170,7 @@ def test_a_write_waits_for_the_replicas_to_let_go_of_that_channel():
         ray.get(learner.send.remote(4, 24), timeout=60)
 
 
-def test_an_engine_that_keeps_old_weights_stalls_the_writer_not_its_memory():
+def test_an_engine_that_keeps_old_weights_stalls_the_writer_not_its_memory(setup):
     """A sink that keeps every swapped-out version holds channel 0's views past the next swap: the
     third write is refused (timeout) instead of overwriting memory the engine may still read."""
     learner, (replica,) = setup(n=1, timeout_s=1.5, keep_old=True)
@@ -157,14 +181,14 @@ def test_an_engine_that_keeps_old_weights_stalls_the_writer_not_its_memory():
         ray.get(learner.send.remote(3, 33), timeout=60)
 
 
-def test_a_read_with_nothing_written_times_out_naming_its_phase():
+def test_a_read_with_nothing_written_times_out_naming_its_phase(setup):
     _, (replica,) = setup(n=1)
     name, message, waited = ray.get(replica.receive_error.remote(1.0), timeout=60)
     assert name == "WeightSyncTimeout" and waited < 10
     assert "phase 'read channel 0' timed out on rank 1" in message and "learner rank 0 wrote no version" in message
 
 
-def test_closing_the_sender_ends_a_waiting_read_before_its_timeout():
+def test_closing_the_sender_ends_a_waiting_read_before_its_timeout(setup):
     learner, (replica,) = setup(n=1, timeout_s=60.0)
     waiting = replica.receive_error.remote(60.0)
     time.sleep(1.0)
@@ -174,12 +198,12 @@ def test_closing_the_sender_ends_a_waiting_read_before_its_timeout():
     assert "phase 'read channel 0' failed on rank 1" in message
 
 
-def test_setups_that_cannot_work_are_refused_naming_the_problem():
+def test_setups_that_cannot_work_are_refused_naming_the_problem(actors):
     named = weights(0)
     spec_metas = metas_spec(named)
     with pytest.raises(ValueError, match=r"2 receiving processes but 1 readers"):
         make_spec("ray_channel", spec_metas, receivers=2, timeout_s=5, readers=[(None, "n")])
-    stand_in = Replica.remote()
+    stand_in = actors[1][0]  # a replica actor, as the reader's handle
     far = make_spec("ray_channel", spec_metas, receivers=1, timeout_s=5, readers=[(stand_in, "f" * 56)])
     with pytest.raises(ValueError, match=r"readers on nodes \['f{56}'\].*use object_store across nodes"):
         open_sender(far, metadata_of(named))
