@@ -58,10 +58,12 @@ class Target:
 
 @ray.remote(num_cpus=0)
 class Learner:
-    def __init__(self, spec, seed, make="weights"):
+    def open(self, spec, seed, make="weights"):
+        """A new sender for `spec` (what this actor published before is dropped with the old one)."""
         self.make = MAKERS[make]
         self.named = self.make(seed)
         self.sender = open_sender(spec, metadata_of(self.named)).finish()  # waits for nobody: it publishes
+        return True
 
     def publish(self, version, seed):
         self.named = self.make(seed)
@@ -71,8 +73,10 @@ class Learner:
 
 @ray.remote(num_cpus=0)
 class Replica:
-    def __init__(self, spec, rank, make="weights"):
+    def join(self, spec, rank, make="weights"):
+        """A new receiver for `spec`, with a fresh sink (the views the previous one held are dropped)."""
         self.receiver = build_receiver(spec.for_rank(rank), Target(MAKERS[make](0)))
+        return True
 
     def receive(self, published, tensors=False):
         out = self.receiver.receive_and_swap(published["handoff"])
@@ -85,11 +89,29 @@ class Replica:
         return {k: v.clone() for k, v in self.receiver.target.params.items()}
 
 
-def test_two_replicas_fetch_what_the_learner_published_zero_copy():
+@pytest.fixture(scope="module")
+def actors(ray_importing_tests):
+    """One learner and two replica actors for the module's tests: each test gives them a new sender and new
+    receivers (`opened`), so it pays no actor start of its own."""
+    learner, replicas = Learner.remote(), [Replica.remote() for _ in range(2)]
+    yield learner, replicas
+    for actor in (learner, *replicas):
+        ray.kill(actor)
+
+
+def opened(actors, spec, seed, make="weights", ranks=(1, 2)):
+    """(learner, replicas): the module's actors with a sender for `spec` and a receiver on each rank in `ranks`."""
+    learner, all_replicas = actors
+    replicas = all_replicas[:len(ranks)]
+    ray.get([learner.open.remote(spec, seed, make), *(r.join.remote(spec, k, make) for r, k in zip(replicas, ranks))],
+            timeout=120)
+    return learner, replicas
+
+
+def test_two_replicas_fetch_what_the_learner_published_zero_copy(actors):
     named = weights(1)
     spec, _ = spec_of(named)
-    learner = Learner.remote(spec, 1)
-    replicas = [Replica.remote(spec, 1 + i) for i in range(2)]
+    learner, replicas = opened(actors, spec, 1)
     for version, seed in [(1, 11), (2, 12)]:
         published = learner.publish.remote(version, seed)  # the driver holds a reference, never the bytes
         outs = ray.get([r.receive.remote(published) for r in replicas], timeout=60)
@@ -105,7 +127,7 @@ def test_two_replicas_fetch_what_the_learner_published_zero_copy():
             assert out["copied"] == 0  # every tensor is a read-only view of the shared store: no copy
 
 
-def test_tensors_of_a_few_mib_travel_in_pieces_and_arrive_as_one_zero_copy_view():
+def test_tensors_of_a_few_mib_travel_in_pieces_and_arrive_as_one_zero_copy_view(actors):
     """big.w (2.8 MB) and odd.bf16 (2,097,154 bytes) go as 3 pieces each, piece.exact as one: 5 + 2 + 1
     buffers; each replica sees every tensor whole, equal to what was sent, over the store's memory."""
     from rayllm_rl.weight_sync.object_store import PIECE_BYTES, pieces_of
@@ -114,8 +136,7 @@ def test_tensors_of_a_few_mib_travel_in_pieces_and_arrive_as_one_zero_copy_view(
     assert [pieces_of(t.numel() * t.element_size()) for t in named.values()] == [1, 3, 3, 1, 1]
     assert named["piece.exact"].numel() * 4 == PIECE_BYTES
     spec, _ = spec_of(named, bucket_bytes=64 << 20)
-    learner = Learner.remote(spec, 1, "big")
-    replicas = [Replica.remote(spec, 1 + i, "big") for i in range(2)]
+    learner, replicas = opened(actors, spec, 1, "big")
     published = learner.publish.remote(1, 21)
     for version, seed in [(1, 21), (2, 22)]:
         outs = ray.get([r.receive.remote(published, True) for r in replicas], timeout=60)
@@ -136,14 +157,15 @@ def test_tensors_of_a_few_mib_travel_in_pieces_and_arrive_as_one_zero_copy_view(
                 assert torch.equal(tensors[k], v), k
 
 
-def test_a_replica_that_joins_later_fetches_the_kept_handoff():
+def test_a_replica_that_joins_later_fetches_the_kept_handoff(actors):
     """A restarted replica gets the current weights from the last handoff (the learner keeps it)."""
     named = weights(2)
     spec, _ = spec_of(named)
-    learner = Learner.remote(spec, 2)
+    learner, (first,) = opened(actors, spec, 2, ranks=(1,))
     published = learner.publish.remote(7, 21)
-    ray.get(Replica.remote(spec, 1).receive.remote(published), timeout=60)
-    late = Replica.remote(spec, 2)  # built after the sync
+    ray.get(first.receive.remote(published), timeout=60)
+    late = actors[1][1]
+    assert ray.get(late.join.remote(spec, 2), timeout=60)  # its receiver built after the sync
     out = ray.get(late.receive.remote(published), timeout=60)
     assert out["version"] == 7 and out["checksum"]["layer.0.w"] == float(weights(21)["layer.0.w"].double().sum())
 
