@@ -75,7 +75,7 @@ def _train(args: list[str]) -> int:
 
 
 def _dry_run(args: list[str]) -> int:
-    job_main([*args, "--dry-run"] if "--dry-run" not in args else args)
+    job_main([*args, "--dry-run"])
     return 0
 
 

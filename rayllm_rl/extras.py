@@ -30,18 +30,12 @@ def installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def require(feature: str, extra: str) -> None:
-    """MissingExtraError naming `feature` and `pip install 'rayllm_rl[extra]'` when a module of `extra` is missing."""
-    missing = [m for m in EXTRAS[extra] if not installed(m)]
+def require(feature: str, extra: str, modules: tuple[str, ...] = ()) -> None:
+    """MissingExtraError naming `feature` and `pip install 'rayllm_rl[extra]'` when one of `modules` (default: all
+    of `extra`'s; e.g. only wandb of the trackers) is missing."""
+    missing = [m for m in modules or EXTRAS[extra] if not installed(m)]
     if missing:
         raise MissingExtraError(f"{feature} needs {', '.join(missing)}, which this environment lacks: "
-                                f"pip install 'rayllm_rl[{extra}]' (or rayllm_rl[all])")
-
-
-def require_module(feature: str, extra: str, module: str) -> None:
-    """As `require`, for the one module of `extra` that `feature` uses (e.g. wandb of the trackers)."""
-    if not installed(module):
-        raise MissingExtraError(f"{feature} needs {module}, which this environment lacks: "
                                 f"pip install 'rayllm_rl[{extra}]' (or rayllm_rl[all])")
 
 
@@ -49,7 +43,7 @@ def check_extras(cfg: Any) -> None:
     """Every optional feature a resolved job config uses has its packages here (the job's own machine)."""
     for name in cfg.trackers.loggers:
         if name in TRACKER_MODULES:
-            require_module(f"trackers.loggers={name}", "trackers", TRACKER_MODULES[name])
+            require(f"trackers.loggers={name}", "trackers", (TRACKER_MODULES[name],))
     if cfg.task == "reasoning_gym":
         require("task=reasoning_gym", "reasoning-gym")
     if cfg.task == "math":
