@@ -79,9 +79,9 @@ def what_is_left() -> dict[str, list]:
 
 CASES = {
     # the engines' own start bound: short, since the fault makes it run out whatever the machine's load
-    "engine not ready in time": (("ray.engine_start_timeout_s=5",), "engine_never_ready", TimeoutError,
+    "engine not ready in time": (("ray.engine_start_timeout_s=2",), "engine_never_ready", TimeoutError,
                                  r"inference replica\(s\): load the model and start the engine.*"
-                                 r"ray\.engine_start_timeout_s=5s; raise ray\.engine_start_timeout_s"),
+                                 r"ray\.engine_start_timeout_s=2s; raise ray\.engine_start_timeout_s"),
     "group formation failing": (("ray.sync_transport=shm",), "receiver_fails", Exception,
                                 r"injected fault: this replica's shm receiver failed"),
     "a bad reward service": (("reward.model.path={bad}", "ray.gpus_per_replica=1",

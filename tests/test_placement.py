@@ -171,8 +171,8 @@ def test_cpu_learners_stay_in_the_group_without_gpus(gpu_ray):
 def test_too_many_gpus_fails_in_time_and_leaves_no_group(gpu_ray):
     before = _live_placement_groups()
     start = time.monotonic()
-    with pytest.raises(PlacementError, match=r"could not reserve 6 GPUs within ray\.sync_timeout_s=5s.*GPU=4 in total"):
-        _reserve(2, 2, gpus_per_replica=2, gpus_per_learner=1, tensor_parallel_size=1, timeout_s=5)
+    with pytest.raises(PlacementError, match=r"could not reserve 6 GPUs within ray\.sync_timeout_s=2s.*GPU=4 in total"):
+        _reserve(2, 2, gpus_per_replica=2, gpus_per_learner=1, tensor_parallel_size=1, timeout_s=2)
     assert time.monotonic() - start < 15
     assert _live_placement_groups() == before
 

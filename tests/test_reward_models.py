@@ -303,9 +303,9 @@ def test_reward_model_actors_that_cannot_get_their_gpus_fail_naming_the_key(ray_
 
     cfg = load_config(GRPOJobConfig, [f"reward.model.path={rm_path}", "reward.model.num_actors=2",
                                       "reward.model.gpus_per_actor=2", "ray.namespace=rm-gpus",
-                                      "trainer.call_timeout_s=5"]).validate()
+                                      "trainer.call_timeout_s=2"]).validate()
     t0 = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"reward-model-[01] did not start within trainer\.call_timeout_s=5s .*reward\.model\.gpus_per_actor=2; "
+    with pytest.raises(TimeoutError, match=r"reward-model-[01] did not start within trainer\.call_timeout_s=2s .*reward\.model\.gpus_per_actor=2; "
                                            r"the cluster has GPU=2 in total"):
         start_reward_actors(cfg)
     assert time.monotonic() - t0 < 30

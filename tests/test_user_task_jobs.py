@@ -1,14 +1,11 @@
 """Your reward and your rows train the tiny model: a reward defined inside the test (no worker could import it)
 and a `datasets.Dataset` given to `train()` / `GRPOTrainer`, on the local backend and in Ray env workers
-(shipped by value), and the same job by import path from `jobs/grpo.py`."""
+(shipped by value). The same reward by import path from `jobs/grpo.py` on Ray: test_examples."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,8 +13,6 @@ import pytest
 from ray_sessions import JOB_ENV, local_ray_session
 
 pytestmark = pytest.mark.slow
-
-ROOT = Path(__file__).resolve().parents[1]
 
 LEARNING = ["data.sft_column=demo", "sft.steps=60", "sft.batch_size=32", "sft.lr=1e-3", "rollout.prompts_per_step=8",
             "rollout.group_size=8", "rollout.max_new_tokens=8", "trainer.steps=60", "optim.lr=2e-4",
@@ -115,37 +110,3 @@ def test_a_reward_defined_in_the_test_reaches_the_ray_env_workers_by_value_and_t
         assert ray.is_initialized()  # the session's Ray, left running by the job
     assert summary["backend"] == "ray"
     assert_learned(summary, 60)
-
-
-MODULE = '''
-import re
-
-
-def score(prompt, completion, prompt_ids, completion_ids, answer, **columns):
-    m = re.search(r"<answer>\\s*(-?\\d+)\\s*</answer>", completion)
-    return {"reward": float(m is not None and m.group(1) == str(answer)), "tagged": float(m is not None)}
-'''
-
-
-def test_jobs_grpo_trains_on_a_jsonl_with_a_reward_by_import_path(tmp_path):
-    """`PYTHONPATH=<folder of myreward.py> python jobs/grpo.py reward.fn=myreward:score data.path=rows.jsonl`, as
-    written (task unset: the prompt task), on the default Ray backend, small: it finishes and prints the summary."""
-    train_rows, held = arithmetic_datasets(max_operand=4, eval_size=5)
-    (tmp_path / "myreward.py").write_text(MODULE)
-    with open(tmp_path / "rows.jsonl", "w") as f:
-        for row in train_rows:
-            f.write(json.dumps({"messages": row["messages"], "answer": row["answer"]}) + "\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)}
-    env.pop("RAY_ADDRESS", None)
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "jobs" / "grpo.py"), "reward.fn=myreward:score", "data.path=rows.jsonl",
-         "trainer.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=6",
-         "data.eval_size=4", "trainer.run_dir=runs", "ray.dashboard=false", "trainer.call_timeout_s=120"],
-        capture_output=True, text=True, timeout=500, env=env, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert (summary["backend"], summary["steps"], summary["eval_prompts"]) == ("ray", 2, 4)
-    config = json.loads((tmp_path / summary["run_dir"] / "config.json").read_text())  # run_dir: relative to cwd
-    assert config["task"] == "prompts" and config["reward"]["fn"] == ["myreward:score"]
-    assert summary["reward_failures"]["reward_calls"] >= 2 * 2 * 2 and summary["reward_failures"]["reward_errors"] == 0
-    assert set(summary["eval_after"]) == {"eval_reward", "eval_tagged", "eval_n"}
