@@ -1,11 +1,10 @@
 """Callbacks (orchestration/callbacks.py) on real jobs: a callback that stops the run ends it as at
 trainer.steps (checkpoint, eval, summary); one that raises is counted and the run goes on; on_evaluate sees
-every evaluation; `trainer.callbacks` by import path; a bad callback fails before anything starts; and the
-Ray backend runs the same hooks on the driver."""
+every evaluation; `trainer.callbacks` by import path; a bad callback fails before anything starts. The Ray
+backend runs the same hooks on the driver: test_custom_workflow's Ray job carries a callback defined there."""
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 
 import pytest
@@ -164,26 +163,3 @@ def test_a_bad_callback_fails_before_anything_starts_naming_it(tmp_path):
         with pytest.raises(error, match=message):
             entry.train(job(tmp_path, backend="ray"), overrides, **kwargs)
         assert not ray.is_initialized() and list(tmp_path.iterdir()) == []  # no Ray, no run directory
-
-
-@pytest.mark.ray
-@pytest.mark.slow
-def test_the_ray_backend_runs_a_callback_defined_here_on_the_driver(tmp_path):
-    """train() starts (and shuts down) its own local Ray; the callback holds a lock, which could not be pickled
-    to a worker: it runs in this process."""
-    seen, lock = [], threading.Lock()
-
-    class StopAtTwo(Callback):
-        def on_step_end(self, record, control):
-            with lock:
-                seen.append(record)
-            if record["step"] == 2:
-                control.stop("enough")
-
-    summary = entry.train(job(tmp_path, "trainer.steps=4", "trainer.eval_every=0", "ray.dashboard=false",
-                              "ray.sync_timeout_s=60", "sft.steps=2", backend="ray"), callbacks=[StopAtTwo()])
-    assert summary["backend"] == "ray" and set(summary) == SUMMARY_KEYS
-    assert summary["steps"] == 2 and summary["version"] == 2 and Path(summary["checkpoint"]).name == "step_2"
-    assert Path(summary["checkpoint"]).is_dir() and summary["callback_errors"] == {"StopAtTwo": 0}
-    assert summary["stopped_by"] == {"callback": "StopAtTwo", "hook": "on_step_end", "step": 2, "reason": "enough"}
-    assert [as_logged(r) for r in seen] == logged(summary, "rl") and [r["step"] for r in seen] == [1, 2]

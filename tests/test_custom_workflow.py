@@ -13,7 +13,6 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from ray_sessions import JOB_ENV, local_ray_session
 from rayllm_rl.config import load_config
 from rayllm_rl.data.trajectory import make_trajectory
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
@@ -210,23 +209,48 @@ def test_a_workflow_whose_episodes_miss_keys_fails_the_job_naming_them(tmp_path)
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_a_workflow_defined_in_the_test_reaches_the_ray_env_workers_by_value(tmp_path):
+def test_a_workflow_defined_in_the_test_reaches_the_ray_env_workers_by_value_and_a_callback_runs_on_the_driver(
+        tmp_path):
+    """The user's own pieces on the Ray backend, one job: the workflow and the reward, defined here, reach the env
+    workers by value; a callback defined here holds a lock (it could not be pickled to a worker), so it runs in
+    this process, sees every step's record and stops the run at step 2 (checkpoint, summary) as trainer.steps would.
+    train() starts its own local Ray and shuts it down. (A job on a Ray the user started leaves it running:
+    test_user_task_jobs.)"""
+    import threading
+
     import ray
 
     from rayllm_rl import train
+    from rayllm_rl.orchestration.callbacks import Callback
+    from rayllm_rl.orchestration.reporting import SUMMARY_KEYS
+    from test_callbacks import as_logged, logged
 
     def ends_with_answer(prompt, completion, prompt_ids, completion_ids, answer, **columns):  # by value, too
         return float(completion.strip().endswith(str(answer)))
 
+    seen, lock = [], threading.Lock()
+
+    class StopAtTwo(Callback):
+        def on_step_end(self, record, control):
+            with lock:
+                seen.append(record)
+            if record["step"] == 2:
+                control.stop("enough")
+
     flow = local_workflow()
-    assert "<locals>" in flow.__qualname__
-    with local_ray_session("test_custom_workflow", num_cpus=2, runtime_env={"env_vars": JOB_ENV}):
-        summary = train(overrides=job(tmp_path, "ray.sync_timeout_s=60"), reward_fn=ends_with_answer,
-                        train_dataset=ROWS, workflow=flow, workflow_kwargs={"bonus": 0.5})
-        assert ray.is_initialized()
+    assert "<locals>" in flow.__qualname__ and not ray.is_initialized()
+    summary = train(overrides=job(tmp_path, "trainer.steps=4", "ray.sync_timeout_s=60", "ray.dashboard=false"),
+                    reward_fn=ends_with_answer, train_dataset=ROWS, workflow=flow, workflow_kwargs={"bonus": 0.5},
+                    callbacks=[StopAtTwo()])
+    assert not ray.is_initialized()  # the job's own Ray, shut down with it
     assert (summary["backend"], summary["steps"], summary["failed_episodes"]) == ("ray", 2, 0)
     assert [(r["made_group_size"], r["bonus"], r["made_here"]) for r in rl_records(summary)] == [(3.0, 0.5, 1.0)] * 2
     assert summary["reward_failures"]["reward_calls"] >= 2 * 2 * 3  # counted by the env workers' RewardCallers
+    assert set(summary) == SUMMARY_KEYS and summary["version"] == 2
+    assert Path(summary["checkpoint"]).name == "step_2" and Path(summary["checkpoint"]).is_dir()
+    assert summary["callback_errors"] == {"StopAtTwo": 0}
+    assert summary["stopped_by"] == {"callback": "StopAtTwo", "hook": "on_step_end", "step": 2, "reason": "enough"}
+    assert [as_logged(r) for r in seen] == logged(summary, "rl") and [r["step"] for r in seen] == [1, 2]
 
 
 def test_an_instance_too_big_for_the_env_workers_fails_before_ray_starts(tmp_path):
