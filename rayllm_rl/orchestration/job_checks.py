@@ -39,10 +39,14 @@ def check_job(cfg: Any, environment: bool = True, inputs: Any = None) -> None:
     cfg.trackers.check()
     check_callback_paths(cfg.trainer.callbacks)  # a callback that does not import fails here, naming the key
     cfg.reward.check(environment)
+    from rayllm_rl.orchestration.storage import check_root, storage_root
+
+    check_root(cfg.trainer.storage_root, "trainer.storage_root")
     if environment:  # this machine runs the job: each optional feature used has its extra installed
         from rayllm_rl.extras import check_extras
 
         check_extras(cfg)
+        storage_root(cfg.trainer.storage_root)  # $RAYLLM_STORAGE_ROOT, where this machine sets it
     check_engine(cfg, environment)
     check_lora(cfg)
     from rayllm_rl.weight_sync.registry import plan_transport

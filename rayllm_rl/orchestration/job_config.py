@@ -202,7 +202,12 @@ class TrainerConfig:
     seed: int = 0
     """Seed of model init, sampling and data order."""
     run_dir: str = "runs/grpo"
-    """Where metrics.jsonl, the reward curve and checkpoints go (a timestamped subfolder)."""
+    """Where metrics.jsonl, the reward curve and checkpoints go (a timestamped subfolder); a relative path is
+    under the storage root (trainer.storage_root)."""
+    storage_root: str = ""
+    """Absolute root for a relative run_dir and resume ("" = $RAYLLM_STORAGE_ROOT; else, in a job `ray job
+    submit --working-dir` uploaded, ~/rayllm_results; else the directory the job started from). Never Ray's
+    temporary copy of the working dir. docs/storage.md."""
     num_threads: int = 0
     """torch intra-op threads of the local backend (0 = leave torch's default)."""
     backend: Literal["ray", "local"] = "ray"

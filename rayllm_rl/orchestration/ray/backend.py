@@ -277,10 +277,10 @@ class RayBackend:
         self._get(self.reference.pid.remote())  # built (a failure names the reference here, not at its first batch)
 
     @_crash_aware
-    def evaluate(self) -> dict[str, Any]:
+    def evaluate(self, progress=None) -> dict[str, Any]:
         """Greedy eval over the replicas, on a thread of its own: this one keeps the liveness check,
         so a replica restarted before or during the eval gets the current weights (each request is
-        bounded by the router's timeout)."""
+        bounded by the router's timeout). `progress(n)`: called on that thread as answers come back."""
         self._rejoin_restarted_replicas(self._synced)
         router = ReplicaRouter(self.cluster.replicas, self.cluster.timeout_s)
         done: concurrent.futures.Future = concurrent.futures.Future()
@@ -288,7 +288,8 @@ class RayBackend:
         def run() -> None:
             try:
                 done.set_result(asyncio.run(evaluate_greedy(router, self.tokenizer, self.task.eval,
-                                                            self.task.reward_fn, self.cfg.rollout.max_new_tokens)))
+                                                            self.task.reward_fn, self.cfg.rollout.max_new_tokens,
+                                                            progress=progress)))
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
                 done.set_exception(exc)
 
