@@ -45,7 +45,7 @@ SUBMITTED = "submitted successfully"
 """What `ray job submit` prints once the job exists (a later failure is the job's, never retried)."""
 PROBE_TIMEOUT_S = 30.0
 """Bound on one `ray job list` probe."""
-RETRY_PAUSE_S = 2.0
+RETRY_PAUSE_S = 1.0
 
 
 def env_seconds(name: str, default: float) -> float:

@@ -75,18 +75,18 @@ def test_user_reward_example_trains_from_python_and_the_held_out_reward_rises(tm
 
 
 @pytest.mark.slow
-@pytest.mark.ray
 def test_user_reward_by_import_path_runs_from_jobs_grpo(tmp_path):
     """The README's second command as written: the same reward as `myreward:score` (importable from PYTHONPATH),
-    the rows as data.path, task unset (the prompt task), on the default Ray backend that the job starts itself,
-    small: it finishes and prints the summary; its run_dir is absolute, under the directory it started in."""
+    the rows as data.path, task unset (the prompt task); local backend, 2 steps: it finishes and prints the
+    summary; its run_dir is absolute, under the directory it started in. (On Ray, through `ray job submit`, the
+    same reward by import path: test_ray_job_submit.)"""
     script = load_module(EXAMPLES / "user_reward" / "train.py")
     rows, held = script.write_rows(tmp_path, full=False)
     s = run_script(ROOT / "jobs" / "grpo.py", "reward.fn=myreward:score", f"data.path={rows}", f"data.eval_path={held}",
-                   "trainer.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=6",
-                   "data.eval_size=30", "trainer.run_dir=runs", "ray.dashboard=false", "trainer.call_timeout_s=120",
-                   cwd=tmp_path, pythonpath=(EXAMPLES / "user_reward",))
-    assert (s["backend"], s["steps"], s["eval_prompts"]) == ("ray", 2, 30)
+                   "trainer.backend=local", "trainer.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2",
+                   "rollout.max_new_tokens=6", "data.eval_size=30", "trainer.run_dir=runs", cwd=tmp_path,
+                   pythonpath=(EXAMPLES / "user_reward",))
+    assert (s["backend"], s["steps"], s["eval_prompts"]) == ("local", 2, 30)
     assert Path(s["run_dir"]).parent == tmp_path / "runs"  # a relative run_dir: under the directory it started from
     config = json.loads((Path(s["run_dir"]) / "config.json").read_text())
     assert config["task"] == "prompts" and config["reward"]["fn"] == ["myreward:score"]

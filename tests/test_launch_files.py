@@ -265,7 +265,7 @@ def test_slurm_script_runs_a_two_node_ray_cluster_and_a_5_step_job(tmp_path):
             seen = 0  # the most marked processes alive at once: the leftover check below is not vacuous
             while script.poll() is None and time.monotonic() - t0 < SLURM_SUBPROCESS_TIMEOUT_S:
                 seen = max(seen, len(marked_processes(mark)))
-                time.sleep(2)
+                time.sleep(0.5)
             if script.poll() is None:
                 script.kill()
             code = script.wait(timeout=30)

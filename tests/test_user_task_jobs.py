@@ -1,6 +1,6 @@
 """Your reward and your rows train the tiny model: a reward defined inside the test (no worker could import it)
 and a `datasets.Dataset` given to `train()` / `GRPOTrainer`, on the local backend and in Ray env workers
-(shipped by value). The same reward by import path from `jobs/grpo.py` on Ray: test_examples."""
+(shipped by value). A reward by import path: test_examples (`jobs/grpo.py`), test_ray_job_submit (on Ray)."""
 from __future__ import annotations
 
 import json

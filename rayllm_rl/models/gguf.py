@@ -92,8 +92,18 @@ def inspect_gguf(path: str) -> GGUFInfo:
         import transformers.modeling_gguf_pytorch_utils  # noqa: F401
     except ImportError as error:  # pragma: no cover - both are project dependencies
         raise GGUFError(f"reading GGUF file {path!r} needs the 'gguf' and 'accelerate' packages: {error}") from error
-    with read_once():  # the reader below and load_gguf_checkpoint's: one parse of the file
-        return _read_info(path)
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    if key not in _INFO:  # a file is parsed once per process (~3 s for SmolLM2): a dry run, then the conversion
+        with read_once():  # the reader below and load_gguf_checkpoint's: one parse of the file
+            _INFO[key] = _read_info(path)
+    info = _INFO[key]
+    return dataclasses.replace(info, path=os.path.abspath(path), tensor_types=dict(info.tensor_types),
+                               config=copy.deepcopy(info.config))
+
+
+_INFO: dict[tuple, GGUFInfo] = {}
+"""`inspect_gguf`'s results by (real path, size, mtime): a changed file is read again."""
 
 
 def _read_info(path: str) -> GGUFInfo:

@@ -120,7 +120,8 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
         run.eval_before = evaluate(backend, reporter, callbacks, step, len(task.eval))
         reporter.log({"phase": "eval", "step": step, **run.eval_before}, show=True)
     ckpt_dir = Path(reporter.run_dir) / "checkpoints"
-    run.checkpoint = run.checkpoint or backend.save_checkpoint(str(ckpt_dir / f"step_{step}"), step, version)
+    if run.checkpoint is None and cfg.trainer.max_recoveries > 0:  # what a crash rolls back to (no rollbacks: none)
+        run.checkpoint = backend.save_checkpoint(str(ckpt_dir / f"step_{step}"), step, version)
 
     backend.start_collector()
     traces = TraceWriter(reporter.run_dir, backend.tokenizer)

@@ -214,12 +214,14 @@ class TrainerConfig:
     """'ray' (every role a Ray actor, weights over a collective) or 'local' (every role in this process).
     Both run the same driver: same eta, resume, checkpoints and summary."""
     checkpoint_every: NonNegInt = 50
-    """Save a resumable checkpoint every N steps (0 = only at the start of RL and at the end). A crashed
-    learner, replica, collector or buffer rolls the run back to the last one."""
+    """Save a resumable checkpoint every N steps (0 = only at the start of RL and at the end; the start one only
+    with trainer.max_recoveries > 0). A crashed learner, replica, collector or buffer rolls the run back to the
+    last one."""
     keep_checkpoints: NonNegInt = 3
     """Keep only the newest N checkpoints of the run (0 = keep all)."""
     max_recoveries: NonNegInt = 3
-    """Rollbacks to the last checkpoint after a crashed role before the run gives up (Ray backend)."""
+    """Rollbacks to the last checkpoint after a crashed role before the run gives up (Ray backend). 0: no
+    rollbacks, so no checkpoint at the start of RL either (it exists to roll back to)."""
     call_timeout_s: PosFloat = 600.0
     """Timeout of every other blocking call (Ray: train step, batch wait, episode; local: a full buffer)."""
     callbacks: list[str] = dataclasses.field(default_factory=list)
