@@ -50,7 +50,9 @@ def check_extras(cfg: Any) -> None:
         require("task=math (its answer checker)", "math")
     if cfg.model.lora.enabled:
         require("model.lora.enabled=true", "lora")
-    if str(cfg.model.path).endswith(".gguf") or cfg.model.gguf_file:  # also a pypi:...gguf source
+    from rayllm_rl.hub import names_gguf
+
+    if names_gguf(str(cfg.model.path), cfg.model.gguf_file):
         require(f"model.path={cfg.model.path} (a GGUF file, dequantized by transformers)", "gguf")
     if cfg.rollout.workflow == "openai_agent":
         require("rollout.workflow=openai_agent (agents written with the OpenAI SDK)", "agents")

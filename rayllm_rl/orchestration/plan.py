@@ -91,7 +91,8 @@ def gguf_plan(cfg: GRPOJobConfig) -> dict[str, Any] | None:
     wheel = None
     try:
         if pypi_wheel.is_wheel_source(cfg.model.path):
-            wheel_file, local = pypi_wheel.parse(cfg.model.path), pypi_wheel.cached_file(cfg.model.path)
+            wheel_file = pypi_wheel.parse(cfg.model.path)
+            local = pypi_wheel.cached_file(wheel_file)
             wheel = {"requirement": wheel_file.requirement, "member": wheel_file.member, "pinned_sha256":
                      wheel_file.sha256 or None, "cache": str(wheel_file.cache_path), "fetched_here": local is not None}
             if local is None:
@@ -378,11 +379,11 @@ def describe_plan(plan: JobPlan) -> dict[str, Any]:
 
 def results_plan(cfg: GRPOJobConfig) -> dict[str, Any]:
     """Where the run's directory and a relative resume will be, resolved as the job resolves them here."""
-    from rayllm_rl.orchestration.storage import storage_root
+    from rayllm_rl.orchestration.storage import with_resolved_paths
 
-    root = storage_root(cfg.trainer.storage_root)
-    return {"run_dir": f"{root.resolve(cfg.trainer.run_dir)}/<stamp>", "storage_root": str(root.path),
-            "source": root.source, "resume": str(root.resolve(cfg.resume)) if cfg.resume else None}
+    resolved, root = with_resolved_paths(cfg)
+    return {"run_dir": f"{resolved.trainer.run_dir}/<stamp>", "storage_root": str(root.path), "source": root.source,
+            "resume": resolved.resume or None}
 
 
 def job_plan(cfg: GRPOJobConfig) -> dict[str, Any]:
