@@ -13,8 +13,12 @@ Parts (`--side`, both by default, run sequentially per task and seed):
         conversational prompt), and a callback stops training once the RL wall budget is spent. Held-out before
         and after: our `evaluate_greedy` with a `TransformersEngine` on TRL's in-memory model, the same eval rows,
         max new tokens and answer extraction as our job's own evaluation.
-Per side and seed: steps, sequences/s, held-out before/after, gain, gain per step, gain per RL wall-second; per
-side and task: mean and min/max over seeds.
+Per side and seed: steps, sequences/s, held-out before/after, gain, gain per step, gain per RL wall-second, each
+step's training reward; per side and task: mean and min/max over seeds. RL seconds run from the end of the eval
+before RL to the last optimizer step on both sides (not our job's own `rl_seconds`, which includes its final
+checkpoint and eval). `--steps N` ends every run after N optimizer steps instead of at the wall budget: on the
+recipe's task the held-out score levels off (~0.5) within ~6-10 steps, so a wall budget past that compares plateaus,
+and gain per step is only comparable at equal steps.
 
 Run: `.venv/bin/python benchmarks/vs_trl.py` (3 seeds x the default task x (ours, TRL) at 900 s of RL each:
 hours on 2 cores; add `--task chain_sum,basic_arithmetic --engine transformers,vllm` for the full table).
@@ -65,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--task", default="chain_sum", help="comma list of " + ", ".join(TASKS))
     a("--seeds", default="0,1,2")
     a("--rl-seconds", type=float, default=900.0, help="RL wall budget per run")
+    a("--steps", type=int, default=0,
+      help="stop each run after this many optimizer steps instead of at the wall budget (0: the budget); gain per "
+           "step is then compared at equal steps, before the held-out score levels off")
     a("--engine", default="transformers", help="ours: comma list of transformers, vllm")
     a("--eval-size", type=int, default=200)
     a("--model", default=MODEL, help="GGUF file or HF directory (rayllm_rl.hub.resolve_model_path)")
@@ -111,7 +118,8 @@ def settings(args) -> dict:
             "lr": optim["lr"], "warmup_steps": optim["warmup_steps"], "grad_clip": 1.0, "clip_eps": 0.2,
             "instruction": rg.get("instruction", ""), "seed": rg.get("seed", 1), "eval_seed": rg.get("eval_seed", 2),
             "train_size": args.train_size or rg.get("train_size", 20000), "eval_size": args.eval_size,
-            "rl_seconds": args.rl_seconds, "recipe": args.recipe, "ours_advantage": args.advantage,
+            "rl_seconds": 0.0 if args.steps else args.rl_seconds, "steps": args.steps, "recipe": args.recipe,
+            "ours_advantage": args.advantage,
             "adam_betas": {"ours": [optim.get("beta1", 0.9), optim.get("beta2", 0.99)], "trl": [0.9, 0.999]},
             "not_matched": NOT_MATCHED, "ours_set": args.ours_set}
 
@@ -153,8 +161,8 @@ def run_ours(args, s: dict, task: str, seed: int, engine: str, tmp: str) -> dict
            f"inference.engine={engine}", f"data.reasoning_gym.dataset={task}", *opts,
            f"data.reasoning_gym.train_size={s['train_size']}", f"data.eval_size={s['eval_size']}",
            f"rollout.prompts_per_step={s['prompts']}", f"rollout.group_size={s['samples']}",
-           f"rollout.max_new_tokens={s['max_new_tokens']}", f"trainer.seed={seed}", "trainer.steps=100000",
-           f"trainer.time_budget_s={s['rl_seconds']}", "trainer.eval_every=0",
+           f"rollout.max_new_tokens={s['max_new_tokens']}", f"trainer.seed={seed}",
+           f"trainer.steps={s['steps'] or 100000}", f"trainer.time_budget_s={s['rl_seconds']}", "trainer.eval_every=0",
            f"trainer.run_dir={tmp}/ours-{task}-{engine}-{seed}"]
     if args.advantage == "trl":
         cmd += ["algo.advantage.std_estimator=unbiased", "algo.advantage.eps=1e-4"]
@@ -165,10 +173,23 @@ def run_ours(args, s: dict, task: str, seed: int, engine: str, tmp: str) -> dict
     if proc.returncode or not lines:
         return {"error": f"rc={proc.returncode}", "stderr_tail": proc.stderr[-3000:], "command": " ".join(cmd[1:])}
     out = json.loads(lines[-1])
-    res = per_run(out["steps"], out["rl_seconds"], out["eval_reward_before"], out["eval_reward_after"],
+    loop_s, rewards = rl_loop(Path(out["run_dir"]) / "metrics.jsonl")
+    res = per_run(out["steps"], loop_s, out["eval_reward_before"], out["eval_reward_after"],
                   s["prompts"] * s["samples"])
-    return {**res, "wall_seconds": out["wall_seconds"], "process_seconds": time.perf_counter() - t0,
-            "eval_n": out.get("eval_prompts"), "command": " ".join(cmd[1:])}
+    return {**res, "train_reward": rewards, "job_rl_seconds": out["rl_seconds"], "wall_seconds": out["wall_seconds"],
+            "process_seconds": time.perf_counter() - t0, "eval_n": out.get("eval_prompts"),
+            "command": " ".join(cmd[1:])}
+
+
+def rl_loop(metrics: Path) -> tuple[float, list[float]]:
+    """The RL loop's seconds, from the eval before RL to the last step's record, and each step's training reward.
+
+    The job's own `rl_seconds` runs on to its final checkpoint and evaluation; TRL's clock stops when `train()`
+    returns, so this is the figure that matches it."""
+    recs = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
+    start = next(r["time_s"] for r in recs if r.get("phase") == "eval" and r.get("step") == 0)
+    rl = [r for r in recs if r.get("phase") == "rl"]
+    return rl[-1]["time_s"] - start, [r["reward"] for r in rl]
 
 
 # ---------------------------------------------------------------------------- TRL (in a child process)
@@ -230,7 +251,7 @@ def child_trl(spec: dict) -> dict:
                        rg_index=cols["rg_index"][i], question=cols["question"][i])["reward"]
                 for i, t in enumerate(texts)]
 
-    budget, clock = float(s["rl_seconds"]), {}
+    budget, clock = float(s["rl_seconds"]) or float("inf"), {}  # 0: `--steps` ends the run
 
     class WallBudget(TrainerCallback):
         """Stops training after the optimizer step that spends the RL wall budget (ours stops the same way)."""
@@ -250,7 +271,7 @@ def child_trl(spec: dict) -> dict:
                       temperature=s["temperature"], top_p=1.0, learning_rate=s["lr"], warmup_steps=s["warmup_steps"],
                       lr_scheduler_type="constant_with_warmup", weight_decay=0.0, max_grad_norm=s["grad_clip"],
                       beta=0.0, loss_type="dapo", epsilon=s["clip_eps"], scale_rewards="group", num_iterations=1,
-                      use_vllm=False, max_steps=100000, save_strategy="no", logging_steps=1,
+                      use_vllm=False, max_steps=s["steps"] or 100000, save_strategy="no", logging_steps=1,
                       disable_tqdm=True, log_completions=False)
     ds = train.rename_column("messages", "prompt")  # TRL's conversational prompt: its own chat template on it
     trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, processing_class=tok, train_dataset=ds,
@@ -272,7 +293,8 @@ def child_trl(spec: dict) -> dict:
     after = greedy_eval(model_dir, trainer.model, tok, eval_rows, scorer, s["max_new_tokens"])
     if prompt_check["differ"]:
         raise RuntimeError(f"TRL's prompt token ids differ from our job's: {prompt_check}")
-    return {**per_run(steps, rl_seconds, before, after, P * G), "eval_n": len(eval_rows),
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    return {**per_run(steps, rl_seconds, before, after, P * G), "train_reward": rewards, "eval_n": len(eval_rows),
             "prompt_ids_checked": prompt_check}
 
 
