@@ -21,7 +21,8 @@ recipe's task the held-out score levels off (~0.5) within ~6-10 steps, so a wall
 and gain per step is only comparable at equal steps.
 
 Run: `.venv/bin/python benchmarks/vs_trl.py` (3 seeds x the default task x (ours, TRL) at 900 s of RL each:
-hours on 2 cores; add `--task chain_sum,basic_arithmetic --engine transformers,vllm` for the full table).
+hours on 2 cores; add `--task chain_sum,basic_arithmetic --engine transformers,vllm --steps 6` for the full table at
+equal steps, as docs/performance.md runs it).
 Smoke: `--smoke` (tiny offline model, 1 seed, 20 s of RL, 8 eval rows, 8 new tokens, 2 prompts x 2 samples).
 The last stdout line is the JSON result, also written to `--out`.
 """
