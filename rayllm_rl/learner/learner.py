@@ -59,12 +59,17 @@ from rayllm_rl.learner.logprobs import (
     batched_token_logprobs,
     check_chunked_head,
     micro_batches,
-    row_lengths,
-    token_budget_micro_batches,
     token_logprobs,
+    trim,
 )
 from rayllm_rl.learner.mismatch import MismatchMeter
 from rayllm_rl.learner.precision import Precision
+from rayllm_rl.learner.shared_prompt import (
+    check_shared_prompt,
+    packed_micro_batches,
+    packed_token_logprobs,
+    supports_shared_prompt,
+)
 from rayllm_rl.learner.trace_rows import trace_rows
 from rayllm_rl.lora import LoraOptions
 from rayllm_rl.objectives.base import Loss
@@ -108,6 +113,12 @@ class OptimConfig:
     """Passes over each rollout batch."""
     warmup_steps: int = 0
     """Linear warm-up of the learning rate over this many optimizer steps."""
+    share_prompts: bool = True
+    """Train rows that share a prompt (a GRPO group) in one packed row, the prompt run once
+    (learner/shared_prompt.py): the same logprobs and gradient, the decoder's work cut by ~(G-1)/G of the
+    prompt's tokens. Used where the model supports it (`supports_shared_prompt`: sdpa or eager attention, no
+    sliding window); false keeps padded rows (e.g. long rows on flash-attention, where the dense 4D mask costs
+    more than the prompt)."""
 
     def __post_init__(self) -> None:
         if self.max_tokens_per_micro_batch < 1:
@@ -214,6 +225,10 @@ class Learner:
         self.trace: list[dict] = []
         """A few rows of the last train step, token by token (learner/trace_rows.py; rank 0 only)."""
         check_chunked_head(self.model, optim.logprob_chunk_size)
+        self.can_share_prompts = optim.logprob_chunk_size > 0 and supports_shared_prompt(self.model)
+        """Whether `optim.share_prompts` applies to this model (otherwise rows are scored padded)."""
+        if optim.share_prompts and self.can_share_prompts:
+            check_shared_prompt(self.model, optim.logprob_chunk_size)
         self.reset_optimizer(optim)
 
     def offload(self) -> int:
@@ -329,6 +344,14 @@ class Learner:
         if len(set(prints)) != 1:
             raise ValueError(f"FSDP ranks got different batches (fingerprints {prints}); pass the full batch to all")
 
+    def _micro_batches(self, td: TensorDict) -> list[tuple[TensorDict, Any]]:
+        """`(rows cut to their longest, PackedRows or None)` per training micro-batch of `td`: packed behind
+        shared prompts when `optim.share_prompts` applies to this model, else padded (`micro_batches`)."""
+        budget, rows = self.cfg.max_tokens_per_micro_batch, self.cfg.micro_batch_size
+        if self.cfg.share_prompts and self.can_share_prompts:
+            return [(trim(td[idx], packed.width), packed) for idx, packed in packed_micro_batches(td, budget, rows)]
+        return [(mb, None) for _, mb in micro_batches(td, budget, rows)]
+
     def _optimizer_step(self, td: TensorDict, loss_fn: Loss, measure_mismatch: bool = False) -> dict[str, float]:
         """One optimizer step on minibatch `td`; with `measure_mismatch`, also the rollout/learner mismatch
         figures of its trained tokens (learner/mismatch.py) from the forward the loss needs anyway."""
@@ -337,28 +360,31 @@ class Learner:
         # Micro-batch k's loss averages over normalizer(mask_k) units (tokens, non-empty rows, rows):
         # weighting it by normalizer(mask_k) / normalizer(mask) makes the sum the full-batch loss.
         total_units = float(loss_fn.normalizer(td["loss_mask"]))
-        budget, rows = self.cfg.max_tokens_per_micro_batch, self.cfg.micro_batch_size
+        budget = self.cfg.max_tokens_per_micro_batch
         chunk = self.cfg.logprob_chunk_size
         bounds = [(r * n // self.world_size, (r + 1) * n // self.world_size) for r in range(self.world_size)]
         shard = td[bounds[self.rank][0]:bounds[self.rank][1]]
-        mbs = [mb for _, mb in micro_batches(shard, budget, rows)]
+        mbs = self._micro_batches(shard)
         # FSDP: every rank must run as many forward/backward passes as the rank with the most micro-batches;
         # every rank holds the full minibatch, so each plans every rank's micro-batches without a collective.
-        lengths = row_lengths(td)
-        passes = max(len(token_budget_micro_batches(lengths[lo:hi], budget, rows)) for lo, hi in bounds)
+        passes = max(len(self._micro_batches(td[lo:hi])) for lo, hi in bounds) if self.world_size > 1 else len(mbs)
         self.optimizer.zero_grad(set_to_none=True)
         metrics: dict[str, float] = {}
         nonfinite_loss = False
         meter = MismatchMeter() if measure_mismatch else None
         scoring = self.sampling_mask if getattr(loss_fn, "scores_sampled_tokens", True) else SamplingMask()
-        for mb in mbs:
+        for mb, packed in mbs:
             mask = mb["loss_mask"]
             # logprobs only where the loss reads them: the gradient is the same, the LM head does less
             with self.precision.autocast(self.device):
-                logp, entropy = token_logprobs(self.model, mb["input_ids"].to(self.device),
-                                               mb["attention_mask"].to(self.device), self.temperature, with_entropy=True,
-                                               positions=(mask != 0).to(self.device), chunk_size=chunk,
-                                               mask=scoring)
+                if packed is not None:  # the group's prompt once, each row's rest behind it
+                    logp, entropy = packed_token_logprobs(self.model, packed, self.temperature, device=self.device,
+                                                          chunk_size=chunk, with_entropy=True, mask=scoring)
+                else:
+                    logp, entropy = token_logprobs(self.model, mb["input_ids"].to(self.device),
+                                                   mb["attention_mask"].to(self.device), self.temperature,
+                                                   with_entropy=True, positions=(mask != 0).to(self.device),
+                                                   chunk_size=chunk, mask=scoring)
             if meter is not None:
                 meter.add(logp, mb)
                 if self.rank == 0 and not self.trace:
