@@ -44,10 +44,12 @@ sys.path.insert(0, str(ROOT))
 
 MODEL = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 RECIPE = "recipes/smollm2-135m_reasoning-gym_cpu.yaml"
-TASKS = {  # reasoning-gym generators, each with options giving two-term, one-or-two-digit questions
-    "chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2},
-    "basic_arithmetic": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2,
-                         "operators": ["+", "-"]},  # no "/": integer answers only, as chain_sum's
+TASKS = {  # reasoning-gym generators and their options: two-term questions the model already answers ~1 time in 7
+    "chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2},  # held-out 0.157 before RL
+    # one digit, + and - (no "/": integer answers only, as chain_sum's): held-out 0.135 before RL on 100 rows. With
+    # one or two digits it starts at 0.073, most groups score all 0 and neither side learned in 12 steps
+    # (benchmarks/results/vs_trl_basic_arithmetic_seed0_12steps.json, docs/performance.md)
+    "basic_arithmetic": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"]},
 }
 TIMEOUT_S = 4 * 3600.0
 NOT_MATCHED = [
@@ -122,7 +124,8 @@ def settings(args) -> dict:
             "rl_seconds": 0.0 if args.steps else args.rl_seconds, "steps": args.steps, "recipe": args.recipe,
             "ours_advantage": args.advantage,
             "adam_betas": {"ours": [optim.get("beta1", 0.9), optim.get("beta2", 0.99)], "trl": [0.9, 0.999]},
-            "not_matched": NOT_MATCHED, "ours_set": args.ours_set}
+            "not_matched": NOT_MATCHED, "ours_set": args.ours_set,
+            "task_options": {t: TASKS[t] for t in args.tasks}}
 
 
 def rg_config(task: str, s: dict):
