@@ -88,6 +88,7 @@ def main(argv=None) -> dict:
 
     from rayllm_rl.hub import resolve_model_path
     from rayllm_rl.learner.learner import Learner, OptimConfig
+    from rayllm_rl.learner.shared_prompt import packed_micro_batches
     from rayllm_rl.objectives import GRPOLoss
 
     path = resolve_model_path(args.model)
@@ -111,9 +112,8 @@ def main(argv=None) -> dict:
     rel = max(float((grads[True][k] - grads[False][k]).abs().max() / grads[False][k].abs().max().clamp(min=1e-30))
               for k in grads[False])
     padded, shared = (statistics.median(seconds[s]) for s in (False, True))
-    decoder_tokens = {"padded_rows": int(td["attention_mask"].sum()),
-                      "shared_prompts": int(td["attention_mask"].sum()) - prompt_tokens * (args.samples - 1)
-                      // args.samples}
+    decoder_tokens = {"padded_rows": int(td["attention_mask"].sum()),  # real tokens each path runs
+                      "shared_prompts": sum(int((p.segment >= 0).sum()) for p in packed_micro_batches(td, 2048))}
     result = {"benchmark": "shared_prompt", "task": args.task, "rows": td.batch_size[0],
               "prompt_tokens_mean": prompt_tokens / td.batch_size[0],
               "completion_tokens_mean": float(td["loss_mask"].sum()) / td.batch_size[0],

@@ -61,7 +61,8 @@ def grpo_batch(vocab: int = 60, prompts=(5, 9, 7), group: int = 4, seed: int = 0
 def packed_logp(model, td, budget: int, temperature: float = 1.0, with_entropy: bool = False):
     out = torch.zeros(td["input_ids"].shape, dtype=next(model.parameters()).dtype)
     ent = torch.zeros_like(out)
-    for rows, packed in packed_micro_batches(td, budget):
+    for packed in packed_micro_batches(td, budget):
+        rows = packed.rows
         got = packed_token_logprobs(model, packed, temperature, chunk_size=7, with_entropy=with_entropy)
         lp, e = got if with_entropy else (got, None)
         out[rows, :lp.shape[1]] = lp
@@ -95,16 +96,17 @@ def test_each_prompt_is_packed_once_and_a_group_over_the_budget_is_split():
     lengths = td["attention_mask"].sum(-1)
     one = packed_micro_batches(td, 400)
     assert len(one) == 1
-    rows, packed = one[0]
+    packed = one[0]
+    rows = packed.rows
     # one packed row per prompt, and row 5 (nothing trained: all prompt) on its own
     assert sorted(rows.tolist()) == list(range(12)) and packed.input_ids.shape[0] == 4
     # tokens run: each prompt once plus every rest, against every row in full
     assert int((packed.segment >= 0).sum()) == int(lengths.sum()) - 3 * 5 - 2 * 9 - 3 * 7
     split = packed_micro_batches(td, 30)  # prompt + rests over 30 tokens: the group is cut, the prompt repeated
-    prompts_run = sum(int((pk.segment == 0).any(-1).sum()) for _, pk in split)
+    prompts_run = sum(int((pk.segment == 0).any(-1).sum()) for pk in split)
     assert prompts_run > 3
-    assert all(int((pk.segment >= 0).sum(-1).max()) <= 30 for _, pk in split)
-    assert sorted(r for rows, _ in split for r in rows.tolist()) == list(range(12))
+    assert all(int((pk.segment >= 0).sum(-1).max()) <= 30 for pk in split)
+    assert sorted(r for pk in split for r in pk.rows.tolist()) == list(range(12))
 
 
 def test_learner_step_packed_equals_padded():

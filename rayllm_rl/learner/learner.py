@@ -349,7 +349,7 @@ class Learner:
         shared prompts when `optim.share_prompts` applies to this model, else padded (`micro_batches`)."""
         budget, rows = self.cfg.max_tokens_per_micro_batch, self.cfg.micro_batch_size
         if self.cfg.share_prompts and self.can_share_prompts:
-            return [(trim(td[idx], packed.width), packed) for idx, packed in packed_micro_batches(td, budget, rows)]
+            return [(trim(td[packed.rows], packed.width), packed) for packed in packed_micro_batches(td, budget, rows)]
         return [(mb, None) for _, mb in micro_batches(td, budget, rows)]
 
     def _optimizer_step(self, td: TensorDict, loss_fn: Loss, measure_mismatch: bool = False) -> dict[str, float]:

@@ -76,13 +76,12 @@ def _prompt_lengths(positions: torch.Tensor, lengths: torch.Tensor) -> torch.Ten
     a row with no scored token is all prompt."""
     scored = positions.clone()
     scored[:, 0] = False
-    first = torch.where(scored.any(-1), scored.int().argmax(-1), lengths)
-    return torch.minimum(first, lengths)
+    return torch.where(scored.any(-1), scored.int().argmax(-1), lengths)
 
 
 def packed_micro_batches(td: TensorDict, max_tokens: int, max_rows: int = 0,
-                         positions: torch.Tensor | None = None) -> list[tuple[torch.Tensor, PackedRows]]:
-    """`(row indices, PackedRows)` per micro-batch of right-padded `td`, scoring `positions` `[N, T]` (default
+                         positions: torch.Tensor | None = None) -> list[PackedRows]:
+    """`PackedRows` per micro-batch of right-padded `td`, scoring `positions` `[N, T]` (default
     the loss mask). Each packed row is at most `max_tokens` long unless one row alone is longer; micro-batches
     hold packed rows with rows x longest <= `max_tokens` (and at most `max_rows` packed rows if > 0)."""
     ids, lengths = td["input_ids"], td["attention_mask"].sum(-1)
@@ -109,7 +108,7 @@ def packed_micro_batches(td: TensorDict, max_tokens: int, max_rows: int = 0,
     for chosen in token_budget_micro_batches(pack_len, max_tokens, max_rows):
         members = [packs[j] for j in chosen.tolist()]
         rows = torch.tensor([i for m in members for i in m], dtype=torch.long)
-        out.append((rows, _pack(rows, ids, lengths, prompt_len, pos, members, int(pack_len[chosen].max()))))
+        out.append(_pack(rows, ids, lengths, prompt_len, pos, members, int(pack_len[chosen].max())))
     return out
 
 
@@ -194,9 +193,9 @@ def check_shared_prompt(model: torch.nn.Module, chunk_size: int = 512) -> None:
     try:
         want = token_logprobs(model, ids.to(device), am.to(device), positions=(lm != 0).to(device),
                               chunk_size=chunk_size).cpu()
-        (rows, packed), = packed_micro_batches(td, 64)
+        packed, = packed_micro_batches(td, 64)
         got = torch.zeros_like(want)
-        got[rows] = packed_token_logprobs(model, packed, device=device, chunk_size=chunk_size).cpu()
+        got[packed.rows] = packed_token_logprobs(model, packed, device=device, chunk_size=chunk_size).cpu()
     finally:
         model.train(was_training)
     diff = float((want - got).abs().max())
