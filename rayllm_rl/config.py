@@ -215,7 +215,7 @@ def _not_taken(key: str, field: str, value: Any, tag: str, variants: dict[str, t
     except ConfigError:
         pass
     return ConfigError(f"{key}.{field}={value} is not read by {key}.name={tag} (it is by {takers}); unset it "
-                       "or choose one of those")
+                       f"(~{key}.{field} on the command line) or choose one of those")
 
 
 def switch_variant(current: Any, cls: type, key: str, variants: dict[str, type]) -> Any:
@@ -298,17 +298,39 @@ def config_file(spec: str) -> Path:
     return recipes[name]
 
 
+def unset_key(cfg: T, key: str) -> T:
+    """`cfg` with `key` (dotted) back at the default of the class that holds it: the command line's `~key`, which
+    takes back a value a YAML file set (e.g. a recipe's `algo.prox_logp_method`, before `algo.name=grpo`)."""
+    parts = key.split(".")
+    nodes = [cfg]
+    for i, part in enumerate(parts):
+        node = nodes[-1]
+        fields = {f.name for f in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else set()
+        if part not in fields:
+            where = ".".join(parts[:i]) or "the top level"
+            raise ConfigError(f"~{key}: {where} has no key {part!r}" + (f" (its keys: {sorted(fields)})" if fields else ""))
+        if i < len(parts) - 1:
+            nodes.append(getattr(node, part))
+    value = getattr(type(nodes[-1])(), parts[-1])
+    for node, part in zip(reversed(nodes), reversed(parts)):
+        value = dataclasses.replace(node, **{part: value})
+    return value
+
+
 def load_config(cls: type[T], argv: list[str] | None = None, *, config_key: str = "config") -> T:
     """Defaults of `cls`, then the YAML file given as `config=path.yaml` (or `config=recipe:NAME`, a packaged
-    recipe), then overrides. What the user wrote, nothing more: fields left to a preset stay None until the
-    job's `validate()` resolves them (GRPOJobConfig: `presets.resolve_presets`, which returns a new config)."""
+    recipe), then `~key` items (`unset_key`), then overrides. What the user wrote, nothing more: fields left to a
+    preset stay None until the job's `validate()` resolves them (GRPOJobConfig: `presets.resolve_presets`, which
+    returns a new config)."""
     argv = list(argv or [])
     cfg = cls()
     files = [a.split("=", 1)[1] for a in argv if a.startswith(f"{config_key}=")]
     for f in files:
         cfg = apply_dict(cfg, load_yaml(config_file(f)))
     rest = [a for a in argv if not a.startswith(f"{config_key}=")]
-    return apply_dict(cfg, parse_overrides(rest))
+    for item in (a for a in rest if a.startswith("~")):
+        cfg = unset_key(cfg, item[1:].strip())
+    return apply_dict(cfg, parse_overrides([a for a in rest if not a.startswith("~")]))
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -124,6 +124,27 @@ def test_each_loss_options_class_holds_exactly_its_loss_arguments_with_the_loss_
                 assert value == params[key].default, (name, key)
 
 
+def test_a_tilde_key_takes_back_what_the_yaml_set_so_the_loss_can_switch(tmp_path):
+    """The SmolLM2 recipe sets a decoupled-PPO option: `algo.name=grpo` alone refuses it (naming `~key`), and
+    `~algo.prox_logp_method` returns it to its default first; a `~` of a key that does not exist names it."""
+    from rayllm_rl.config import packaged_recipes
+
+    recipe = f"config={packaged_recipes()['smollm2-135m_reasoning-gym_cpu']}"
+    assert load_config(GRPOJobConfig, [recipe]).algo.prox_logp_method == "loglinear"
+    with pytest.raises(ConfigError, match=r"algo.prox_logp_method=loglinear is not read by algo.name=grpo .*"
+                                          r"unset it \(~algo.prox_logp_method on the command line\)"):
+        load_config(GRPOJobConfig, [recipe, "algo.name=grpo"])
+    algo = load_config(GRPOJobConfig, [recipe, "~algo.prox_logp_method", "algo.name=grpo"]).algo
+    assert (algo.name, algo.clip_eps_high) == ("grpo", 0.2)
+    ppo = load_config(GRPOJobConfig, [recipe, "~algo.prox_logp_method"]).algo
+    assert (ppo.name, ppo.prox_logp_method) == ("ppo_decoupled", "recompute")  # the class's own default
+    assert load_config(GRPOJobConfig, [recipe, "~rollout.temperature"]).rollout.temperature == 1.0
+    with pytest.raises(ConfigError, match=r"~algo.prox_logp: algo has no key 'prox_logp' \(its keys: "):
+        load_config(GRPOJobConfig, [recipe, "~algo.prox_logp"])
+    with pytest.raises(ConfigError, match=r"~rollout.temperature.x: rollout.temperature has no key 'x'"):
+        load_config(GRPOJobConfig, ["~rollout.temperature.x"])
+
+
 def test_switching_the_loss_keeps_what_the_user_set_and_takes_the_new_loss_defaults(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text("algo:\n  name: dapo\n  clip_eps_low: 0.1\n  kl_reward_coef: 0.01\n")
