@@ -45,6 +45,7 @@ def start_pair(kind: str, engine: str, model_path: str, rank: int, transport: st
     """(learner rank 0, replica) of one policy kind, their sync group formed."""
     import ray
 
+    from rayllm_rl.inference.registry import EngineSpec
     from rayllm_rl.lora import LoraOptions
     from rayllm_rl.learner.learner import LearnerSpec, OptimConfig
     from rayllm_rl.objectives import GRPOLoss
@@ -57,7 +58,7 @@ def start_pair(kind: str, engine: str, model_path: str, rank: int, transport: st
     ray.get(learner.setup.remote(LearnerSpec(model_path, OptimConfig(), lora=lora), GRPOLoss(), host, port),
             timeout=timeout_s)
     options = {"kv_cache_mb": 64} if engine == "vllm" else {}
-    replica = InferenceReplica.remote(engine, model_path, 0, 1, "float32", options, 1, lora=lora)
+    replica = InferenceReplica.remote(EngineSpec(engine, model_path, options=options, lora=lora))
     ray.get(replica.ready.remote(), timeout=timeout_s)
     receivers = ray.get(replica.receiving_processes.remote(transport), timeout=timeout_s)
     spec = make_spec(transport, ray.get(learner.weight_metadata.remote(), timeout=timeout_s), receivers=receivers,

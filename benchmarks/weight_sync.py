@@ -364,10 +364,12 @@ def load_summary(result: dict, seconds: float) -> dict:
 
 
 def start_replicas(engine: str, n: int, model_path: str, args) -> list:
+    from rayllm_rl.inference.registry import EngineSpec
     from rayllm_rl.orchestration.ray.actors import InferenceReplica
 
     vllm_options = {"kv_cache_mb": args.kv_cache_mb, "max_num_seqs": 64} if engine == "vllm" else None
-    replicas = [InferenceReplica.remote(engine, model_path, i, 1, "float32", vllm_options) for i in range(n)]
+    replicas = [InferenceReplica.remote(EngineSpec(engine, model_path, seed=i, options=vllm_options or {}))
+                for i in range(n)]
     ray.get([r.ready.remote() for r in replicas], timeout=600)
     return replicas
 

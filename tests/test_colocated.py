@@ -89,7 +89,6 @@ def test_colocated_turns_sleep_train_hand_over_wake_and_nothing_generates_while_
     try:
         assert backend.cluster.turns.colocated
         backend.sync_weights(0)
-        backend.set_version(0)
         backend.start_collector()
         steps = 3
         for v in range(steps):
@@ -97,7 +96,6 @@ def test_colocated_turns_sleep_train_hand_over_wake_and_nothing_generates_while_
             assert meta["token_versions"] == [v]  # max_staleness 0: the current policy only
             backend.train_step(batch)
             backend.sync_weights(v + 1)
-            backend.set_version(v + 1)
         events = _merged(backend)
         names = [e for _, e in events]
         cycle = ["replica:sleep", "learner:onload", "learner:train start", "learner:train end", "replica:wake:weights",

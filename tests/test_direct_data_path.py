@@ -118,3 +118,31 @@ def test_collector_counts_episodes_its_runners_delivered():
     assert len(stored) == 4, "eta=0 at version 0 admits exactly one batch of accepted episodes"
     assert stats["finished_episodes"] == 4 and stats["generated_tokens"] == 20
     assert stats["filtered_episodes"] == 1  # groups 0,1,3,4 stored; group 2 filtered and refilled
+
+
+def test_a_dying_collector_loop_fails_the_buffer_waiting_for_a_batch():
+    """`LLMCollector.start` (both backends start the loop this way): 3 failed episodes in a row end the loop (the
+    4th, admitted with them, may fail first),
+    `on_death` gets the reason and fails the buffer, so the waiting batch gets the error at once, not a timeout;
+    `raise_if_dead` raises it too. A second `start` while the loop runs starts no second loop."""
+    async def run_episode(row):
+        raise ValueError(f"bad row {row['group_id']}")
+
+    async def go():
+        buf = AwaitableEpisodeBuffer(ReplayBuffer(8, 0))
+        col = LLMCollector(PromptLoader(Dataset.from_list([{"q": i} for i in range(50)]), seed=0), run_episode,
+                           StalenessController(4, 0), max_consecutive_failures=3)
+        waiter = asyncio.ensure_future(buf.get_batch(4, 0, timeout_s=60))
+        col.raise_if_dead()  # not started: nothing to raise
+        col.start(buf.fail)
+        first = col._loop_task
+        col.start(buf.fail)
+        assert col._loop_task is first, "start while the loop runs must not start a second one"
+        t0 = time.perf_counter()
+        with pytest.raises(RuntimeError, match=r"collector loop died: [34] consecutive episodes failed; last: ValueError: bad row"):
+            await waiter
+        with pytest.raises(RuntimeError, match=r"collector loop died: [34] consecutive"):
+            col.raise_if_dead()
+        return time.perf_counter() - t0
+
+    assert asyncio.run(go()) < 5.0

@@ -57,9 +57,6 @@ class ScriptedBackend:
         self.version = version
         return {"sync_s": 0.01, "stall_s": 0.0}
 
-    def set_version(self, version: int) -> None:
-        self._call("set_version", version)
-
     def start_collector(self) -> None:
         self._call("start_collector")
 

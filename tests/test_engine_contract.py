@@ -295,8 +295,8 @@ def test_direct_load_weights_sets_weights_and_version(served, hf_model, tokenize
 def test_every_engine_is_a_weight_sink_with_generation_turns(engine):
     """The two halves of the engine contract are separate protocols, and each engine class has both."""
     from rayllm_rl.inference.protocol import GenerationTurns, WeightSink
-    from rayllm_rl.inference.registry import engine_class
+    from rayllm_rl.inference.registry import job_side
 
-    cls = engine_class(engine)
+    cls = job_side(engine).engine_class()
     assert issubclass(cls, WeightSink) and issubclass(cls, GenerationTurns)
     assert not {"pause", "sleep", "wake_up", "resume"} & set(WeightSink.__dict__)

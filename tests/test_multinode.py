@@ -331,14 +331,12 @@ def test_a_node_lost_after_the_last_sync_gets_the_weights_for_the_drain_and_the_
     model_path = ensure_tiny_model()
     backend = RayBackend(make_plan(cfg.validate()), model_path, build_task(cfg), AutoTokenizer.from_pretrained(model_path))
     try:
-        backend.liveness_s = 1.0
+        backend.live.every_s = 1.0
         backend.sync_weights(0)
-        backend.set_version(0)
         backend.start_collector()
         batch, _ = backend.next_batch(B, 0)
         backend.train_step(batch)
         backend.sync_weights(1)  # the last sync
-        backend.set_version(1)  # more episodes admitted, in flight while the node goes
         lost = nodes.inference
         nodes.cluster.remove_node(lost)
         nodes.inference = nodes.add_inference_node()

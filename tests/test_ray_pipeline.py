@@ -193,7 +193,6 @@ def test_the_reference_is_the_learners_policy_built_without_the_driver_and_kl_is
         backend.start_reference(None)
         assert backend.driver_bytes() == 0 < nbytes  # before: every learner rank's full weights came here
         backend.sync_weights(0)
-        backend.set_version(0)
         backend.start_collector()
         ref, meta = backend.next_batch(4, 0)
         fetched = backend.driver_bytes()

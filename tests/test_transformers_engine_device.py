@@ -15,6 +15,7 @@ import torch
 from rayllm_rl.inference.protocol import LLMRequest, SamplingParams, weights_checksum
 from rayllm_rl.inference.registry import EngineJob
 from rayllm_rl.inference.transformers_engine import TransformersEngine, TransformersOptions
+from rayllm_rl.inference.transformers_job import TransformersJobSide
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -74,16 +75,16 @@ def job(dtype, gpus, device="auto"):
 
 def test_check_job_allows_bfloat16_on_gpu_replicas_only():
     with pytest.raises(ValueError, match=r"model\.dtype=bfloat16.*ray\.gpus_per_replica=0"):
-        TransformersEngine.check_job(job("bfloat16", 0))
+        TransformersJobSide.check_job(job("bfloat16", 0))
     with pytest.raises(ValueError, match=r"model\.dtype=bfloat16.*inference\.options\.device=cpu"):
-        TransformersEngine.check_job(job("bfloat16", 1, device="cpu"))
+        TransformersJobSide.check_job(job("bfloat16", 1, device="cpu"))
     with pytest.raises(ValueError, match=r"inference\.options\.device=cuda needs ray\.gpus_per_replica > 0"):
-        TransformersEngine.check_job(job("float32", 0, device="cuda"))
+        TransformersJobSide.check_job(job("float32", 0, device="cuda"))
     with pytest.raises(ValueError, match=r"inference\.options\.device must be one of .*'tpu'"):
-        TransformersEngine.check_job(job("float32", 1, device="tpu"))
-    TransformersEngine.check_job(job("bfloat16", 1))
-    TransformersEngine.check_job(job("bfloat16", 0.5))  # a colocated share of one GPU
-    TransformersEngine.check_job(job("float32", 0))
+        TransformersJobSide.check_job(job("float32", 1, device="tpu"))
+    TransformersJobSide.check_job(job("bfloat16", 1))
+    TransformersJobSide.check_job(job("bfloat16", 0.5))  # a colocated share of one GPU
+    TransformersJobSide.check_job(job("float32", 0))
 
 
 # ------------------------------------------------------------------------------------------ sleep

@@ -225,13 +225,14 @@ def test_a_replica_awaits_the_handoff_reference_and_times_out_naming_the_phase(t
     ray.sync_timeout_s, naming the phase, and the replica still holds version 0."""
     from transformers import AutoModelForCausalLM
 
+    from rayllm_rl.inference.registry import EngineSpec
     from rayllm_rl.orchestration.ray.actors import InferenceReplica
     from rayllm_rl.orchestration.ray.cluster import handoff_arg
     from rayllm_rl.weight_sync.registry import transport_info
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     spec, _ = spec_of(dict(model.named_parameters()), timeout_s=1.0)
-    replica = InferenceReplica.remote("transformers", tiny_model_path)
+    replica = InferenceReplica.remote(EngineSpec("transformers", tiny_model_path))
     assert ray.get(replica.init_update_group.remote(spec.for_rank(1)), timeout=120)
     stuck = NeverPublishes.remote().send_weights.remote(1)
     arg = handoff_arg(transport_info("object_store"), stuck)

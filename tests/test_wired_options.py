@@ -244,3 +244,40 @@ def test_the_reference_model_takes_the_learners_token_budget_and_chunk(tiny_mode
         assert (backend.reference.max_tokens_per_micro_batch, backend.reference.logprob_chunk_size) == (777, 33)
     finally:
         backend.shutdown()
+
+
+# ---------------------------------------------------------------- inference.options reach the local engine
+def test_engine_options_reach_the_local_backends_engine(tiny_model_path):
+    """`inference.options.max_batch_size` / `batch_wait_s` reach the single-process engine: the local backend
+    builds it from the plan's `EngineSpec`, as a replica actor does (it used to build `TransformersEngine` itself,
+    with 512 and 0 s whatever the job said). Five requests sent together decode in batches of at most 2: 3 batches;
+    under the old default of 512 they all went in one or two."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from rayllm_rl.inference.protocol import LLMRequest, SamplingParams
+    from rayllm_rl.orchestration.factories import build_task
+    from rayllm_rl.orchestration.local.backend import LocalBackend
+
+    cfg = _job("trainer.backend=local", "inference.options.max_batch_size=2", "inference.options.batch_wait_s=0.05",
+               "data.eval_size=8").validate()
+    backend = LocalBackend(make_plan(cfg), tiny_model_path, build_task(cfg), AutoTokenizer.from_pretrained(tiny_model_path))
+    try:
+        engine = backend.engine
+        assert (engine.max_batch_size, engine.batch_wait_s, engine.device.type) == (2, 0.05, "cpu")
+        requests = [LLMRequest([1 + i, 2, 3], SamplingParams(max_new_tokens=3, greedy=True)) for i in range(5)]
+
+        async def together():
+            return await asyncio.gather(*(engine.agenerate(r) for r in requests))
+
+        before = engine.stats.batches
+        outs = backend.loop.call(together(), 120, "5 requests")
+        assert len(outs) == 5 and engine.stats.batches - before == 3
+    finally:
+        backend.shutdown()
+
+
+def test_the_local_backend_refuses_a_gpu_engine_device():
+    with pytest.raises(ValueError, match="inference.options.device=cuda with trainer.backend=local"):
+        _job("trainer.backend=local", "inference.options.device=cuda", "data.eval_size=8").validate()

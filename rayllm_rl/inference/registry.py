@@ -1,18 +1,20 @@
 """The engine registry: one line per engine; the one place that knows engines by name.
 
-An engine is a class with:
+Each line names an engine's job side (`transformers_job.TransformersJobSide`, `vllm_job.VLLMJobSide`): what a
+job may ask of the engine, apart from the engine class, which it builds. A job side has:
 
 * ``Options``: a dataclass of its own options (docstring under each field), filled from
   `inference.options.*` in the job config and checked before any actor starts;
 * ``requires``: the package it needs (None: always there), for a clear error when it is missing;
+* ``engine_class()``: the engine class (the runtime contract of `inference/protocol.py`);
 * ``build(model_path, *, seed, dtype, version, tensor_parallel_size, options, lora)``: the engine (`lora`:
   a `rayllm_rl.lora.LoraOptions` of a LoRA policy, or None);
 * ``check_job(job: EngineJob)``: raises ValueError naming the key a job sets that the engine cannot serve;
 * ``placement_defaults(colocated)``: options the placement sets unless the job does (vLLM's GPU share);
-* ``kv_cache_plan(options, ...)``: the dry run's KV-cache budget;
-* the runtime contract of `inference/protocol.py` (`start`, `aclose`, `agenerate`, the weight sink).
+* ``kv_cache_plan(options, ...)``: the dry run's KV-cache budget.
 
-Adding an engine: one module with that class, and one line in `ENGINES` (docs/inference-engines.md).
+The engine class holds the runtime contract of `inference/protocol.py` (`start`, `aclose`, `agenerate`, the
+weight sink). Adding an engine: its module, its job side, and one line in `ENGINES` (docs/inference-engines.md).
 """
 from __future__ import annotations
 
@@ -22,10 +24,10 @@ import importlib.util
 from typing import Any, Mapping
 
 ENGINES: dict[str, str] = {
-    "transformers": "rayllm_rl.inference.transformers_engine:TransformersEngine",
-    "vllm": "rayllm_rl.inference.vllm_engine:VLLMEngine",
+    "transformers": "rayllm_rl.inference.transformers_job:TransformersJobSide",
+    "vllm": "rayllm_rl.inference.vllm_job:VLLMJobSide",
 }
-"""Engine name (`inference.engine`) -> "module:class"."""
+"""Engine name (`inference.engine`) -> "module:class" of its job side."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +48,9 @@ class EngineJob:
     """`model.lora.rank`: > 0 serves a LoRA policy (the base model plus an adapter that every update replaces)."""
 
 
-def engine_class(name: str) -> type:
-    """The class registered as `name` (its module is imported; the engine's own package is not)."""
+def job_side(name: str) -> type:
+    """The job side registered as `name` (its module is imported; neither the engine's module nor its package
+    is: `job_side(name).engine_class()` is the engine)."""
     if name not in ENGINES:
         raise ValueError(f"inference.engine must be one of {tuple(ENGINES)}, got {name!r}")
     module, cls = ENGINES[name].split(":")
@@ -56,7 +59,7 @@ def engine_class(name: str) -> type:
 
 def engine_installed(name: str) -> bool:
     """Whether the package the engine needs is importable on this machine."""
-    requires = engine_class(name).requires
+    requires = job_side(name).requires
     return requires is None or importlib.util.find_spec(requires) is not None
 
 
@@ -64,7 +67,7 @@ def engine_options(name: str, values: Mapping[str, Any] | None = None):
     """`inference.options` checked and typed into the engine's `Options` (an unknown key names itself)."""
     from rayllm_rl.config import ConfigError, apply_dict
 
-    cls = engine_class(name)
+    cls = job_side(name)
     try:
         return apply_dict(cls.Options(), dict(values or {}), prefix="inference.options.")
     except ConfigError as exc:
@@ -74,7 +77,32 @@ def engine_options(name: str, values: Mapping[str, Any] | None = None):
 def placed_options(name: str, values: Mapping[str, Any] | None, *, colocated: bool) -> dict[str, Any]:
     """`inference.options` over the engine's defaults for the placement (`placement_defaults`): the
     placement decides a replica's GPU share and sleep mode, a value the job sets wins."""
-    return {**engine_class(name).placement_defaults(colocated), **dict(values or {})}
+    return {**job_side(name).placement_defaults(colocated), **dict(values or {})}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """What one engine is built from, the same in every backend: the job plan makes it (`JobPlan.engine_spec`),
+    a replica actor or the local backend calls `build()`. Picklable: Ray hands it to the actor whole."""
+
+    engine: str
+    """A name of `ENGINES` (`inference.engine`, `reward.judge.engine`)."""
+    model_path: str
+    """A local directory, a hub id, or the driver's snapshot (resolved on the node that builds)."""
+    seed: int = 0
+    dtype: str = "float32"
+    tensor_parallel_size: int = 1
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """`inference.options` as the plan placed them (`placed_options`); typed by `build_engine`."""
+    revision: str = ""
+    lora: Any = None
+    """The policy's `LoraOptions` (rank > 0: updates carry the adapter only), or None."""
+
+    def build(self):
+        """The engine (call `await engine.start()` on the loop that serves it)."""
+        return build_engine(self.engine, self.model_path, seed=self.seed, dtype=self.dtype,
+                            tensor_parallel_size=self.tensor_parallel_size, options=self.options,
+                            revision=self.revision, lora=self.lora)
 
 
 def build_engine(name: str, model_path: str, *, seed: int = 0, dtype: str = "float32", version: int = 0,
@@ -87,7 +115,7 @@ def build_engine(name: str, model_path: str, *, seed: int = 0, dtype: str = "flo
     `LoraOptions` (rank > 0: updates carry the adapter only), or None."""
     from rayllm_rl.hub import resolve_model_path
 
-    cls = engine_class(name)
+    cls = job_side(name)
     if not engine_installed(name):
         raise ImportError(f"inference.engine={name} needs the {cls.requires} package: {cls.install_hint}")
     return cls.build(resolve_model_path(model_path, revision), seed=seed, dtype=dtype, version=version,

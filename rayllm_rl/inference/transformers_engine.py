@@ -28,7 +28,7 @@ from rayllm_rl.inference.protocol import (
     LLMRequest, LLMResponse, PromptTooLongError, check_request, weights_checksum,
 )
 from rayllm_rl.inference.sampling import RowSampler
-from rayllm_rl.inference.transformers_job import DEVICES, TransformersJobSide, TransformersOptions, pick_device
+from rayllm_rl.inference.transformers_job import DEVICES, TransformersOptions, pick_device
 from rayllm_rl.inference.transformers_offload import SLEEP_TAGS, HostOffload
 from rayllm_rl.weight_sync.registry import SyncSpec
 
@@ -115,7 +115,7 @@ class _Batch:
     step_pos: torch.Tensor | None = None
 
 
-class TransformersEngine(TransformersJobSide, HostOffload):
+class TransformersEngine(HostOffload):
     """Batched KV-cache decoding over any local HF causal LM (loaded with from_pretrained). What a job may
     ask of it is in `TransformersJobSide` (transformers_job.py), its sleep and wake-up in `HostOffload`
     (transformers_offload.py); serving and the weight updates are here."""

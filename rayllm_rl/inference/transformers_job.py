@@ -1,6 +1,6 @@
 """What a job may ask of the Transformers engine, decided before any replica starts: its options
 (`inference.options.*`), the device it picks, and the registry's hooks (`build`, `placement_defaults`,
-`check_job`, `kv_cache_plan`), mixed into `TransformersEngine`."""
+`check_job`, `kv_cache_plan`): the registry's entry, apart from the engine it builds (`TransformersEngine`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -40,16 +40,23 @@ def pick_device(device: str | torch.device | None = "auto") -> torch.device:
 
 
 class TransformersJobSide:
-    """The engine registry's class-level hooks of the Transformers engine."""
+    """The engine registry's entry for `inference.engine=transformers` (the engine: `TransformersEngine`)."""
 
     Options = TransformersOptions
     requires = None
     install_hint = ""
 
+    @staticmethod
+    def engine_class() -> type:
+        """The engine these rules build (its module imported here)."""
+        from rayllm_rl.inference.transformers_engine import TransformersEngine
+
+        return TransformersEngine
+
     @classmethod
     def build(cls, model_path: str, *, seed: int, dtype: str, version: int, tensor_parallel_size: int,
-              options: TransformersOptions, lora=None) -> "TransformersEngine":
-        return cls(model_path, seed=seed, version=version, dtype=getattr(torch, dtype), lora=lora,
+              options: TransformersOptions, lora=None):
+        return cls.engine_class()(model_path, seed=seed, version=version, dtype=getattr(torch, dtype), lora=lora,
                    max_batch_size=options.max_batch_size, batch_wait_s=options.batch_wait_s, device=options.device)
 
     @classmethod

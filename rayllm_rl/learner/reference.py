@@ -1,6 +1,7 @@
 """A frozen reference policy: token logprobs of fixed weights, for KL penalties."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -24,6 +25,29 @@ def load_reference_weights(checkpoint_dir: str | os.PathLike) -> dict[str, torch
         raise FileNotFoundError(f"{path} is missing: the checkpoint was saved by a run without a reference KL "
                                 "term, so the reference policy of this run cannot be restored")
     return load_file(str(path))
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceSpec:
+    """What the frozen reference is built from, the same in every backend (`JobPlan.reference_spec`): the
+    learner's temperature, dtype and batching (`optim.max_tokens_per_micro_batch`, `optim.logprob_chunk_size`)."""
+
+    model_path: str
+    temperature: float = 1.0
+    dtype: str = "float32"
+    max_tokens_per_micro_batch: int = OptimConfig.max_tokens_per_micro_batch
+    logprob_chunk_size: int = OptimConfig.logprob_chunk_size
+
+    def build(self, weights: dict[str, torch.Tensor] | str | os.PathLike, device: torch.device | str = "cpu"):
+        """The `ReferenceModel` holding `weights`: the policy's tensors, or a checkpoint directory with
+        `reference.safetensors` (a resumed run keeps its reference); the model path is resolved on this node."""
+        from rayllm_rl.hub import resolve_model_path
+
+        named = weights if isinstance(weights, dict) else load_reference_weights(weights)
+        return ReferenceModel(resolve_model_path(self.model_path), temperature=self.temperature,
+                              max_tokens_per_micro_batch=self.max_tokens_per_micro_batch,
+                              logprob_chunk_size=self.logprob_chunk_size, dtype=getattr(torch, self.dtype),
+                              named_tensors=named, device=device)
 
 
 class ReferenceModel:

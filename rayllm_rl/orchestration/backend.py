@@ -22,6 +22,16 @@ class RoleCrashed(RuntimeError):
         self.roles = roles
 
 
+def backend_summary(*, failed_episodes: int, faults: Any, buffer: dict[str, Any], reward_failures: dict[str, Any],
+                    versions_held: list[list[int]], transport: str, checksums_equal: bool,
+                    reward_services: dict[str, Any]) -> dict[str, Any]:
+    """`Backend.summary_stats`: the same keys from either backend (`faults`: its `FaultLedger`;
+    `versions_held`: per replica, every version it generated with)."""
+    return {"failed_episodes": failed_episodes, **faults.summary(), "buffer": buffer,
+            "reward_failures": reward_failures, "replica_versions_held": versions_held, "weight_transport": transport,
+            "learner_checksums_equal_replicas": checksums_equal, "reward_services": reward_services}
+
+
 class Backend(Protocol):
     """Blocking calls, each bounded by the job's timeouts. Built as `Backend(plan, model_path, task,
     tokenizer)` from the job's plan (`job_plan.JobPlan`)."""
@@ -40,10 +50,8 @@ class Backend(Protocol):
         """A fresh optimizer and schedule on every learner rank (after the SFT warm start)."""
 
     def sync_weights(self, version: int) -> dict[str, float]:
-        """The learner's weights become `version` on every inference engine: `sync_s`, `stall_s`."""
-
-    def set_version(self, version: int) -> None:
-        """Tell the collector the policy version (it admits episodes up to `max_staleness` older)."""
+        """The learner's weights become `version` on every inference engine, and the collector is told the
+        version (it admits episodes up to `max_staleness` older): `sync_s`, `stall_s`."""
 
     def start_collector(self) -> None:
         """Start (or resume) admitting episodes."""

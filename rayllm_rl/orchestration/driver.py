@@ -111,8 +111,7 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
         cut = sft_warm_start(cfg, task, backend.tokenizer, reporter, backend.train_step, backend.reset_optimizer)
         run.budget_cuts += [cut] if cut else []
         step, version = 0, 0
-    backend.sync_weights(version)
-    backend.set_version(version)
+    backend.sync_weights(version)  # and the collector admits from this version on
     # frozen: the policy after the SFT warm start, or the one the checkpoint saved
     if reference:
         backend.start_reference(cfg.resume or None)
@@ -138,7 +137,6 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
         t_train = time.perf_counter() - t0 - t_wait
         version += 1
         sync = backend.sync_weights(version)
-        backend.set_version(version)
         step = run.step = step + 1
         if step % cfg.trainer.log_every == 0 or step == cfg.trainer.steps:
             col = backend.collector_stats()

@@ -170,6 +170,10 @@ def check_local_backend(cfg: Any) -> None:
     for key, engine in engines.items():
         if engine != IN_PROCESS_ENGINE:
             raise ValueError(f"{key}={engine} runs in Ray replica actors: set trainer.backend=ray")
+    device = dict(cfg.inference.options or {}).get("device", "auto")
+    if device not in ("auto", "cpu"):
+        raise ValueError(f"inference.options.device={device} with trainer.backend=local: the local backend runs its "
+                         "engine in this process on the CPU; set trainer.backend=ray with ray.gpus_per_replica > 0")
     limits = {**({"reward.model.num_actors": (m.num_actors, 1), "reward.model.gpus_per_actor": (m.gpus_per_actor, 0)}
                  if m.path else {}),
               **({"reward.judge.num_replicas": (j.num_replicas, 1), "reward.judge.gpus_per_replica": (j.gpus_per_replica, 0)}
@@ -182,12 +186,12 @@ def check_local_backend(cfg: Any) -> None:
 
 def check_engine(cfg: Any, environment: bool) -> None:
     """The engine's options (an unknown one fails) and what the engine refuses of the job (`check_job`)."""
-    from rayllm_rl.inference.registry import EngineJob, engine_class, engine_options, placed_options
+    from rayllm_rl.inference.registry import EngineJob, job_side, engine_options, placed_options
 
     rc, colocated = cfg.ray, cfg.ray.placement == "colocated"
     options = engine_options(cfg.inference.engine,
                              placed_options(cfg.inference.engine, cfg.inference.options, colocated=colocated))
-    engine_class(cfg.inference.engine).check_job(EngineJob(
+    job_side(cfg.inference.engine).check_job(EngineJob(
         gpus_per_replica=rc.gpus_per_replica, tensor_parallel_size=rc.tensor_parallel_size, dtype=cfg.model.dtype,
         environment=environment, options=options,
         colocated=colocated, lora_rank=cfg.model.lora.rank))

@@ -106,6 +106,45 @@ class JobPlan:
             raise KeyError(f"the plan has no actor {name!r} (it has {[a.name for a in self.actors]})")
         return found[0]
 
+    # ---------------------------------------------------------------- role specs: what both backends build
+    def engine_spec(self, model_path: str, replica: int = 0):
+        """Inference replica `replica`'s engine (`inference.registry.EngineSpec`; its seed is the job's + `replica`)."""
+        from rayllm_rl.inference.registry import EngineSpec
+
+        cfg = self.config
+        return EngineSpec(self.engine, model_path, seed=cfg.trainer.seed + replica, dtype=cfg.model.dtype,
+                          tensor_parallel_size=cfg.ray.tensor_parallel_size, options=dict(self.engine_options),
+                          lora=cfg.model.lora if cfg.model.lora.enabled else None)
+
+    def learner_spec(self, model_path: str):
+        """What every learner rank is built from (`learner.LearnerSpec`)."""
+        from rayllm_rl.learner.learner import LearnerSpec
+
+        cfg = self.config
+        return LearnerSpec(model_path, cfg.optim, cfg.rollout.temperature, self.sampling_mask, cfg.trainer.seed,
+                           cfg.model.dtype, self.layout.learner_gpus > 0, cfg.model.lora)
+
+    def reference_spec(self, model_path: str):
+        """The frozen reference (`learner.reference.ReferenceSpec`): the learner's temperature, dtype and batching."""
+        from rayllm_rl.learner.reference import ReferenceSpec
+
+        cfg = self.config
+        return ReferenceSpec(model_path, cfg.rollout.temperature, cfg.model.dtype,
+                             cfg.optim.max_tokens_per_micro_batch, cfg.optim.logprob_chunk_size)
+
+    def buffer_spec(self):
+        """The replay buffer (`rollout.replay_buffer.BufferSpec`)."""
+        from rayllm_rl.rollout.replay_buffer import BufferSpec
+
+        return BufferSpec(self.buffer_capacity, self.config.rollout.max_staleness)
+
+    def collector_spec(self):
+        """The collector (`rollout.collector.CollectorSpec`): a batch of prompts per step, the staleness bound."""
+        from rayllm_rl.rollout.collector import CollectorSpec
+
+        r = self.config.rollout
+        return CollectorSpec(r.prompts_per_step, r.max_staleness, self.config.trainer.seed)
+
     def pick_transport(self, learner_node: str, replica_nodes: list[str]) -> str:
         """The transport for the nodes the actors landed on (known only once they run)."""
         return _resolve_transport(self.config.ray.sync_transport, self.layout, learner_node, replica_nodes)
@@ -192,6 +231,8 @@ def make_plan(cfg: GRPOJobConfig) -> JobPlan:
                             reference=reference)
         actors, transport = _actors(cfg, layout, reference), _transport(cfg, layout)
     options = placed_options(inf.engine, inf.options, colocated=layout.colocated)
+    if cfg.trainer.backend == "local":  # the engine runs in this process, on the CPU (job_checks refuses cuda)
+        options = {**options, "device": "cpu"}
     return JobPlan(config=cfg, backend=cfg.trainer.backend, engine=inf.engine, engine_options=options,
                    replicas=layout.num_replicas, learner_ranks=layout.num_learners, layout=layout, loss=loss,
                    needs_reference=reference, actors=actors, buffer_capacity=capacity,

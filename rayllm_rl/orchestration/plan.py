@@ -272,7 +272,7 @@ def learner_memory(plan: JobPlan, arch: dict) -> dict[str, Any]:
 
 def kv_cache_memory(plan: JobPlan, arch: dict) -> dict[str, Any]:
     """Per replica: KV bytes per token, what the step's sequences need, and the engine's budget."""
-    from rayllm_rl.inference.registry import engine_class, engine_options
+    from rayllm_rl.inference.registry import job_side, engine_options
 
     cfg = plan.config
     b = DTYPE_BYTES[cfg.model.dtype]
@@ -283,7 +283,7 @@ def kv_cache_memory(plan: JobPlan, arch: dict) -> dict[str, Any]:
     rc = cfg.ray
     out: dict[str, Any] = {"bytes_per_token": per_token, "sequence_tokens": seq}
     weights = arch["params"] * b / rc.tensor_parallel_size
-    out.update(engine_class(plan.engine).kv_cache_plan(
+    out.update(job_side(plan.engine).kv_cache_plan(
         engine_options(plan.engine, plan.engine_options), gpus_per_replica=rc.gpus_per_replica, weights_bytes=weights,
         per_token=per_token, sequence_tokens=seq, in_flight=in_flight))
     concurrent = out["concurrent_sequences"]

@@ -154,7 +154,7 @@ class RewardConfig:
         _check_gpus("reward.model.gpus_per_actor", m.gpus_per_actor)
 
     def _check_judge(self, environment: bool) -> None:
-        from rayllm_rl.inference.registry import ENGINES, EngineJob, engine_class
+        from rayllm_rl.inference.registry import ENGINES, EngineJob, job_side
 
         j = self.judge
         _check_gpus("reward.judge.gpus_per_replica", j.gpus_per_replica)
@@ -162,7 +162,7 @@ class RewardConfig:
             raise ValueError(f"reward.judge.engine must be one of {tuple(ENGINES)}, got {j.engine!r}")
         options = judge_engine_options(j)  # an unknown option fails here
         try:  # what the engine refuses, said in the judge's keys
-            engine_class(j.engine).check_job(EngineJob(
+            job_side(j.engine).check_job(EngineJob(
                 gpus_per_replica=j.gpus_per_replica, tensor_parallel_size=1, dtype=j.dtype,
                 environment=environment, options=options))
         except ValueError as exc:
@@ -182,12 +182,22 @@ class RewardConfig:
 def judge_engine_options(judge: JudgeConfig):
     """`reward.judge.options` typed into the judge engine's `Options` (an unknown key names itself)."""
     from rayllm_rl.config import ConfigError, apply_dict
-    from rayllm_rl.inference.registry import engine_class
+    from rayllm_rl.inference.registry import job_side
 
     try:
-        return apply_dict(engine_class(judge.engine).Options(), dict(judge.options), prefix="reward.judge.options.")
+        return apply_dict(job_side(judge.engine).Options(), dict(judge.options), prefix="reward.judge.options.")
     except ConfigError as exc:
         raise ValueError(f"{exc} (the options of reward.judge.engine={judge.engine})") from None
+
+
+def judge_engine_spec(judge: JudgeConfig, seed: int, in_process: bool):
+    """Judge replica's engine (`inference.registry.EngineSpec`), for both backends: in this process (the local
+    backend) on the CPU; in a `judge-<i>` actor with the engine's placement defaults."""
+    from rayllm_rl.inference.registry import EngineSpec, placed_options
+
+    options = ({**dict(judge.options), "device": "cpu"} if in_process
+               else placed_options(judge.engine, judge.options, colocated=False))
+    return EngineSpec(judge.engine, judge.path, seed=seed, dtype=judge.dtype, options=options)
 
 
 def _judge_keys(message: str) -> str:

@@ -44,6 +44,23 @@ async def run_and_store(workflow, engine, row: dict, put: Callable[[TensorDict],
     return EpisodeOutcome(accepted=True, generated_tokens=int(td["loss_mask"].sum()))
 
 
+@dataclasses.dataclass(frozen=True)
+class CollectorSpec:
+    """The job's collector, the same in both backends (`JobPlan.collector_spec`)."""
+
+    prompts_per_step: int
+    max_staleness: int
+    seed: int = 0
+    """Of the prompt order (`PromptLoader`)."""
+
+    def build(self, dataset, run_episode: Callable[[dict], Awaitable["EpisodeOutcome"]]) -> "LLMCollector":
+        """A collector over `dataset`'s rows, running each episode with `run_episode` (it stores it)."""
+        from rayllm_rl.data.loader import PromptLoader
+
+        return LLMCollector(PromptLoader(dataset, seed=self.seed), run_episode,
+                            StalenessController(self.prompts_per_step, self.max_staleness))
+
+
 class LLMCollector:
     """Admit while `accepted + running < (eta + v + 1) * B`; deliver whole groups; never drop silently."""
 
@@ -67,6 +84,7 @@ class LLMCollector:
         self._tasks: set[asyncio.Task] = set()
         self._t0 = time.perf_counter()
         self.fatal: str | None = None
+        self._loop_task: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ control
     def set_version(self, version: int) -> None:
@@ -103,6 +121,23 @@ class LLMCollector:
                 raise TimeoutError(f"{len(pending)} episodes still running after {timeout_s:.0f}s of drain")
 
     # ------------------------------------------------------------------ loop
+    def start(self, on_death: Callable[[str], Any]) -> None:
+        """Run `run()` as a task of the running event loop unless it runs already, and resume admitting. A loop
+        that dies of an error calls `on_death(message)` (the buffer's `fail`: a waiting batch gets the error,
+        not a timeout). Both backends start the collector this way."""
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.ensure_future(self.run())
+            self._loop_task.add_done_callback(
+                lambda t: None if t.cancelled() or t.exception() is None
+                else on_death(f"collector loop died: {t.exception()}"))
+        self.resume()
+
+    def raise_if_dead(self) -> None:
+        """Raise the error the loop `start` ran died of (nothing while it runs, or before it started)."""
+        t = self._loop_task
+        if t is not None and t.done() and not t.cancelled() and t.exception() is not None:
+            raise RuntimeError(f"collector loop died: {t.exception()}")
+
     async def run(self) -> None:
         """Admit episodes whenever the bound allows; returns when stopped."""
         while not self._stopped:

@@ -13,6 +13,7 @@ padding tokens carry version -1). An episode without generated tokens has stalen
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import operator
 import threading
 from collections import deque
@@ -204,6 +205,19 @@ class ReplayBuffer:
     def __repr__(self) -> str:
         return (f"ReplayBuffer(size={len(self)}/{self.capacity_episodes}, max_staleness={self.max_staleness}, "
                 f"dropped_stale={self._counters['dropped_stale']})")
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferSpec:
+    """The job's replay buffer, the same in both backends (`JobPlan.buffer_spec`)."""
+
+    capacity: int
+    """Episodes held at most (`rollout.buffer_episodes`, or 2 x (max_staleness + 1) x prompts_per_step)."""
+    max_staleness: int | None
+
+    def build(self, on_dropped=None) -> "AwaitableEpisodeBuffer":
+        """The awaitable buffer; `on_dropped(n)`: told of episodes dropped as over-stale (the collector's slots)."""
+        return AwaitableEpisodeBuffer(ReplayBuffer(self.capacity, self.max_staleness), on_dropped=on_dropped)
 
 
 class AwaitableEpisodeBuffer:

@@ -1,14 +1,14 @@
 """LocalBackend: every role of a job in this process, driven by the same driver as the Ray backend.
 
-The plain classes the Ray actors wrap run here directly: a TransformersEngine, the
-`LLMCollector`, the awaitable replay buffer and the `Learner`. Generation, the collector and
+The plain classes the Ray actors wrap run here directly, built by the same `build()` of the plan's role
+specs (`JobPlan.engine_spec`, ...): the engine (Transformers, on the CPU), the `LLMCollector`, the
+awaitable replay buffer and the `Learner`. Generation, the collector and
 the buffer live on one asyncio loop in a background thread; learner steps run in the
 driver's thread, so with `max_staleness >= 1` the next batch is generated while the learner
 trains (the engine takes new weights between two decode steps, under its lock).
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import random
@@ -17,20 +17,15 @@ from typing import Any
 
 import torch
 
-from rayllm_rl.data.loader import PromptLoader
-from rayllm_rl.rollout.replay_buffer import AwaitableEpisodeBuffer, ReplayBuffer
 from rayllm_rl.hub import resolve_model_path
 from rayllm_rl.inference.protocol import weights_checksum
-from rayllm_rl.inference.transformers_engine import TransformersEngine
-from rayllm_rl.learner.learner import Learner
 from rayllm_rl.loop_thread import EventLoopThread
-from rayllm_rl.orchestration.backend import ROLE_KINDS
-from rayllm_rl.rollout.collector import LLMCollector, run_and_store
+from rayllm_rl.orchestration.backend import ROLE_KINDS, backend_summary
+from rayllm_rl.rollout.collector import run_and_store
 from rayllm_rl.orchestration.fault_ledger import FaultLedger
 from rayllm_rl.orchestration.factories import build_episode_filter, build_workflow, local_python_tools
 from rayllm_rl.orchestration.local.reward_scorers import local_reward_scorers
 from rayllm_rl.orchestration.job_plan import JobPlan
-from rayllm_rl.rollout.staleness import StalenessController
 from rayllm_rl.workflows.evaluation import evaluate_greedy
 from rayllm_rl.workflows.rewards import workflow_reward_counters
 
@@ -51,14 +46,12 @@ class LocalBackend:
         model_path = resolve_model_path(model_path, cfg.model.revision)  # a hub id -> its local snapshot
         self.cfg, self.model_path, self.task, self.tokenizer = cfg, model_path, task, tokenizer
         self.timeout_s = cfg.trainer.call_timeout_s
-        lora = cfg.model.lora  # a LoRA policy: the learner trains the adapter, the engine swaps it in
         self.reward_scorers: dict[str, Any] = {}
         self.loop: EventLoopThread | None = None
         self.collector = None
         try:  # a failed start closes what it started (scorer threads, judge engines, the loop), then raises
-            self.engine = TransformersEngine(model_path, seed=cfg.trainer.seed, device="cpu", lora=lora)  # on the CPU
-            self.learner = Learner(model_path, cfg.optim, temperature=cfg.rollout.temperature,
-                                   sampling_mask=plan.sampling_mask, seed=cfg.trainer.seed, lora=lora)
+            self.engine = plan.engine_spec(model_path).build()  # the plan placed it on the CPU
+            self.learner = plan.learner_spec(model_path).build()
             self.loss = plan.loss
             self.reward_scorers = local_reward_scorers(cfg)  # {} unless reward.model / reward.judge is on
             self.workflow = build_workflow(cfg, task, tokenizer, make_tools=local_python_tools,
@@ -73,14 +66,10 @@ class LocalBackend:
         except BaseException:
             self.shutdown()
             raise
-        self._collector_task: asyncio.Task | None = None
 
     def _build_on_loop(self) -> None:
-        cfg = self.cfg
-        self.buffer = AwaitableEpisodeBuffer(ReplayBuffer(self.plan.buffer_capacity, cfg.rollout.max_staleness),
-                                             on_dropped=lambda n: self.collector.on_dropped(n))
-        self.collector = LLMCollector(PromptLoader(self.task.train, seed=cfg.trainer.seed), self._run_episode,
-                                      StalenessController(cfg.rollout.prompts_per_step, cfg.rollout.max_staleness))
+        self.buffer = self.plan.buffer_spec().build(on_dropped=lambda n: self.collector.on_dropped(n))
+        self.collector = self.plan.collector_spec().build(self.task.train, self._run_episode)
 
     async def _run_episode(self, row: dict):
         put = lambda td: self.buffer.put(td, self.timeout_s)  # noqa: E731
@@ -95,29 +84,18 @@ class LocalBackend:
         self.learner.reset_optimizer(optim_cfg)
 
     def sync_weights(self, version: int) -> dict[str, float]:
-        """Copy the learner's weights into the engine between two decode steps (the engine's lock)."""
+        """Copy the learner's weights into the engine between two decode steps (the engine's lock), then
+        tell the collector the version."""
         t0 = time.perf_counter()
         self.engine.load_weights_sync(self.learner.named_tensors(), version=version)
         self.versions_held.append(int(version))
         dt = time.perf_counter() - t0
+        self.loop.run(self.collector.set_version, version)
         return {"sync_s": dt, "stall_s": dt}
 
     # ---------------------------------------------------------------- collector and buffer
-    def set_version(self, version: int) -> None:
-        self.loop.run(self.collector.set_version, version)
-
-    def _on_loop_end(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            self.buffer.fail(f"collector loop died: {task.exception()}")
-
-    def _start_on_loop(self) -> None:
-        if self._collector_task is None or self._collector_task.done():
-            self._collector_task = asyncio.ensure_future(self.collector.run())
-            self._collector_task.add_done_callback(self._on_loop_end)
-        self.collector.resume()
-
     def start_collector(self) -> None:
-        self.loop.run(self._start_on_loop)
+        self.loop.run(self.collector.start, self.buffer.fail)
 
     def next_batch(self, n_episodes: int, version: int):
         """(training batch, its metadata): the batch stays in this process, prepared here."""
@@ -135,17 +113,12 @@ class LocalBackend:
         self.loop.call(self.collector.drain(self.timeout_s), self.timeout_s + 30, "draining the collector")
 
     def collector_stats(self) -> dict[str, Any]:
+        self.loop.run(self.collector.raise_if_dead)
         return self.loop.run(self.collector.stats)
 
     # ---------------------------------------------------------------- reference, eval, checkpoints
     def start_reference(self, checkpoint: str | None):
-        from rayllm_rl.learner.reference import ReferenceModel, load_reference_weights
-
-        weights = load_reference_weights(checkpoint) if checkpoint else self.learner.named_tensors()
-        self.reference = ReferenceModel(self.model_path, temperature=self.cfg.rollout.temperature,
-                                        named_tensors=weights,
-                                        max_tokens_per_micro_batch=self.cfg.optim.max_tokens_per_micro_batch,
-                                        logprob_chunk_size=self.cfg.optim.logprob_chunk_size)
+        self.reference = self.plan.reference_spec(self.model_path).build(checkpoint or self.learner.named_tensors())
 
     def evaluate(self, progress=None) -> dict[str, Any]:
         coro = evaluate_greedy(self.engine, self.tokenizer, self.task.eval, self.task.reward_fn,
@@ -174,13 +147,13 @@ class LocalBackend:
 
     def summary_stats(self) -> dict[str, Any]:
         engine_sum = self.loop.call(self.engine.weights_checksum(), 60, "engine checksum")
-        return {"failed_episodes": self.collector_stats()["failed_episodes"], **self.faults.summary(),
-                "buffer": self.loop.run(self.buffer.buffer.stats),
-                "reward_failures": workflow_reward_counters(self.workflow),
-                "replica_versions_held": [list(self.versions_held)], "weight_transport": "in-process",
-                "learner_checksums_equal_replicas": weights_checksum(self.learner.named_tensors()) == engine_sum,
-                "reward_services": {"reward-model": dataclasses.asdict(self.reward_scorers["model"].stats)}
-                if "model" in self.reward_scorers else {}}
+        model = self.reward_scorers.get("model")
+        return backend_summary(failed_episodes=self.collector_stats()["failed_episodes"], faults=self.faults,
+                               buffer=self.loop.run(self.buffer.buffer.stats),
+                               reward_failures=workflow_reward_counters(self.workflow),
+                               versions_held=[list(self.versions_held)], transport=self.plan.transport.setting,
+                               checksums_equal=weights_checksum(self.learner.named_tensors()) == engine_sum,
+                               reward_services={"reward-model": dataclasses.asdict(model.stats)} if model else {})
 
     def recover(self, crash) -> None:
         """Nothing to restart: in one process a crashed role is a crashed run."""

@@ -46,12 +46,11 @@ def local_reward_scorers(cfg: GRPOJobConfig) -> dict[str, Any]:
     if r.judge.path:
         from transformers import AutoTokenizer
 
-        from rayllm_rl.inference.registry import build_engine
+        from rayllm_rl.rewards.config import judge_engine_spec
         from rayllm_rl.rewards.judge import Judge
 
         j = r.judge
-        path = resolve_model_path(j.path)
-        engine = build_engine(j.engine, path, seed=cfg.trainer.seed, dtype=j.dtype, options={**j.options, "device": "cpu"})
+        engine = judge_engine_spec(j, cfg.trainer.seed, in_process=True).build()
         scorers["judge"] = Judge.from_config(j, LoopThreadEngine(engine, "rayllm-local-judge"),
-                                             AutoTokenizer.from_pretrained(path))
+                                             AutoTokenizer.from_pretrained(resolve_model_path(j.path)))
     return scorers

@@ -20,7 +20,6 @@ from typing import Any
 import ray
 import torch
 
-from rayllm_rl.rollout.replay_buffer import ReplayBuffer
 from rayllm_rl.hub import resolve_model_path
 from rayllm_rl.inference.protocol import LLMRequest, LLMResponse, weights_checksum
 from rayllm_rl.orchestration.fault_ledger import ENV_PID, LOST, RERUN
@@ -98,16 +97,11 @@ class InferenceReplica(ActorProcess):
     (`init_update_group`, `receive_weights`), whatever the engine keeps inside.
     """
 
-    def __init__(self, engine: str, model_path: str, seed: int = 0, num_threads: int = 1,
-                 dtype: str = "float32", options: dict | None = None, tensor_parallel_size: int = 1,
-                 frozen: bool = False, lora=None):
-        """`engine`: a name of the engine registry; `options`: its `inference.options`; `frozen`: weights never
-        synced (a judge's `judge-<i>`), so a restarted process serves at once."""
-        from rayllm_rl.inference.registry import build_engine
-
+    def __init__(self, spec, num_threads: int = 1, frozen: bool = False):
+        """`spec`: the engine's `inference.registry.EngineSpec` (the plan's, or a judge's); `frozen`: weights
+        never synced (a judge's `judge-<i>`), so a restarted process serves at once."""
         torch.set_num_threads(num_threads)
-        self.engine = build_engine(engine, model_path, seed=seed, dtype=dtype, options=options,
-                                   tensor_parallel_size=tensor_parallel_size, lora=lora)  # lora: LoraOptions or None
+        self.engine = spec.build()
         self.versions_held = [self.engine.version]  # every version this replica ever generated with
         with warnings.catch_warnings():  # Ray's own property reads its deprecated `actor_id` inside
             warnings.simplefilter("ignore")
@@ -238,23 +232,14 @@ class EnvWorker(ActorProcess):
 class ReferenceActor(ActorProcess):
     """`reference` on the dashboard: a frozen ReferenceModel serving reference logprobs for KL."""
 
-    def __init__(self, model_path: str, temperature: float, weights: dict[str, torch.Tensor] | str,
-                 num_threads: int = 1, max_tokens_per_micro_batch: int | None = None,
-                 logprob_chunk_size: int | None = None, dtype: str = "float32"):
-        """`weights`: the policy's tensors (the driver passes learner rank 0's result by reference:
-        Ray fetches it here), or a checkpoint directory holding `reference.safetensors`; the
-        batching knobs are the learner's (`optim.*`; None = ReferenceModel's defaults)."""
-        from rayllm_rl.learner.reference import ReferenceModel, load_reference_weights
-
+    def __init__(self, spec, weights: dict[str, torch.Tensor] | str, num_threads: int = 1):
+        """`spec`: the plan's `learner.reference.ReferenceSpec`; `weights`: the policy's tensors (the driver
+        passes learner rank 0's result by reference: Ray fetches it here), or a checkpoint directory holding
+        `reference.safetensors`."""
         torch.set_num_threads(num_threads)
-        named = load_reference_weights(weights) if isinstance(weights, str) else weights
-        # this node's copy of the driver's snapshot (multi-node: each node has its own HF cache)
-        batching = {k: v for k, v in (("max_tokens_per_micro_batch", max_tokens_per_micro_batch),
-                                      ("logprob_chunk_size", logprob_chunk_size)) if v is not None}
         # a GPU share of learner rank 0's bundle (placement.py): that GPU, in the learner's dtype; else the CPU
         on_gpu = bool(ray.get_gpu_ids()) and torch.cuda.is_available()
-        self.model = ReferenceModel(resolve_model_path(model_path), temperature=temperature, named_tensors=named,
-                                    dtype=getattr(torch, dtype), device="cuda" if on_gpu else "cpu", **batching)
+        self.model = spec.build(weights, device="cuda" if on_gpu else "cpu")
 
     def compute_logprobs(self, batch) -> torch.Tensor:
         return self.model.compute_logprobs(batch)
@@ -267,13 +252,12 @@ class ReferenceActor(ActorProcess):
 class ReplayBufferActor(ActorProcess):
     """`replay-buffer`: bounded, version-aware episode buffer; env workers put, the driver awaits batches."""
 
-    def __init__(self, capacity_episodes: int, max_staleness: int, pipeline):
-        from rayllm_rl.rollout.replay_buffer import AwaitableEpisodeBuffer
-
+    def __init__(self, spec, pipeline):
+        """`spec`: the plan's `rollout.replay_buffer.BufferSpec`; `pipeline`: its batch stages."""
         self.pipeline = pipeline
         """The job's batch stages (`batch_prep.BatchPipeline`, from the job plan), run here on every batch taken."""
-        self.buffer = ReplayBuffer(capacity_episodes, max_staleness)
-        self.waiting = AwaitableEpisodeBuffer(self.buffer, on_dropped=self._tell_collector)
+        self.waiting = spec.build(on_dropped=self._tell_collector)
+        self.buffer = self.waiting.buffer
         self.collector = None
         self.stored_ids: set[int] = set()
         """Episode ids stored so far: an episode re-run after its env worker died is stored once."""
@@ -356,15 +340,12 @@ class LearnerWorker(ActorProcess):
     def setup(self, spec, loss, master_addr: str, master_port: int) -> bool:
         """Build this rank's `Learner` from `spec` (`learner.LearnerSpec`), training with `loss` (the plan's)."""
         from rayllm_rl.learner.distributed import DistConfig
-        from rayllm_rl.learner.learner import Learner
 
         store, self._store = self._store, None
         dist = DistConfig(rank=self.rank, world_size=self.world_size, master_addr=master_addr, master_port=master_port,
                           backend="nccl" if spec.use_gpu else "gloo",
                           store=store) if self.world_size > 1 or spec.use_gpu else None
-        self.learner = Learner(resolve_model_path(spec.model_path), spec.optim, temperature=spec.temperature,
-                               sampling_mask=spec.sampling_mask, seed=spec.seed, dist=dist,
-                               dtype=getattr(torch, spec.dtype), lora=spec.lora)
+        self.learner = spec.build(dist)
         self.loss = loss
         return True
 
@@ -472,12 +453,10 @@ class RayLLMCollector(ActorProcess):
     """`collector`, the actor shell of `LLMCollector`: admits episodes under the staleness bound and spreads them over the env workers,
     which put them straight into the buffer; a collector loop that dies fails the buffer's waiters."""
 
-    def __init__(self, dataset, env_workers: list, buffer, batch_size: int, max_staleness: int,
-                 seed: int = 0, episode_timeout_s: float = 600.0, max_episode_attempts: int = 3):
-        from rayllm_rl.data.loader import PromptLoader
-        from rayllm_rl.rollout.collector import LLMCollector
-        from rayllm_rl.rollout.staleness import StalenessController
-
+    def __init__(self, spec, dataset, env_workers: list, buffer, episode_timeout_s: float = 600.0,
+                 max_episode_attempts: int = 3):
+        """`spec`: the plan's `rollout.collector.CollectorSpec`; episodes of `dataset` run on `env_workers`,
+        which put them into `buffer`."""
         self.env_workers = list(env_workers)
         self.in_flight = [0] * len(env_workers)
         self.buffer = buffer
@@ -486,9 +465,7 @@ class RayLLMCollector(ActorProcess):
         self.fault_events: list[tuple] = []
         """What this collector saw go wrong since the backend last took them (`take_fault_events`): the
         backend's FaultLedger (orchestration/fault_ledger.py) does the accounting, not this actor."""
-        self.collector = LLMCollector(PromptLoader(dataset, seed=seed), self._run_episode,
-                                      StalenessController(batch_size, max_staleness))
-        self._task: asyncio.Task | None = None
+        self.collector = spec.build(dataset, self._run_episode)
 
     async def _run_episode(self, row: dict):
         """Run on the least-busy env worker; if that worker's process dies, run the episode again
@@ -548,16 +525,9 @@ class RayLLMCollector(ActorProcess):
         events, self.fault_events = self.fault_events, []
         return events
 
-    def _on_loop_end(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            self.buffer.fail.remote(f"collector loop died: {task.exception()}")
-
     async def start(self) -> bool:
         await self.note_pids()
-        if self._task is None or self._task.done():
-            self._task = asyncio.ensure_future(self.collector.run())
-            self._task.add_done_callback(self._on_loop_end)
-        self.collector.resume()
+        self.collector.start(self.buffer.fail.remote)
         return True
 
     def set_version(self, version: int) -> None:
@@ -574,6 +544,5 @@ class RayLLMCollector(ActorProcess):
         self.collector.load_state_dict(state)
 
     def stats(self) -> dict:
-        if self._task is not None and self._task.done() and self._task.exception() is not None:
-            raise RuntimeError(f"collector loop died: {self._task.exception()}")
+        self.collector.raise_if_dead()
         return self.collector.stats()

@@ -8,23 +8,22 @@ import functools
 import logging
 import pickle
 import threading
-import time
 from typing import Any
 
 import ray
 
 from rayllm_rl.orchestration.ray.actors import ReferenceActor
-from rayllm_rl.orchestration.backend import ROLE_KINDS, RoleCrashed
+from rayllm_rl.orchestration.backend import ROLE_KINDS, RoleCrashed, backend_summary
 from rayllm_rl.orchestration.fault_ledger import FaultLedger
 from rayllm_rl.orchestration.ray.cluster import (
-    FAILED_START_CLOSE_S, Cluster, build_cluster, check_inlined, init_ray, rejoin_sync_group, restarted_replicas,
-    wait_names_free,
+    FAILED_START_CLOSE_S, Cluster, build_cluster, check_inlined, init_ray, wait_names_free,
 )
 from rayllm_rl.hub import resolve_model_path
 from rayllm_rl.envs.task import Task
 from rayllm_rl.orchestration.factories import build_workflow
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.job_plan import REFERENCE, JobPlan
+from rayllm_rl.orchestration.ray.liveness import Liveness
 from rayllm_rl.orchestration.ray.router import ReplicaRouter
 from rayllm_rl.orchestration.ray.reward_actors import ray_reward_scorers, reward_service_stats
 from rayllm_rl.orchestration.ray.tool_services import ray_python_tools
@@ -90,7 +89,7 @@ def _crash_aware(method):
         try:
             return method(self, *args, **kwargs)
         except (ray.exceptions.RayError, TimeoutError) as exc:
-            dead = self.dead_roles()
+            dead = self.live.dead_roles()
             if dead:
                 raise RoleCrashed(dead, exc) from exc
             raise
@@ -110,9 +109,6 @@ class RayBackend:
         init_ray(plan.config)
         self.plan, self.cfg = plan, plan.config
         self.model_path, self.task, self.tokenizer = model_path, task, tokenizer
-        self.liveness_s = 10.0
-        """While waiting for a batch, a drain or an eval, check every this many seconds that no role died
-        (and send the current weights to a replica Ray restarted)."""
         self._driver_bytes = 0
         """Data the driver fetched from or sent to the roles since `driver_bytes()` last read it."""
         self.faults = FaultLedger(ROLE_KINDS)
@@ -130,12 +126,10 @@ class RayBackend:
         self.cluster: Cluster = build_cluster(self.plan, self.model_path, self.task, functools.partial(
             make_workflow, cfg, self.model_path, worker_task, self.workflow))
         self.reference = None
-        self._pending_version = None  # the last set_version call, awaited at the next one
-        self._synced: int | None = None
-        """The version the replicas were last sent: a replica Ray restarts since gets it again."""
-
-    def dead_roles(self) -> list[str]:
-        return self.cluster.dead_roles({"reference": self.reference} if self.reference is not None else None)
+        self._pending_version = None  # the last version told the collector, awaited at the next one
+        self.live = Liveness(self.cluster, self.plan, self.faults,
+                             lambda: {"reference": self.reference} if self.reference is not None else None)
+        """Dead roles and restarted replicas, checked while the driver waits (`live.every_s`)."""
 
     def recover(self, crash: RoleCrashed) -> None:
         """Kill what is left of the job and start every role afresh (the driver restores a checkpoint)."""
@@ -195,31 +189,19 @@ class RayBackend:
             try:
                 return self.cluster.sync_weights(version)
             except (ray.exceptions.RayError, TimeoutError):
-                out = self._rejoin_restarted_replicas(version)
+                out = self.live.rejoin_restarted(version)
                 if out is None:
                     raise
                 return out
 
         out = self.cluster.turns.hand_over(sync)  # colocated: the replicas' weights wake first
-        self._synced = version
+        self.live.synced = version
+        self._tell_collector(version)
         return self._through_driver(out)
 
-    def _rejoin_restarted_replicas(self, version: int | None) -> dict[str, float] | None:
-        """If Ray restarted replicas since the group formed, form the group again with the new
-        processes and send them `version` (they refuse requests until then); None if none were,
-        or if no version was synced yet (the first sync forms the group with them)."""
-        if version is None:
-            return None
-        restarted = restarted_replicas(self.cluster)
-        if not restarted:
-            return None
-        self.faults.replicas_restarted(len(restarted))
-        rejoin_sync_group(self.cluster, self.plan, restarted)
-        return self.cluster.sync_weights(version)
-
-    @_crash_aware
-    def set_version(self, version: int) -> None:
-        """Pipelined: the previous call is awaited (bounded) and this one is left in flight."""
+    def _tell_collector(self, version: int) -> None:
+        """The collector's policy version, pipelined: the previous call is awaited (bounded) and this one is
+        left in flight."""
         if self._pending_version is not None:
             self._get(self._pending_version)
         self._pending_version = self.cluster.collector.set_version.remote(version)
@@ -231,31 +213,13 @@ class RayBackend:
     @_crash_aware
     def next_batch(self, n_episodes: int, version: int):
         """One awaited call: the buffer returns over-stale episodes' slots to the collector itself, and
-        fails this wait at once (naming the cause) if the collector's loop dies. Every `liveness_s`
+        fails this wait at once (naming the cause) if the collector's loop dies. Every `live.every_s`
         while waiting: a dead role ends the wait, and a restarted replica gets the current weights
         (it serves nothing until then, so with one replica the batch would never fill)."""
         c = self.cluster
         batch, meta = c.buffer.take_batch.remote(n_episodes, version, c.timeout_s, self.reference)
-        meta = self._await_live(meta, f"batch of {n_episodes} episodes at version {version}")
+        meta = self.live.await_live(meta, f"batch of {n_episodes} episodes at version {version}")
         return batch, self._through_driver(meta)
-
-    def _await_live(self, job, what: str, bounded: bool = True):
-        """Wait for `job` (an ObjectRef, or a Future of work on the driver), at most the job's timeout
-        + 30 s if `bounded`, while it may need the replicas: every `liveness_s`, a dead role ends the
-        wait (RoleCrashed) and a replica Ray restarted (its process died, or its node was lost) gets
-        the version last synced, without which it serves nothing (with no other replica, what is
-        waited for would never finish)."""
-        c, local = self.cluster, isinstance(job, concurrent.futures.Future)
-        deadline = time.monotonic() + c.timeout_s + 30
-        while not (concurrent.futures.wait([job], timeout=self.liveness_s).done if local
-                   else ray.wait([job], timeout=self.liveness_s)[0]):
-            dead = self.dead_roles()
-            if dead:
-                raise RoleCrashed(dead, RuntimeError(f"waiting for the {what}"))
-            self._rejoin_restarted_replicas(self._synced)
-            if bounded and time.monotonic() > deadline:
-                raise TimeoutError(f"no {what} in {c.timeout_s + 30:g}s")
-        return job.result() if local else self._get(job)
 
     @_crash_aware
     def start_reference(self, checkpoint: str | None) -> None:
@@ -267,8 +231,7 @@ class RayBackend:
             weights = gathered[0]
         self.reference = ReferenceActor.options(name=REFERENCE, namespace=self.cfg.ray.namespace,
                                                 **self.cluster.placement.reference_options).remote(
-            self.model_path, self.cfg.rollout.temperature, weights, self.plan.actor(REFERENCE).threads,
-            self.cfg.optim.max_tokens_per_micro_batch, self.cfg.optim.logprob_chunk_size, self.cfg.model.dtype)
+            self.plan.reference_spec(self.model_path), weights, self.plan.actor(REFERENCE).threads)
         if checkpoint is None:  # the other ranks' copies: waited for, not fetched
             done, _ = ray.wait(gathered, num_returns=len(gathered), timeout=self.cluster.timeout_s, fetch_local=False)
             if len(done) < len(gathered):
@@ -281,7 +244,7 @@ class RayBackend:
         """Greedy eval over the replicas, on a thread of its own: this one keeps the liveness check,
         so a replica restarted before or during the eval gets the current weights (each request is
         bounded by the router's timeout). `progress(n)`: called on that thread as answers come back."""
-        self._rejoin_restarted_replicas(self._synced)
+        self.live.rejoin_restarted(self.live.synced)
         router = ReplicaRouter(self.cluster.replicas, self.cluster.timeout_s)
         done: concurrent.futures.Future = concurrent.futures.Future()
 
@@ -294,7 +257,7 @@ class RayBackend:
                 done.set_exception(exc)
 
         threading.Thread(target=run, name="evaluate", daemon=True).start()
-        return self._await_live(done, "evaluation", bounded=False)
+        return self.live.await_live(done, "evaluation", bounded=False)
 
     @_crash_aware
     def collector_stats(self) -> dict[str, Any]:
@@ -303,8 +266,8 @@ class RayBackend:
     @_crash_aware
     def save_checkpoint(self, path: str, step: int, version: int) -> str:
         c = self.cluster
-        collector_state = self._await_live(c.collector.drain.remote(c.timeout_s), "collector's drain")
-        dead = self.dead_roles()
+        collector_state = self.live.await_live(c.collector.drain.remote(c.timeout_s), "collector's drain")
+        dead = self.live.dead_roles()
         if dead:  # this checkpoint would keep what the dead role cost (episodes given up): roll back instead
             raise RoleCrashed(dead, RuntimeError(f"found dead before the checkpoint at step {step}"))
         self._take_fault_events(note_pids=False)  # the baseline below counts every episode lost before it
@@ -328,7 +291,7 @@ class RayBackend:
     def drain(self) -> None:
         if self._pending_version is not None:
             self._get(self._pending_version)
-        self._await_live(self.cluster.collector.drain.remote(self.cluster.timeout_s), "collector's drain")
+        self.live.await_live(self.cluster.collector.drain.remote(self.cluster.timeout_s), "collector's drain")
 
     def _reward_counters(self) -> dict[str, int]:
         """Reward calls, errors and timeouts summed over the env workers."""
@@ -344,11 +307,11 @@ class RayBackend:
         sums = c.learners.checksums() + c.replicas.checksums()
         self._take_fault_events()
         col = self.collector_stats()
-        return {"failed_episodes": col["failed_episodes"], **self.faults.summary(),
-                "buffer": self._get(c.buffer.stats.remote()), "reward_failures": self._reward_counters(),
-                "replica_versions_held": c.replicas.versions_held(),
-                "weight_transport": c.transport, "learner_checksums_equal_replicas": len(set(sums)) == 1,
-                "reward_services": reward_service_stats(c.services, c.timeout_s)}
+        return backend_summary(failed_episodes=col["failed_episodes"], faults=self.faults,
+                               buffer=self._get(c.buffer.stats.remote()), reward_failures=self._reward_counters(),
+                               versions_held=c.replicas.versions_held(), transport=c.transport,
+                               checksums_equal=len(set(sums)) == 1,
+                               reward_services=reward_service_stats(c.services, c.timeout_s))
 
     def publish(self, record: dict[str, Any]) -> None:
         self._metrics.update(record)

@@ -19,7 +19,6 @@ from rayllm_rl.orchestration.ray.actors import (
     RayLLMCollector,
     ReplayBufferActor,
 )
-from rayllm_rl.learner.learner import LearnerSpec
 from rayllm_rl.loop_thread import run_bounded
 from rayllm_rl.orchestration.factories import build_episode_filter
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
@@ -278,23 +277,22 @@ def start_roles(cluster: Cluster, plan: JobPlan, model_path: str, task, workflow
     """Start every actor of `plan` into `cluster` (each recorded as soon as it exists, so a failure at any
     point leaves the cluster knowing what to shut down), then set the learners up and form the weight sync."""
     cfg = plan.config
-    rc, seed, call_timeout_s = cfg.ray, cfg.trainer.seed, cfg.trainer.call_timeout_s
+    rc, call_timeout_s = cfg.ray, cfg.trainer.call_timeout_s
     placement = cluster.placement
     start_reward_actors(cfg, into=cluster.services)  # env workers look them up by name when they start
     ns = rc.namespace  # every named actor lives here: `ray.get_actor("env-0", namespace=...)` from any driver
     replica_names = [REPLICA.format(i) for i in range(plan.replicas)]
     # A replica Ray restarts refuses requests until the driver re-forms the sync group and sends it the
     # current weights (RayBackend.sync_weights).
-    replica_args = [(plan.engine, model_path, seed + i, plan.actor(name).threads, cfg.model.dtype, plan.engine_options,
-                     rc.tensor_parallel_size) for i, name in enumerate(replica_names)]
+    replica_args = [(plan.engine_spec(model_path, i), plan.actor(name).threads) for i, name in enumerate(replica_names)]
     check_inlined("inference replica", replica_args[0])
     for i, name in enumerate(replica_names):
         cluster.replicas.handles.append(InferenceReplica.options(
             name=name, namespace=ns, max_restarts=plan.actor(name).restarts,
-            **placement.replica_options[i]).remote(*replica_args[i], lora=cfg.model.lora))
+            **placement.replica_options[i]).remote(*replica_args[i]))
     cluster.buffer = ReplayBufferActor.options(name=BUFFER, namespace=ns, max_concurrency=1000,
                                                **placement.driver_node_options).remote(
-        plan.buffer_capacity, cfg.rollout.max_staleness, plan.batch_pipeline)
+        plan.buffer_spec(), plan.batch_pipeline)
     # An env worker holds no state a restart loses: Ray restarts a dead one, and the collector runs
     # the episodes it had in flight again (the buffer stores each episode id once). Its constructor
     # takes names, not handles, and small inlined arguments only, so a restart never depends on an
@@ -311,15 +309,12 @@ def start_roles(cluster: Cluster, plan: JobPlan, model_path: str, task, workflow
             r, plan.learner_ranks, plan.actor(LEARNER.format(r)).threads))
     cluster.collector = RayLLMCollector.options(name=COLLECTOR, namespace=ns, max_concurrency=1000,
                                                 **placement.driver_node_options).remote(
-        task.train, list(cluster.env_workers), cluster.buffer, cfg.rollout.prompts_per_step, cfg.rollout.max_staleness,
-        seed, call_timeout_s)
+        plan.collector_spec(), task.train, list(cluster.env_workers), cluster.buffer, call_timeout_s)
     cluster.buffer.set_collector.remote(cluster.collector)
     cluster.turns = make_turns(plan.colocated, cluster)
 
     host, port = cluster.learners.rendezvous()
-    spec = LearnerSpec(model_path, cfg.optim, cfg.rollout.temperature, plan.sampling_mask, seed, cfg.model.dtype,
-                       plan.layout.learner_gpus > 0, cfg.model.lora)
-    cluster.learners.setup(spec, plan.loss, host, port)
+    cluster.learners.setup(plan.learner_spec(model_path), plan.loss, host, port)
     cluster.replicas.ready()  # vLLM: engine cores up before the group forms
     cluster.replica_pids = cluster.replicas.pids()
     form_sync_group(cluster, plan)

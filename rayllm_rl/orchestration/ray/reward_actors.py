@@ -26,6 +26,7 @@ from rayllm_rl.hub import resolve_model_path
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.ray.actors import InferenceReplica, ray_actor, ActorProcess
 from rayllm_rl.orchestration.ray.groups import wait_names_free
+from rayllm_rl.rewards.config import judge_engine_spec
 from rayllm_rl.rewards.reward_model import rm_sample
 
 log = logging.getLogger(__name__)
@@ -70,13 +71,11 @@ def start_reward_actors(cfg: GRPOJobConfig, timeout_s: float | None = None,
     (at most `timeout_s`, default `trainer.call_timeout_s`, for all); {} when both are off. A timeout (e.g.
     GPUs the cluster does not have) or a failed start kills them, frees their names and raises, naming the
     key. `into`: a dict each actor is recorded in as soon as it exists (returned)."""
-    from rayllm_rl.inference.registry import placed_options
-
     rc = cfg.ray
     common = {"namespace": rc.namespace, "max_restarts": rc.replica_restarts, "num_cpus": 0}
     actors: dict[str, Any] = {} if into is None else into
     try:
-        _create(cfg, actors, common, placed_options, timeout_s)
+        _create(cfg, actors, common, timeout_s)
     except BaseException:
         for handle in actors.values():
             ray.kill(handle, no_restart=True)
@@ -89,8 +88,7 @@ def start_reward_actors(cfg: GRPOJobConfig, timeout_s: float | None = None,
     return actors
 
 
-def _create(cfg: GRPOJobConfig, actors: dict[str, Any], common: dict[str, Any], placed_options,
-            timeout_s: float | None) -> None:
+def _create(cfg: GRPOJobConfig, actors: dict[str, Any], common: dict[str, Any], timeout_s: float | None) -> None:
     r, rc = cfg.reward, cfg.ray
     waits: dict[str, tuple] = {}
     if r.model.path:
@@ -104,11 +102,11 @@ def _create(cfg: GRPOJobConfig, actors: dict[str, Any], common: dict[str, Any], 
             waits[name] = (actors[name].pid.remote(), "reward.model", m.path, f"gpus_per_actor={m.gpus_per_actor:g}")
     if r.judge.path:
         j = r.judge
-        options = placed_options(j.engine, j.options, colocated=False)
         for i in range(j.num_replicas):
             name = f"judge-{i}"
+            spec = judge_engine_spec(j, cfg.trainer.seed + i, in_process=False)
             actors[name] = InferenceReplica.options(name=name, num_gpus=j.gpus_per_replica, **common).remote(
-                j.engine, j.path, cfg.trainer.seed + i, rc.threads_per_actor, j.dtype, options, 1, frozen=True)
+                spec, rc.threads_per_actor, frozen=True)
             waits[name] = (actors[name].ready.remote(), "reward.judge", j.path, f"gpus_per_replica={j.gpus_per_replica:g}")
     _wait_started(waits, cfg.trainer.call_timeout_s if timeout_s is None else timeout_s)
 
