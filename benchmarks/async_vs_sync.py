@@ -22,6 +22,7 @@ def run(eta: int, args, run_root: str) -> dict:
     from rayllm_rl.config import load_config
     from rayllm_rl.orchestration.driver import train
     from rayllm_rl.orchestration.job_config import GRPOJobConfig
+    from rayllm_rl.orchestration.job_plan import make_plan
 
     cfg = load_config(GRPOJobConfig, [
         "sft.steps=0", f"trainer.steps={args.steps}", "trainer.eval_every=0", "trainer.log_every=1000",
@@ -29,8 +30,8 @@ def run(eta: int, args, run_root: str) -> dict:
         f"rollout.max_new_tokens={args.new_tokens}", f"rollout.max_staleness={eta}",
         f"ray.num_replicas={args.replicas}", f"ray.num_env_workers={args.replicas}",
         f"trainer.run_dir={run_root}/eta{eta}", "trainer.time_budget_s=0",
-    ]).validate()
-    summary = train(cfg)
+    ])
+    summary = train(make_plan(cfg))
     records = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in records if r["phase"] == "rl"][args.warmup_steps:]  # skip start-up steps
     span = rl[-1]["time_s"] - rl[0]["time_s"] + (rl[0]["wait_s"] + rl[0]["train_s"])

@@ -666,6 +666,7 @@ class GPUCheck:
         from rayllm_rl.config import load_config
         from rayllm_rl.orchestration.driver import train
         from rayllm_rl.orchestration.job_config import GRPOJobConfig
+        from rayllm_rl.orchestration.job_plan import make_plan
 
         a = self.args
         if importlib.util.find_spec("datasets") is None:
@@ -675,13 +676,13 @@ class GPUCheck:
         overrides += list(COLOCATED_ONE_GPU) if self.device == "cuda" else list(CPU_DEMO)
         if a.steps is not None:
             overrides.append(f"trainer.steps={a.steps}")
-        cfg = load_config(GRPOJobConfig, overrides).validate()
+        plan = make_plan(load_config(GRPOJobConfig, overrides))
         self.start_ray()
         box: dict = {}
 
         def job():
             try:
-                box["summary"] = train(cfg)
+                box["summary"] = train(plan)
             except BaseException as exc:  # noqa: BLE001 - re-raised on the waiting thread
                 box["error"] = exc
 

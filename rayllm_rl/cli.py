@@ -60,9 +60,10 @@ def job_main(argv: list[str]) -> dict:
         raise SystemExit("--json goes with --dry-run (the job itself always ends with a JSON summary line)")
     cfg = load_config(GRPOJobConfig, [a for a in argv if a not in flags])
     if "--dry-run" in flags:  # a plan for the job's machines: this one need not have their packages
+        from rayllm_rl.orchestration.job_plan import make_plan
         from rayllm_rl.orchestration.plan_text import dry_run
 
-        return dry_run(cfg.validate(environment=False), as_json="--json" in flags)
+        return dry_run(make_plan(cfg, environment=False), as_json="--json" in flags)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     from rayllm_rl.orchestration.entry import train  # validates first: cross-field mistakes fail before any actor
 

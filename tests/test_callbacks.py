@@ -12,7 +12,8 @@ import pytest
 import callback_helpers
 from callback_helpers import Recorder
 from rayllm_rl.config import load_config
-from rayllm_rl.orchestration import driver, entry
+from job_helpers import run_job
+from rayllm_rl.orchestration import entry
 from rayllm_rl.orchestration.callbacks import Callback
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.reporting import SUMMARY_KEYS
@@ -60,7 +61,7 @@ class StopOnEval(Callback):
 def test_a_callback_that_stops_at_step_k_ends_the_run_there_with_checkpoint_eval_and_summary(tmp_path):
     stopper = Recorder()
     stopper.stop_at = 2
-    summary = driver.train(job(tmp_path, "trainer.steps=5", "trainer.eval_every=0",
+    summary = run_job(job(tmp_path, "trainer.steps=5", "trainer.eval_every=0",
                                "trainer.checkpoint_every=2").validate(), callbacks=[stopper])
     assert set(summary) == SUMMARY_KEYS
     assert summary["steps"] == 2 and summary["version"] == 2 and summary["budget_cuts"] == []
@@ -88,7 +89,7 @@ def test_a_callback_that_stops_at_step_k_ends_the_run_there_with_checkpoint_eval
 @pytest.mark.slow
 def test_a_callback_that_raises_is_counted_and_cannot_break_the_run(tmp_path, capsys):
     watcher = Recorder()
-    summary = driver.train(job(tmp_path, "trainer.steps=3", "trainer.eval_every=0").validate(),
+    summary = run_job(job(tmp_path, "trainer.steps=3", "trainer.eval_every=0").validate(),
                            callbacks=[Raiser(), watcher])
     assert summary["steps"] == 3 and summary["version"] == 3 and summary["stopped_by"] is None
     assert summary["callback_errors"] == {"Raiser": 3 + 1, "Recorder": 0}  # each step's, and on_train_end's
@@ -110,7 +111,7 @@ def test_a_callback_that_raises_is_counted_and_cannot_break_the_run(tmp_path, ca
 @pytest.mark.slow
 def test_on_evaluate_sees_every_evaluation_and_can_stop_the_run(tmp_path):
     watcher = Recorder()
-    summary = driver.train(job(tmp_path, "trainer.steps=6", "trainer.eval_every=2").validate(),
+    summary = run_job(job(tmp_path, "trainer.steps=6", "trainer.eval_every=2").validate(),
                            callbacks=[watcher, StopOnEval()])
     # before RL, the in-run eval at step 2 (which stops the run), the final one
     assert [e["step"] for e in watcher.evals] == [0, 2, 2]

@@ -12,6 +12,7 @@ import torch
 
 from rayllm_rl.config import load_config
 from rayllm_rl.data.trajectory import concat_padded, make_trajectory
+from job_helpers import run_job
 from rayllm_rl.orchestration import driver
 from rayllm_rl.orchestration.backend import ROLE_KINDS, RoleCrashed
 from rayllm_rl.orchestration.batch_prep import make_batch_pipeline
@@ -127,7 +128,7 @@ def run(tmp_path, monkeypatch, crashes, *overrides, faults=None, callbacks=None)
                         lambda plan, model_path, task, tokenizer, workflow=None:
                         made.append(ScriptedBackend(plan.config, tokenizer, crashes, faults)) or made[0])
     try:
-        out = driver.train(cfg.validate(), callbacks=callbacks)
+        out = run_job(cfg.validate(), callbacks=callbacks)
     except RoleCrashed as exc:
         out = exc
     return made[0], out

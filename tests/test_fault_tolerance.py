@@ -48,7 +48,7 @@ def run_and_kill(tmp_path, role: str, after_step: int, *extra: str, then: tuple 
     """Run a short job in a thread, SIGKILL `role`'s process once RL step `after_step` is logged. `then`: more
     (role, steps) kills, each once the previous kill's rollback is logged and `steps` RL steps after it; with
     `rollbacks=False` (kills that cost no rollback), once RL step `steps` is logged."""
-    from rayllm_rl.orchestration.driver import train
+    from job_helpers import run_job
 
     cfg = load_config(GRPOJobConfig, [
         "sft.steps=2", "data.eval_size=8", "data.max_operand=9", f"rollout.prompts_per_step={B}",
@@ -57,7 +57,7 @@ def run_and_kill(tmp_path, role: str, after_step: int, *extra: str, then: tuple 
         f"ray.namespace={NS}", *extra,
     ]).validate()
     out: dict = {}
-    runner = threading.Thread(target=lambda: out.update(summary=train(cfg)), daemon=True)
+    runner = threading.Thread(target=lambda: out.update(summary=run_job(cfg)), daemon=True)
     runner.start()
     for kill, (who, wait_steps) in enumerate([(role, after_step), *then]):
         recoveries = kill if rollbacks else 0

@@ -83,12 +83,12 @@ def test_a_conversion_missing_on_this_node_says_so(tmp_path):
 
 def test_dry_run_names_a_bad_gguf_and_starts_nothing(tmp_path):
     from rayllm_rl.orchestration.job_config import GRPOJobConfig
-    from rayllm_rl.orchestration.plan import PlanError, job_plan
+    from rayllm_rl.orchestration.plan import PlanError, describe_job
 
     cfg = GRPOJobConfig()
     cfg.model.path = write_gguf(str(tmp_path / "t5.gguf"), "rwkv6")
     with pytest.raises(PlanError, match="rwkv6"):
-        job_plan(cfg.validate(environment=False))
+        describe_job(cfg)
 
 
 @pytest.mark.slow
@@ -120,11 +120,11 @@ def test_smollm2_round_trip_logits_equal_the_gguf_loaded_model(tmp_path, smollm2
     assert resolve_model_path(str(renamed)) == path and time.perf_counter() - t0 < 10  # a hash, no conversion
 
     from rayllm_rl.orchestration.job_config import GRPOJobConfig
-    from rayllm_rl.orchestration.plan import job_plan
+    from rayllm_rl.orchestration.plan import describe_job
 
     cfg = GRPOJobConfig()
     cfg.model.path = gguf_file
-    plan = job_plan(cfg.validate(environment=False))
+    plan = describe_job(cfg)
     assert plan["model"]["gguf"]["cached"] and plan["model"]["gguf"]["converted_dir"] == path
     assert plan["model"]["architecture"]["params"] == 134_515_008
 

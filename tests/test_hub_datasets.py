@@ -86,14 +86,14 @@ def test_a_missing_config_fails_before_any_actor_starts(gsm8k_hub, tmp_path):
     import ray
 
     from rayllm_rl.config import load_config
-    from rayllm_rl.orchestration.driver import train
+    from job_helpers import run_job
     from rayllm_rl.orchestration.job_config import GRPOJobConfig
 
     assert not ray.is_initialized()
     cfg = load_config(GRPOJobConfig, ["task=gsm8k", "data.path=openai/gsm8k:nope", "trainer.backend=ray",
                                       f"trainer.run_dir={tmp_path}"]).validate()
     with pytest.raises(DatasetSourceError, match=r"'openai/gsm8k:nope'.*configs: \['main', 'socratic'\]"):
-        train(cfg)
+        run_job(cfg)
     assert not ray.is_initialized(), "the error came before Ray (and so any actor) started"
 
 

@@ -195,7 +195,7 @@ def test_local_job_with_hub_model_and_hub_dataset(hub_model, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rayllm_rl.config import load_config
-    from rayllm_rl.orchestration.driver import train
+    from job_helpers import run_job
     from rayllm_rl.orchestration.job_config import GRPOJobConfig
 
     rows = gsm8k_rows()
@@ -205,7 +205,7 @@ def test_local_job_with_hub_model_and_hub_dataset(hub_model, tmp_path):
         "trainer.backend=local", "trainer.steps=2", "trainer.eval_every=0", "trainer.log_every=100",
         "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8", "algo.kl_coef=0.05",
         f"trainer.run_dir={tmp_path / 'run'}", "trainer.call_timeout_s=120"]).validate()
-    summary = train(cfg)
+    summary = run_job(cfg)
     assert summary["steps"] == 2 and summary["version"] == 2 and summary["failed_episodes"] == 0
     assert summary["eval_prompts"] == 2 and summary["learner_checksums_equal_replicas"]
     ckpt = Path(summary["checkpoint"])
@@ -219,12 +219,12 @@ def test_wrong_model_id_fails_before_any_actor_starts(hub_model, tmp_path):
     import ray
 
     from rayllm_rl.config import load_config
-    from rayllm_rl.orchestration.driver import train
+    from job_helpers import run_job
     from rayllm_rl.orchestration.job_config import GRPOJobConfig
 
     assert not ray.is_initialized()
     cfg = load_config(GRPOJobConfig, ["model.path=tiny-org/not-there", "trainer.backend=ray",
                                       f"trainer.run_dir={tmp_path}"]).validate()
     with pytest.raises(HubResolutionError, match=r"'tiny-org/not-there'.*models--tiny-org--not-there.*offline mode on"):
-        train(cfg)
+        run_job(cfg)
     assert not ray.is_initialized(), "the error came before Ray (and so any actor) started"

@@ -57,7 +57,7 @@ def test_no_argument_config_keeps_every_demo_value():
 
 def test_a_gsm8k_job_on_a_local_model_inherits_no_demo_value(model_dir):
     from rayllm_rl.orchestration.factories import build_task
-    from rayllm_rl.orchestration.plan import job_plan
+    from rayllm_rl.orchestration.plan import describe_job
     from rayllm_rl.orchestration.sft_warmup import sft_warm_start
 
     cfg = gsm8k_job(model_dir)
@@ -73,7 +73,7 @@ def test_a_gsm8k_job_on_a_local_model_inherits_no_demo_value(model_dir):
     calls = []
     assert sft_warm_start(cfg, task, None, None, lambda *a: calls.append("step"), lambda *a: calls.append("reset")) is None
     assert calls == []
-    plan = job_plan(cfg)
+    plan = describe_job(cfg)
     assert plan["schedule"] == {"sft_steps": 0, "rl_steps": 500, "optim_lr": 1e-6, "trainer_time_budget_s": 0.0,
                                 "eval": "500 prompts held out of the training rows"}
     assert plan["rollout"]["max_new_tokens"] == 512 and plan["model"]["config_source"].startswith(model_dir)

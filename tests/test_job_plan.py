@@ -60,9 +60,40 @@ def test_a_wrong_snapshot_value_is_reported():
     assert _missing_or_changed({"a": 1}, {}) == [".a: missing"]
 
 
-def test_the_plan_needs_a_validated_config():
-    with pytest.raises(ValueError, match="validated config"):
-        make_plan(GRPOJobConfig())
+def test_the_plan_is_the_validation_of_a_raw_config_and_leaves_it_as_it_was():
+    """make_plan fills the presets itself: a raw config plans as its validated copy does, and stays raw."""
+    raw = GRPOJobConfig()
+    plan = make_plan(raw, environment=False)
+    assert raw.rollout.max_new_tokens is None and raw.model.dtype == "auto"  # untouched
+    assert plan.config == raw.validate(environment=False) == make_plan(plan.config, environment=False).config
+    assert plan.config.rollout.max_new_tokens is not None and plan.config.model.dtype == "float32"
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["algo.clip_eps_low=1.5"], "clip_eps_low"),  # the loss: decided (built) once, in the plan
+    (["ray.num_replicas=0"], r"ray\.num_replicas"),  # the GPU layout
+    (["inference.options.no_such_option=1"], r"inference\.options\.no_such_option"),  # the engine's options
+    (["ray.sync_transport=nccl"], r"ray\.sync_transport=nccl needs GPUs"),  # the weight transport
+    (["trainer.backend=local", "ray.sync_transport=shm"], r"ray\.sync_transport=shm is the Ray backend's"),
+])
+def test_each_decision_refuses_in_the_plan_naming_the_key(overrides, match):
+    from rayllm_rl.orchestration import job_checks
+
+    cfg = load_config(GRPOJobConfig, overrides)
+    with pytest.raises(ValueError, match=match):
+        make_plan(cfg, environment=False)
+    # and the rules left in job_checks do not decide these again: they pass on the resolved config
+    if overrides[0] != "trainer.backend=local":
+        from rayllm_rl.orchestration.presets import resolve_presets
+
+        job_checks.check_job(resolve_presets(cfg), environment=False)
+
+
+def test_the_driver_takes_the_plan_alone():
+    from rayllm_rl.orchestration import driver
+
+    with pytest.raises(TypeError, match=r"train\(make_plan\(cfg\)\), not a GRPOJobConfig"):
+        driver.train(GRPOJobConfig().validate(environment=False))
 
 
 def test_one_loss_decides_the_reference_and_the_buffer_holds_two_batches_per_version():

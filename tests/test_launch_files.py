@@ -97,7 +97,7 @@ def test_rayjob_runs_grpo_on_as_many_gpus_as_its_recipe_plans():
 
     from rayllm_rl.config import load_config
     from rayllm_rl.orchestration.job_config import GRPOJobConfig
-    from rayllm_rl.orchestration.plan import job_plan
+    from rayllm_rl.orchestration.plan import describe_job
 
     job, _ = kuberay("rayjob")
     cluster, _ = kuberay("raycluster")
@@ -107,7 +107,7 @@ def test_rayjob_runs_grpo_on_as_many_gpus_as_its_recipe_plans():
     overrides = [a.replace("config=/app/", f"config={ROOT}/") for a in argv[2:]]
     recipe = Path(overrides[0].split("=", 1)[1])
     assert recipe.exists() and recipe.parent == ROOT / "recipes"
-    plan = job_plan(load_config(GRPOJobConfig, overrides).validate(environment=False))
+    plan = describe_job(load_config(GRPOJobConfig, overrides))
     spec = cluster_spec(job)
     pods = [(g["replicas"], g["template"]["spec"]["containers"][0]["resources"]) for g in spec["workerGroupSpecs"]]
     gpus = sum(n * int(r["limits"].get("nvidia.com/gpu", 0)) for n, r in pods)

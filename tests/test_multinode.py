@@ -213,10 +213,10 @@ class Job:
     """`driver.train` in a thread (the test's thread watches it and acts on the cluster)."""
 
     def __init__(self, cfg: GRPOJobConfig, tmp_path: Path):
-        from rayllm_rl.orchestration.driver import train
+        from job_helpers import run_job
 
         self.tmp_path, self.out = tmp_path, {}
-        self.thread = threading.Thread(target=lambda: self.out.update(summary=train(cfg)), daemon=True)
+        self.thread = threading.Thread(target=lambda: self.out.update(summary=run_job(cfg)), daemon=True)
         self.thread.start()
 
     def wait_step(self, step: int, timeout_s: float = 240.0) -> Path:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rayllm_rl.config import load_config
-from rayllm_rl.orchestration.driver import train
+from job_helpers import run_job
 from rayllm_rl.orchestration.reporting import SUMMARY_KEYS
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 
@@ -33,7 +33,7 @@ def rl_records(summary) -> list[dict]:
 def test_local_backend_runs_the_shared_driver(tmp_path, eta):
     from transformers import AutoModelForCausalLM
 
-    summary = train(local_cfg(tmp_path, "trainer.steps=3", "trainer.eval_every=2", f"rollout.max_staleness={eta}"))
+    summary = run_job(local_cfg(tmp_path, "trainer.steps=3", "trainer.eval_every=2", f"rollout.max_staleness={eta}"))
     assert set(summary) == SUMMARY_KEYS
     assert summary["backend"] == "local" and summary["steps"] == 3 and summary["version"] == 3
     assert summary["failed_episodes"] == 0 and summary["budget_cuts"] == []
@@ -58,10 +58,10 @@ def test_local_resume_continues_same_step_version_data_and_reference(tmp_path):
     from safetensors.torch import load_file
 
     kl = ("algo.kl_coef=0.05", "optim.weight_decay=0.1", "rollout.max_staleness=0", "trainer.eval_every=0")
-    first = train(local_cfg(tmp_path / "a", "trainer.steps=4", "trainer.checkpoint_every=2", *kl))
+    first = run_job(local_cfg(tmp_path / "a", "trainer.steps=4", "trainer.checkpoint_every=2", *kl))
     ckpt = Path(first["run_dir"]) / "checkpoints" / "step_2"
     assert (ckpt / "model.safetensors").exists()
-    resumed = train(local_cfg(tmp_path / "b", "trainer.steps=4", f"resume={ckpt}", *kl))
+    resumed = run_job(local_cfg(tmp_path / "b", "trainer.steps=4", f"resume={ckpt}", *kl))
     a, b = rl_records(first), rl_records(resumed)
     assert [r["step"] for r in b] == [3, 4] and [r["version"] for r in b] == [3, 4]
     assert [r["data_sha"] for r in b] == [r["data_sha"] for r in a[2:]]
@@ -72,7 +72,7 @@ def test_local_resume_continues_same_step_version_data_and_reference(tmp_path):
 
 @pytest.mark.slow
 def test_time_budget_cuts_are_said_in_the_summary(tmp_path):
-    summary = train(local_cfg(tmp_path, "trainer.steps=50", "trainer.time_budget_s=0.001", "trainer.eval_every=0",
+    summary = run_job(local_cfg(tmp_path, "trainer.steps=50", "trainer.time_budget_s=0.001", "trainer.eval_every=0",
                               "sft.steps=20", "sft.time_budget_s=0.001"))
     assert summary["steps"] == 1
     assert summary["budget_cuts"] == ["sft.time_budget_s=0.001 cut the SFT warm start at step 1 of 20",
@@ -87,7 +87,7 @@ def test_local_backend_learns_with_nonzero_advantages(tmp_path):
         "rollout.prompts_per_step=8", "rollout.group_size=8", "rollout.max_new_tokens=8", "trainer.steps=80",
         "trainer.eval_every=0", "trainer.log_every=1000", "optim.lr=3e-4", f"trainer.run_dir={tmp_path}",
     ]).validate()
-    summary = train(cfg)
+    summary = run_job(cfg)
     rl = rl_records(summary)
     assert len(rl) == 80 and summary["failed_episodes"] == 0
     assert statistics.fmean(r["advantage_abs_mean"] for r in rl) > 0.2
@@ -97,7 +97,7 @@ def test_local_backend_learns_with_nonzero_advantages(tmp_path):
 
 @pytest.mark.slow
 def test_periodic_checkpoints_are_pruned_to_the_newest(tmp_path):
-    summary = train(local_cfg(tmp_path, "trainer.steps=4", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=2",
+    summary = run_job(local_cfg(tmp_path, "trainer.steps=4", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=2",
                               "trainer.eval_every=0"))
     ckpts = sorted(p.name for p in (Path(summary["run_dir"]) / "checkpoints").iterdir())
     assert ckpts == ["step_2", "step_3", "step_4"]  # step_0 and step_1 pruned; the final one always kept

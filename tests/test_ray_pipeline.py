@@ -221,15 +221,15 @@ decay moves the policy away from the reference even when the tiny model's reward
 @pytest.fixture(scope="module")
 def gsm8k_kl_run(local_ray, tmp_path_factory):
     """The GSM8K job with reference KL, checkpointed every 2 steps: its own test and the resume test read it."""
-    from rayllm_rl.orchestration.driver import train
+    from job_helpers import run_job
 
-    return train(small_cfg(tmp_path_factory.mktemp("gsm8k_kl"), *GSM8K_KL, "trainer.checkpoint_every=2"))
+    return run_job(small_cfg(tmp_path_factory.mktemp("gsm8k_kl"), *GSM8K_KL, "trainer.checkpoint_every=2"))
 
 
 def test_resume_continues_same_step_version_and_data(local_ray, gsm8k_kl_run, tmp_path):
     """Resumed from the step-2 checkpoint, the job runs steps 3 and 4 on the same rows, as the same versions, and
     keeps the original reference."""
-    from rayllm_rl.orchestration.driver import train
+    from job_helpers import run_job
 
     from safetensors.torch import load_file
 
@@ -237,7 +237,7 @@ def test_resume_continues_same_step_version_and_data(local_ray, gsm8k_kl_run, tm
     check_versions_and_staleness(first, eta=0, steps=4)
     ckpt = Path(first["run_dir"]) / "checkpoints" / "step_2"
     assert ckpt.exists()
-    resumed = train(small_cfg(tmp_path / "b", *GSM8K_KL, f"resume={ckpt}"))
+    resumed = run_job(small_cfg(tmp_path / "b", *GSM8K_KL, f"resume={ckpt}"))
     a, b = rl_records(first), rl_records(resumed)
     assert [r["step"] for r in b] == [3, 4] and [r["version"] for r in b] == [3, 4]
     assert [r["data_sha"] for r in b] == [r["data_sha"] for r in a[2:]]
@@ -253,9 +253,9 @@ def test_resume_continues_same_step_version_and_data(local_ray, gsm8k_kl_run, tm
 def fsdp_agent_run(local_ray, tmp_path_factory):
     """One job for two tests: two FSDP learner ranks (eta 1), and an agent written with openai.AsyncOpenAI as the
     rollout workflow."""
-    from rayllm_rl.orchestration.driver import train
+    from job_helpers import run_job
 
-    return train(small_cfg(tmp_path_factory.mktemp("fsdp_agent"), "trainer.steps=3", "ray.num_learners=2",
+    return run_job(small_cfg(tmp_path_factory.mktemp("fsdp_agent"), "trainer.steps=3", "ray.num_learners=2",
                            "rollout.max_staleness=1", "rollout.workflow=openai_agent",
                            "rollout.agent=rayllm_rl.agents.examples:answer_then_check"))
 
@@ -303,7 +303,7 @@ def learning_run(local_ray, tmp_path_factory):
     the job's dashboard through the token and looks for its actors and the job (test_ray_dashboard.py)."""
     from types import SimpleNamespace
 
-    from rayllm_rl.orchestration.driver import train
+    from job_helpers import run_job
     from browser_helpers import BROWSER
     from test_ray_dashboard import JOB_ACTORS, URL_LINE, DashboardWatcher, token_from_line
 
@@ -319,7 +319,7 @@ def learning_run(local_ray, tmp_path_factory):
         watcher = DashboardWatcher(BROWSER, url.group(1), token_from_line(local_ray.printed), JOB_ACTORS,
                                    cfg.ray.namespace, local_ray.job_id, tmp_path)
     try:
-        summary = train(cfg)
+        summary = run_job(cfg)
     finally:
         if watcher is not None:
             watcher.job_done.set()

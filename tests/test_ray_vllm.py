@@ -109,9 +109,9 @@ class TestVLLMSync:
 
 
 def test_grpo_job_trains_through_vllm_replicas(local_ray, tmp_path):
-    from rayllm_rl.orchestration.driver import train
+    from job_helpers import run_job
 
-    summary = train(vllm_cfg(tmp_path, "trainer.steps=4", "rollout.max_staleness=1"))
+    summary = run_job(vllm_cfg(tmp_path, "trainer.steps=4", "rollout.max_staleness=1"))
     assert summary["steps"] == 4 and summary["version"] == 4
     assert summary["learner_checksums_equal_replicas"] is True
     assert summary["replica_versions_held"] == [[0, 0, 1, 2, 3, 4]]

@@ -15,6 +15,7 @@ import torch
 from rayllm_rl.config import load_config
 from rayllm_rl.envs.arithmetic import arithmetic_reward
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.orchestration.job_plan import make_plan
 from rayllm_rl.rewards.combined import CombinedReward
 from rayllm_rl.rewards.reward_model import RewardModelOutputError, RewardModelScorer, rm_sample
 from rayllm_rl.workflows.rewards import RewardCaller
@@ -144,7 +145,7 @@ def test_rlvr_group_is_scored_by_rule_and_rm_by_weights_in_one_batch(rm_path, en
     cfg = load_config(GRPOJobConfig, ["rollout.group_size=4", "rollout.workflow=rlvr", f"reward.model.path={rm_path}",
                                       "reward.rule_weight=0.25", "reward.model.weight=2", "reward.model.batch_wait_s=0.05"])
     cfg = cfg.validate()
-    scorers = local_reward_scorers(cfg)
+    scorers = local_reward_scorers(make_plan(cfg))
     try:
         workflow = build_workflow(cfg, build_task(cfg), tokenizer, reward_scorers=scorers)
         traj = asyncio.run(workflow.arun_episode(engine, row(2, 3)))
@@ -168,7 +169,7 @@ def test_a_task_env_scores_with_the_combined_reward(rm_path, engine, tokenizer):
                                       "rollout.max_new_tokens=5", f"reward.model.path={rm_path}",
                                       "reward.rule_weight=0.5"]).validate()
     task = build_task(cfg)
-    scorers = local_reward_scorers(cfg)
+    scorers = local_reward_scorers(make_plan(cfg))
     try:
         workflow = build_workflow(cfg, task, tokenizer, reward_scorers=scorers)
         assert type(workflow).__name__ == "ChatEnvWorkflow"
@@ -220,7 +221,7 @@ def test_the_default_job_trains_on_its_rule_alone(rm_path, tokenizer):
 def test_a_local_job_trains_on_rule_rm_and_judge(rm_path, tmp_path):
     """trainer.backend=local: the in-process RM and judge (a tiny judge SFT'd here to say 'Score: 7') score
     every rollout through the real driver; each step logs the components, the summary the counters."""
-    from rayllm_rl.orchestration.driver import train
+    from job_helpers import run_job
     from reward_model_helpers import tiny_judge
 
     judge = tiny_judge("Score: 7")
@@ -229,7 +230,7 @@ def test_a_local_job_trains_on_rule_rm_and_judge(rm_path, tmp_path):
         "rollout.group_size=2", "rollout.max_new_tokens=6", "trainer.steps=2", "trainer.eval_every=0",
         f"trainer.run_dir={tmp_path / 'run'}", f"reward.model.path={rm_path}", f"reward.judge.path={judge}",
         "reward.rule_weight=0.5", "reward.judge.weight=2"]).validate()
-    summary = train(cfg)
+    summary = run_job(cfg)
     rl = [r for r in map(json.loads, (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines())
           if r["phase"] == "rl"]
     assert len(rl) == 2 and summary["failed_episodes"] == 0
@@ -270,7 +271,7 @@ def test_reward_model_actors_get_a_gpu_each_and_batch_concurrent_requests(ray_wi
     cfg = load_config(GRPOJobConfig, [f"reward.model.path={rm_path}", "reward.model.num_actors=2",
                                       "reward.model.gpus_per_actor=1", "reward.model.batch_wait_s=0.05",
                                       "ray.namespace=rm-actors"]).validate()
-    actors = start_reward_actors(cfg)
+    actors = start_reward_actors(make_plan(cfg))
     try:
         assert sorted(actors) == ["reward-model-0", "reward-model-1"]
         devices = ray.get([a.devices.remote() for a in actors.values()], timeout=60)
@@ -307,7 +308,7 @@ def test_reward_model_actors_that_cannot_get_their_gpus_fail_naming_the_key(ray_
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match=r"reward-model-[01] did not start within trainer\.call_timeout_s=2s .*reward\.model\.gpus_per_actor=2; "
                                            r"the cluster has GPU=2 in total"):
-        start_reward_actors(cfg)
+        start_reward_actors(make_plan(cfg))
     assert time.monotonic() - t0 < 30
     from rayllm_rl.orchestration.ray.cluster import wait_names_free
 
@@ -329,7 +330,7 @@ def test_judge_replicas_are_frozen_actors_on_logical_gpus(ray_with_two_gpus):
     judge_path = tiny_judge("Score: 7")
     cfg = load_config(GRPOJobConfig, [f"reward.judge.path={judge_path}", "reward.judge.num_replicas=2",
                                       "reward.judge.gpus_per_replica=1", "ray.namespace=judges"]).validate()
-    actors = start_reward_actors(cfg)
+    actors = start_reward_actors(make_plan(cfg))
     try:
         assert sorted(actors) == ["judge-0", "judge-1"]
         judge = ray_reward_scorers(cfg)["judge"]
@@ -353,7 +354,7 @@ def test_a_reward_model_that_cannot_load_fails_the_start_naming_its_path(ray_wit
     cfg = load_config(GRPOJobConfig, [f"reward.model.path={tmp_path}", "ray.namespace=rm-missing",
                                       "trainer.call_timeout_s=60"]).validate()  # a directory without a model
     with pytest.raises(RuntimeError, match=f"reward-model-0 failed to start \\(reward.model.path='{tmp_path}'\\)"):
-        start_reward_actors(cfg)
+        start_reward_actors(make_plan(cfg))
 
 
 @pytest.mark.ray
@@ -367,7 +368,7 @@ def test_policy_learns_arithmetic_from_a_reward_model_alone(ray_with_two_gpus, t
     import statistics
 
     from rayllm_rl.envs.arithmetic import make_arithmetic_splits
-    from rayllm_rl.orchestration.driver import train
+    from job_helpers import run_job
     from reward_model_helpers import (answer_table, format_noise, policy_samples, sft_arithmetic_policy,
                                       train_reward_classifier)
 
@@ -386,7 +387,7 @@ def test_policy_learns_arithmetic_from_a_reward_model_alone(ray_with_two_gpus, t
         f"reward.model.path={tmp_path / 'rm'}", "reward.rule_weight=0", "reward.model.activation=sigmoid",
         "reward.model.batch_wait_s=0.01", "ray.namespace=rm-learning",
     ]).validate()
-    summary = train(cfg)
+    summary = run_job(cfg)
     lines = (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
     rl = [r for r in map(json.loads, lines) if r["phase"] == "rl"]
     assert len(rl) == 80 and summary["failed_episodes"] == 0

@@ -134,11 +134,11 @@ def test_plan_replays_the_rollouts_mask_unless_turned_off():
 def test_the_dry_run_says_whether_the_learner_replays_the_mask():
     from rayllm_rl.config import load_config
     from rayllm_rl.orchestration.job_config import GRPOJobConfig
-    from rayllm_rl.orchestration.plan import job_plan
+    from rayllm_rl.orchestration.plan import describe_job
     from rayllm_rl.orchestration.plan_text import format_plan
 
     def decisions(*argv):  # what `python jobs/grpo.py --dry-run` prints, as a dict
-        return job_plan(load_config(GRPOJobConfig, ["trainer.backend=local", *argv]).validate(environment=False))
+        return describe_job(load_config(GRPOJobConfig, ["trainer.backend=local", *argv]))
 
     assert "truncation" not in decisions()["rollout"]  # top_p 1, top_k 0: nothing to say
     on = decisions("rollout.top_p=0.9")

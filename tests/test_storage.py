@@ -86,7 +86,7 @@ def test_a_job_in_an_uploaded_working_dir_writes_under_the_root_and_resume_finds
     """A job whose working dir is Ray's temporary copy (as `ray job submit --working-dir .` runs it) writes its run
     under ~/rayllm_results, not in that copy; its last line before the summary says where. A second job, started
     anywhere, resumes from a checkpoint named relative to the same root."""
-    from rayllm_rl.orchestration.driver import train
+    from job_helpers import run_job
 
     home, copy = tmp_path / "home", tmp_path / "session" / "runtime_resources" / "working_dir_files" / "_ray_pkg_1"
     copy.mkdir(parents=True)
@@ -98,7 +98,7 @@ def test_a_job_in_an_uploaded_working_dir_writes_under_the_root_and_resume_finds
     small = ["trainer.backend=local", "sft.steps=2", "data.eval_size=4", "data.max_operand=9", "trainer.steps=2",
              "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=4", "trainer.eval_every=0",
              "trainer.checkpoint_every=1", "trainer.keep_checkpoints=0", "trainer.run_dir=runs/grpo"]
-    first = train(load_config(GRPOJobConfig, small).validate())
+    first = run_job(load_config(GRPOJobConfig, small).validate())
     run = Path(first["run_dir"])
     assert run.parent == home / "rayllm_results" / "runs" / "grpo" and (run / "summary.json").is_file()
     assert list(copy.iterdir()) == []  # nothing in the temporary copy
@@ -112,7 +112,7 @@ def test_a_job_in_an_uploaded_working_dir_writes_under_the_root_and_resume_finds
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     relative = (run / "checkpoints" / "step_1").relative_to(home / "rayllm_results")
-    resumed = train(load_config(GRPOJobConfig, [*small, f"resume={relative}",
+    resumed = run_job(load_config(GRPOJobConfig, [*small, f"resume={relative}",
                                                 f"trainer.storage_root={home}/rayllm_results"]).validate())
     rl = [json.loads(x) for x in (Path(resumed["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rl if r["phase"] == "rl"] == [2] and resumed["version"] == 2

@@ -29,14 +29,14 @@ def _chromium(*args: str) -> str:
 def run_dir(tmp_path_factory):
     """Three RL steps of the demo on the local backend (eta 1: steps 2 and 3 train tokens of lag 1)."""
     from rayllm_rl.config import load_config
-    from rayllm_rl.orchestration.driver import train
+    from job_helpers import run_job
     from rayllm_rl.orchestration.job_config import GRPOJobConfig
 
     root = tmp_path_factory.mktemp("trace_run")
     cfg = load_config(GRPOJobConfig, ["trainer.backend=local", "trainer.steps=3", "sft.steps=5", "data.eval_size=4",
                                       "rollout.prompts_per_step=2", "rollout.group_size=4", "trainer.eval_every=0",
                                       "trainer.log_every=100", f"trainer.run_dir={root}"]).validate()
-    return Path(train(cfg)["run_dir"])
+    return Path(run_job(cfg)["run_dir"])
 
 
 def test_the_run_writes_bounded_traces_of_what_it_trained(run_dir):

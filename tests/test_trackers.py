@@ -280,7 +280,7 @@ def test_a_tracker_key_of_the_trainer_section_fails_naming_its_new_key(old, new,
 
 @pytest.mark.slow
 def test_a_short_job_logs_to_all_four_trackers_offline(tmp_path):
-    from rayllm_rl.orchestration.driver import train
+    from job_helpers import run_job
 
     cfg = load_config(GRPOJobConfig, [
         "trainer.backend=local", "sft.steps=3", "data.eval_size=16", "data.max_operand=9",
@@ -288,7 +288,7 @@ def test_a_short_job_logs_to_all_four_trackers_offline(tmp_path):
         "trainer.steps=3", "trainer.eval_every=2", f"trainer.run_dir={tmp_path}",
         "trackers.loggers=[jsonl,tensorboard,wandb,mlflow]", "trackers.mlflow_experiment=arith",
     ]).validate()
-    summary = train(cfg)
+    summary = run_job(cfg)
     run_dir = Path(summary["run_dir"])
     records = read_jsonl(run_dir)
     assert not [r for r in records if r["phase"] == "tracker_dropped"]

@@ -347,7 +347,7 @@ def test_a_new_built_in_task_is_one_registry_entry(monkeypatch, user_module, cap
     from types import MappingProxyType
 
     from rayllm_rl.envs import task_registry
-    from rayllm_rl.orchestration.plan import job_plan
+    from rayllm_rl.orchestration.plan import describe_job
     from rayllm_rl.orchestration.plan_text import describe_presets
 
     entry = task_registry.TaskEntry(
@@ -363,7 +363,7 @@ def test_a_new_built_in_task_is_one_registry_entry(monkeypatch, user_module, cap
     task = build_task(cfg)
     assert task.name == "echo" and len(task.train) == 3
     assert "echo" in describe_presets()
-    assert job_plan(cfg)["memory"]["kv_cache_per_replica"]["sequence_tokens"] == 9 + 7
+    assert describe_job(cfg)["memory"]["kv_cache_per_replica"]["sequence_tokens"] == 9 + 7
 
 
 def test_a_task_by_import_path_or_object_takes_the_prompt_tasks_presets(user_module, capsys):

@@ -28,7 +28,7 @@ from rayllm_rl.orchestration.callbacks import CallbackList, RunInfo
 from rayllm_rl.orchestration.factories import build_task
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
 from rayllm_rl.orchestration.job_inputs import JobInputs
-from rayllm_rl.orchestration.job_plan import JobPlan, make_plan
+from rayllm_rl.orchestration.job_plan import JobPlan
 from rayllm_rl.orchestration.reporting import RunReporter, hub_download_bars
 from rayllm_rl.orchestration.sft_warmup import sft_warm_start, sft_warmed_demo_model
 from rayllm_rl.orchestration.storage import with_resolved_paths
@@ -40,17 +40,16 @@ def open_backend(plan: JobPlan, model_path: str, task, tokenizer, workflow=None)
     return plan.backend_class()(plan, model_path, task, tokenizer, workflow=workflow)
 
 
-def train(cfg: GRPOJobConfig, plan: JobPlan | None = None, inputs: JobInputs | None = None, *,
-          callbacks: list | None = None) -> dict:
-    """Run a whole job of a validated config; returns the summary (also written to the run directory).
-    `plan`: the job's plan if the caller made it already (`make_plan(cfg)`); `inputs`: the job's objects
-    (`JobInputs`: reward functions, datasets, a task given in Python; None = what the config's paths name).
-    `callbacks`: Callback objects (orchestration/callbacks.py), run on this process before those
-    `trainer.callbacks` names."""
+def train(plan: JobPlan, inputs: JobInputs | None = None, *, callbacks: list | None = None) -> dict:
+    """Run a whole job of its plan (`job_plan.make_plan(cfg)`, whose config it runs); returns the summary (also
+    written to the run directory). `inputs`: the job's objects (`JobInputs`: reward functions, datasets, a task
+    given in Python; None = what the config's paths name). `callbacks`: Callback objects
+    (orchestration/callbacks.py), run on this process before those `trainer.callbacks` names."""
     from transformers import AutoTokenizer
 
-    t_start = time.perf_counter()
-    plan = plan or make_plan(cfg)
+    if not isinstance(plan, JobPlan):
+        raise TypeError(f"driver.train takes the job's plan, train(make_plan(cfg)), not a {type(plan).__name__}")
+    t_start, cfg = time.perf_counter(), plan.config
     inputs = inputs if inputs is not None else JobInputs.of(cfg)
     hooks = CallbackList(callbacks, cfg.trainer.callbacks)  # a bad one fails here, before anything starts
     cfg, root = with_resolved_paths(cfg)  # run_dir and resume under the storage root, never a job's temp copy

@@ -50,14 +50,12 @@ def train(config: GRPOJobConfig | None = None, overrides: list[str] | None = Non
         cfg = apply_dict(cfg, parse_overrides(list(overrides)))
     inputs = JobInputs.of(cfg, reward_fn=reward_fn, reward_weights=reward_weights, train_dataset=train_dataset,
                           eval_dataset=eval_dataset, task=task, workflow=workflow, workflow_kwargs=workflow_kwargs)
-    cfg = cfg.validate(inputs=inputs)  # a new config, the presets filled: everything below reads filled values
     from rayllm_rl.orchestration.driver import train as run_driver
+    from rayllm_rl.orchestration.job_plan import make_plan
     from rayllm_rl.orchestration.reporting import hf_progress_bars_off
 
+    plan = make_plan(cfg, inputs)  # the validation: a new config, the presets filled, each decision made once
     # the job's console holds one bar: no "Map"/"Flattening"/download/"Loading weights" bars from the HF
     # libraries in this process (actors start with HF_HUB_DISABLE_PROGRESS_BARS=1); put back after the run
-    from rayllm_rl.orchestration.job_plan import make_plan
-
-    plan = make_plan(cfg)
     with hf_progress_bars_off(), plan.backend_class().session():
-        return run_driver(cfg, plan, inputs, callbacks=callbacks)
+        return run_driver(plan, inputs, callbacks=callbacks)

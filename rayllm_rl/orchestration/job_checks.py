@@ -1,8 +1,9 @@
-"""The cross-field checks of a resolved job config, run by `GRPOJobConfig.validate()` before any actor starts.
+"""The rules of a resolved job config that no plan decision covers, run by `job_plan.make_plan` (and so by
+`GRPOJobConfig.validate()`) before any actor starts.
 
-Each error names the keys and the allowed values. A rule that depends on the backend or the placement
-is decided here, once, so nothing below the plan branches on `trainer.backend` or `ray.placement`.
-One field's own bounds and allowed values are in its type (`rayllm_rl.config.Limit`, `Literal`).
+Each error names the keys and the allowed values. The loss, the GPU layout, the engine's options and the
+weight transport are checked where the plan decides them (`job_plan.make_plan`), not here. One field's own
+bounds and allowed values are in its type (`rayllm_rl.config.Limit`, `Literal`).
 """
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ IN_PROCESS_ENGINE = "transformers"
 
 
 def check_job(cfg: Any, environment: bool = True, inputs: Any = None) -> None:
-    """Every check of a resolved config (`presets.resolve_presets`); `inputs`: the job's objects
-    (`job_inputs.JobInputs`; None = those the config's import paths name). `environment=False` skips the
-    checks of this machine (the vllm package installed), for a dry run that plans other machines."""
+    """The checks of a resolved config (`presets.resolve_presets`) that no plan decision makes; `inputs`: the
+    job's objects (`job_inputs.JobInputs`; None = those the config's import paths name). `environment=False`
+    skips the checks of this machine (the extras installed), for a dry run that plans other machines."""
     from rayllm_rl.orchestration.job_inputs import JobInputs
 
     check_fields(cfg)
@@ -33,7 +34,6 @@ def check_job(cfg: Any, environment: bool = True, inputs: Any = None) -> None:
     if unresolved:
         raise ValueError(f"task={cfg.task!r} has no preset for {unresolved}; set them")
     check_rollout_fields(cfg, inputs)
-    cfg.algo.build_loss(cfg.rollout.max_new_tokens)  # the loss's own checks (e.g. GRPO's clip_eps_low < 1)
     check_placement(cfg)
     check_local_backend(cfg)
     cfg.trackers.check()
@@ -47,14 +47,7 @@ def check_job(cfg: Any, environment: bool = True, inputs: Any = None) -> None:
 
         check_extras(cfg)
         storage_root(cfg.trainer.storage_root)  # $RAYLLM_STORAGE_ROOT, where this machine sets it
-    check_engine(cfg, environment)
     check_lora(cfg)
-    from rayllm_rl.weight_sync.registry import plan_transport
-
-    rc = cfg.ray  # what can be checked before any actor starts (the nodes are known only then)
-    plan_transport(rc.sync_transport, learner_gpus=rc.gpus_per_learner > 0, learner_ranks=rc.num_learners,
-                   replica_gpus=rc.gpus_per_replica > 0, learner_node="", replica_nodes=[""],
-                   colocated=rc.placement == "colocated")
 
 
 def check_rollout_fields(cfg: Any, inputs: Any = None) -> None:
@@ -135,14 +128,12 @@ def check_task(cfg: Any, inputs: Any) -> None:
 
 
 def check_placement(cfg: Any) -> None:
-    """The GPU layout (placement_rules), what colocation needs, node labels and the namespace."""
+    """What colocation needs of the schedule and the labels, node labels and the namespace (the GPU counts are
+    checked where the plan lays them out: `placement_rules.gpu_layout`)."""
     from rayllm_rl.orchestration.placement_rules import NODE_LABEL_KEYS, check_node_labels
-    from rayllm_rl.orchestration.placement_rules import validate as validate_placement
 
     rc = cfg.ray
     colocated = rc.placement == "colocated"
-    validate_placement(rc.num_replicas, rc.num_learners, rc.gpus_per_replica, rc.gpus_per_learner,
-                       rc.tensor_parallel_size, rc.sync_timeout_s, colocated)
     if colocated and cfg.rollout.max_staleness != 0:
         raise ValueError(f"ray.placement=colocated needs rollout.max_staleness=0 (got {cfg.rollout.max_staleness}): "
                          "the replica sleeps while the learner trains, so nothing is generated during a step and "
@@ -165,6 +156,10 @@ def check_local_backend(cfg: Any) -> None:
     if cfg.ray.placement == "colocated":
         raise ValueError("ray.placement=colocated is a placement of the Ray backend's actors: set trainer.backend=ray "
                          "(got local; the local backend runs everything in one process already)")
+    if cfg.ray.sync_transport != "auto":
+        raise ValueError(f"ray.sync_transport={cfg.ray.sync_transport} is the Ray backend's weight transport: the "
+                         "local backend hands the weights to its engine in this process; set trainer.backend=ray, "
+                         "or leave ray.sync_transport=auto")
     m, j = cfg.reward.model, cfg.reward.judge
     engines = {"inference.engine": cfg.inference.engine, **({"reward.judge.engine": j.engine} if j.path else {})}
     for key, engine in engines.items():
@@ -182,19 +177,6 @@ def check_local_backend(cfg: Any) -> None:
         if value != allowed:
             raise ValueError(f"{key}={value} needs trainer.backend=ray: the local backend runs one in-process "
                              f"scorer on the CPU ({key.rsplit('.', 1)[-1]}={allowed})")
-
-
-def check_engine(cfg: Any, environment: bool) -> None:
-    """The engine's options (an unknown one fails) and what the engine refuses of the job (`check_job`)."""
-    from rayllm_rl.inference.registry import EngineJob, job_side, engine_options, placed_options
-
-    rc, colocated = cfg.ray, cfg.ray.placement == "colocated"
-    options = engine_options(cfg.inference.engine,
-                             placed_options(cfg.inference.engine, cfg.inference.options, colocated=colocated))
-    job_side(cfg.inference.engine).check_job(EngineJob(
-        gpus_per_replica=rc.gpus_per_replica, tensor_parallel_size=rc.tensor_parallel_size, dtype=cfg.model.dtype,
-        environment=environment, options=options,
-        colocated=colocated, lora_rank=cfg.model.lora.rank))
 
 
 def check_lora(cfg: Any) -> None:

@@ -3,7 +3,7 @@
 The sections and their fields, each with its docstring, its bounds (`Limit`) and allowed values in its
 type. Fields whose right value depends on the task default to None, "the task's preset", and
 `model.dtype` to "auto": `validate()` returns a new config with them filled (`presets.resolve_presets`)
-and checked (`job_checks.check_job`), so nothing below the plan sees None or "auto", and the config the
+and checked (`job_plan.make_plan`), so nothing below the plan sees None or "auto", and the config the
 user holds keeps what the user wrote. `algo.*` is one options class per loss (`algo_config`).
 """
 from __future__ import annotations
@@ -386,18 +386,14 @@ class GRPOJobConfig:
     """Checkpoint directory to resume from (same step, version and data order)."""
 
     def validate(self, *, environment: bool = True, inputs: Any = None) -> "GRPOJobConfig":
-        """A new config, the task and presets resolved (`presets.resolve_presets`) and every cross-field check
-        passed (`job_checks.check_job`), before any actor starts; `self` is left as it was. `inputs`: the
-        job's objects (`job_inputs.JobInputs`; None = those the config's import paths name, imported here, so
-        a path that does not import fails now). `environment=False` skips the checks of this machine (the
-        vllm package installed), for a dry run that plans a job for other machines."""
-        from rayllm_rl.orchestration.job_checks import check_job
-        from rayllm_rl.orchestration.job_inputs import JobInputs
+        """A new config, the task and presets resolved and every check passed: the config of this job's plan
+        (`job_plan.make_plan`, which makes and checks each decision once), before any actor starts; `self` is
+        left as it was. `inputs`: the job's objects (`job_inputs.JobInputs`; None = those the config's import
+        paths name, imported here, so a path that does not import fails now). `environment=False` skips the
+        checks of this machine (the vllm package installed), for a dry run that plans a job for other machines."""
+        from rayllm_rl.orchestration.job_plan import make_plan
 
-        inputs = inputs if inputs is not None else JobInputs.of(self)
-        resolved = resolve_presets(self, inputs)
-        check_job(resolved, environment, inputs)
-        return resolved
+        return make_plan(self, inputs, environment=environment).config
 
 
 __all__ = ["ALGOS", "AlgoBase", "AlgoConfig", "GRPOAlgo", "GRPOJobConfig", "LORA_LR_PRESETS", "TASK_PRESETS",

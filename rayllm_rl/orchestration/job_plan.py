@@ -1,9 +1,11 @@
-"""The job's plan: every choice of a job made once, from its validated config, and handed down.
+"""The job's plan: every choice of a job made once, from its config, and handed down.
 
-`make_plan(cfg)` decides the backend, the engine and its options (placed), the GPU layout and bundles,
-whether a reference model is needed (and the loss that says so), every actor (name, role, GPUs, torch
-threads, bundle, restarts), the replay buffer's capacity and its batch pipeline, and the weight transport. The dry run prints
-it (`orchestration/plan.py`); both backends build from it; nothing below it decides these again.
+`make_plan(cfg)` is the job's validation: it fills the presets, checks the rules no decision covers
+(`job_checks`), then decides the backend, the loss, the GPU layout and bundles, the engine and its options
+(placed, checked), whether a reference model is needed, every actor (name, role, GPUs, torch threads,
+bundle, restarts), the replay buffer's capacity and its batch pipeline, and the weight transport, each
+once, raising ValueError naming the key. The dry run prints it (`orchestration/plan.py`); both backends
+build from it; the driver takes it alone; nothing below it decides these again.
 Ray-free: a plan can be made for machines this one is not.
 """
 from __future__ import annotations
@@ -66,7 +68,7 @@ class JobPlan:
     """What a job runs, decided once (`make_plan`)."""
 
     config: GRPOJobConfig
-    """The validated config the plan was made from (presets filled)."""
+    """The config the plan was made from, presets filled and checked: what every role reads."""
     backend: str
     engine: str
     engine_options: dict[str, Any]
@@ -95,6 +97,11 @@ class JobPlan:
     @property
     def colocated(self) -> bool:
         return self.layout.colocated
+
+    @property
+    def in_process(self) -> bool:
+        """Every role runs in this process on the CPU (`trainer.backend=local`): no actors, no transport."""
+        return _in_process(self.config)
 
     def backend_class(self) -> type:
         module, name = BACKENDS[self.backend].split(":")
@@ -131,6 +138,22 @@ class JobPlan:
         cfg = self.config
         return ReferenceSpec(model_path, cfg.rollout.temperature, cfg.model.dtype,
                              cfg.optim.max_tokens_per_micro_batch, cfg.optim.logprob_chunk_size)
+
+    def reward_model_spec(self):
+        """The reward model of `reward.model` (`rewards.reward_model.RewardModelSpec`), the same for every actor."""
+        from rayllm_rl.rewards.reward_model import RewardModelSpec
+
+        m = self.config.reward.model
+        return RewardModelSpec(m.path, m.batch_size, m.batch_wait_s, m.max_length, m.activation, m.dtype)
+
+    def judge_spec(self, replica: int = 0):
+        """Judge replica `replica`'s engine (`inference.registry.EngineSpec`), placed as the policy's engines are
+        (`_placed_options`: in this process on the CPU for the local backend); its seed is the job's + `replica`."""
+        from rayllm_rl.inference.registry import EngineSpec
+
+        j, cfg = self.config.reward.judge, self.config
+        return EngineSpec(j.engine, j.path, seed=cfg.trainer.seed + replica, dtype=j.dtype,
+                          options=_placed_options(j.engine, j.options, colocated=False, in_process=self.in_process))
 
     def buffer_spec(self):
         """The replay buffer (`rollout.replay_buffer.BufferSpec`)."""
@@ -195,33 +218,66 @@ def _resolve_transport(setting: str, layout: GpuLayout, learner_node: str, repli
 
 
 def _transport(cfg: GRPOJobConfig, layout: GpuLayout) -> TransportChoice:
+    """`ray.sync_transport` for the layout: refused here when it cannot run even with every actor on one node
+    (what can be known before the actors run); across nodes the refusal is shown, and raised at the start
+    only if the actors do land on several nodes (`JobPlan.pick_transport`)."""
     from rayllm_rl.weight_sync.registry import TRANSPORTS
 
     rc = cfg.ray
-
-    def pick(nodes: set[str]) -> str:
-        try:
-            return _resolve_transport(rc.sync_transport, layout, "node-a", nodes)
-        except ValueError as exc:
-            return f"refused: {exc}"
-
-    same, across = pick({"node-a"}), pick({"node-a", "node-b"})
-    chosen = same if same in TRANSPORTS else None
+    same = _resolve_transport(rc.sync_transport, layout, "node-a", {"node-a"})
+    try:
+        across = _resolve_transport(rc.sync_transport, layout, "node-a", {"node-a", "node-b"})
+    except ValueError as exc:
+        across = f"refused: {exc}"
     return TransportChoice(rc.sync_transport, same, across,
-                           rc.sync_bucket_mb or (TRANSPORTS[chosen].default_bucket_mb if chosen else None))
+                           rc.sync_bucket_mb or (TRANSPORTS[same].default_bucket_mb if same in TRANSPORTS else None))
 
 
-def make_plan(cfg: GRPOJobConfig) -> JobPlan:
-    """The plan of a validated config (`cfg.validate()`: presets filled, cross-field checks passed)."""
+def _in_process(cfg: GRPOJobConfig) -> bool:
+    """Whether every role runs in this process, on the CPU: the one place `trainer.backend=local` is read."""
+    return cfg.trainer.backend == "local"
+
+
+def _placed_options(engine: str, options, *, colocated: bool, in_process: bool) -> dict[str, Any]:
+    """An engine's options over its defaults for the placement (`inference.registry.placed_options`), on the
+    CPU when it runs in this process (`job_checks.check_local_backend` refused any other device there)."""
     from rayllm_rl.inference.registry import placed_options
 
-    if any(v is None for v in (cfg.rollout.max_new_tokens, cfg.data.eval_size)) or cfg.model.dtype == "auto":
-        raise ValueError("make_plan needs a validated config (cfg.validate() fills the task presets and dtype)")
-    rc, inf = cfg.ray, cfg.inference
-    loss = cfg.algo.build_loss(cfg.rollout.max_new_tokens)
+    placed = placed_options(engine, options, colocated=colocated)
+    return {**placed, "device": "cpu"} if in_process else placed
+
+
+def _engine_options(cfg: GRPOJobConfig, layout: GpuLayout, environment: bool) -> dict[str, Any]:
+    """`inference.options` placed (`_placed_options`), each checked (an unknown key fails, naming itself), and the
+    job checked against what the engine can serve (its `check_job`): what every replica is built with."""
+    from rayllm_rl.inference.registry import EngineJob, engine_options, job_side
+
+    rc, engine = cfg.ray, cfg.inference.engine
+    options = _placed_options(engine, cfg.inference.options, colocated=layout.colocated, in_process=_in_process(cfg))
+    job_side(engine).check_job(EngineJob(
+        gpus_per_replica=rc.gpus_per_replica, tensor_parallel_size=rc.tensor_parallel_size, dtype=cfg.model.dtype,
+        environment=environment, options=engine_options(engine, options), colocated=layout.colocated,
+        lora_rank=cfg.model.lora.rank))
+    return options
+
+
+def make_plan(cfg: GRPOJobConfig, inputs: Any = None, *, environment: bool = True) -> JobPlan:
+    """The plan of a job config, resolved or not (`presets.resolve_presets` fills it; `cfg` is left as it
+    was), every decision made once here, raising ValueError naming the key. `inputs`: the job's objects
+    (`job_inputs.JobInputs`; None = those the config's import paths name, imported here). `environment=False`
+    skips the checks of this machine (the engine's package installed), for a dry run that plans other machines."""
+    from rayllm_rl.orchestration.job_checks import check_job
+    from rayllm_rl.orchestration.job_inputs import JobInputs
+    from rayllm_rl.orchestration.presets import resolve_presets
+
+    inputs = inputs if inputs is not None else JobInputs.of(cfg)
+    cfg = resolve_presets(cfg, inputs)
+    check_job(cfg, environment, inputs)  # the rules no decision below covers
+    rc = cfg.ray
+    loss = cfg.algo.build_loss(cfg.rollout.max_new_tokens)  # and its own checks (e.g. GRPO's clip_eps_low < 1)
     reference = _needs_reference(cfg, loss)
     capacity = cfg.rollout.buffer_episodes or 2 * (cfg.rollout.max_staleness + 1) * cfg.rollout.prompts_per_step
-    if cfg.trainer.backend == "local":  # every role in this process, on CPU: no actors, no transport
+    if _in_process(cfg):  # every role in this process, on CPU: no actors, no transport
         layout = GpuLayout(1, 1, 0.0, 0.0, False, reference)
         actors: tuple[ActorPlan, ...] = ()
         transport = TransportChoice("in-process", "in-process", "in-process")
@@ -230,13 +286,11 @@ def make_plan(cfg: GRPOJobConfig) -> JobPlan:
                             rc.tensor_parallel_size, rc.sync_timeout_s, colocated=rc.placement == "colocated",
                             reference=reference)
         actors, transport = _actors(cfg, layout, reference), _transport(cfg, layout)
-    options = placed_options(inf.engine, inf.options, colocated=layout.colocated)
-    if cfg.trainer.backend == "local":  # the engine runs in this process, on the CPU (job_checks refuses cuda)
-        options = {**options, "device": "cpu"}
-    return JobPlan(config=cfg, backend=cfg.trainer.backend, engine=inf.engine, engine_options=options,
+    return JobPlan(config=cfg, backend=cfg.trainer.backend, engine=cfg.inference.engine,
+                   engine_options=_engine_options(cfg, layout, environment),
                    replicas=layout.num_replicas, learner_ranks=layout.num_learners, layout=layout, loss=loss,
                    needs_reference=reference, actors=actors, buffer_capacity=capacity,
                    batch_pipeline=make_batch_pipeline(cfg, reference), transport=transport,
                    sampling_mask=SamplingMask(cfg.rollout.top_k, cfg.rollout.top_p) if cfg.rollout.replay_sampling_mask
                    else SamplingMask(),
-                   learner_threads=cfg.trainer.num_threads if cfg.trainer.backend == "local" else rc.threads_per_actor)
+                   learner_threads=cfg.trainer.num_threads if _in_process(cfg) else rc.threads_per_actor)

@@ -1,6 +1,6 @@
 """The dry-run description of a job's plan: what `jobs/grpo.py ... --dry-run` prints, computed without starting anything.
 
-`describe_plan(make_plan(cfg))` (or `job_plan(cfg)`) returns a JSON-able dict: the plan's decisions
+`describe_plan(make_plan(cfg))` (or `describe_job(cfg)`) returns a JSON-able dict: the plan's decisions
 (`plan_decisions`: the engine, every actor with its Ray CPU/GPU request, torch threads, bundle and
 restarts, the placement group, the weight transport, all from `job_plan.JobPlan`), the data sources (a
 local path must exist; a hub dataset's config and split are looked up in the local datasets cache, rows
@@ -386,6 +386,7 @@ def results_plan(cfg: GRPOJobConfig) -> dict[str, Any]:
             "resume": resolved.resume or None}
 
 
-def job_plan(cfg: GRPOJobConfig) -> dict[str, Any]:
-    """The dry-run description of a validated config: `describe_plan(make_plan(cfg))`."""
-    return describe_plan(make_plan(cfg))
+def describe_job(cfg: GRPOJobConfig, inputs: Any = None, *, environment: bool = False) -> dict[str, Any]:
+    """The dry-run description of a job config, resolved or not: `describe_plan(make_plan(cfg, ...))`, by default
+    for other machines (`environment=False`: this one need not have their packages)."""
+    return describe_plan(make_plan(cfg, inputs, environment=environment))

@@ -128,14 +128,14 @@ def format_plan(plan: dict) -> str:
     return "\n".join(out)
 
 
-def dry_run(cfg, as_json: bool) -> dict:
-    """Print the plan of a validated config (text, or one JSON object); start nothing."""
-    from rayllm_rl.orchestration.plan import job_plan
+def dry_run(plan, as_json: bool) -> dict:
+    """Print a job plan's description (`plan.describe_plan`: text, or one JSON object) and return it; start nothing."""
+    from rayllm_rl.orchestration.plan import describe_plan
 
-    plan = job_plan(cfg)
-    sys.stdout.write((json.dumps(plan) if as_json else format_plan(plan)) + "\n")
+    described = describe_plan(plan)
+    sys.stdout.write((json.dumps(described) if as_json else format_plan(described)) + "\n")
     sys.stdout.flush()
-    return plan
+    return described
 
 
 def _truncation_text(rollout: dict) -> str:

@@ -190,16 +190,6 @@ def judge_engine_options(judge: JudgeConfig):
         raise ValueError(f"{exc} (the options of reward.judge.engine={judge.engine})") from None
 
 
-def judge_engine_spec(judge: JudgeConfig, seed: int, in_process: bool):
-    """Judge replica's engine (`inference.registry.EngineSpec`), for both backends: in this process (the local
-    backend) on the CPU; in a `judge-<i>` actor with the engine's placement defaults."""
-    from rayllm_rl.inference.registry import EngineSpec, placed_options
-
-    options = ({**dict(judge.options), "device": "cpu"} if in_process
-               else placed_options(judge.engine, judge.options, colocated=False))
-    return EngineSpec(judge.engine, judge.path, seed=seed, dtype=judge.dtype, options=options)
-
-
 def _judge_keys(message: str) -> str:
     """An engine's `check_job` message about the policy's replicas, in the keys of the judge's."""
     for policy_key, judge_key in (("ray.gpus_per_replica", "reward.judge.gpus_per_replica"),

@@ -45,6 +45,27 @@ class ScorerStats:
     """Most sequences in one forward."""
 
 
+@dataclasses.dataclass(frozen=True)
+class RewardModelSpec:
+    """What a reward model's scorer is built from, the same in both backends: the job plan makes it
+    (`JobPlan.reward_model_spec`), a `reward-model-<i>` actor or the local backend calls `build()`."""
+
+    path: str
+    """A local directory or a hub id (resolved on the node that builds)."""
+    batch_size: int = 32
+    batch_wait_s: float = 0.005
+    max_length: int = 0
+    activation: str = "identity"
+    dtype: str = "float32"
+
+    def build(self, device: str = "cpu") -> "RewardModelScorer":
+        from rayllm_rl.hub import resolve_model_path
+
+        return RewardModelScorer(resolve_model_path(self.path), batch_size=self.batch_size,
+                                 batch_wait_s=self.batch_wait_s, max_length=self.max_length,
+                                 activation=self.activation, device=device, dtype=getattr(torch, self.dtype))
+
+
 _STOP = object()
 
 

@@ -53,7 +53,7 @@ class LocalBackend:
             self.engine = plan.engine_spec(model_path).build()  # the plan placed it on the CPU
             self.learner = plan.learner_spec(model_path).build()
             self.loss = plan.loss
-            self.reward_scorers = local_reward_scorers(cfg)  # {} unless reward.model / reward.judge is on
+            self.reward_scorers = local_reward_scorers(plan)  # {} unless reward.model / reward.judge is on
             self.workflow = build_workflow(cfg, task, tokenizer, make_tools=local_python_tools,
                                            reward_scorers=self.reward_scorers, custom=workflow)
             self.episode_filter = build_episode_filter(cfg)

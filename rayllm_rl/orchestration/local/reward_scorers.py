@@ -12,7 +12,6 @@ from typing import Any
 
 from rayllm_rl.hub import resolve_model_path
 from rayllm_rl.loop_thread import EventLoopThread
-from rayllm_rl.orchestration.job_config import GRPOJobConfig
 
 
 class LoopThreadEngine:
@@ -30,27 +29,19 @@ class LoopThreadEngine:
         self.loop.close(self.engine.aclose())
 
 
-def local_reward_scorers(cfg: GRPOJobConfig) -> dict[str, Any]:
-    """{"model": RewardModelScorer, "judge": Judge} for the parts `cfg.reward` turns on; each has `close()`."""
-    import torch
-
-    r = cfg.reward
+def local_reward_scorers(plan: Any) -> dict[str, Any]:
+    """{"model": RewardModelScorer, "judge": Judge} for the parts the job's `reward.*` turns on, built from the
+    plan's specs (`JobPlan.reward_model_spec`, `judge_spec`: in this process, on the CPU); each has `close()`."""
+    r = plan.config.reward
     scorers: dict[str, Any] = {}
     if r.model.path:
-        from rayllm_rl.rewards.reward_model import RewardModelScorer
-
-        m = r.model
-        scorers["model"] = RewardModelScorer(resolve_model_path(m.path), batch_size=m.batch_size,
-                                             batch_wait_s=m.batch_wait_s, max_length=m.max_length,
-                                             activation=m.activation, device="cpu", dtype=getattr(torch, m.dtype))
+        scorers["model"] = plan.reward_model_spec().build("cpu")
     if r.judge.path:
         from transformers import AutoTokenizer
 
-        from rayllm_rl.rewards.config import judge_engine_spec
         from rayllm_rl.rewards.judge import Judge
 
-        j = r.judge
-        engine = judge_engine_spec(j, cfg.trainer.seed, in_process=True).build()
-        scorers["judge"] = Judge.from_config(j, LoopThreadEngine(engine, "rayllm-local-judge"),
-                                             AutoTokenizer.from_pretrained(resolve_model_path(j.path)))
+        engine = plan.judge_spec().build()
+        scorers["judge"] = Judge.from_config(r.judge, LoopThreadEngine(engine, "rayllm-local-judge"),
+                                             AutoTokenizer.from_pretrained(resolve_model_path(r.judge.path)))
     return scorers

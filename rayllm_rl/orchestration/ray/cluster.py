@@ -279,7 +279,7 @@ def start_roles(cluster: Cluster, plan: JobPlan, model_path: str, task, workflow
     cfg = plan.config
     rc, call_timeout_s = cfg.ray, cfg.trainer.call_timeout_s
     placement = cluster.placement
-    start_reward_actors(cfg, into=cluster.services)  # env workers look them up by name when they start
+    start_reward_actors(plan, into=cluster.services)  # env workers look them up by name when they start
     ns = rc.namespace  # every named actor lives here: `ray.get_actor("env-0", namespace=...)` from any driver
     replica_names = [REPLICA.format(i) for i in range(plan.replicas)]
     # A replica Ray restarts refuses requests until the driver re-forms the sync group and sends it the

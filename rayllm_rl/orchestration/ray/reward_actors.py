@@ -24,10 +24,10 @@ import torch
 
 from rayllm_rl.hub import resolve_model_path
 from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.orchestration.job_plan import JobPlan
 from rayllm_rl.orchestration.ray.actors import InferenceReplica, ray_actor, ActorProcess
 from rayllm_rl.orchestration.ray.groups import wait_names_free
-from rayllm_rl.rewards.config import judge_engine_spec
-from rayllm_rl.rewards.reward_model import rm_sample
+from rayllm_rl.rewards.reward_model import RewardModelSpec, rm_sample
 
 log = logging.getLogger(__name__)
 
@@ -36,16 +36,12 @@ log = logging.getLogger(__name__)
 class RewardModelActor(ActorProcess):
     """`reward-model-<i>`: a sequence-classification reward model scoring batches of completions."""
 
-    def __init__(self, path: str, batch_size: int, batch_wait_s: float, max_length: int, activation: str,
-                 dtype: str, timeout_s: float, num_threads: int = 1):
-        from rayllm_rl.rewards.reward_model import RewardModelScorer
-
+    def __init__(self, spec: RewardModelSpec, timeout_s: float, num_threads: int = 1):
+        """`spec`: the plan's (`JobPlan.reward_model_spec`), built on the GPU Ray gave this actor, if any."""
         torch.set_num_threads(num_threads)
         on_gpu = bool(ray.get_gpu_ids()) and torch.cuda.is_available()  # Ray's logical GPUs on CPU: the CPU
         self.timeout_s = timeout_s
-        self.scorer = RewardModelScorer(resolve_model_path(path), batch_size=batch_size, batch_wait_s=batch_wait_s,
-                                        max_length=max_length, activation=activation,
-                                        device="cuda" if on_gpu else "cpu", dtype=getattr(torch, dtype))
+        self.scorer = spec.build("cuda" if on_gpu else "cpu")
 
     async def score(self, samples: list[dict]) -> list[float]:
         """Scores of `samples` (`rm_sample` dicts), batched with the other calls in flight."""
@@ -65,17 +61,17 @@ class RewardModelActor(ActorProcess):
         self.scorer.close()
 
 
-def start_reward_actors(cfg: GRPOJobConfig, timeout_s: float | None = None,
+def start_reward_actors(plan: JobPlan, timeout_s: float | None = None,
                         into: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Create the reward-model and judge actors `cfg.reward` asks for and wait until each has its model
+    """Create the reward-model and judge actors the job's `reward.*` asks for, from the plan's specs, and wait until each has its model
     (at most `timeout_s`, default `trainer.call_timeout_s`, for all); {} when both are off. A timeout (e.g.
     GPUs the cluster does not have) or a failed start kills them, frees their names and raises, naming the
     key. `into`: a dict each actor is recorded in as soon as it exists (returned)."""
-    rc = cfg.ray
+    rc = plan.config.ray
     common = {"namespace": rc.namespace, "max_restarts": rc.replica_restarts, "num_cpus": 0}
     actors: dict[str, Any] = {} if into is None else into
     try:
-        _create(cfg, actors, common, timeout_s)
+        _create(plan, actors, common, timeout_s)
     except BaseException:
         for handle in actors.values():
             ray.kill(handle, no_restart=True)
@@ -88,25 +84,24 @@ def start_reward_actors(cfg: GRPOJobConfig, timeout_s: float | None = None,
     return actors
 
 
-def _create(cfg: GRPOJobConfig, actors: dict[str, Any], common: dict[str, Any], timeout_s: float | None) -> None:
+def _create(plan: JobPlan, actors: dict[str, Any], common: dict[str, Any], timeout_s: float | None) -> None:
+    cfg = plan.config
     r, rc = cfg.reward, cfg.ray
     waits: dict[str, tuple] = {}
     if r.model.path:
         m = r.model
-        args = (m.path, m.batch_size, m.batch_wait_s, m.max_length, m.activation, m.dtype, m.timeout_s,
-                rc.threads_per_actor)
         for i in range(m.num_actors):
             name = f"reward-model-{i}"
             actors[name] = RewardModelActor.options(name=name, num_gpus=m.gpus_per_actor, max_concurrency=1000,
-                                                    **common).remote(*args)
+                                                    **common).remote(plan.reward_model_spec(), m.timeout_s,
+                                                                     rc.threads_per_actor)
             waits[name] = (actors[name].pid.remote(), "reward.model", m.path, f"gpus_per_actor={m.gpus_per_actor:g}")
     if r.judge.path:
         j = r.judge
         for i in range(j.num_replicas):
             name = f"judge-{i}"
-            spec = judge_engine_spec(j, cfg.trainer.seed + i, in_process=False)
             actors[name] = InferenceReplica.options(name=name, num_gpus=j.gpus_per_replica, **common).remote(
-                spec, rc.threads_per_actor, frozen=True)
+                plan.judge_spec(i), rc.threads_per_actor, frozen=True)
             waits[name] = (actors[name].ready.remote(), "reward.judge", j.path, f"gpus_per_replica={j.gpus_per_replica:g}")
     _wait_started(waits, cfg.trainer.call_timeout_s if timeout_s is None else timeout_s)
 
