@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def run(eta: int, args, run_root: str) -> dict:
     from rayllm_rl.config import load_config
     from rayllm_rl.orchestration.driver import train
-    from rayllm_rl.orchestration.job_config import GRPOJobConfig
-    from rayllm_rl.orchestration.job_plan import make_plan
+    from rayllm_rl.job.config import GRPOJobConfig
+    from rayllm_rl.job.plan import make_plan
 
     cfg = load_config(GRPOJobConfig, [
         "sft.steps=0", f"trainer.steps={args.steps}", "trainer.eval_every=0", "trainer.log_every=1000",

@@ -44,7 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def config(mode: str, args, run_root: str):
     from rayllm_rl.config import load_config
-    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+    from rayllm_rl.job.config import GRPOJobConfig
 
     kind, eta = mode.split("_eta")
     backend = [f"trainer.backend={kind}", f"rollout.max_staleness={eta}"]

@@ -665,8 +665,8 @@ class GPUCheck:
         """The demo task through the real driver, bounded by --demo-timeout-s (run on a thread)."""
         from rayllm_rl.config import load_config
         from rayllm_rl.orchestration.driver import train
-        from rayllm_rl.orchestration.job_config import GRPOJobConfig
-        from rayllm_rl.orchestration.job_plan import make_plan
+        from rayllm_rl.job.config import GRPOJobConfig
+        from rayllm_rl.job.plan import make_plan
 
         a = self.args
         if importlib.util.find_spec("datasets") is None:

@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "ray_channel_probe.json"))
     a = p.parse_args(argv)
     temp = tempfile.mkdtemp(prefix="rayllm-chprobe-")
-    from rayllm_rl.orchestration.ray.cluster import LOCAL_SYSTEM_CONFIG
+    from rayllm_rl.orchestration.ray.session import LOCAL_SYSTEM_CONFIG
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, _temp_dir=temp, log_to_driver=False,
              _system_config=dict(LOCAL_SYSTEM_CONFIG))

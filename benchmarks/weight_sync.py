@@ -54,7 +54,8 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 from ray.experimental.collective import create_collective_group, destroy_collective_group  # noqa: E402
 
-from rayllm_rl.orchestration.ray.cluster import LOCAL_SYSTEM_CONFIG, handoff_arg  # noqa: E402
+from rayllm_rl.orchestration.ray.cluster import handoff_arg  # noqa: E402
+from rayllm_rl.orchestration.ray.session import LOCAL_SYSTEM_CONFIG  # noqa: E402
 from rayllm_rl.weight_sync.registry import TRANSPORTS, make_spec, transport_info  # noqa: E402
 
 TARGETS = {"object_store_vs_shm_generating": 0.9, "object_store_idle_vs_memcpy": 0.5, "stall_fraction_of_sync": 0.05}

@@ -15,9 +15,9 @@ __version__ = "0.2.0"
 
 _LAZY = {
     "train": ("rayllm_rl.orchestration.entry", "train"),
-    "GRPOJobConfig": ("rayllm_rl.orchestration.job_config", "GRPOJobConfig"),
+    "GRPOJobConfig": ("rayllm_rl.job.config", "GRPOJobConfig"),
     "GRPOTrainer": ("rayllm_rl.orchestration.trainer", "GRPOTrainer"),
-    "JobInputs": ("rayllm_rl.orchestration.job_inputs", "JobInputs"),
+    "JobInputs": ("rayllm_rl.job.inputs", "JobInputs"),
     "Task": ("rayllm_rl.envs.task", "Task"),
     "load_config": ("rayllm_rl.config", "load_config"),
 }

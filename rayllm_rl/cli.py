@@ -46,10 +46,10 @@ def job_main(argv: list[str]) -> dict:
     """The job's command line (`rayllm-rl train`, `jobs/grpo.py`): validate, then train or print the plan.
     Returns the summary (or the plan); a bad flag or config exits naming it."""
     from rayllm_rl.config import describe, load_config
-    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+    from rayllm_rl.job.config import GRPOJobConfig
 
     if any(a in ("-h", "--help") for a in argv):
-        from rayllm_rl.orchestration.plan_text import describe_presets
+        from rayllm_rl.job.plan_text import describe_presets
 
         print(JOB_HELP, describe(GRPOJobConfig()), describe_presets(), sep="\n")
         sys.exit(0)
@@ -60,8 +60,8 @@ def job_main(argv: list[str]) -> dict:
         raise SystemExit("--json goes with --dry-run (the job itself always ends with a JSON summary line)")
     cfg = load_config(GRPOJobConfig, [a for a in argv if a not in flags])
     if "--dry-run" in flags:  # a plan for the job's machines: this one need not have their packages
-        from rayllm_rl.orchestration.job_plan import make_plan
-        from rayllm_rl.orchestration.plan_text import dry_run
+        from rayllm_rl.job.plan import make_plan
+        from rayllm_rl.job.plan_text import dry_run
 
         return dry_run(make_plan(cfg, environment=False), as_json="--json" in flags)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)

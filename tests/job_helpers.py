@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from rayllm_rl.orchestration import driver
-from rayllm_rl.orchestration.job_plan import make_plan
+from rayllm_rl.job.plan import make_plan
 
 
 def run_job(cfg, inputs=None, **kwargs) -> dict:

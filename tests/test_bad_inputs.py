@@ -31,7 +31,7 @@ def build_task_for(task: str, path: Path, **data):
     """`build_task` as the driver calls it before any actor starts."""
     from rayllm_rl.config import load_config
     from rayllm_rl.orchestration.factories import build_task
-    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+    from rayllm_rl.job.config import GRPOJobConfig
 
     overrides = [f"task={task}", f"data.path={path}", "data.eval_size=1"] + [f"data.{k}={v}" for k, v in data.items()]
     return build_task(load_config(GRPOJobConfig, overrides))

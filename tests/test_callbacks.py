@@ -15,7 +15,7 @@ from rayllm_rl.config import load_config
 from job_helpers import run_job
 from rayllm_rl.orchestration import entry
 from rayllm_rl.orchestration.callbacks import Callback
-from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.job.config import GRPOJobConfig
 from rayllm_rl.orchestration.reporting import SUMMARY_KEYS
 
 SMALL_JOB = ["sft.steps=3", "data.eval_size=16", "data.max_operand=9", "rollout.prompts_per_step=4",

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from rayllm_rl.config import load_config
-from rayllm_rl.orchestration.job_plan import make_plan
-from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.job.plan import make_plan
+from rayllm_rl.job.config import GRPOJobConfig
 from budgets import VLLM_START_S
 from ray_sessions import JOB_ENV, local_ray_session
 
@@ -119,7 +119,7 @@ def test_colocated_turns_sleep_train_hand_over_wake_and_nothing_generates_while_
 
 @pytest.mark.parametrize("placement, learner, bundle", [("separate", 0.9, 1), ("colocated", 0.4, 0)])
 def test_the_plan_puts_the_reference_on_learner_0s_gpu_in_the_learners_dtype(placement, learner, bundle):
-    from rayllm_rl.orchestration.plan import placement_plan
+    from rayllm_rl.job.describe import placement_plan
 
     staleness = "rollout.max_staleness=0" if placement == "colocated" else "rollout.max_staleness=1"
     cfg = _cfg(f"ray.placement={placement}", staleness, "ray.gpus_per_replica=1", "ray.gpus_per_learner=1",

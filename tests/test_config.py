@@ -333,7 +333,7 @@ def test_str_field_keeps_the_text_as_typed():
 
 def test_grpo_job_config_overrides_and_build_loss():
     from rayllm_rl.objectives import GRPOLoss
-    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+    from rayllm_rl.job.config import GRPOJobConfig
 
     cfg = load_config(GRPOJobConfig, ["algo.clip_eps_high=0.28", "rollout.group_size=4", "algo.advantage.std=false"])
     assert cfg.algo.clip_eps_high == 0.28
@@ -357,7 +357,7 @@ def test_grpo_job_config_overrides_and_build_loss():
 
 def test_grpo_job_config_build_sft_loss():
     from rayllm_rl.objectives import SFTLoss
-    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+    from rayllm_rl.job.config import GRPOJobConfig
 
     loss = load_config(GRPOJobConfig, ["algo.name=sft", "algo.aggregation=seq-mean"]).algo.build_loss()
     assert type(loss) is SFTLoss
@@ -365,7 +365,7 @@ def test_grpo_job_config_build_sft_loss():
 
 
 def test_grpo_job_config_unknown_loss_name():
-    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+    from rayllm_rl.job.config import GRPOJobConfig
 
     with pytest.raises(ValueError, match=r"'algo.name': 'nope' is not one of \('grpo', 'dapo'"):
         load_config(GRPOJobConfig, ["algo.name=nope"])  # at parse time, before anything is built
@@ -377,7 +377,7 @@ def test_grpo_job_config_unknown_loss_name():
 
 def test_grpo_job_config_invalid_advantage_mode_fails_at_load():
     from rayllm_rl.objectives.advantages import AdvantageConfig
-    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+    from rayllm_rl.job.config import GRPOJobConfig
 
     with pytest.raises(ValueError, match=r"'algo.advantage.mode': 'bogus' is not one of \('group', 'global', 'none'\)"):
         load_config(GRPOJobConfig, ["algo.advantage.mode=bogus"])
@@ -386,7 +386,7 @@ def test_grpo_job_config_invalid_advantage_mode_fails_at_load():
 
 
 def test_grpo_job_config_unknown_key_lists_section_keys():
-    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+    from rayllm_rl.job.config import GRPOJobConfig
 
     with pytest.raises(ConfigError, match=r"unknown config key 'rollout\.groupsize'.*'group_size'"):
         load_config(GRPOJobConfig, ["rollout.groupsize=4"])
@@ -405,7 +405,7 @@ def _walk(cls, prefix=""):
 
 def test_every_grpo_job_config_field_has_a_docstring():
     """Project rule: a docstring per config field (what `--help` prints)."""
-    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+    from rayllm_rl.job.config import GRPOJobConfig
 
     entries = list(_walk(GRPOJobConfig))
     keys = {k for k, _, _ in entries}
@@ -420,7 +420,7 @@ def test_every_grpo_job_config_field_has_a_docstring():
 
 # ---------------------------------------------------------------- job config: engine and placement checks
 def _job(*argv):
-    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+    from rayllm_rl.job.config import GRPOJobConfig
 
     return load_config(GRPOJobConfig, list(argv))
 

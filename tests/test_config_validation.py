@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from rayllm_rl.config import ConfigError, load_config
-from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.job.config import GRPOJobConfig
 
 
 def cfg_of(*overrides: str) -> GRPOJobConfig:
@@ -92,7 +92,7 @@ def test_a_loss_field_the_chosen_loss_never_reads_is_an_error():
 
 def test_algo_names_are_the_registered_losses_and_enums_are_checked():
     from rayllm_rl.objectives import LOSSES
-    from rayllm_rl.orchestration.job_config import ALGOS
+    from rayllm_rl.job.config import ALGOS
 
     assert list(ALGOS) == ["grpo", "dapo", "dr_grpo", "cispo", "ppo_decoupled", "grpo_tis", "sft"]
     assert set(ALGOS) == set(LOSSES)
@@ -111,7 +111,7 @@ def test_each_loss_options_class_holds_exactly_its_loss_arguments_with_the_loss_
     import inspect
 
     from rayllm_rl.objectives import LOSSES
-    from rayllm_rl.orchestration.job_config import ALGOS, AlgoBase
+    from rayllm_rl.job.config import ALGOS, AlgoBase
 
     shared = {f.name for f in dataclasses.fields(AlgoBase)}
     exposed_elsewhere = {"sft": {"loss_function", "beta", "kl_to_ref_coeff", "normalize_by_seq_length"}}
@@ -173,7 +173,7 @@ def test_advantage_mode_is_a_literal():
 def test_a_setting_both_backends_read_is_not_under_ray_and_its_old_key_names_the_new_one(old, new, value):
     with pytest.raises(ConfigError, match=f"config key '{old}' moved to '{new}'"):
         load_config(GRPOJobConfig, [f"{old}={value}"])
-    from rayllm_rl.orchestration.job_plan import make_plan
+    from rayllm_rl.job.plan import make_plan
 
     local = make_plan(cfg_of("trainer.backend=local", "rollout.buffer_episodes=64", "trainer.call_timeout_s=30"))
     assert local.buffer_capacity == 64 and local.config.trainer.call_timeout_s == 30.0

@@ -219,7 +219,7 @@ def test_restartable_actor_arguments_must_be_inlined(tiny_model_path):
 
     from rayllm_rl.config import load_config
     from rayllm_rl.orchestration.ray.cluster import INLINE_LIMIT_BYTES, check_inlined
-    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+    from rayllm_rl.job.config import GRPOJobConfig
     from rayllm_rl.orchestration.factories import build_task
     from rayllm_rl.orchestration.ray.backend import make_workflow
 

@@ -15,8 +15,8 @@ from tensordict import TensorDict
 
 from rayllm_rl.config import load_config
 from rayllm_rl.data.trajectory import make_trajectory
-from rayllm_rl.orchestration.job_config import GRPOJobConfig
-from rayllm_rl.orchestration.job_inputs import JobInputs
+from rayllm_rl.job.config import GRPOJobConfig
+from rayllm_rl.job.inputs import JobInputs
 from rayllm_rl.rollout.collector import run_and_store
 
 ROWS = [{"messages": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)} for a in range(6) for b in range(6)]

@@ -17,7 +17,7 @@ from rayllm_rl.orchestration import driver
 from rayllm_rl.orchestration.backend import ROLE_KINDS, RoleCrashed
 from rayllm_rl.orchestration.batch_prep import make_batch_pipeline
 from rayllm_rl.orchestration.fault_ledger import LOST, RERUN, FaultLedger
-from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.job.config import GRPOJobConfig
 from rayllm_rl.orchestration.reporting import SUMMARY_KEYS
 
 B, G = 2, 2  # episodes per step, rows per episode

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from rayllm_rl.inference.protocol import LLMRequest, SamplingParams
-from rayllm_rl.inference.transformers_engine import DecodeLock, PromptTooLongError
+from rayllm_rl.inference.decoding import DecodeLock
+from rayllm_rl.inference.transformers_engine import PromptTooLongError
 from rayllm_rl.sampling_mask import SamplingMask, masked_logprobs
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from rayllm_rl import extras
 from rayllm_rl.config import load_config
-from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.job.config import GRPOJobConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

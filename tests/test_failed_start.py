@@ -16,7 +16,7 @@ import leak_guard
 from budgets import ACTOR_START_S
 from ray_sessions import JOB_ENV, local_ray_session
 from rayllm_rl.config import load_config
-from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.job.config import GRPOJobConfig
 from start_faults import FAULT_FILE_VAR
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

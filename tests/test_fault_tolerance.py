@@ -15,8 +15,8 @@ import pytest
 import ray
 
 from rayllm_rl.config import load_config
-from rayllm_rl.orchestration.job_plan import make_plan
-from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.job.plan import make_plan
+from rayllm_rl.job.config import GRPOJobConfig
 from ray_sessions import JOB_ENV, local_ray_session
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

@@ -82,8 +82,8 @@ def test_a_conversion_missing_on_this_node_says_so(tmp_path):
 
 
 def test_dry_run_names_a_bad_gguf_and_starts_nothing(tmp_path):
-    from rayllm_rl.orchestration.job_config import GRPOJobConfig
-    from rayllm_rl.orchestration.plan import PlanError, describe_job
+    from rayllm_rl.job.config import GRPOJobConfig
+    from rayllm_rl.job.describe import PlanError, describe_job
 
     cfg = GRPOJobConfig()
     cfg.model.path = write_gguf(str(tmp_path / "t5.gguf"), "rwkv6")
@@ -119,8 +119,8 @@ def test_smollm2_round_trip_logits_equal_the_gguf_loaded_model(tmp_path, smollm2
     t0 = time.perf_counter()
     assert resolve_model_path(str(renamed)) == path and time.perf_counter() - t0 < 10  # a hash, no conversion
 
-    from rayllm_rl.orchestration.job_config import GRPOJobConfig
-    from rayllm_rl.orchestration.plan import describe_job
+    from rayllm_rl.job.config import GRPOJobConfig
+    from rayllm_rl.job.describe import describe_job
 
     cfg = GRPOJobConfig()
     cfg.model.path = gguf_file

@@ -29,7 +29,7 @@ def gsm8k_hub(tmp_path, monkeypatch) -> list[dict]:
 def build_task(tmp_path, *overrides: str):
     from rayllm_rl.config import load_config
     from rayllm_rl.orchestration.factories import build_task
-    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+    from rayllm_rl.job.config import GRPOJobConfig
 
     return build_task(load_config(GRPOJobConfig, [f"trainer.run_dir={tmp_path}", *overrides]).validate())
 
@@ -87,7 +87,7 @@ def test_a_missing_config_fails_before_any_actor_starts(gsm8k_hub, tmp_path):
 
     from rayllm_rl.config import load_config
     from job_helpers import run_job
-    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+    from rayllm_rl.job.config import GRPOJobConfig
 
     assert not ray.is_initialized()
     cfg = load_config(GRPOJobConfig, ["task=gsm8k", "data.path=openai/gsm8k:nope", "trainer.backend=ray",
@@ -103,7 +103,7 @@ def test_env_worker_task_holds_no_dataset_and_its_env_takes_the_given_row(tokeni
     from tensordict import NonTensorData, TensorDict
 
     from rayllm_rl.envs.dataset_tasks import make_gsm8k
-    from rayllm_rl.orchestration.job_config import DataConfig
+    from rayllm_rl.job.config import DataConfig
 
     task = make_gsm8k(DataConfig(path=str(GSM8K_FIXTURE), eval_size=1)).worker_part()
     assert task.train is None and task.eval is None

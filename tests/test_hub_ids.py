@@ -196,7 +196,7 @@ def test_local_job_with_hub_model_and_hub_dataset(hub_model, tmp_path):
 
     from rayllm_rl.config import load_config
     from job_helpers import run_job
-    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+    from rayllm_rl.job.config import GRPOJobConfig
 
     rows = gsm8k_rows()
     publish_dataset("openai/gsm8k", {"main": {"train": rows}, "socratic": {"train": rows[:2]}}, tmp_path)
@@ -220,7 +220,7 @@ def test_wrong_model_id_fails_before_any_actor_starts(hub_model, tmp_path):
 
     from rayllm_rl.config import load_config
     from job_helpers import run_job
-    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+    from rayllm_rl.job.config import GRPOJobConfig
 
     assert not ray.is_initialized()
     cfg = load_config(GRPOJobConfig, ["model.path=tiny-org/not-there", "trainer.backend=ray",

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from rayllm_rl.config import describe, load_config
-from rayllm_rl.orchestration.job_config import TASK_PRESETS, GRPOJobConfig
-from rayllm_rl.orchestration.presets import resolve_presets
+from rayllm_rl.job.config import TASK_PRESETS, GRPOJobConfig
+from rayllm_rl.job.presets import resolve_presets
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DEMO = {"rollout.max_new_tokens": 10, "data.eval_size": 200, "sft.steps": 250, "sft.lr": 1e-3,
@@ -57,7 +57,7 @@ def test_no_argument_config_keeps_every_demo_value():
 
 def test_a_gsm8k_job_on_a_local_model_inherits_no_demo_value(model_dir):
     from rayllm_rl.orchestration.factories import build_task
-    from rayllm_rl.orchestration.plan import describe_job
+    from rayllm_rl.job.describe import describe_job
     from rayllm_rl.orchestration.sft_warmup import sft_warm_start
 
     cfg = gsm8k_job(model_dir)

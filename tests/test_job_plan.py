@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from rayllm_rl.config import load_config
-from rayllm_rl.orchestration.job_config import GRPOJobConfig
-from rayllm_rl.orchestration.job_plan import make_plan
-from rayllm_rl.orchestration.plan import plan_decisions
+from rayllm_rl.job.config import GRPOJobConfig
+from rayllm_rl.job.plan import make_plan
+from rayllm_rl.job.describe import plan_decisions
 
 ROOT = Path(__file__).resolve().parents[1]
 BEFORE = sorted((ROOT / "tests" / "data" / "plan_before").glob("*.json"))
@@ -77,16 +77,16 @@ def test_the_plan_is_the_validation_of_a_raw_config_and_leaves_it_as_it_was():
     (["trainer.backend=local", "ray.sync_transport=shm"], r"ray\.sync_transport=shm is the Ray backend's"),
 ])
 def test_each_decision_refuses_in_the_plan_naming_the_key(overrides, match):
-    from rayllm_rl.orchestration import job_checks
+    from rayllm_rl.job.checks import check_job
 
     cfg = load_config(GRPOJobConfig, overrides)
     with pytest.raises(ValueError, match=match):
         make_plan(cfg, environment=False)
-    # and the rules left in job_checks do not decide these again: they pass on the resolved config
+    # and the rules left in job/checks.py do not decide these again: they pass on the resolved config
     if overrides[0] != "trainer.backend=local":
-        from rayllm_rl.orchestration.presets import resolve_presets
+        from rayllm_rl.job.presets import resolve_presets
 
-        job_checks.check_job(resolve_presets(cfg), environment=False)
+        check_job(resolve_presets(cfg), environment=False)
 
 
 def test_the_driver_takes_the_plan_alone():

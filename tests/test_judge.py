@@ -10,7 +10,7 @@ import pytest
 
 from rayllm_rl.config import load_config
 from rayllm_rl.envs.arithmetic import arithmetic_reward
-from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.job.config import GRPOJobConfig
 from rayllm_rl.rewards.combined import CombinedReward
 from rayllm_rl.rewards.config import DEFAULT_JUDGE_REGEX, DEFAULT_JUDGE_TEMPLATE, check_template
 from rayllm_rl.rewards.judge import Judge, JudgeParseError, ScoreParser

@@ -96,8 +96,8 @@ def test_rayjob_runs_grpo_on_as_many_gpus_as_its_recipe_plans():
     import shlex
 
     from rayllm_rl.config import load_config
-    from rayllm_rl.orchestration.job_config import GRPOJobConfig
-    from rayllm_rl.orchestration.plan import describe_job
+    from rayllm_rl.job.config import GRPOJobConfig
+    from rayllm_rl.job.describe import describe_job
 
     job, _ = kuberay("rayjob")
     cluster, _ = kuberay("raycluster")

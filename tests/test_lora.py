@@ -58,8 +58,8 @@ def nbytes(named) -> int:
 
 # ---------------------------------------------------------------------------- config
 def test_config_defaults_unchanged_and_lora_presets():
-    from rayllm_rl.orchestration.job_config import GRPOJobConfig
-    from rayllm_rl.orchestration.job_plan import make_plan
+    from rayllm_rl.job.config import GRPOJobConfig
+    from rayllm_rl.job.plan import make_plan
 
     base = GRPOJobConfig().validate(environment=False)
     assert base.model.lora.rank == 0 and base.optim.lr == 5e-5 and base.sft.lr == 1e-3 and base.sft.steps == 250
@@ -90,7 +90,7 @@ def test_config_defaults_unchanged_and_lora_presets():
 ])
 def test_config_checks_name_the_key(overrides, match):
     from rayllm_rl.config import apply_dict, parse_overrides
-    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+    from rayllm_rl.job.config import GRPOJobConfig
 
     cfg = apply_dict(GRPOJobConfig(), parse_overrides(overrides))
     with pytest.raises(ValueError, match=match.replace("[", r"\[")):
@@ -100,7 +100,7 @@ def test_config_checks_name_the_key(overrides, match):
 def test_config_target_modules_from_the_command_line():
     from rayllm_rl.config import apply_dict, parse_overrides
     from rayllm_rl.inference.vllm_lora import max_lora_rank
-    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+    from rayllm_rl.job.config import GRPOJobConfig
 
     cfg = apply_dict(GRPOJobConfig(), parse_overrides(["model.lora.rank=4", "model.lora.target_modules=[q_proj,v_proj]"]))
     assert cfg.model.lora.target_modules == ["q_proj", "v_proj"]

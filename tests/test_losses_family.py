@@ -430,7 +430,7 @@ def test_registry_and_attributes():
 def test_job_config_selects_each_loss_with_its_own_defaults():
     from rayllm_rl.config import load_config
     from rayllm_rl.objectives import CISPOLoss, DAPOLoss, DecoupledPPOLoss, DrGRPOLoss
-    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+    from rayllm_rl.job.config import GRPOJobConfig
 
     def build(*args):
         cfg = load_config(GRPOJobConfig, list(args))

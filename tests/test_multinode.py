@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from rayllm_rl.config import load_config
-from rayllm_rl.orchestration.job_plan import make_plan
-from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.job.plan import make_plan
+from rayllm_rl.job.config import GRPOJobConfig
 
 B, LEARNER, INFERENCE = 4, {"rayllm-role": "learner"}, {"rayllm-role": "inference"}
 NODE_ARGS = {"num_cpus": 1, "object_store_memory": 80 * 1024 * 1024}
@@ -39,7 +39,7 @@ def test_bad_node_labels_fail_naming_the_key(override, message):
 
 
 def test_node_label_selectors_match_as_ray_does():
-    from rayllm_rl.orchestration.placement_rules import check_node_labels, node_matches
+    from rayllm_rl.job.placement_rules import check_node_labels, node_matches
 
     cfg = load_config(GRPOJobConfig, ["ray.replica_node_labels={rayllm-role: inference, zone: 'in(a, b)'}",
                                       "ray.learner_node_labels={ray.io/node-id: abc123}"]).validate()
@@ -248,7 +248,7 @@ def assert_every_episode_once(summary: dict, steps: int) -> list[dict]:
 @pytest.mark.ray
 @pytest.mark.slow
 def test_no_node_with_the_labels_fails_in_time_naming_the_key(nodes):
-    from rayllm_rl.orchestration.placement_rules import gpu_layout
+    from rayllm_rl.job.placement_rules import gpu_layout
     from rayllm_rl.orchestration.ray.placement import PlacementError, plan_placement
 
     layout = gpu_layout(1, 1, 0, 0, 1, 1.0)

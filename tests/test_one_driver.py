@@ -12,7 +12,7 @@ import torch
 from rayllm_rl.config import load_config
 from job_helpers import run_job
 from rayllm_rl.orchestration.reporting import SUMMARY_KEYS
-from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.job.config import GRPOJobConfig
 
 
 def local_cfg(tmp_path, *extra: str) -> GRPOJobConfig:

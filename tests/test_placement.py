@@ -21,7 +21,7 @@ from rayllm_rl.orchestration.ray.placement import (  # noqa: E402
     plan_placement,
     visible_devices,
 )
-from rayllm_rl.orchestration.placement_rules import gpu_layout  # noqa: E402
+from rayllm_rl.job.placement_rules import gpu_layout  # noqa: E402
 from ray_sessions import local_ray_session
 
 pytestmark = [pytest.mark.ray]

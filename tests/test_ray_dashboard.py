@@ -19,14 +19,14 @@ import time
 from pathlib import Path
 
 from rayllm_rl.config import load_config
-from rayllm_rl.orchestration.job_config import GRPOJobConfig
-from rayllm_rl.orchestration.job_plan import BUFFER, COLLECTOR, ENV_WORKER, LEARNER, REPLICA
-from rayllm_rl.orchestration.ray.cluster import DASHBOARD_HOST, dashboard_line, local_init_kwargs
+from rayllm_rl.job.config import GRPOJobConfig
+from rayllm_rl.job.plan import BUFFER, COLLECTOR, ENV_WORKER, LEARNER, REPLICA
+from rayllm_rl.orchestration.ray.session import DASHBOARD_HOST, dashboard_line, local_init_kwargs
 
 JOB_ACTORS = (REPLICA.format(0), ENV_WORKER.format(0), LEARNER.format(0), COLLECTOR, BUFFER)
 """The named actors of a one-replica, one-env-worker, one-learner job, as the dashboard lists them."""
 URL_LINE = re.compile(r"^Ray dashboard: (http://\S+) \(token auth on: ", re.M)
-"""The line a job prints about its dashboard (cluster.dashboard_line) when token auth is on."""
+"""The line a job prints about its dashboard (session.dashboard_line) when token auth is on."""
 TOKEN_DIALOG = "Authentication Token Required"
 """The title of the dialog the dashboard's page shows until it has a valid token."""
 

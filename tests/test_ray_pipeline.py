@@ -13,8 +13,8 @@ import ray  # noqa: E402  (a core dependency: missing ray is a failure, not a sk
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 from rayllm_rl.config import load_config  # noqa: E402
-from rayllm_rl.orchestration.job_plan import make_plan
-from rayllm_rl.orchestration.job_config import GRPOJobConfig  # noqa: E402
+from rayllm_rl.job.plan import make_plan
+from rayllm_rl.job.config import GRPOJobConfig  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def local_ray():
     import logging
     from types import SimpleNamespace
 
-    from rayllm_rl.orchestration.ray.cluster import init_ray
+    from rayllm_rl.orchestration.ray.session import init_ray
 
     import leak_guard
 

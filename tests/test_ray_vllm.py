@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rayllm_rl.config import load_config
-from rayllm_rl.orchestration.job_plan import make_plan
-from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.job.plan import make_plan
+from rayllm_rl.job.config import GRPOJobConfig
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.slow]
 import ray  # noqa: E402  (a core dependency: missing ray is a failure, not a skip)

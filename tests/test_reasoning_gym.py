@@ -9,7 +9,7 @@ import pytest
 
 from rayllm_rl.config import apply_dict, parse_overrides
 from rayllm_rl.envs.reasoning_gym_task import ReasoningGymConfig, make_splits, messages
-from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.job.config import GRPOJobConfig
 from rayllm_rl.rewards.reasoning_gym import ReasoningGymReward, extract_answer
 
 CHAIN = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}

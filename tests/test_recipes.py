@@ -248,7 +248,7 @@ def test_dry_run_text_shows_the_plan_from_the_command_line(offline_hub):
 
 
 def test_uncached_hub_model_is_unknown_online_and_an_error_offline(offline_hub, capsys, monkeypatch):
-    from rayllm_rl.orchestration.plan import PlanError
+    from rayllm_rl.job.describe import PlanError
 
     argv = ("model.path=acme/not-in-cache", "task=gsm8k", "data.path=openai/gsm8k")
     with pytest.raises(PlanError, match=r"model.path 'acme/not-in-cache' .*not in the HF cache.*HF_HUB_OFFLINE"):
@@ -274,7 +274,7 @@ def test_the_dry_run_plans_a_vllm_job_on_a_machine_without_vllm(offline_hub, cap
     """The plan is for the job's machines; the run itself still refuses a missing vllm before starting."""
     import rayllm_rl.inference.registry as registry
     from rayllm_rl.config import load_config
-    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+    from rayllm_rl.job.config import GRPOJobConfig
 
     monkeypatch.setattr(registry, "engine_installed", lambda name: name != "vllm")
     path = ROOT / "recipes" / "math_qwen2.5-7b_8gpu.yaml"
@@ -314,7 +314,7 @@ FIXTURE_ROWS = ROOT / "tests" / "fixtures" / "gsm8k.jsonl"
 ])
 def test_the_dry_run_checks_the_data_sources(offline_hub, capsys, argv, message):
     """A data source the job could not read fails the dry run (exit != 0), naming the key; no rows are loaded."""
-    from rayllm_rl.orchestration.plan import PlanError
+    from rayllm_rl.job.describe import PlanError
 
     with pytest.raises(PlanError, match=message):
         dry_run_json(capsys, "task=gsm8k", *argv)

@@ -14,8 +14,8 @@ import torch
 
 from rayllm_rl.config import load_config
 from rayllm_rl.envs.arithmetic import arithmetic_reward
-from rayllm_rl.orchestration.job_config import GRPOJobConfig
-from rayllm_rl.orchestration.job_plan import make_plan
+from rayllm_rl.job.config import GRPOJobConfig
+from rayllm_rl.job.plan import make_plan
 from rayllm_rl.rewards.combined import CombinedReward
 from rayllm_rl.rewards.reward_model import RewardModelOutputError, RewardModelScorer, rm_sample
 from rayllm_rl.workflows.rewards import RewardCaller

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rayllm_rl.inference.sampling import RowSampler
+from rayllm_rl.inference.decoding import RowSampler
 from rayllm_rl.learner.logprobs import chunked_head_logprobs
 from rayllm_rl.sampling_mask import SamplingMask, kept_set, kept_weights, masked_logprobs
 
@@ -118,8 +118,8 @@ def test_engine_sampler_draws_from_the_kept_set_and_reports_its_logprob():
 
 def test_plan_replays_the_rollouts_mask_unless_turned_off():
     from rayllm_rl.config import load_config
-    from rayllm_rl.orchestration.job_config import GRPOJobConfig
-    from rayllm_rl.orchestration.job_plan import make_plan
+    from rayllm_rl.job.config import GRPOJobConfig
+    from rayllm_rl.job.plan import make_plan
 
     def plan(*argv):
         return make_plan(load_config(GRPOJobConfig, ["trainer.backend=local", *argv]).validate(environment=False))
@@ -133,9 +133,9 @@ def test_plan_replays_the_rollouts_mask_unless_turned_off():
 
 def test_the_dry_run_says_whether_the_learner_replays_the_mask():
     from rayllm_rl.config import load_config
-    from rayllm_rl.orchestration.job_config import GRPOJobConfig
-    from rayllm_rl.orchestration.plan import describe_job
-    from rayllm_rl.orchestration.plan_text import format_plan
+    from rayllm_rl.job.config import GRPOJobConfig
+    from rayllm_rl.job.describe import describe_job
+    from rayllm_rl.job.plan_text import format_plan
 
     def decisions(*argv):  # what `python jobs/grpo.py --dry-run` prints, as a dict
         return describe_job(load_config(GRPOJobConfig, ["trainer.backend=local", *argv]))

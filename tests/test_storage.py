@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rayllm_rl.config import load_config
-from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.job.config import GRPOJobConfig
 from rayllm_rl.orchestration.storage import (JOB_DEFAULT_ROOT, RAY_JOB_CONFIG_ENV, STORAGE_ENV, in_uploaded_working_dir,
                                              storage_root, with_resolved_paths)
 

@@ -278,7 +278,7 @@ def test_gsm8k_multi_turn_agent_is_a_ready_workflow(engine, tokenizer, tmp_path)
     """task=gsm8k rollout.workflow=multi_turn: AReaL's retry agent, grouped, with GSM8K components."""
     from rayllm_rl.config import load_config
     from rayllm_rl.orchestration.factories import build_task, build_workflow
-    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+    from rayllm_rl.job.config import GRPOJobConfig
     from rayllm_rl.workflows.grouped import GroupedWorkflow
 
     cfg = load_config(GRPOJobConfig, ["task=gsm8k", f"data.path={FIXTURES / 'gsm8k.jsonl'}", "data.eval_size=1",

@@ -116,7 +116,7 @@ def test_python_tool_job_workflow_runs_the_model_code_in_the_sandbox(tokenizer):
     """rollout.workflow=python_tool: the job builds a tool agent on the task; its final turn gets the task reward."""
     from rayllm_rl.config import load_config
     from rayllm_rl.orchestration.factories import PYTHON_TOOL_PROMPT, build_task, build_workflow
-    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+    from rayllm_rl.job.config import GRPOJobConfig
 
     cfg = load_config(GRPOJobConfig, ["rollout.workflow=python_tool", "rollout.max_turns=3", "rollout.group_size=2"]).validate()
     task = build_task(cfg)

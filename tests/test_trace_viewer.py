@@ -30,7 +30,7 @@ def run_dir(tmp_path_factory):
     """Three RL steps of the demo on the local backend (eta 1: steps 2 and 3 train tokens of lag 1)."""
     from rayllm_rl.config import load_config
     from job_helpers import run_job
-    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+    from rayllm_rl.job.config import GRPOJobConfig
 
     root = tmp_path_factory.mktemp("trace_run")
     cfg = load_config(GRPOJobConfig, ["trainer.backend=local", "trainer.steps=3", "sft.steps=5", "data.eval_size=4",

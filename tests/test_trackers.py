@@ -15,7 +15,7 @@ import pytest
 
 from rayllm_rl import tracking
 from rayllm_rl.config import load_config
-from rayllm_rl.orchestration.job_config import GRPOJobConfig, TrackersConfig
+from rayllm_rl.job.config import GRPOJobConfig, TrackersConfig
 from rayllm_rl.orchestration.reporting import RunReporter
 
 ALL = ["jsonl", "tensorboard", "wandb", "mlflow"]

@@ -14,8 +14,8 @@ import pytest
 from rayllm_rl.config import load_config
 from rayllm_rl.envs.arithmetic import make_arithmetic_splits
 from rayllm_rl.orchestration.factories import build_task
-from rayllm_rl.orchestration.job_config import GRPOJobConfig
-from rayllm_rl.orchestration.job_inputs import JobInputs
+from rayllm_rl.job.config import GRPOJobConfig
+from rayllm_rl.job.inputs import JobInputs
 from rayllm_rl.workflows.rewards import RewardCaller
 from rayllm_rl.workflows.rlvr import row_fields
 
@@ -347,8 +347,8 @@ def test_a_new_built_in_task_is_one_registry_entry(monkeypatch, user_module, cap
     from types import MappingProxyType
 
     from rayllm_rl.envs import task_registry
-    from rayllm_rl.orchestration.plan import describe_job
-    from rayllm_rl.orchestration.plan_text import describe_presets
+    from rayllm_rl.job.describe import describe_job
+    from rayllm_rl.job.plan_text import describe_presets
 
     entry = task_registry.TaskEntry(
         "myreward:make_echo_task", dict(task_registry.TASKS["gsm8k"].presets, **{"rollout.max_new_tokens": 7}),

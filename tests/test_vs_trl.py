@@ -142,9 +142,9 @@ def our_step(model_path, batch, loss_type: str, stale: bool, advantage=None):
     from rayllm_rl.data.trajectory import concat_padded, make_trajectory
     from rayllm_rl.learner.learner import Learner, OptimConfig
     from rayllm_rl.objectives import AdvantageConfig
-    from rayllm_rl.orchestration.algo_config import DrGRPOAlgo, GRPOAlgo
+    from rayllm_rl.job.algo_config import DrGRPOAlgo, GRPOAlgo
     from rayllm_rl.orchestration.batch_prep import make_batch_pipeline
-    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+    from rayllm_rl.job.config import GRPOJobConfig
 
     tok, prompt_ids, completions, rewards = batch
     advantage = advantage or AdvantageConfig(std_estimator="unbiased", eps=1e-4)  # TRL's

@@ -58,7 +58,7 @@ def test_cuda_ipc_where_it_cannot_work_is_refused_naming_the_key(kwargs, message
 
 def test_the_job_config_takes_cuda_ipc_and_refuses_it_on_cpu():
     from rayllm_rl.config import load_config
-    from rayllm_rl.orchestration.job_config import GRPOJobConfig
+    from rayllm_rl.job.config import GRPOJobConfig
 
     base = ["sft.steps=0", "data.eval_size=8", "rollout.prompts_per_step=2", "rollout.group_size=2",
             "rollout.max_new_tokens=4", "ray.placement=colocated", "rollout.max_staleness=0",

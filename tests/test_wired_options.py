@@ -12,11 +12,11 @@ import torch
 from tensordict import TensorDict
 
 from rayllm_rl.config import load_config
-from rayllm_rl.orchestration.job_plan import make_plan
+from rayllm_rl.job.plan import make_plan
 from rayllm_rl.learner.learner import Learner, OptimConfig
 from rayllm_rl.objectives import DecoupledPPOLoss, GRPOLoss, GRPOTISLoss
 from rayllm_rl.orchestration.batch_prep import make_batch_pipeline
-from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.job.config import GRPOJobConfig
 
 EPS = 1e-6  # AdvantageConfig.eps
 

@@ -20,7 +20,7 @@ import uuid
 from typing import Any, Sequence
 
 from rayllm_rl.data.trajectory import TrajectoryBuilder
-from rayllm_rl.envs.transforms import chat_suffix, decode_tokens, encode_text
+from rayllm_rl.data.chat_template import chat_suffix, decode_tokens, encode_text
 from rayllm_rl.inference.protocol import InferenceEngine, LLMRequest, SamplingParams
 from rayllm_rl.tools.mcp_tools import parse_tool_calls as parse_hermes_tool_calls
 

@@ -7,8 +7,8 @@ from rayllm_rl.envs.transforms import (
     RewardTransform,
     StepCounter,
     Transform,
-    chat_suffix,
 )
+from rayllm_rl.data.chat_template import chat_suffix
 
 __all__ = [
     "ChatEnv",

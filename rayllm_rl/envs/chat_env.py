@@ -55,13 +55,8 @@ import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict, TensorDictBase, lazy_stack
 
 from rayllm_rl.data.history import ChatHistory, History
-from rayllm_rl.envs.transforms import (
-    IncrementalTokenizer,
-    chat_suffix,
-    decode_tokens,
-    encode_text,
-    has_key,
-)
+from rayllm_rl.data.chat_template import chat_suffix, decode_tokens, encode_text
+from rayllm_rl.envs.transforms import IncrementalTokenizer, has_key
 
 __all__ = ["ChatEnv", "INPUT_MODES"]
 

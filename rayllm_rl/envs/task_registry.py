@@ -2,8 +2,8 @@
 
 Each entry names its factory by import path (imported only when the task is built) and holds what the
 rest of the job reads about the task: its presets (what a job field left None becomes, `presets.py`), the
-LoRA learning-rate presets, a prompt-length estimate (the dry run's memory plan, `plan.py`), where its rows
-come from, and which `data.*` keys only it reads (`job_checks.py`). A task outside the table is
+LoRA learning-rate presets, a prompt-length estimate (the dry run's memory plan, `job/describe.py`), where its rows
+come from, and which `data.*` keys only it reads (`job/checks.py`). A task outside the table is
 `task=package.module:factory` (or a `Task` / factory object given to `train(task=...)`); it takes the
 `CUSTOM` entry. `task` left unset is `arithmetic`, or `prompts` when a reward function is given
 (`resolve_task_name`). Readers look entries up at call time (`find_entry`, `task_entry`), never copy the table.

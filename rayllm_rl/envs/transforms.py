@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import torch
 from tensordict import NonTensorData, TensorDictBase
 
+from rayllm_rl.data.chat_template import chat_suffix, decode_tokens, encode_text
 from rayllm_rl.data.history import History
 
 __all__ = [
@@ -31,9 +32,6 @@ __all__ = [
     "StepCounter",
     "PolicyVersion",
     "RewardTransform",
-    "chat_suffix",
-    "decode_tokens",
-    "encode_text",
     "has_key",
 ]
 
@@ -63,61 +61,6 @@ class Transform:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
-
-
-# ---------------------------------------------------------------------------- token helpers
-def decode_tokens(tokenizer, ids) -> str:
-    """Exact text of token ids (special tokens kept, no whitespace clean-up)."""
-    ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-
-def encode_text(tokenizer, text: str) -> torch.Tensor:
-    """Token ids of a text fragment (special-token strings become special ids, no BOS added)."""
-    return torch.as_tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-
-
-def chat_suffix(
-    tokenizer,
-    prefix_text: str,
-    prev_messages: Sequence[Mapping[str, str]],
-    new_messages: Sequence[Mapping[str, str]],
-    *,
-    add_generation_prompt: bool = True,
-) -> str:
-    """Text to append to `prefix_text` so that it renders `prev_messages + new_messages`.
-
-    `prefix_text` is what the model saw/produced for `prev_messages`; it may lack the
-    template's closing of the last message (the model stops at `<|im_end|>` without the
-    `\\n`, or is cut off before `<|im_end|>`). Normally the full rendering starts with
-    `prefix_text` and the suffix is the rest; otherwise (the response text does not
-    round-trip exactly) the suffix is the rendering of the new messages after the
-    previous ones, preceded by whatever part of the last message's closing text
-    `prefix_text` does not already end with.
-    """
-    prev, new = [dict(m) for m in prev_messages], [dict(m) for m in new_messages]
-
-    def render(msgs, gen):
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
-
-    rendered_all = render(prev + new, add_generation_prompt)
-    if rendered_all.startswith(prefix_text):
-        return rendered_all[len(prefix_text):]
-    rendered_prev = render(prev, False)
-    if rendered_all.startswith(rendered_prev):
-        tail = rendered_all[len(rendered_prev):]
-    else:  # a template that rewrites earlier turns: render the new messages alone
-        logger.warning("chat template is not prefix-stable; rendering new messages on their own")
-        tail = render(new, add_generation_prompt)
-    closing = ""
-    if prev and prev[-1]["content"]:
-        pos = rendered_prev.rfind(prev[-1]["content"])
-        if pos >= 0:
-            closing = rendered_prev[pos + len(prev[-1]["content"]):]
-    for k in range(len(closing), -1, -1):
-        if prefix_text.endswith(closing[:k]):
-            return closing[k:] + tail
-    return closing + tail  # unreachable: closing[:0] == "" always matches
 
 
 def _text(value: Any) -> str:

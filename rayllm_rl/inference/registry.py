@@ -33,7 +33,7 @@ ENGINES: dict[str, str] = {
 @dataclasses.dataclass(frozen=True)
 class EngineJob:
     """What of a job an engine may refuse (a neutral view of the job config; which backend runs it is the
-    job's own check, orchestration/job_checks.py)."""
+    job's own check, job/checks.py)."""
 
     gpus_per_replica: float
     tensor_parallel_size: int

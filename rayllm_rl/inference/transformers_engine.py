@@ -17,17 +17,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import threading
 import time
-from contextlib import contextmanager
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import torch
 
 from rayllm_rl.inference.protocol import (
     LLMRequest, LLMResponse, PromptTooLongError, check_request, weights_checksum,
 )
-from rayllm_rl.inference.sampling import RowSampler
+from rayllm_rl.inference.decoding import DecodeBatch, DecodeLock, EngineStats, RowSampler
 from rayllm_rl.inference.transformers_job import DEVICES, TransformersOptions, pick_device
 from rayllm_rl.inference.transformers_offload import SLEEP_TAGS, HostOffload
 from rayllm_rl.weight_sync.registry import SyncSpec
@@ -35,84 +33,6 @@ from rayllm_rl.weight_sync.registry import SyncSpec
 __all__ = ["TransformersEngine", "TransformersOptions", "PromptTooLongError", "EngineStats", "SLEEP_TAGS", "DEVICES",
            "pick_device"]
 
-
-
-@dataclasses.dataclass
-class EngineStats:
-    """Counters for throughput reporting."""
-
-    requests: int = 0
-    batches: int = 0
-    generated_tokens: int = 0
-    decode_steps: int = 0
-    busy_seconds: float = 0.0
-    cache_rebuilds: int = 0
-    sleeps: int = 0
-    last_sleep_s: float = 0.0
-    """Seconds the last `sleep` took (waiting for the running step, weights off the GPU, cache freed)."""
-    last_wake_s: float = 0.0
-    """Seconds the last `wake_up` that brought weights back took."""
-
-
-class DecodeLock:
-    """The lock between decode steps and weight writers, fair to the writers.
-
-    The decode loop takes the lock again microseconds after releasing it, and a plain Lock
-    is not fair, so a writer could wait out a whole generation. Here a waiting writer holds
-    the gate, and the next decode step waits at the gate until the writer is done."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._gate = threading.Lock()
-
-    @contextmanager
-    def decode_step(self) -> Iterator[None]:
-        with self._gate:  # a writer holding the gate goes first
-            pass
-        with self._lock:
-            yield
-
-    def acquire_for_writer(self) -> None:
-        """Block until the running decode step ends; the next one waits for `release`."""
-        with self._gate:
-            self._lock.acquire()
-
-    def release(self) -> None:
-        self._lock.release()
-
-    @contextmanager
-    def writer(self) -> Iterator[None]:
-        self.acquire_for_writer()
-        try:
-            yield
-        finally:
-            self.release()
-
-
-@dataclasses.dataclass
-class _Batch:
-    """One batch's decoding state; it outlives a sleep (the KV cache is dropped, then re-prefilled)."""
-
-    requests: list[LLMRequest]
-    sampler: RowSampler
-    stops: list[frozenset]
-    budget: list[int]
-    attn: torch.Tensor
-    """`[rows, T]` 1 at real tokens (0 at left padding), T = tokens fed so far + the one about to be fed."""
-    full_ids: torch.Tensor
-    """`[rows, T]` every token fed so far plus the one about to be fed."""
-    t0: float
-    active: list[int] = dataclasses.field(default_factory=list)
-    """Original row index of each row still in the batch."""
-    out_tok: list[list[int]] = dataclasses.field(default_factory=list)
-    out_lp: list[list[float]] = dataclasses.field(default_factory=list)
-    out_ver: list[list[int]] = dataclasses.field(default_factory=list)
-    reason: list[str] = dataclasses.field(default_factory=list)
-    cache: Any = None
-    """The KV cache, or None: the next step prefills `full_ids` into a new one."""
-    cache_version: int | None = None
-    step_ids: torch.Tensor | None = None
-    step_pos: torch.Tensor | None = None
 
 
 class TransformersEngine(HostOffload):
@@ -427,7 +347,7 @@ class TransformersEngine(HostOffload):
         """Factory calls (the sampler's tensors, its uniform draws) default to the engine's GPU."""
         return self.device if self.device.type == "cuda" else contextlib.nullcontext()
 
-    def _start_batch(self, requests: list[LLMRequest]) -> _Batch:
+    def _start_batch(self, requests: list[LLMRequest]) -> DecodeBatch:
         """Left-pad `requests` into one batch on the device (nothing decoded yet)."""
         t0 = time.perf_counter()
         n = len(requests)
@@ -447,13 +367,13 @@ class TransformersEngine(HostOffload):
             )
         stops = [(frozenset() if r.sampling.ignore_eos else self.eos_token_ids) | frozenset(r.sampling.stop_token_ids)
                  for r in requests]
-        return _Batch(requests, sampler, stops, [r.sampling.max_new_tokens for r in requests],
+        return DecodeBatch(requests, sampler, stops, [r.sampling.max_new_tokens for r in requests],
                       attn.to(self.device), ids.to(self.device), t0, active=list(range(n)),
                       out_tok=[[] for _ in range(n)], out_lp=[[] for _ in range(n)], out_ver=[[] for _ in range(n)],
                       reason=["length"] * n)
 
     @torch.no_grad()
-    def _run_batch(self, b: _Batch) -> bool:
+    def _run_batch(self, b: DecodeBatch) -> bool:
         """Decode `b` until every row ends (True) or the engine is paused or asleep (False: call again
         once it is not; asleep, the KV cache is dropped now and rebuilt from `b.full_ids` then)."""
         from transformers import DynamicCache
@@ -512,7 +432,7 @@ class TransformersEngine(HostOffload):
         b.cache = None
         return True
 
-    def _finish_batch(self, b: _Batch) -> list[LLMResponse]:
+    def _finish_batch(self, b: DecodeBatch) -> list[LLMResponse]:
         elapsed = time.perf_counter() - b.t0
         self.stats.requests += len(b.requests)
         self.stats.batches += 1

@@ -170,7 +170,7 @@ class LearnerSpec:
     optim: OptimConfig
     temperature: float = 1.0
     sampling_mask: SamplingMask = SamplingMask()
-    """The rollout's top-k / top-p the learner replays when it scores tokens (`job_plan`: off when replay is off)."""
+    """The rollout's top-k / top-p the learner replays when it scores tokens (`job.plan`: off when replay is off)."""
     seed: int = 0
     dtype: str = "float32"
     """Compute dtype name (torch attribute): float32 or bfloat16 (learner/precision.py)."""

@@ -34,7 +34,7 @@ def backend_summary(*, failed_episodes: int, faults: Any, buffer: dict[str, Any]
 
 class Backend(Protocol):
     """Blocking calls, each bounded by the job's timeouts. Built as `Backend(plan, model_path, task,
-    tokenizer)` from the job's plan (`job_plan.JobPlan`)."""
+    tokenizer)` from the job's plan (`job.plan.JobPlan`)."""
 
     @staticmethod
     def session() -> Any:

@@ -14,7 +14,7 @@ import sys
 import traceback
 from typing import Any, Iterable
 
-from rayllm_rl.orchestration.object_path import import_object
+from rayllm_rl.job.object_path import import_object
 
 HOOKS = ("on_train_begin", "on_step_end", "on_evaluate", "on_train_end")
 

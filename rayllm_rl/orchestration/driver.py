@@ -26,9 +26,9 @@ from rayllm_rl.learner.mismatch import mismatch_summary
 from rayllm_rl.orchestration.backend import Backend, RoleCrashed
 from rayllm_rl.orchestration.callbacks import CallbackList, RunInfo
 from rayllm_rl.orchestration.factories import build_task
-from rayllm_rl.orchestration.job_config import GRPOJobConfig
-from rayllm_rl.orchestration.job_inputs import JobInputs
-from rayllm_rl.orchestration.job_plan import JobPlan
+from rayllm_rl.job.config import GRPOJobConfig
+from rayllm_rl.job.inputs import JobInputs
+from rayllm_rl.job.plan import JobPlan
 from rayllm_rl.orchestration.reporting import RunReporter, hub_download_bars
 from rayllm_rl.orchestration.sft_warmup import sft_warm_start, sft_warmed_demo_model
 from rayllm_rl.orchestration.storage import with_resolved_paths
@@ -41,7 +41,7 @@ def open_backend(plan: JobPlan, model_path: str, task, tokenizer, workflow=None)
 
 
 def train(plan: JobPlan, inputs: JobInputs | None = None, *, callbacks: list | None = None) -> dict:
-    """Run a whole job of its plan (`job_plan.make_plan(cfg)`, whose config it runs); returns the summary (also
+    """Run a whole job of its plan (`job.plan.make_plan(cfg)`, whose config it runs); returns the summary (also
     written to the run directory). `inputs`: the job's objects (`JobInputs`: reward functions, datasets, a task
     given in Python; None = what the config's paths name). `callbacks`: Callback objects
     (orchestration/callbacks.py), run on this process before those `trainer.callbacks` names."""

@@ -1,13 +1,13 @@
 """`train(config, overrides, **objects)`: one entry point for a job, from `jobs/grpo.py` or from Python.
 
-Gathers the job's Python objects (`JobInputs`), makes the job's plan once (`job_plan.make_plan`), runs it on
+Gathers the job's Python objects (`JobInputs`), makes the job's plan once (`job.plan.make_plan`), runs it on
 the backend the plan names, and returns the same JSON-able summary the job prints.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
 
-from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.job.config import GRPOJobConfig
 
 
 def train(config: GRPOJobConfig | None = None, overrides: list[str] | None = None, *,
@@ -43,7 +43,7 @@ def train(config: GRPOJobConfig | None = None, overrides: list[str] | None = Non
       object itself (pickled to each worker: keep it small). docs/extending.md has the contract.
     """
     from rayllm_rl.config import apply_dict, parse_overrides
-    from rayllm_rl.orchestration.job_inputs import JobInputs
+    from rayllm_rl.job.inputs import JobInputs
 
     cfg = config if config is not None else GRPOJobConfig()
     if overrides:
@@ -51,7 +51,7 @@ def train(config: GRPOJobConfig | None = None, overrides: list[str] | None = Non
     inputs = JobInputs.of(cfg, reward_fn=reward_fn, reward_weights=reward_weights, train_dataset=train_dataset,
                           eval_dataset=eval_dataset, task=task, workflow=workflow, workflow_kwargs=workflow_kwargs)
     from rayllm_rl.orchestration.driver import train as run_driver
-    from rayllm_rl.orchestration.job_plan import make_plan
+    from rayllm_rl.job.plan import make_plan
     from rayllm_rl.orchestration.reporting import hf_progress_bars_off
 
     plan = make_plan(cfg, inputs)  # the validation: a new config, the presets filled, each decision made once

@@ -12,9 +12,9 @@ from rayllm_rl.data.selectors import uniform_group_mask
 from rayllm_rl.envs.task import Task
 from rayllm_rl.envs.task_registry import make_task
 from rayllm_rl.inference.protocol import SamplingParams
-from rayllm_rl.orchestration.job_config import BUILTIN_WORKFLOWS, GRPOJobConfig
-from rayllm_rl.orchestration.job_inputs import JobInputs
-from rayllm_rl.orchestration.object_path import import_object
+from rayllm_rl.job.config import BUILTIN_WORKFLOWS, GRPOJobConfig
+from rayllm_rl.job.inputs import JobInputs
+from rayllm_rl.job.object_path import import_object
 from rayllm_rl.workflows.custom import CustomWorkflow
 from rayllm_rl.workflows.rlvr import RLVRWorkflow
 

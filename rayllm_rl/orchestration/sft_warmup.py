@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rayllm_rl.envs.task import Task
-from rayllm_rl.orchestration.job_config import GRPOJobConfig
+from rayllm_rl.job.config import GRPOJobConfig
 
 
 def sft_chats(task: Task, rows: list[dict]) -> list[list[dict]]:

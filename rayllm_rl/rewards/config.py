@@ -3,7 +3,7 @@
 Both are off by default (an empty `path`), so a job without a `reward` section trains on its task's
 rule reward exactly as before. `RewardConfig.check()` runs inside `GRPOJobConfig.validate()`: every
 error names the key, before any actor starts. What the local backend allows is the job's own check
-(orchestration/job_checks.py), not this section's.
+(job/checks.py), not this section's.
 """
 from __future__ import annotations
 

@@ -1,52 +1,11 @@
 """Same-node weight transport through POSIX shared memory: a double buffer across processes.
 
-The learner (:class:`ShmWeightSender`, rank 0 of a
-:class:`~rayllm_rl.weight_sync.gloo_group.StatelessGlooGroup`) owns two shared-memory
-segments, each holding every weight laid out flat (`shm_segments.plan_layout`: each tensor at an
-offset aligned to 64 bytes, a pure function of the metas, so every process computes the
-same layout and checks it through :attr:`ShmLayout.fingerprint`). Sync number ``k``
-(counting successful syncs from 0):
-
-1. ``write``: the sender copies every tensor into segment ``k % 2`` (one memcpy per byte;
-   a Mapping or a lazy iterator of ``(name, tensor)`` in any order; a GPU tensor is
-   copied device-to-host straight into the segment).
-2. ``header``: it broadcasts int64 ``[MAGIC, status, version, segment, layout fingerprint,
-   total bytes, k]`` over the group (a few bytes: the weights never travel through gloo).
-3. ``ack``: every receiver validates the header, builds zero-copy views into the segment
-   (``torch.frombuffer`` on a read-only mapping), hands them to ``engine.swap_weights``
-   (a pointer exchange under the decode lock: the stall is the swap, never the copy) and
-   then joins a MAX all-reduce of one int64 code per rank; the sender waits for it
-   (bounded by ``timeout_s``) and returns.
-
-After a sync every replica's parameters *are* the shared segment: all replicas on the node
-read one copy of the weights, and the storage they had before (the model they loaded, or
-the other segment) is released by the swap.
-
-Safety (why the sender never writes memory a replica is reading): the sender writes
-segment ``k % 2`` only after every receiver acknowledged sync ``k - 1``, and a receiver
-acknowledges a sync only after its engine swapped onto that sync's segment ``(k-1) % 2``,
-i.e. away from segment ``k % 2`` (which it used for sync ``k - 2``, or never). Generation
-therefore goes on, on segment ``(k-1) % 2``, during the whole write. The sender enforces
-the precondition: while a sync it announced is not acknowledged by every receiver (a
-timeout, or a mix of accepting and rejecting receivers) it refuses to write either
-segment, because a replica may still read either one; such a sender is broken: close it
-and build a new sender (new segments) and new receivers. A sync that fails *before* its
-header (the tensor source raised, or lacked a tensor) touched only the segment no replica
-reads: the receivers are told in the header and raise, and the sender stays usable; so
-does a sync that every receiver rejected (none swapped).
-
-A receiver must not keep references into a segment beyond the engine's parameters: the
-dict handed to ``swap_weights`` comes back holding the *previous* storage and is dropped
-at once. The receiver's mappings are read-only, so a stray write from a replica (e.g.
-``engine.load_weights_sync`` on an engine fed by this transport) faults that process instead
-of silently changing the weights of every replica on the node. Each mapping lives exactly
-as long as a tensor viewing it (the views own a reference to their ``mmap``, which is never
-closed explicitly), so an engine keeps working with its last weights after the receiver is
-closed or the sender has unlinked the segments.
-
-POSIX only (Linux: the segments live in ``/dev/shm``, whose size - e.g. Docker's 64 MiB
-default, ``--shm-size`` - must hold two copies of the weights; the sender reserves both
-segments at construction and fails clearly when they do not fit).
+The learner (`ShmWeightSender`, rank 0 of a `StatelessGlooGroup`) writes every weight into one of two
+shared-memory segments (`shm_segments.plan_layout`), broadcasts a small header, and each receiver swaps its
+engine onto zero-copy read-only views of that segment (`engine.swap_weights`) and acknowledges; the next
+sync writes the other segment, which no replica reads by then. The protocol, why the sender never writes
+memory a replica is reading, and what a failed sync leaves are in docs/weight-sync.md ("The `shm` double
+buffer"). POSIX only: `/dev/shm` must hold two copies of the weights (the sender reserves both at once).
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from rayllm_rl.rollout.collector import run_and_store
 from rayllm_rl.orchestration.fault_ledger import FaultLedger
 from rayllm_rl.orchestration.factories import build_episode_filter, build_workflow, local_python_tools
 from rayllm_rl.orchestration.local.reward_scorers import local_reward_scorers
-from rayllm_rl.orchestration.job_plan import JobPlan
+from rayllm_rl.job.plan import JobPlan
 from rayllm_rl.workflows.evaluation import evaluate_greedy
 from rayllm_rl.workflows.rewards import workflow_reward_counters
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import functools
 import logging
 import pickle
@@ -16,13 +15,14 @@ from rayllm_rl.orchestration.ray.actors import ReferenceActor
 from rayllm_rl.orchestration.backend import ROLE_KINDS, RoleCrashed, backend_summary
 from rayllm_rl.orchestration.fault_ledger import FaultLedger
 from rayllm_rl.orchestration.ray.cluster import (
-    FAILED_START_CLOSE_S, Cluster, build_cluster, check_inlined, init_ray, wait_names_free,
+    FAILED_START_CLOSE_S, Cluster, build_cluster, check_inlined, wait_names_free,
 )
+from rayllm_rl.orchestration.ray.session import init_ray, session_for_job
 from rayllm_rl.hub import resolve_model_path
 from rayllm_rl.envs.task import Task
 from rayllm_rl.orchestration.factories import build_workflow
-from rayllm_rl.orchestration.job_config import GRPOJobConfig
-from rayllm_rl.orchestration.job_plan import REFERENCE, JobPlan
+from rayllm_rl.job.config import GRPOJobConfig
+from rayllm_rl.job.plan import REFERENCE, JobPlan
 from rayllm_rl.orchestration.ray.liveness import Liveness
 from rayllm_rl.orchestration.ray.router import ReplicaRouter
 from rayllm_rl.orchestration.ray.reward_actors import ray_reward_scorers, reward_service_stats
@@ -31,18 +31,6 @@ from rayllm_rl.workflows.custom import CustomWorkflow
 from rayllm_rl.workflows.evaluation import evaluate_greedy
 
 log = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def session_for_job():
-    """Around a Ray job run by `train`: a local Ray the run starts is shut down at the end (which flushes
-    the actors' logs before the caller prints the summary); a Ray already initialised is left running."""
-    started_here = not ray.is_initialized()
-    try:
-        yield
-    finally:
-        if started_here:
-            ray.shutdown()
 
 
 def make_workflow(cfg: GRPOJobConfig, model_path: str, worker_task: Task, custom: CustomWorkflow | None = None):

@@ -10,7 +10,7 @@ import ray
 
 from rayllm_rl.orchestration.backend import RoleCrashed
 from rayllm_rl.orchestration.fault_ledger import FaultLedger
-from rayllm_rl.orchestration.job_plan import JobPlan
+from rayllm_rl.job.plan import JobPlan
 from rayllm_rl.orchestration.ray.cluster import Cluster, rejoin_sync_group, restarted_replicas
 
 

@@ -61,7 +61,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from rayllm_rl.orchestration.placement_rules import STRATEGY, GpuLayout, node_matches
+from rayllm_rl.job.placement_rules import STRATEGY, GpuLayout, node_matches
 
 
 class PlacementError(RuntimeError):

@@ -23,8 +23,8 @@ import ray
 import torch
 
 from rayllm_rl.hub import resolve_model_path
-from rayllm_rl.orchestration.job_config import GRPOJobConfig
-from rayllm_rl.orchestration.job_plan import JobPlan
+from rayllm_rl.job.config import GRPOJobConfig
+from rayllm_rl.job.plan import JobPlan
 from rayllm_rl.orchestration.ray.actors import InferenceReplica, ray_actor, ActorProcess
 from rayllm_rl.orchestration.ray.groups import wait_names_free
 from rayllm_rl.rewards.reward_model import RewardModelSpec, rm_sample

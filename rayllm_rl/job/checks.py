@@ -1,8 +1,8 @@
-"""The rules of a resolved job config that no plan decision covers, run by `job_plan.make_plan` (and so by
+"""The rules of a resolved job config that no plan decision covers, run by `job.plan.make_plan` (and so by
 `GRPOJobConfig.validate()`) before any actor starts.
 
 Each error names the keys and the allowed values. The loss, the GPU layout, the engine's options and the
-weight transport are checked where the plan decides them (`job_plan.make_plan`), not here. One field's own
+weight transport are checked where the plan decides them (`job.plan.make_plan`), not here. One field's own
 bounds and allowed values are in its type (`rayllm_rl.config.Limit`, `Literal`).
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ from rayllm_rl.config import check_fields
 from rayllm_rl.envs import task_registry
 from rayllm_rl.envs.task_registry import PROMPT_TASK, task_entry
 from rayllm_rl.orchestration.callbacks import check_callback_paths
-from rayllm_rl.orchestration.object_path import import_object
-from rayllm_rl.orchestration.presets import PRESET_KEYS, get_key
+from rayllm_rl.job.object_path import import_object
+from rayllm_rl.job.presets import PRESET_KEYS, get_key
 
 IN_PROCESS_ENGINE = "transformers"
 """The one engine `trainer.backend=local` runs (in this process, on the CPU)."""
@@ -23,9 +23,9 @@ IN_PROCESS_ENGINE = "transformers"
 
 def check_job(cfg: Any, environment: bool = True, inputs: Any = None) -> None:
     """The checks of a resolved config (`presets.resolve_presets`) that no plan decision makes; `inputs`: the
-    job's objects (`job_inputs.JobInputs`; None = those the config's import paths name). `environment=False`
+    job's objects (`job.inputs.JobInputs`; None = those the config's import paths name). `environment=False`
     skips the checks of this machine (the extras installed), for a dry run that plans other machines."""
-    from rayllm_rl.orchestration.job_inputs import JobInputs
+    from rayllm_rl.job.inputs import JobInputs
 
     check_fields(cfg)
     inputs = inputs if inputs is not None else JobInputs.of(cfg)
@@ -54,7 +54,7 @@ def check_rollout_fields(cfg: Any, inputs: Any = None) -> None:
     """`rollout.workflow` is a built-in workflow or one of the user's (`inputs.workflow`, the job's JobInputs), and a
     rollout field the chosen workflow never reads is a mistake, not a no-op: a custom workflow reads `max_turns`
     and `turn_discount` when its class or factory takes them as keywords."""
-    from rayllm_rl.orchestration.job_config import BUILTIN_WORKFLOWS
+    from rayllm_rl.job.config import BUILTIN_WORKFLOWS
 
     r, defaults = cfg.rollout, type(cfg.rollout)()
     custom = getattr(inputs, "workflow", None)
@@ -130,7 +130,7 @@ def check_task(cfg: Any, inputs: Any) -> None:
 def check_placement(cfg: Any) -> None:
     """What colocation needs of the schedule and the labels, node labels and the namespace (the GPU counts are
     checked where the plan lays them out: `placement_rules.gpu_layout`)."""
-    from rayllm_rl.orchestration.placement_rules import NODE_LABEL_KEYS, check_node_labels
+    from rayllm_rl.job.placement_rules import NODE_LABEL_KEYS, check_node_labels
 
     rc = cfg.ray
     colocated = rc.placement == "colocated"

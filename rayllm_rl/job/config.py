@@ -3,7 +3,7 @@
 The sections and their fields, each with its docstring, its bounds (`Limit`) and allowed values in its
 type. Fields whose right value depends on the task default to None, "the task's preset", and
 `model.dtype` to "auto": `validate()` returns a new config with them filled (`presets.resolve_presets`)
-and checked (`job_plan.make_plan`), so nothing below the plan sees None or "auto", and the config the
+and checked (`job.plan.make_plan`), so nothing below the plan sees None or "auto", and the config the
 user holds keeps what the user wrote. `algo.*` is one options class per loss (`algo_config`).
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ from rayllm_rl.config import NonNegFloat, NonNegInt, PosFloat, PosInt
 from rayllm_rl.envs.reasoning_gym_task import ReasoningGymConfig
 from rayllm_rl.learner.learner import OptimConfig
 from rayllm_rl.lora import LoraOptions
-from rayllm_rl.orchestration.algo_config import ALGOS, AlgoBase, AlgoConfig, GRPOAlgo
-from rayllm_rl.orchestration.presets import LORA_LR_PRESETS, TASK_PRESETS, resolve_presets
+from rayllm_rl.job.algo_config import ALGOS, AlgoBase, AlgoConfig, GRPOAlgo
+from rayllm_rl.job.presets import LORA_LR_PRESETS, TASK_PRESETS, resolve_presets
 from rayllm_rl.rewards.config import RewardConfig
 
 
@@ -368,7 +368,7 @@ class GRPOJobConfig:
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     """Rollout sampling."""
     algo: AlgoConfig = dataclasses.field(default_factory=GRPOAlgo)
-    """The loss (`algo.name`) and its options: each loss takes only its own (orchestration/algo_config.py)."""
+    """The loss (`algo.name`) and its options: each loss takes only its own (job/algo_config.py)."""
     optim: JobOptimConfig = dataclasses.field(default_factory=JobOptimConfig)
     """Optimizer of the RL phase."""
     sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
@@ -387,11 +387,11 @@ class GRPOJobConfig:
 
     def validate(self, *, environment: bool = True, inputs: Any = None) -> "GRPOJobConfig":
         """A new config, the task and presets resolved and every check passed: the config of this job's plan
-        (`job_plan.make_plan`, which makes and checks each decision once), before any actor starts; `self` is
-        left as it was. `inputs`: the job's objects (`job_inputs.JobInputs`; None = those the config's import
+        (`job.plan.make_plan`, which makes and checks each decision once), before any actor starts; `self` is
+        left as it was. `inputs`: the job's objects (`job.inputs.JobInputs`; None = those the config's import
         paths name, imported here, so a path that does not import fails now). `environment=False` skips the
         checks of this machine (the vllm package installed), for a dry run that plans a job for other machines."""
-        from rayllm_rl.orchestration.job_plan import make_plan
+        from rayllm_rl.job.plan import make_plan
 
         return make_plan(self, inputs, environment=environment).config
 

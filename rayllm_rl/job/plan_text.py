@@ -130,7 +130,7 @@ def format_plan(plan: dict) -> str:
 
 def dry_run(plan, as_json: bool) -> dict:
     """Print a job plan's description (`plan.describe_plan`: text, or one JSON object) and return it; start nothing."""
-    from rayllm_rl.orchestration.plan import describe_plan
+    from rayllm_rl.job.describe import describe_plan
 
     described = describe_plan(plan)
     sys.stdout.write((json.dumps(described) if as_json else format_plan(described)) + "\n")

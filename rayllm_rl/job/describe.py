@@ -2,7 +2,7 @@
 
 `describe_plan(make_plan(cfg))` (or `describe_job(cfg)`) returns a JSON-able dict: the plan's decisions
 (`plan_decisions`: the engine, every actor with its Ray CPU/GPU request, torch threads, bundle and
-restarts, the placement group, the weight transport, all from `job_plan.JobPlan`), the data sources (a
+restarts, the placement group, the weight transport, all from `job.plan.JobPlan`), the data sources (a
 local path must exist; a hub dataset's config and split are looked up in the local datasets cache, rows
 never loaded), and a memory estimate of each learner rank and of each replica's KV cache from the model's
 config.json (read from the HF cache, never downloaded; no weights are loaded, no Ray is started).
@@ -27,8 +27,8 @@ import math
 import os
 from typing import Any
 
-from rayllm_rl.orchestration.job_config import GRPOJobConfig
-from rayllm_rl.orchestration.job_plan import JobPlan, make_plan
+from rayllm_rl.job.config import GRPOJobConfig
+from rayllm_rl.job.plan import JobPlan, make_plan
 from rayllm_rl.sampling_mask import SamplingMask
 
 GiB = float(1 << 30)
@@ -158,8 +158,8 @@ def data_plan(cfg: GRPOJobConfig, inputs: Any = None) -> dict[str, Any] | None:
     "test"; the same source for both is a PlanError, as is what `plan_rows` refuses."""
     from rayllm_rl.data.sources import EVAL_SPLIT
     from rayllm_rl.envs.task_registry import task_entry
-    from rayllm_rl.orchestration.job_inputs import JobInputs
-    from rayllm_rl.orchestration.object_path import import_object
+    from rayllm_rl.job.inputs import JobInputs
+    from rayllm_rl.job.object_path import import_object
 
     entry = task_entry(cfg.task)
     inputs = inputs if inputs is not None else JobInputs.of(cfg)
@@ -297,8 +297,8 @@ def kv_cache_memory(plan: JobPlan, arch: dict) -> dict[str, Any]:
 def placement_plan(plan: JobPlan) -> dict[str, Any]:
     """The placement group the Ray backend reserves (`plan.layout`): bundles, replicas first, then learner
     ranks, and strategy; none when no GPU is asked for (and none at all in the local backend)."""
-    from rayllm_rl.orchestration.job_plan import LEARNER, REPLICA
-    from rayllm_rl.orchestration.placement_rules import STRATEGY
+    from rayllm_rl.job.plan import LEARNER, REPLICA
+    from rayllm_rl.job.placement_rules import STRATEGY
 
     layout, rc = plan.layout, plan.config.ray
     shared = {"replica_gpus": layout.replica_asks, "learner_gpus": layout.learner_asks,

@@ -4,7 +4,7 @@
 (`job_checks`), then decides the backend, the loss, the GPU layout and bundles, the engine and its options
 (placed, checked), whether a reference model is needed, every actor (name, role, GPUs, torch threads,
 bundle, restarts), the replay buffer's capacity and its batch pipeline, and the weight transport, each
-once, raising ValueError naming the key. The dry run prints it (`orchestration/plan.py`); both backends
+once, raising ValueError naming the key. The dry run prints it (`job/describe.py`); both backends
 build from it; the driver takes it alone; nothing below it decides these again.
 Ray-free: a plan can be made for machines this one is not.
 """
@@ -15,8 +15,8 @@ import importlib
 from typing import Any
 
 from rayllm_rl.orchestration.batch_prep import BatchPipeline, make_batch_pipeline
-from rayllm_rl.orchestration.job_config import GRPOJobConfig
-from rayllm_rl.orchestration.placement_rules import GpuLayout, gpu_layout
+from rayllm_rl.job.config import GRPOJobConfig
+from rayllm_rl.job.placement_rules import GpuLayout, gpu_layout
 from rayllm_rl.sampling_mask import SamplingMask
 
 BACKENDS = {"local": "rayllm_rl.orchestration.local.backend:LocalBackend",
@@ -240,7 +240,7 @@ def _in_process(cfg: GRPOJobConfig) -> bool:
 
 def _placed_options(engine: str, options, *, colocated: bool, in_process: bool) -> dict[str, Any]:
     """An engine's options over its defaults for the placement (`inference.registry.placed_options`), on the
-    CPU when it runs in this process (`job_checks.check_local_backend` refused any other device there)."""
+    CPU when it runs in this process (`job.checks.check_local_backend` refused any other device there)."""
     from rayllm_rl.inference.registry import placed_options
 
     placed = placed_options(engine, options, colocated=colocated)
@@ -264,11 +264,11 @@ def _engine_options(cfg: GRPOJobConfig, layout: GpuLayout, environment: bool) ->
 def make_plan(cfg: GRPOJobConfig, inputs: Any = None, *, environment: bool = True) -> JobPlan:
     """The plan of a job config, resolved or not (`presets.resolve_presets` fills it; `cfg` is left as it
     was), every decision made once here, raising ValueError naming the key. `inputs`: the job's objects
-    (`job_inputs.JobInputs`; None = those the config's import paths name, imported here). `environment=False`
+    (`job.inputs.JobInputs`; None = those the config's import paths name, imported here). `environment=False`
     skips the checks of this machine (the engine's package installed), for a dry run that plans other machines."""
-    from rayllm_rl.orchestration.job_checks import check_job
-    from rayllm_rl.orchestration.job_inputs import JobInputs
-    from rayllm_rl.orchestration.presets import resolve_presets
+    from rayllm_rl.job.checks import check_job
+    from rayllm_rl.job.inputs import JobInputs
+    from rayllm_rl.job.presets import resolve_presets
 
     inputs = inputs if inputs is not None else JobInputs.of(cfg)
     cfg = resolve_presets(cfg, inputs)

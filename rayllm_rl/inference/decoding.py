@@ -1,15 +1,24 @@
-"""Vectorised per-row sampling for a decode step: temperature, top-k, top-p, greedy.
+"""The pieces of a batched decode loop (`TransformersEngine`'s): per-row sampling (`RowSampler`), the lock between
+decode steps and weight writers (`DecodeLock`), one batch's decoding state (`DecodeBatch`) and the counters.
 
-Returned logprobs are those of the distribution the token was drawn from, as vLLM's
+`RowSampler` samples each row with its own temperature, top-k, top-p or greedy. Its returned logprobs are those of the distribution the token was drawn from, as vLLM's
 `processed_logprobs`: log-softmax of `logits / temperature` (temperature 1 for greedy rows) over
 the kept set of top-k / top-p (vLLM's rule, `rayllm_rl.sampling_mask`), which the learner rebuilds
 when it scores the token (sampling-mask replay, docs/algorithms.md).
 """
 from __future__ import annotations
 
+import dataclasses
+import threading
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator
+
 import torch
 
 from rayllm_rl.sampling_mask import kept_set, kept_weights
+
+if TYPE_CHECKING:
+    from rayllm_rl.inference.protocol import LLMRequest
 
 
 class RowSampler:
@@ -62,3 +71,81 @@ class RowSampler:
             tokens = torch.where(self.greedy, greedy_tokens, tokens)
             logprobs = torch.where(self.greedy, logp.gather(-1, greedy_tokens.unsqueeze(-1)).squeeze(-1), logprobs)
         return tokens, logprobs
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters for throughput reporting."""
+
+    requests: int = 0
+    batches: int = 0
+    generated_tokens: int = 0
+    decode_steps: int = 0
+    busy_seconds: float = 0.0
+    cache_rebuilds: int = 0
+    sleeps: int = 0
+    last_sleep_s: float = 0.0
+    """Seconds the last `sleep` took (waiting for the running step, weights off the GPU, cache freed)."""
+    last_wake_s: float = 0.0
+    """Seconds the last `wake_up` that brought weights back took."""
+
+
+class DecodeLock:
+    """The lock between decode steps and weight writers, fair to the writers.
+
+    The decode loop takes the lock again microseconds after releasing it, and a plain Lock
+    is not fair, so a writer could wait out a whole generation. Here a waiting writer holds
+    the gate, and the next decode step waits at the gate until the writer is done."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._gate = threading.Lock()
+
+    @contextmanager
+    def decode_step(self) -> Iterator[None]:
+        with self._gate:  # a writer holding the gate goes first
+            pass
+        with self._lock:
+            yield
+
+    def acquire_for_writer(self) -> None:
+        """Block until the running decode step ends; the next one waits for `release`."""
+        with self._gate:
+            self._lock.acquire()
+
+    def release(self) -> None:
+        self._lock.release()
+
+    @contextmanager
+    def writer(self) -> Iterator[None]:
+        self.acquire_for_writer()
+        try:
+            yield
+        finally:
+            self.release()
+
+
+@dataclasses.dataclass
+class DecodeBatch:
+    """One batch's decoding state; it outlives a sleep (the KV cache is dropped, then re-prefilled)."""
+
+    requests: list[LLMRequest]
+    sampler: RowSampler
+    stops: list[frozenset]
+    budget: list[int]
+    attn: torch.Tensor
+    """`[rows, T]` 1 at real tokens (0 at left padding), T = tokens fed so far + the one about to be fed."""
+    full_ids: torch.Tensor
+    """`[rows, T]` every token fed so far plus the one about to be fed."""
+    t0: float
+    active: list[int] = dataclasses.field(default_factory=list)
+    """Original row index of each row still in the batch."""
+    out_tok: list[list[int]] = dataclasses.field(default_factory=list)
+    out_lp: list[list[float]] = dataclasses.field(default_factory=list)
+    out_ver: list[list[int]] = dataclasses.field(default_factory=list)
+    reason: list[str] = dataclasses.field(default_factory=list)
+    cache: Any = None
+    """The KV cache, or None: the next step prefills `full_ids` into a new one."""
+    cache_version: int | None = None
+    step_ids: torch.Tensor | None = None
+    step_pos: torch.Tensor | None = None
