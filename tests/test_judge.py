@@ -111,10 +111,11 @@ def judge_path() -> str:
 
 
 def local_judge(path: str, *overrides: str):
+    from rayllm_rl.job.plan import make_plan
     from rayllm_rl.orchestration.local.reward_scorers import local_reward_scorers
 
-    cfg = load_config(GRPOJobConfig, [f"reward.judge.path={path}", "trainer.backend=local", *overrides]).validate()
-    return cfg, local_reward_scorers(cfg)["judge"]
+    plan = make_plan(load_config(GRPOJobConfig, [f"reward.judge.path={path}", "trainer.backend=local", *overrides]))
+    return plan.config, local_reward_scorers(plan)["judge"]
 
 
 @pytest.mark.slow  # the tiny judge is SFT'd first (about 10 s)
