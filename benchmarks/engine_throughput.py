@@ -61,7 +61,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rayllm_rl.inference.protocol import LLMRequest, SamplingParams  # noqa: E402
-from rayllm_rl.inference.transformers_engine import EngineStats, TransformersEngine  # noqa: E402
+from rayllm_rl.inference.transformers.engine import EngineStats, TransformersEngine  # noqa: E402
 from rayllm_rl.models.tiny import TinyModelSpec, ensure_tiny_model  # noqa: E402
 from rayllm_rl.weight_sync import (  # noqa: E402
     DEFAULT_BUCKET_BYTES, metadata_of, metas_to_spec,
@@ -198,7 +198,7 @@ def open_group(loop, engine, metas, transport: str):
 
     t = threading.Thread(target=serve, daemon=True)
     t.start()
-    loop.run_until_complete(engine.init_update_group(spec.with_init(opened.init).for_rank(1)))
+    loop.run_until_complete(engine.weights.init_update_group(spec.with_init(opened.init).for_rank(1)))
     t.join(SYNC_TIMEOUT_S)
     if "error" in box or "sender" not in box:
         raise RuntimeError(f"update group ({transport}) for {type(engine).__name__} failed: {box.get('error')}")
@@ -221,7 +221,7 @@ async def sync_under_load(engine, sender, named, version: int, prompts, params, 
     await asyncio.sleep(after_s)
     t0 = time.perf_counter()
     send = asyncio.ensure_future(asyncio.to_thread(sender.send, named, version))
-    got = await engine.receive_weights()
+    got = await engine.weights.receive_weights()
     stats, _ = await send
     t1 = time.perf_counter()
     stop.set()
@@ -260,7 +260,7 @@ def bench_weight_sync(loop, engines: dict, base: dict[str, torch.Tensor], tokeni
                           f"{r['load_requests_overlapping']} requests overlapping)", file=sys.stderr)
         finally:
             for name, sender in groups.items():
-                loop.run_until_complete(engines[name].close_update_group())
+                loop.run_until_complete(engines[name].weights.close_update_group())
                 sender.close()
     summary = {}
     for name in names:
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> dict:
         if "transformers" in args.engines:  # shares the HF model instance: identical weights, dtype, threads
             engines["transformers"] = TransformersEngine(path, model=model, dtype=torch.float32, seed=args.seed)
         if "vllm" in args.engines:
-            from rayllm_rl.inference.vllm_engine import VLLMEngine, VLLMOptions
+            from rayllm_rl.inference.vllm.engine import VLLMEngine, VLLMOptions
 
             opts = VLLMOptions(kv_cache_mb=args.kv_cache_mb, max_num_seqs=max(256, args.batch_size, args.sync_load))
             engines["vllm"] = VLLMEngine(path, seed=args.seed, options=opts)

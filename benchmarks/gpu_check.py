@@ -556,7 +556,7 @@ class GPUCheck:
         from rayllm_rl.objectives import GRPOLoss
 
         a, out = self.args, self.result["learner"]
-        self.wait(self.engine.sleep(1), "engine.sleep")
+        self.wait(self.engine.turns.sleep(1), "engine.turns.sleep")
         self.learner.onload()
         loss = GRPOLoss()
         self.learner.train_step(self.batch, loss)  # warm-up: optimizer state, kernels
@@ -592,14 +592,14 @@ class GPUCheck:
             transport = "object_store"
         h["transport"] = transport
         metas = self.learner.weight_metas()
-        spec = make_spec(transport, metas_to_spec(metas), receivers=self.engine.receiving_processes(transport),
+        spec = make_spec(transport, metas_to_spec(metas), receivers=self.engine.weights.receiving_processes(transport),
                          timeout_s=a.phase_timeout_s, bucket_bytes=16 << 20, host="127.0.0.1")
         opened = open_sender(spec, metas)  # learner rank 0's end first: a group binds its store here
         spec = spec.with_init(opened.init)  # what the engine joins (the port rank 0 bound)
 
         async def setup():  # a group transport's sender waits for the receivers: finish it while they join
             sender, _ = await asyncio.gather(asyncio.to_thread(opened.finish),
-                                             self.engine.init_update_group(spec.for_rank(1)))
+                                             self.engine.weights.init_update_group(spec.for_rank(1)))
             return sender
 
         try:
@@ -608,24 +608,24 @@ class GPUCheck:
             opened.close()  # what opening bound, if finishing never started (else finishing releases it)
             raise
         try:
-            self.wait(self.engine.wake_up(["weights"]), "engine.wake_up(weights)")
+            self.wait(self.engine.turns.wake_up(["weights"]), "engine.turns.wake_up(weights)")
             sync(self.device)
             t0 = time.perf_counter()
             if spec.info.pulls:  # the sender publishes, the engine fetches what it was handed
                 stats, handoff = sender.send(self.learner.iter_named_tensors(), 1)
-                got = self.wait(self.engine.receive_weights(handoff), "engine.receive_weights")
+                got = self.wait(self.engine.weights.receive_weights(handoff), "engine.weights.receive_weights")
             else:
                 async def push():
                     return await asyncio.gather(asyncio.to_thread(sender.send, self.learner.iter_named_tensors(), 1),
-                                                self.engine.receive_weights(None))
+                                                self.engine.weights.receive_weights(None))
 
                 (stats, _), got = self.wait(push(), f"the {transport} weight sync")
             sync(self.device)
             h.update(handoff_s=time.perf_counter() - t0, bytes=int(stats.bytes), stall_s=float(got["stall_s"]))
             want = weights_checksum(self.learner.named_tensors())
             self.learner.offload()
-            self.wait(self.engine.wake_up(["kv_cache"]), "engine.wake_up(kv_cache)")
-            have = self.wait(self.engine.weights_checksum(), "engine.weights_checksum")
+            self.wait(self.engine.turns.wake_up(["kv_cache"]), "engine.turns.wake_up(kv_cache)")
+            have = self.wait(self.engine.weights.weights_checksum(), "engine.weights.weights_checksum")
             h["weights_equal"] = math.isclose(want, have, rel_tol=1e-6, abs_tol=1e-6)
             if not h["weights_equal"]:
                 raise RuntimeError(f"after the handoff the engine's weights differ from the learner's "
@@ -653,7 +653,7 @@ class GPUCheck:
         engine, self.engine, self.learner, self.batch = self.engine, None, None, None
         if engine is not None:
             try:
-                self.wait(engine.close_update_group(), "leaving the weight sync")  # its segments, its group
+                self.wait(engine.weights.close_update_group(), "leaving the weight sync")  # its segments, its group
                 self.wait(engine.aclose(), "closing the engine")
             except Exception as exc:  # noqa: BLE001 - recorded; the demo still runs
                 self.result["errors"].append(f"cleanup: closing the engine: {type(exc).__name__}: {exc}")

@@ -2,7 +2,7 @@
 
 The learner (`rayllm_rl.learner.Learner`) runs in this process and trains one step per version; the
 replica (the Transformers engine) runs in a spawned process on the same device, as a colocated replica
-actor does. Both ends come from the transport registry (`open_sender`, `engine.init_update_group`):
+actor does. Both ends come from the transport registry (`open_sender`, `engine.weights.init_update_group`):
 
 - `--device cuda`: the colocated plan, `cuda_ipc` (the replica opens the learner's own GPU memory and
   copies device to device). NCCL cannot join two ranks on one GPU, so it is not measured here.
@@ -80,7 +80,7 @@ def replica_main(conn, model_path: str, dtype: str, device: str, timeout_s: floa
             if cmd == "stop":
                 break
             if cmd == "init":
-                run(engine.init_update_group(args))
+                run(engine.weights.init_update_group(args))
                 conn.send(("ok", None))
             elif cmd == "generate":
                 reqs = _requests(**args)
@@ -98,9 +98,9 @@ def replica_main(conn, model_path: str, dtype: str, device: str, timeout_s: floa
                     background.cancel()
                     loop.run_until_complete(asyncio.gather(background, return_exceptions=True))
                     background = None
-                conn.send(("ok", run(engine.receive_weights(handoff))))
+                conn.send(("ok", run(engine.weights.receive_weights(handoff))))
             elif cmd == "checksum":
-                conn.send(("ok", run(engine.weights_checksum())))
+                conn.send(("ok", run(engine.weights.weights_checksum())))
             else:
                 raise ValueError(f"replica: unknown command {cmd!r}")
     except BaseException as exc:  # noqa: BLE001 - reported to the learner, which fails the run
@@ -110,7 +110,7 @@ def replica_main(conn, model_path: str, dtype: str, device: str, timeout_s: floa
             background.cancel()
             loop.run_until_complete(asyncio.gather(background, return_exceptions=True))
         if engine is not None:
-            loop.run_until_complete(asyncio.wait_for(engine.close_update_group(), timeout_s))
+            loop.run_until_complete(asyncio.wait_for(engine.weights.close_update_group(), timeout_s))
             loop.run_until_complete(asyncio.wait_for(engine.aclose(), timeout_s))
         loop.close()
 

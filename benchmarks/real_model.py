@@ -235,7 +235,7 @@ def part_sync(lt, engines: dict, learner, args) -> dict:
             spec = make_spec(transport, metas_to_spec(metas), receivers=1, timeout_s=300.0, host="127.0.0.1")
             opened = open_sender(spec, metas)  # a group binds its store here; the engine joins the port it bound
             joined = asyncio.run_coroutine_threadsafe(
-                engine.init_update_group(spec.with_init(opened.init).for_rank(1)), lt.loop)
+                engine.weights.init_update_group(spec.with_init(opened.init).for_rank(1)), lt.loop)
             try:
                 sender = opened.finish()  # a group: waits (<= timeout_s) for the receiver to join
             finally:
@@ -243,7 +243,7 @@ def part_sync(lt, engines: dict, learner, args) -> dict:
             try:
                 for rep in range(args.sync_repeats):
                     version, t0 = engine.version + 1, time.perf_counter()
-                    got = asyncio.run_coroutine_threadsafe(engine.receive_weights(), lt.loop)
+                    got = asyncio.run_coroutine_threadsafe(engine.weights.receive_weights(), lt.loop)
                     stats, _ = sender.send(learner.iter_named_tensors(), version)  # every phase bounded by timeout_s
                     got = got.result(600)
                     wall = time.perf_counter() - t0
@@ -253,7 +253,7 @@ def part_sync(lt, engines: dict, learner, args) -> dict:
                                  "bytes": stats.bytes, "gb_per_s": stats.bytes / wall / 1e9})
                     print(f"sync {name:12s} {transport:4s} {wall:6.2f}s {runs[-1]['gb_per_s']:5.2f} GB/s", file=sys.stderr)
             finally:
-                lt.call(engine.close_update_group(), 120, "close_update_group")
+                lt.call(engine.weights.close_update_group(), 120, "close_update_group")
                 sender.close()
     keys = sorted({(r["engine"], r["transport"]) for r in runs})
     return {"model_bytes": sum(m.nbytes for m in metas), "tensors": len(metas),
@@ -385,7 +385,7 @@ def start_engines(lt, path: str, model, want: set, sets, args, result: dict) -> 
     if "vllm" in want:
         from transformers import AutoConfig
 
-        from rayllm_rl.inference.vllm_engine import VLLMEngine, VLLMOptions
+        from rayllm_rl.inference.vllm.engine import VLLMEngine, VLLMOptions
 
         longest, rows, cfg = max(len(p) for s in sets for p in s), args.train_prompts * args.train_samples, \
             AutoConfig.from_pretrained(path)
@@ -399,7 +399,7 @@ def start_engines(lt, path: str, model, want: set, sets, args, result: dict) -> 
         lt.call(engines["vllm"].start(), 600, "vLLM start")
         result["vllm"] = {"start_s": time.perf_counter() - t0, "kv_cache_mb": mb, "max_model_len": 2048}
     if "transformers" in want:
-        from rayllm_rl.inference.transformers_engine import TransformersEngine
+        from rayllm_rl.inference.transformers.engine import TransformersEngine
 
         engines["transformers"] = TransformersEngine(path, model=model, dtype=torch.float32, seed=args.seed)
     return engines

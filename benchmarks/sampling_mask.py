@@ -31,7 +31,7 @@ MODEL = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def sample_batch(model_path: str, tokenizer, args) -> list:
-    from rayllm_rl.inference.transformers_engine import TransformersEngine
+    from rayllm_rl.inference.transformers.engine import TransformersEngine
 
     engine = TransformersEngine(model_path, seed=args.seed, device="cpu")
     gen = torch.Generator().manual_seed(args.seed)

@@ -116,7 +116,7 @@ def main(argv=None) -> dict:
     import vs_trl
     from rayllm_rl.envs.reasoning_gym_task import make_reward, make_splits
     from rayllm_rl.hub import resolve_model_path
-    from rayllm_rl.inference.transformers_engine import TransformersEngine
+    from rayllm_rl.inference.transformers.engine import TransformersEngine
     from rayllm_rl.workflows.rlvr import tokenize_prompt
 
     args = parse_args(argv)

@@ -201,7 +201,7 @@ def greedy_eval(model_dir: str, model, tokenizer, rows, reward, max_new_tokens: 
     """Our job's held-out evaluation (`evaluate_greedy`, a `TransformersEngine`) on `model` as it is in memory."""
     import torch
 
-    from rayllm_rl.inference.transformers_engine import TransformersEngine
+    from rayllm_rl.inference.transformers.engine import TransformersEngine
     from rayllm_rl.workflows.evaluation import evaluate_greedy
 
     was_training = model.training

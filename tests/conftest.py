@@ -61,7 +61,7 @@ def tokenizer(tiny_model_path):
 
 @pytest.fixture()
 def engine(tiny_model_path):
-    from rayllm_rl.inference.transformers_engine import TransformersEngine
+    from rayllm_rl.inference.transformers.engine import TransformersEngine
 
     return TransformersEngine(tiny_model_path, seed=0, device="cpu")  # CPU tests, also where a GPU is seen
 

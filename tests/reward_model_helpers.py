@@ -126,7 +126,7 @@ def policy_samples(policy_path: str, rows, per_prompt: int, temperatures=(1.0, 1
     """(row, completion, label): `per_prompt` completions of every row sampled from the policy at each
     temperature (the policy's neighbourhood, where RL will look), labelled by the rule."""
     from rayllm_rl.inference.protocol import LLMRequest, SamplingParams
-    from rayllm_rl.inference.transformers_engine import TransformersEngine
+    from rayllm_rl.inference.transformers.engine import TransformersEngine
     from rayllm_rl.workflows.rlvr import tokenize_prompt
 
     engine = TransformersEngine(policy_path, seed=0, device="cpu")

@@ -30,7 +30,7 @@ def install() -> None:
     worker's start, which Ray runs only a few at a time)."""
     import sys
 
-    sys.meta_path.insert(0, _PatchOnImport({"rayllm_rl.inference.transformers_engine": _patch_engine,
+    sys.meta_path.insert(0, _PatchOnImport({"rayllm_rl.inference.transformers.engine": _patch_engine,
                                             "rayllm_rl.weight_sync.shm": _patch_shm_receiver}))
 
 

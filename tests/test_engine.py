@@ -10,7 +10,7 @@ import torch
 
 from rayllm_rl.inference.protocol import LLMRequest, SamplingParams
 from rayllm_rl.inference.decoding import DecodeLock
-from rayllm_rl.inference.transformers_engine import PromptTooLongError
+from rayllm_rl.inference.transformers.engine import PromptTooLongError
 from rayllm_rl.sampling_mask import SamplingMask, masked_logprobs
 
 
@@ -33,7 +33,7 @@ def forward_logprobs(model, prompt, output, temperature=1.0, mask=SamplingMask()
     SamplingParams(max_new_tokens=24, temperature=1.3, top_p=0.9),
 ])
 def test_logprobs_equal_full_forward_and_versions_stamped(engine, tokenizer, sampling):
-    engine.load_weights_sync(engine.named_parameters(), version=3)  # same weights, version 3
+    engine.weights.load_weights_sync(engine.weights.named_parameters(), version=3)  # same weights, version 3
     prompts = [chat_ids(tokenizer, "What is %d+%d?" % (i, 7 * i) + " please" * (i % 4)) for i in range(12)]
 
     async def run():
@@ -82,7 +82,7 @@ def test_bad_requests_fail_clearly(engine, tokenizer):
     with pytest.raises(ValueError, match="empty input_ids"):
         engine.generate([LLMRequest(input_ids=[])])
     with pytest.raises(KeyError, match="unknown parameter names"):
-        engine.load_weights_sync({"not.a.param": torch.zeros(1)})
+        engine.weights.load_weights_sync({"not.a.param": torch.zeros(1)})
 
 
 def test_bad_request_fails_only_its_caller(engine, tokenizer):
@@ -128,7 +128,7 @@ def test_weight_swap_lands_between_decode_steps(engine, tokenizer):
 
     old_model = copy.deepcopy(engine.model)
     torch.manual_seed(1)
-    new_weights = {k: v + 0.05 * torch.randn_like(v) for k, v in engine.named_parameters().items()}
+    new_weights = {k: v + 0.05 * torch.randn_like(v) for k, v in engine.weights.named_parameters().items()}
     prompts = [chat_ids(tokenizer, f"count {i}") for i in range(4)]
     sp = SamplingParams(max_new_tokens=400, ignore_eos=True)
     result = {}
@@ -137,7 +137,7 @@ def test_weight_swap_lands_between_decode_steps(engine, tokenizer):
     deadline = time.time() + 60
     while engine.stats.decode_steps < 20 and time.time() < deadline:
         time.sleep(0.001)
-    engine.load_weights_sync(new_weights, version=1)
+    engine.weights.load_weights_sync(new_weights, version=1)
     worker.join(timeout=120)
     assert not worker.is_alive()
     for p, r in zip(prompts, result["r"]):
@@ -148,21 +148,21 @@ def test_weight_swap_lands_between_decode_steps(engine, tokenizer):
         assert (before - torch.tensor(r.output_logprobs[:k])).abs().max().item() <= 1e-4
         after = forward_logprobs(engine.model, p, r.output_tokens)[k:]
         assert (after - torch.tensor(r.output_logprobs[k:])).abs().max().item() <= 1e-4
-    assert all(torch.equal(engine.named_parameters()[k], v) for k, v in new_weights.items())
+    assert all(torch.equal(engine.weights.named_parameters()[k], v) for k, v in new_weights.items())
     assert engine.stats.cache_rebuilds == 1
 
 
 def test_swap_weights_exchanges_buffers_and_bumps_version(engine, tokenizer):
-    old = {k: v.clone() for k, v in engine.named_parameters().items()}
-    back = {k: torch.empty_like(v) for k, v in engine.named_parameters().items()}
+    old = {k: v.clone() for k, v in engine.weights.named_parameters().items()}
+    back = {k: torch.empty_like(v) for k, v in engine.weights.named_parameters().items()}
     for k, v in back.items():
         v.copy_(old[k] + 1.0)
-    stall = engine.swap_weights(back, version=5)
+    stall = engine.weights.swap_weights(back, version=5)
     assert stall >= 0 and engine.version == 5
-    for k, v in engine.named_parameters().items():
+    for k, v in engine.weights.named_parameters().items():
         assert torch.equal(v, old[k] + 1.0) and torch.equal(back[k], old[k])
     r, = engine.generate([LLMRequest(input_ids=chat_ids(tokenizer, "x"), sampling=SamplingParams(max_new_tokens=4, ignore_eos=True))])
     assert r.output_versions == [5] * 4
     assert (forward_logprobs(engine.model, r.input_tokens, r.output_tokens) - torch.tensor(r.output_logprobs)).abs().max() <= 1e-4
     with pytest.raises(ValueError, match="expected"):
-        engine.swap_weights({"model.norm.weight": torch.zeros(3)}, version=6)
+        engine.weights.swap_weights({"model.norm.weight": torch.zeros(3)}, version=6)

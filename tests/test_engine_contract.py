@@ -40,10 +40,10 @@ class LoopThread(EventLoopThread):
 
 def build_engine(kind: str, path: str):
     if kind == "transformers":
-        from rayllm_rl.inference.transformers_engine import TransformersEngine
+        from rayllm_rl.inference.transformers.engine import TransformersEngine
 
         return TransformersEngine(path, seed=0)
-    from rayllm_rl.inference.vllm_engine import VLLMEngine, VLLMOptions
+    from rayllm_rl.inference.vllm.engine import VLLMEngine, VLLMOptions
 
     return VLLMEngine(path, seed=0, options=VLLMOptions(kv_cache_mb=128))
 
@@ -186,16 +186,16 @@ def update_over_group(loop, engine, named, version, transport):
                      receivers=1, timeout_s=60.0, bucket_bytes=1 << 16, host="127.0.0.1",
                      readers=[reader_stand_in()] if info.needs_readers else ())
     rank0 = OpenedInBackground(spec, metas)  # finishes while the engine joins (a group waits for its peers)
-    loop.run(engine.init_update_group(rank0.spec.for_rank(1)))
+    loop.run(engine.weights.init_update_group(rank0.spec.for_rank(1)))
     sender = rank0.sender(60)
     box: dict = {}
     if spec.info.pulls:  # publish first, then the receiver fetches what the handoff names
         stats, handoff = sender.send(named, version)
-        result = loop.run(engine.receive_weights(handoff))
+        result = loop.run(engine.weights.receive_weights(handoff))
     else:  # the bytes move in a collective both ends join
         send = threading.Thread(target=lambda: box.setdefault("sent", sender.send(named, version)))
         send.start()
-        result = loop.run(engine.receive_weights())
+        result = loop.run(engine.weights.receive_weights())
         send.join(60)
         stats = box["sent"][0]
     assert stats.version == version and stats.bytes == sum(m.nbytes for m in metas)
@@ -252,7 +252,7 @@ def test_update_bumps_version_and_leaves_no_stale_kv(served, hf_model, tokenizer
     try:
         assert result["version"] == v + 1 and engine.version == v + 1
         assert result["stall_s"] >= 0 and result["receive_s"] >= 0
-        sums_equal = abs(loop.run(engine.weights_checksum()) - _checksum(new))
+        sums_equal = abs(loop.run(engine.weights.weights_checksum()) - _checksum(new))
         assert sums_equal <= 1e-6 * abs(_checksum(new))
         (after,) = generate(loop, engine, [p], sp)
         assert after.output_versions == [v + 1] * 8
@@ -263,7 +263,7 @@ def test_update_bumps_version_and_leaves_no_stale_kv(served, hf_model, tokenizer
             (forward_logprobs(hf_model, p, after.output_tokens) - ref).abs().max().item() > 1e-3
         engine._test_reference = fresh  # later tests compare against the weights the engine now holds
     finally:
-        loop.run(engine.close_update_group())
+        loop.run(engine.weights.close_update_group())
         sender.close()
 
 
@@ -282,8 +282,8 @@ def test_direct_load_weights_sets_weights_and_version(served, hf_model, tokenize
     new = perturbed(hf_model, 0.05, seed=100 + v)
     fresh = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     fresh.load_state_dict(new, strict=False)
-    assert loop.run(engine.load_weights(new, v + 1)) == v + 1 and engine.version == v + 1
-    assert abs(loop.run(engine.weights_checksum()) - _checksum(new)) <= 1e-6 * abs(_checksum(new))
+    assert loop.run(engine.weights.load_weights(new, v + 1)) == v + 1 and engine.version == v + 1
+    assert abs(loop.run(engine.weights.weights_checksum()) - _checksum(new)) <= 1e-6 * abs(_checksum(new))
     p = chat_ids(tokenizer, "What is 5+6?")
     (r,) = generate(loop, engine, [p], SamplingParams(max_new_tokens=8, greedy=True, ignore_eos=True))
     assert r.output_versions == [v + 1] * 8
@@ -291,12 +291,19 @@ def test_direct_load_weights_sets_weights_and_version(served, hf_model, tokenize
     engine._test_reference = fresh
 
 
-@pytest.mark.parametrize("engine", ["transformers", "vllm"])
-def test_every_engine_is_a_weight_sink_with_generation_turns(engine):
-    """The two halves of the engine contract are separate protocols, and each engine class has both."""
-    from rayllm_rl.inference.protocol import GenerationTurns, WeightSink
-    from rayllm_rl.inference.registry import job_side
+@pytest.mark.parametrize("kind", ["transformers", "vllm"])
+def test_every_engine_holds_a_weight_sink_and_generation_turns(kind, tiny_model_path):
+    """The engine contract's three parts are separate protocols: an engine generates, and holds its weight sink
+    (`engine.weights`) and its turns (`engine.turns`) as parts, not as mixed-in methods. Built, not started."""
+    from rayllm_rl.inference.protocol import GenerationTurns, InferenceEngine, WeightSink
+    from rayllm_rl.inference.registry import build_engine, engine_installed
 
-    cls = job_side(engine).engine_class()
-    assert issubclass(cls, WeightSink) and issubclass(cls, GenerationTurns)
+    if not engine_installed(kind):
+        pytest.skip(f"{kind} is not installed here (VLLM=0 make install)")
+    engine = build_engine(kind, tiny_model_path)
+    assert isinstance(engine, InferenceEngine)
+    assert isinstance(engine.weights, WeightSink) and isinstance(engine.turns, GenerationTurns)
+    assert not isinstance(engine, WeightSink) and not isinstance(engine, GenerationTurns)
+    assert not isinstance(engine.weights, GenerationTurns) and not isinstance(engine.turns, WeightSink)
+    assert engine.version == engine.weights.version == 0
     assert not {"pause", "sleep", "wake_up", "resume"} & set(WeightSink.__dict__)

@@ -147,7 +147,7 @@ def test_transformers_engine_from_hub_id_and_revision(hub_model, tokenizer):
 
     engine = build_engine("transformers", REPO)
     assert engine.model_path == hub_model.main
-    assert asyncio.run(engine.weights_checksum()) == pytest.approx(hub_model.main_sum, rel=1e-9)
+    assert asyncio.run(engine.weights.weights_checksum()) == pytest.approx(hub_model.main_sum, rel=1e-9)
     prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+3?"}],
                                                 add_generation_prompt=True, tokenize=True, return_dict=False))
     out = asyncio.run(engine.agenerate(LLMRequest(input_ids=prompt, sampling=SamplingParams(
@@ -155,7 +155,7 @@ def test_transformers_engine_from_hub_id_and_revision(hub_model, tokenizer):
     assert out.output_len == 5 and out.input_tokens == prompt
     pinned = build_engine("transformers", REPO, revision="v1")
     assert pinned.model_path == hub_model.v1
-    assert asyncio.run(pinned.weights_checksum()) == pytest.approx(hub_model.v1_sum, rel=1e-9)
+    assert asyncio.run(pinned.weights.weights_checksum()) == pytest.approx(hub_model.v1_sum, rel=1e-9)
 
 
 @pytest.mark.vllm
@@ -173,11 +173,11 @@ def test_vllm_engine_from_hub_id_reads_its_sink_metadata_from_the_snapshot(hub_m
     assert engine.model_path == hub_model.main
     with safe_open(os.path.join(tiny_model_path, "model.safetensors"), framework="pt") as st:
         expected = {name: tuple(st.get_slice(name).get_shape()) for name in st.keys()}
-    assert {name: shape for name, shape, _ in engine.weight_metadata()} == expected
+    assert {name: shape for name, shape, _ in engine.weights.weight_metadata()} == expected
     loop = EventLoopThread("hub-vllm")
     try:
         loop.call(engine.start(), VLLM_START_S, "vLLM start")
-        checksum = loop.call(engine.weights_checksum(), 120, "vLLM checksum")
+        checksum = loop.call(engine.weights.weights_checksum(), 120, "vLLM checksum")
         prompt = list(AutoTokenizer.from_pretrained(REPO).apply_chat_template(
             [{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True, tokenize=True, return_dict=False))
         out = loop.call(engine.agenerate(LLMRequest(input_ids=prompt, sampling=SamplingParams(

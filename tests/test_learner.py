@@ -35,10 +35,10 @@ def test_learner_logprobs_equal_engine_and_sync_makes_weights_equal(engine, toke
     diff = ((lp - batch["logprobs"]) * batch["loss_mask"]).abs().max().item()
     assert diff <= 1e-4
     learner.train_step(batch, GRPOLoss())
-    assert any(not torch.equal(v, engine.named_parameters()[k]) for k, v in learner.named_tensors().items())
-    engine.load_weights_sync(learner.named_tensors(), version=1)
+    assert any(not torch.equal(v, engine.weights.named_parameters()[k]) for k, v in learner.named_tensors().items())
+    engine.weights.load_weights_sync(learner.named_tensors(), version=1)
     for k, v in learner.named_tensors().items():
-        assert torch.equal(engine.named_parameters()[k], v), k
+        assert torch.equal(engine.weights.named_parameters()[k], v), k
     assert engine.version == 1
     batch2 = rollout_batch(engine, tokenizer, by_length, temperature=0.8)
     assert set(batch2["versions"][batch2["loss_mask"]].tolist()) == {1}

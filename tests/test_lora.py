@@ -99,7 +99,7 @@ def test_config_checks_name_the_key(overrides, match):
 
 def test_config_target_modules_from_the_command_line():
     from rayllm_rl.config import apply_dict, parse_overrides
-    from rayllm_rl.inference.vllm_lora import max_lora_rank
+    from rayllm_rl.inference.vllm.lora import max_lora_rank
     from rayllm_rl.job.config import GRPOJobConfig
 
     cfg = apply_dict(GRPOJobConfig(), parse_overrides(["model.lora.rank=4", "model.lora.target_modules=[q_proj,v_proj]"]))
@@ -218,17 +218,17 @@ def sync_adapter(loop, engine, learner: Learner, version: int, transport: str = 
     from weight_sync_helpers import OpenedInBackground
 
     metas = learner.weight_metas()
-    spec = make_spec(transport, metas_to_spec(metas), receivers=engine.receiving_processes(transport), timeout_s=60.0,
+    spec = make_spec(transport, metas_to_spec(metas), receivers=engine.weights.receiving_processes(transport), timeout_s=60.0,
                      bucket_bytes=1 << 16, host="127.0.0.1")
     rank0 = OpenedInBackground(spec, metas)  # a group binds its store here, finishes while the engine joins
-    loop.run(engine.init_update_group(rank0.spec.for_rank(1)))
+    loop.run(engine.weights.init_update_group(rank0.spec.for_rank(1)))
     box: dict = {"sender": rank0.sender(60)}
     send = threading.Thread(target=lambda: box.setdefault("sent", box["sender"].send(learner.iter_named_tensors(),
                                                                                       version)))
     send.start()
-    result = loop.run(engine.receive_weights())
+    result = loop.run(engine.weights.receive_weights())
     send.join(60)
-    loop.run(engine.close_update_group())
+    loop.run(engine.weights.close_update_group())
     box["sender"].close()
     return result, box["sent"][0]
 
@@ -269,7 +269,7 @@ def check_engine_follows_learner(kind, engine, loop, tiny_model_path, batch, tok
         adapter_bytes = nbytes(learner.named_tensors())
         assert stats.bytes == adapter_bytes == 58368 * 4  # the adapter, nothing else
         assert result["version"] == version == engine.version
-        assert abs(loop.run(engine.weights_checksum()) - weights_checksum(learner.named_tensors())) <= 1e-6 * \
+        assert abs(loop.run(engine.weights.weights_checksum()) - weights_checksum(learner.named_tensors())) <= 1e-6 * \
             abs(weights_checksum(learner.named_tensors()))
         out = generate(loop, engine, prompts, sp)
         assert all(r.output_versions == [version] * 8 for r in out)
@@ -288,12 +288,12 @@ def check_engine_follows_learner(kind, engine, loop, tiny_model_path, batch, tok
 
 
 def test_transformers_engine_serves_the_synced_adapter(tiny_model_path, batch, tokenizer):
-    from rayllm_rl.inference.transformers_engine import TransformersEngine
+    from rayllm_rl.inference.transformers.engine import TransformersEngine
 
     loop = LoopThread()
     engine = TransformersEngine(tiny_model_path, seed=0, device="cpu", lora=LORA)
     try:
-        assert [m[0] for m in engine.weight_metadata()] == [peft_name(n) for n, p in engine.model.named_parameters()
+        assert [m[0] for m in engine.weights.weight_metadata()] == [peft_name(n) for n, p in engine.model.named_parameters()
                                                               if ".lora_" in n]
         check_engine_follows_learner("transformers", engine, loop, tiny_model_path, batch, tokenizer)
         assert engine.stats.cache_rebuilds >= 0
@@ -308,11 +308,11 @@ def test_transformers_engine_reprefills_a_request_in_flight(tiny_model_path, bat
     import time
 
     from rayllm_rl.inference.protocol import LLMRequest, SamplingParams
-    from rayllm_rl.inference.transformers_engine import TransformersEngine
+    from rayllm_rl.inference.transformers.engine import TransformersEngine
 
     learner = trained_learner(tiny_model_path, batch, steps=1)
     engine = TransformersEngine(tiny_model_path, seed=0, device="cpu", lora=LORA)
-    engine.load_weights_sync(learner.named_tensors(), version=1)
+    engine.weights.load_weights_sync(learner.named_tensors(), version=1)
     learner.train_step(batch, GRPOLoss())
     new = {k: v.clone() for k, v in learner.named_tensors().items()}
     p = list(tokenizer.apply_chat_template([{"role": "user", "content": "What is 3+4?"}], add_generation_prompt=True,
@@ -323,7 +323,7 @@ def test_transformers_engine_reprefills_a_request_in_flight(tiny_model_path, bat
         nonlocal calls
         calls += 1
         if calls == 4:
-            swapper.append(threading.Thread(target=engine.swap_weights, args=(new, 2)))
+            swapper.append(threading.Thread(target=engine.weights.swap_weights, args=(new, 2)))
             swapper[0].start()
             time.sleep(0.3)  # the writer holds the gate and waits for this step to end
         return forward(*a, **k)
@@ -383,14 +383,14 @@ def _fsdp_rank(dist_cfg, queue, path: str, batch, ckpt: str) -> None:
 def test_vllm_engine_serves_the_synced_adapter(tiny_model_path, batch, tokenizer):
     """vLLM's CPU build with enable_lora: the adapter arrives over gloo in the replica (this engine), is
     written in PEFT format and loaded in place; logprobs equal the learner's peft forward, versions stamped."""
-    from rayllm_rl.inference.vllm_engine import VLLMEngine, VLLMOptions
+    from rayllm_rl.inference.vllm.engine import VLLMEngine, VLLMOptions
     from rayllm_rl.inference.protocol import SamplingParams
 
     loop = LoopThread()
     engine = VLLMEngine(tiny_model_path, seed=0, options=VLLMOptions(kv_cache_mb=128), lora=LORA)
     try:
         loop.run(engine.start())
-        assert engine.receiving_processes("gloo") == 1
+        assert engine.weights.receiving_processes("gloo") == 1
         # before any update: the all-zero adapter, i.e. the base model, at version 0
         p = list(tokenizer.apply_chat_template([{"role": "user", "content": "What is 1+2?"}],
                                                add_generation_prompt=True, tokenize=True, return_dict=False))
@@ -399,7 +399,7 @@ def test_vllm_engine_serves_the_synced_adapter(tiny_model_path, batch, tokenizer
         assert r0.output_versions == [0] * 6
         assert float((torch.tensor(r0.output_logprobs) - learner_logprobs(base, [r0])[0]).abs().max()) <= 2e-4
         check_engine_follows_learner("vllm", engine, loop, tiny_model_path, batch, tokenizer)
-        assert len(os.listdir(engine._adapters.root)) <= 2  # old version directories are deleted
+        assert len(os.listdir(engine.weights.adapters.root)) <= 2  # old version directories are deleted
     finally:
         loop.run(engine.aclose())
         loop.close()

@@ -64,8 +64,8 @@ def test_same_weights_give_no_mismatch_and_other_weights_the_measured_one(engine
 
     with torch.no_grad():  # the engine samples from other weights: the learner's view of its tokens moves
         other = {k: v + 0.05 * torch.randn(v.shape, generator=torch.Generator().manual_seed(0))
-                 for k, v in engine.named_parameters().items()}
-    engine.load_weights_sync(other, version=0)
+                 for k, v in engine.weights.named_parameters().items()}
+    engine.weights.load_weights_sync(other, version=0)
     batch = _batch(engine, tokenizer)
     mask = batch["loss_mask"].bool()
     moved = learner.train_step(batch, GRPOLoss())

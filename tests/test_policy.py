@@ -38,7 +38,7 @@ def test_history_mode_two_turns_token_first(engine, tokenizer):
     policy = LLMPolicy(engine, tokenizer, input_mode="history", prefer_tokens=True,
                        sampling=SamplingParams(max_new_tokens=12))
     td = env.reset()
-    engine.load_weights_sync(engine.named_parameters(), version=7)
+    engine.weights.load_weights_sync(engine.weights.named_parameters(), version=7)
     for turn in range(2):
         prompt_tokens = [t.clone() for t in td.get(("tokens", "prompt"), as_list=True)]
         td = asyncio.run(policy(td))

@@ -420,7 +420,7 @@ def test_policy_learns_arithmetic_from_a_reward_model_alone(ray_with_two_gpus, t
 
 def greedy_rule_reward(checkpoint: Path, rows) -> float:
     """Mean rule reward of the greedy answers of a saved policy on `rows` (`evaluate_greedy`, in process)."""
-    from rayllm_rl.inference.transformers_engine import TransformersEngine
+    from rayllm_rl.inference.transformers.engine import TransformersEngine
     from rayllm_rl.workflows.evaluation import evaluate_greedy
 
     engine = TransformersEngine(str(checkpoint), device="cpu")

@@ -14,8 +14,8 @@ import torch
 
 from rayllm_rl.inference.protocol import LLMRequest, SamplingParams, weights_checksum
 from rayllm_rl.inference.registry import EngineJob
-from rayllm_rl.inference.transformers_engine import TransformersEngine, TransformersOptions
-from rayllm_rl.inference.transformers_job import TransformersJobSide
+from rayllm_rl.inference.transformers.engine import TransformersEngine, TransformersOptions
+from rayllm_rl.inference.transformers.job import TransformersJobSide
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -47,7 +47,7 @@ def request(tok, text, n=12):
 def perturbed(engine, seed, scale=0.05):
     g = torch.Generator().manual_seed(seed)
     return {k: (v.detach().cpu().float() + scale * torch.randn(v.shape, generator=g)).to(v.dtype)
-            for k, v in engine.named_parameters().items()}
+            for k, v in engine.weights.named_parameters().items()}
 
 
 # ------------------------------------------------------------------------------------------ dtype
@@ -56,7 +56,7 @@ def test_bfloat16_reaches_the_model_and_logprobs_stay_close_to_float32(tiny_mode
 
     engine = TransformersEngine(tiny_model_path, dtype=torch.bfloat16, seed=0, device="cpu")
     assert engine.device == torch.device("cpu") and engine.dtype == torch.bfloat16
-    assert {p.dtype for p in engine.named_parameters().values()} == {torch.bfloat16}
+    assert {p.dtype for p in engine.weights.named_parameters().values()} == {torch.bfloat16}
     assert engine.model.config._attn_implementation == "sdpa"
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     responses = engine.generate([request(tokenizer, "What is %d+%d?" % (i, 3 * i) + " please" * (i % 3), 24)
@@ -89,28 +89,28 @@ def test_check_job_allows_bfloat16_on_gpu_replicas_only():
 
 # ------------------------------------------------------------------------------------------ sleep
 def test_a_request_sent_while_asleep_waits_for_both_tags(engine, tokenizer):
-    before = {k: v.clone() for k, v in engine.named_parameters().items()}
-    engine.set_version(4)
+    before = {k: v.clone() for k, v in engine.weights.named_parameters().items()}
+    engine.weights.set_version(4)
 
     async def run():
-        await engine.sleep(1)
-        await engine.sleep(1)  # idempotent
-        assert engine.sleeping
+        await engine.turns.sleep(1)
+        await engine.turns.sleep(1)  # idempotent
+        assert engine.turns.sleeping
         task = asyncio.ensure_future(engine.agenerate(request(tokenizer, "hi there")))
         await asyncio.sleep(0.3)
         assert not task.done() and engine.stats.decode_steps == 0
-        await engine.wake_up(["weights"])
+        await engine.turns.wake_up(["weights"])
         await asyncio.sleep(0.2)
-        assert engine.sleeping and not task.done() and engine.stats.decode_steps == 0  # kv_cache still down
-        await engine.wake_up(["kv_cache"])
-        await engine.wake_up()  # idempotent
+        assert engine.turns.sleeping and not task.done() and engine.stats.decode_steps == 0  # kv_cache still down
+        await engine.turns.wake_up(["kv_cache"])
+        await engine.turns.wake_up()  # idempotent
         return await asyncio.wait_for(task, 60)
 
     r = asyncio.run(run())
-    assert not engine.sleeping and engine.version == 4
+    assert not engine.turns.sleeping and engine.version == 4
     assert r.output_len == 12 and r.output_versions == [4] * 12
     assert max_gap(engine.model, [r]) <= 1e-4
-    assert all(torch.equal(v, before[k]) for k, v in engine.named_parameters().items())
+    assert all(torch.equal(v, before[k]) for k, v in engine.weights.named_parameters().items())
     assert engine.stats.sleeps == 2
 
 
@@ -124,11 +124,11 @@ def test_sleep_stops_a_batch_in_flight_and_it_finishes_after_wake_up(engine, tok
             if engine.stats.decode_steps >= 10:
                 break
             await asyncio.sleep(0.005)
-        await engine.sleep(1)
+        await engine.turns.sleep(1)
         held_at = engine.stats.decode_steps
         await asyncio.sleep(0.3)
         assert engine.stats.decode_steps == held_at and not task.done()
-        await engine.wake_up()
+        await engine.turns.wake_up()
         return held_at, await asyncio.wait_for(task, 120)
 
     held_at, responses = asyncio.run(run())
@@ -141,73 +141,73 @@ def test_sleep_stops_a_batch_in_flight_and_it_finishes_after_wake_up(engine, tok
 def test_bad_level_or_tag_is_a_clear_error(engine):
     async def run():
         with pytest.raises(ValueError, match="level must be 1 .* or 2 .*got 3"):
-            await engine.sleep(3)
+            await engine.turns.sleep(3)
         with pytest.raises(ValueError, match=r"unknown tags \['bogus'\]"):
-            await engine.wake_up(["bogus"])
+            await engine.turns.wake_up(["bogus"])
         with pytest.raises(ValueError, match="the string 'weights'"):
-            await engine.wake_up("weights")
+            await engine.turns.wake_up("weights")
 
     asyncio.run(run())
-    assert not engine.sleeping
+    assert not engine.turns.sleeping
 
 
 def test_a_weight_update_while_the_weights_sleep_raises(engine, tokenizer):
     new = perturbed(engine, 1)
-    before = {k: v.clone() for k, v in engine.named_parameters().items()}
+    before = {k: v.clone() for k, v in engine.weights.named_parameters().items()}
 
     async def run():
-        await engine.sleep(1)
+        await engine.turns.sleep(1)
         with pytest.raises(RuntimeError, match=r"wake_up\(\['weights'\]\) before a weight sync"):
-            await engine.load_weights(new, version=1)
+            await engine.weights.load_weights(new, version=1)
         with pytest.raises(RuntimeError, match=r"wake_up\(\['weights'\]\) before a weight sync"):
-            engine.swap_weights({k: v.clone() for k, v in new.items()}, version=1)
+            engine.weights.swap_weights({k: v.clone() for k, v in new.items()}, version=1)
         assert engine.version == 0
-        assert all(torch.equal(v, before[k]) for k, v in engine.named_parameters().items())
-        await engine.wake_up(["weights"])  # the colocated hand-over: weights up, generation still held
-        await engine.load_weights(new, version=1)
-        with pytest.raises(RuntimeError, match=r"asleep: wake_up\(\) first"):
+        assert all(torch.equal(v, before[k]) for k, v in engine.weights.named_parameters().items())
+        await engine.turns.wake_up(["weights"])  # the colocated hand-over: weights up, generation still held
+        await engine.weights.load_weights(new, version=1)
+        with pytest.raises(RuntimeError, match=r"asleep: turns\.wake_up\(\) first"):
             engine.generate([request(tokenizer, "x", 2)])
-        await engine.wake_up(["kv_cache"])
+        await engine.turns.wake_up(["kv_cache"])
         return await engine.agenerate(request(tokenizer, "x", 6))
 
     r = asyncio.run(run())
     assert r.output_versions == [1] * 6 and max_gap(engine.model, [r]) <= 1e-4
-    assert all(torch.equal(v, new[k]) for k, v in engine.named_parameters().items())
+    assert all(torch.equal(v, new[k]) for k, v in engine.weights.named_parameters().items())
 
 
 def test_after_sleep_level_2_the_next_update_refills_the_weights(engine, tokenizer):
     new = perturbed(engine, 2)
 
     async def run():
-        await engine.sleep(2)
-        await engine.wake_up()
+        await engine.turns.sleep(2)
+        await engine.turns.wake_up()
         with pytest.raises(RuntimeError, match="sleep\\(level=2\\) dropped the weights"):
-            await engine.weights_checksum()
+            await engine.weights.weights_checksum()
         with pytest.raises(RuntimeError, match="sleep\\(level=2\\) dropped the weights"):
             await engine.agenerate(request(tokenizer, "x", 2))
         half = dict(list(new.items())[: len(new) // 2])
-        await engine.load_weights(half, version=2)
+        await engine.weights.load_weights(half, version=2)
         with pytest.raises(RuntimeError, match=f"resent {len(new) - len(half)} of them"):
             await engine.agenerate(request(tokenizer, "x", 2))
-        await engine.load_weights(new, version=3)
-        return await engine.weights_checksum(), await engine.agenerate(request(tokenizer, "y", 8))
+        await engine.weights.load_weights(new, version=3)
+        return await engine.weights.weights_checksum(), await engine.agenerate(request(tokenizer, "y", 8))
 
     checksum, r = asyncio.run(run())
     assert checksum == weights_checksum(new)
     assert r.output_versions == [3] * 8 and max_gap(engine.model, [r]) <= 1e-4
-    assert all(torch.equal(v, new[k]) for k, v in engine.named_parameters().items())
+    assert all(torch.equal(v, new[k]) for k, v in engine.weights.named_parameters().items())
 
 
 def test_pause_holds_generation_without_blocking_weight_writers(engine, tokenizer):
     new = perturbed(engine, 3)
 
     async def run():
-        await engine.pause()
+        await engine.turns.pause()
         task = asyncio.ensure_future(engine.agenerate(request(tokenizer, "x", 4)))
         await asyncio.sleep(0.2)
         assert not task.done()
-        await asyncio.wait_for(engine.load_weights(new, version=5), 30)  # no deadlock with the pause
-        await engine.resume()
+        await asyncio.wait_for(engine.weights.load_weights(new, version=5), 30)  # no deadlock with the pause
+        await engine.turns.resume()
         return await asyncio.wait_for(task, 60)
 
     r = asyncio.run(run())
@@ -230,12 +230,12 @@ def readonly_views(named):
 def test_swap_in_host_views_then_update_and_checksum(engine, tokenizer):
     first, second = perturbed(engine, 4), perturbed(engine, 5)
     views = readonly_views(first)
-    assert engine.swap_weights(views, version=7) >= 0 and engine.version == 7
-    assert all(torch.equal(v, first[k]) for k, v in engine.named_parameters().items())
-    assert asyncio.run(engine.weights_checksum()) == weights_checksum(first)
-    engine.load_weights_sync(second, version=8)  # the views are read-only: fresh storage, never written
-    assert all(torch.equal(v, second[k]) for k, v in engine.named_parameters().items())
-    assert all(not np.shares_memory(v.numpy(), engine.named_parameters()[k].detach().numpy())
+    assert engine.weights.swap_weights(views, version=7) >= 0 and engine.version == 7
+    assert all(torch.equal(v, first[k]) for k, v in engine.weights.named_parameters().items())
+    assert asyncio.run(engine.weights.weights_checksum()) == weights_checksum(first)
+    engine.weights.load_weights_sync(second, version=8)  # the views are read-only: fresh storage, never written
+    assert all(torch.equal(v, second[k]) for k, v in engine.weights.named_parameters().items())
+    assert all(not np.shares_memory(v.numpy(), engine.weights.named_parameters()[k].detach().numpy())
                for k, v in views.items())
     r, = engine.generate([request(tokenizer, "z", 5)])
     assert r.output_versions == [8] * 5 and max_gap(engine.model, [r]) <= 1e-4
@@ -247,28 +247,28 @@ def test_cuda_host_tensors_are_copied_in_and_sleep_frees_the_gpu(tiny_model_path
     from transformers import AutoModelForCausalLM
 
     engine = TransformersEngine(tiny_model_path, dtype=torch.bfloat16, seed=0)
-    assert engine.device.type == "cuda" and engine._generator.device.type == "cuda"
+    assert engine.device.type == "cuda" and engine.generator.device.type == "cuda"
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     r, = engine.generate([request(tokenizer, "What is 2+3?", 24)])
     assert max_gap(reference, [r]) < 0.03
     new = perturbed(engine, 6)
-    engine.swap_weights(readonly_views(new), version=1)  # host views: copied to the device, then swapped
-    assert all(v.device == engine.device and torch.equal(v.cpu(), new[k]) for k, v in engine.named_parameters().items())
-    assert not engine._borrowed
+    engine.weights.swap_weights(readonly_views(new), version=1)  # host views: copied to the device, then swapped
+    assert all(v.device == engine.device and torch.equal(v.cpu(), new[k]) for k, v in engine.weights.named_parameters().items())
+    assert not engine.weights.borrowed()
     weights_bytes = sum(v.numel() * v.element_size() for v in new.values())
 
     async def run():
         awake = torch.cuda.memory_allocated(engine.device)
-        await engine.sleep(1)
+        await engine.turns.sleep(1)
         asleep = torch.cuda.memory_allocated(engine.device)
-        assert all(v.device.type == "cpu" and v.is_pinned() for v in engine.named_parameters().values())
-        await engine.wake_up()
-        assert all(torch.equal(v.cpu(), new[k]) for k, v in engine.named_parameters().items())
-        await engine.sleep(2)
+        assert all(v.device.type == "cpu" and v.is_pinned() for v in engine.weights.named_parameters().values())
+        await engine.turns.wake_up()
+        assert all(torch.equal(v.cpu(), new[k]) for k, v in engine.weights.named_parameters().items())
+        await engine.turns.sleep(2)
         dropped = torch.cuda.memory_allocated(engine.device)
-        await engine.wake_up(["weights"])
-        await engine.load_weights(new, version=2)
-        await engine.wake_up(["kv_cache"])
+        await engine.turns.wake_up(["weights"])
+        await engine.weights.load_weights(new, version=2)
+        await engine.turns.wake_up(["kv_cache"])
         return awake, asleep, dropped, await engine.agenerate(request(tokenizer, "y", 8))
 
     awake, asleep, dropped, r = asyncio.run(run())
@@ -282,12 +282,12 @@ def test_cuda_request_while_asleep_waits(tiny_model_path, tokenizer):
     done = threading.Event()
 
     async def run():
-        await engine.sleep(1)
+        await engine.turns.sleep(1)
         task = asyncio.ensure_future(engine.agenerate(request(tokenizer, "hi", 6)))
         task.add_done_callback(lambda _: done.set())
         await asyncio.sleep(0.3)
         assert not done.is_set()
-        await engine.wake_up()
+        await engine.turns.wake_up()
         return await asyncio.wait_for(task, 60)
 
     assert asyncio.run(run()).output_len == 6

@@ -1,4 +1,4 @@
-"""vLLM's double-buffered weight update (inference/vllm_shadow.py): the update is loaded and processed
+"""vLLM's double-buffered weight update (inference/vllm/shadow.py): the update is loaded and processed
 into a shadow copy of the model while the live one keeps generating the old version; the paused part
 of the update is only the swap. Checked with numbers on vLLM's CPU build: tokens before the swap are
 stamped v and equal the old model's greedy continuation (the live model was not touched by the load),
@@ -44,7 +44,7 @@ def model_with(path, named):
 
 @pytest.mark.parametrize("double_buffer", [True, False])
 def test_update_loads_behind_generation_and_swaps_between_steps(tiny_model_path, tokenizer, hf_model, double_buffer):
-    from rayllm_rl.inference.vllm_engine import VLLMEngine, VLLMOptions
+    from rayllm_rl.inference.vllm.engine import VLLMEngine, VLLMOptions
 
     loop = LoopThread()
     engine = VLLMEngine(tiny_model_path, seed=0, options=VLLMOptions(kv_cache_mb=64, double_buffer_weights=double_buffer))
@@ -59,18 +59,18 @@ def test_update_loads_behind_generation_and_swaps_between_steps(tiny_model_path,
             spec = make_spec("gloo", [(m.name, m.shape, str(m.dtype).removeprefix("torch.")) for m in metas],
                              receivers=1, timeout_s=60.0, bucket_bytes=1 << 16, host="127.0.0.1")
             rank0 = OpenedInBackground(spec, metas)  # binds its store here, finishes while the engine joins
-            loop.run(engine.init_update_group(rank0.spec.for_rank(1)))
+            loop.run(engine.weights.init_update_group(rank0.spec.for_rank(1)))
             sender = rank0.sender(60)
             box: dict = {}
             try:
                 send = threading.Thread(target=lambda: box.setdefault("sent", sender.send(new, version)))
                 send.start()
                 # The bytes arrive (and, double-buffered, are loaded into the shadow) while vLLM serves requests.
-                loop.run(engine._rpc("rayllm_begin_receive", 60.0, None))
+                loop.run(engine.weights.rpc("rayllm_begin_receive", 60.0, None))
                 during = [asyncio.run_coroutine_threadsafe(engine.agenerate(LLMRequest(input_ids=prompt, sampling=LONG)),
                                                            loop.loop) for _ in range(4)]
                 deadline = time.monotonic() + 120
-                while not (state := loop.run(engine._rpc("rayllm_receive_state")))["done"]:
+                while not (state := loop.run(engine.weights.rpc("rayllm_receive_state")))["done"]:
                     assert time.monotonic() < deadline, "the receive did not finish"
                     time.sleep(0.01)
                 send.join(60)
@@ -84,9 +84,9 @@ def test_update_loads_behind_generation_and_swaps_between_steps(tiny_model_path,
                 assert before.output_tokens == old_tokens  # the live model still holds version - 1
 
                 if double_buffer:  # as receive_weights applies it: one swap inside the pause
-                    apply = engine._apply(version, lambda: engine._rpc("rayllm_swap_shadow", version), reload=False)
+                    apply = engine.weights.apply(version, lambda: engine.weights.rpc("rayllm_swap_shadow", version), reload=False)
                 else:  # vLLM's update lifecycle: layerwise reload around load_weights
-                    apply = engine._apply(version, lambda: engine._update_request(version))
+                    apply = engine.weights.apply(version, lambda: engine.weights.update_request(version))
                 stall = loop.run(apply)
                 (after,) = generate(loop, engine, [prompt], GREEDY)
                 assert stall > 0 and engine.version == version
@@ -96,7 +96,7 @@ def test_update_loads_behind_generation_and_swaps_between_steps(tiny_model_path,
                 assert (ref - torch.tensor(after.output_logprobs)).abs().max().item() <= 1e-4
                 old_tokens = after.output_tokens
             finally:
-                loop.run(engine.close_update_group())
+                loop.run(engine.weights.close_update_group())
                 sender.close()
     finally:
         loop.run(engine.aclose())

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from rayllm_rl.inference.vllm_shutdown import engine_processes, kill_trees, stop_async_llm
+from rayllm_rl.inference.vllm.shutdown import engine_processes, kill_trees, stop_async_llm
 
 
 def _engine_with_a_worker(ready) -> None:
@@ -127,7 +127,7 @@ def test_segments_a_killed_worker_left_are_unlinked_and_live_ones_kept(tmp_path)
     before the engine started, stay."""
     from multiprocessing import shared_memory
 
-    from rayllm_rl.inference.vllm_shutdown import shm_segments, unlink_orphaned_segments
+    from rayllm_rl.inference.vllm.shutdown import shm_segments, unlink_orphaned_segments
 
     older = shared_memory.SharedMemory(create=True, size=4096)  # before the engine: not its to remove
     older.close()
@@ -156,7 +156,7 @@ def test_each_engine_start_gets_its_own_socket_dir_and_no_later_process_inherits
     """vLLM's zmq sockets go to `VLLM_RPC_BASE_PATH`: an engine's start gets a new directory there, the variable
     is restored after the start (a Ray worker started later inherited a directory already removed: its engine
     failed with FileNotFoundError), a directory of ours inherited anyway is not built on, a user's base is."""
-    from rayllm_rl.inference.vllm_shutdown import IPC_ENV, engine_ipc_dir, remove_ipc_dir
+    from rayllm_rl.inference.vllm.shutdown import IPC_ENV, engine_ipc_dir, remove_ipc_dir
 
     monkeypatch.setenv(IPC_ENV, "/tmp/vllm-ipc-gone")  # inherited from an engine that has stopped
     with engine_ipc_dir() as path:

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 def test_cpu_thread_binding_splits_the_cores_per_worker(monkeypatch):
     import os
 
-    from rayllm_rl.inference.vllm_engine import cpu_thread_binding
+    from rayllm_rl.inference.vllm.engine import cpu_thread_binding
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     assert cpu_thread_binding(2) == "0,1|2,3"
@@ -37,7 +37,7 @@ def tp_engine(tiny_model_path):
     its transport's group afresh and sends it the next version."""
     from types import SimpleNamespace
 
-    from rayllm_rl.inference.vllm_engine import VLLMEngine, VLLMOptions
+    from rayllm_rl.inference.vllm.engine import VLLMEngine, VLLMOptions
     from test_engine_contract import LoopThread
 
     loop = LoopThread()
@@ -60,7 +60,7 @@ def test_a_tensor_parallel_replica_receives_weights_on_every_worker(tiny_model_p
     if transport == "object_store":
         request.getfixturevalue("ray_session")
     loop, engine, version = tp_engine.loop, tp_engine.engine, next(tp_engine.versions)
-    ranks = engine.receiving_processes(transport)
+    ranks = engine.weights.receiving_processes(transport)
     assert ranks == (2 if transport == "gloo" else 1)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     new = perturbed(base, 0.05, seed=6 + version)
@@ -70,7 +70,7 @@ def test_a_tensor_parallel_replica_receives_weights_on_every_worker(tiny_model_p
     spec = make_spec(transport, [(m.name, m.shape, str(m.dtype).removeprefix("torch.")) for m in metas],
                      receivers=ranks, timeout_s=120.0, bucket_bytes=1 << 16, host="127.0.0.1")
     rank0 = OpenedInBackground(spec, metas)  # a group binds its store here, finishes while the workers join
-    loop.run(engine.init_update_group(rank0.spec.for_rank(1)))  # the workers take ranks 1 and 2
+    loop.run(engine.weights.init_update_group(rank0.spec.for_rank(1)))  # the workers take ranks 1 and 2
     sender = rank0.sender(120)
     try:
         p = chat_ids(tokenizer, "What is 3+4?")
@@ -79,11 +79,11 @@ def test_a_tensor_parallel_replica_receives_weights_on_every_worker(tiny_model_p
         box: dict = {}
         if spec.info.pulls:
             _, handoff = sender.send(new, version)
-            out = loop.run(engine.receive_weights(handoff))
+            out = loop.run(engine.weights.receive_weights(handoff))
         else:
             send = threading.Thread(target=lambda: box.setdefault("sent", sender.send(new, version)))
             send.start()
-            out = loop.run(engine.receive_weights())
+            out = loop.run(engine.weights.receive_weights())
             send.join(120)
             assert box["sent"][0].bytes == sum(m.nbytes for m in metas)
         assert out["version"] == version and engine.version == version
@@ -96,5 +96,5 @@ def test_a_tensor_parallel_replica_receives_weights_on_every_worker(tiny_model_p
         assert (forward_logprobs(base, p, r.output_tokens) - ref).abs().max().item() > 1e-3
         assert held.output_versions == [version - 1] * 8
     finally:
-        loop.run(engine.close_update_group())
+        loop.run(engine.weights.close_update_group())
         sender.close()

@@ -165,12 +165,12 @@ def _replica_main(port, rank, world, model_path, generate, q, cmd_q):
     torch.set_num_threads(1)  # 3 processes share 2 cores
     try:
         from rayllm_rl.inference.protocol import LLMRequest, SamplingParams
-        from rayllm_rl.inference.transformers_engine import TransformersEngine
+        from rayllm_rl.inference.transformers.engine import TransformersEngine
 
         engine = TransformersEngine(model_path, seed=rank)
         metas = cmd_q.get(timeout=60)  # the sender's metadata (names, shapes, dtypes, order)
         group = StatelessGlooGroup(HOST, port, rank, world, timeout_s=60)
-        dbr = DoubleBufferReceiver(engine, WeightReceiver(group, metas, SMALL_BUCKET))
+        dbr = DoubleBufferReceiver(engine.weights, WeightReceiver(group, metas, SMALL_BUCKET))
         report = {"rank": rank, "version_before": engine.version, "dist_initialized": False}
         gen_out, timeline, stop = {}, [], threading.Event()
         if generate:
@@ -213,7 +213,7 @@ def _replica_main(port, rank, world, model_path, generate, q, cmd_q):
             gen.join(120)
             stop.set()
             report["output_versions"] = gen_out["resp"].output_versions
-        params = engine.named_parameters()
+        params = engine.weights.named_parameters()
         report["digest"] = digest(params, [m.name for m in metas])
         # numpy, not tensors: torch's queue pickler would share tensors via fds of this process
         report["few"] = {m.name: params[m.name].numpy().copy() for m in metas[:2] + metas[-1:]}

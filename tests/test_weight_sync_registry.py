@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from rayllm_rl.weight_sync.registry import SCHEMES, TRANSPORTS, SyncSpec, make_spec, plan_transport, transport_info
+from rayllm_rl.weight_sync.registry import TRANSPORTS, SyncSpec, make_spec, plan_transport, scheme_of, transport_info
 from rayllm_rl.weight_sync.scheme import GroupInit, NoInit, ShmInit
 
 METAS = (("embed.weight", (10, 4), "float32"), ("norm.weight", (4,), "bfloat16"))
@@ -85,7 +85,10 @@ def test_spec_crosses_into_vllms_worker_as_plain_fields():
 
 
 def test_every_transport_is_described_by_properties_engines_may_ask():
-    assert list(SCHEMES) == list(TRANSPORTS)  # one scheme per transport, one line each
+    # one line per transport, its scheme on it: each builds, with the transport's own properties
+    from rayllm_rl.weight_sync.scheme import TransportScheme
+
+    assert all(isinstance(scheme_of(n), TransportScheme) and scheme_of(n).info is t for n, t in TRANSPORTS.items())
     assert set(TRANSPORTS) == {"object_store", "ray_channel", "rdt_gloo", "rdt_nccl", "shm", "gloo", "nccl", "cuda_ipc"}
     assert [n for n, t in TRANSPORTS.items() if t.pulls] == ["object_store", "rdt_gloo", "rdt_nccl", "cuda_ipc"]
     assert {n: t.tensor_transport for n, t in TRANSPORTS.items() if t.tensor_transport} == {"rdt_gloo": "gloo",
@@ -99,14 +102,14 @@ def test_a_vllm_replica_takes_a_rank_per_worker_only_where_its_workers_receive(t
     """vLLM's workers join a group transport themselves (one rank each); for the object store the
     replica actor receives for them (one rank). Built without starting vLLM."""
     pytest.importorskip("vllm")
-    from rayllm_rl.inference.transformers_engine import TransformersEngine
-    from rayllm_rl.inference.vllm_engine import VLLMEngine
+    from rayllm_rl.inference.transformers.engine import TransformersEngine
+    from rayllm_rl.inference.vllm.engine import VLLMEngine
 
     engine = VLLMEngine(tiny_model_path, tensor_parallel_size=2)
-    assert {t: engine.receiving_processes(t) for t in TRANSPORTS} == {"object_store": 1, "ray_channel": 1, "rdt_gloo": 1,
+    assert {t: engine.weights.receiving_processes(t) for t in TRANSPORTS} == {"object_store": 1, "ray_channel": 1, "rdt_gloo": 1,
                                                                        "rdt_nccl": 1, "shm": 2, "gloo": 2, "nccl": 2,
                                                                        "cuda_ipc": 2}
-    assert {TransformersEngine(tiny_model_path).receiving_processes(t) for t in TRANSPORTS} == {1}
+    assert {TransformersEngine(tiny_model_path).weights.receiving_processes(t) for t in TRANSPORTS} == {1}
 
 
 def test_ray_direct_ends_check_what_ray_delivered():
@@ -154,13 +157,13 @@ def test_a_group_receiver_never_writes_storage_another_transport_handed_the_engi
 
     import torch
 
-    from rayllm_rl.inference.transformers_engine import TransformersEngine
+    from rayllm_rl.inference.transformers.engine import TransformersEngine
     from rayllm_rl.weight_sync import metadata_of
     from rayllm_rl.weight_sync.registry import build_receiver
     from weight_sync_helpers import OpenedInBackground
 
     engine = TransformersEngine(tiny_model_path)
-    params = engine.named_parameters()
+    params = engine.weights.named_parameters()
     blob = tmp_path / "weights.bin"
     blob.write_bytes(b"".join(p.detach().contiguous().view(torch.uint8).numpy().tobytes() for p in params.values()))
     with open(blob, "rb") as f:
@@ -169,12 +172,12 @@ def test_a_group_receiver_never_writes_storage_another_transport_handed_the_engi
     for name, p in params.items():
         views[name] = torch.frombuffer(view, dtype=p.dtype, count=p.numel(), offset=off).view(p.shape)
         off += p.numel() * p.element_size()
-    engine.swap_weights(views, 1)
+    engine.weights.swap_weights(views, 1)
     metas = metadata_of(params)
     spec = make_spec("gloo", [(m.name, m.shape, str(m.dtype)[6:]) for m in metas], receivers=1, timeout_s=30,
                      bucket_bytes=1 << 20, host="127.0.0.1")
     rank0 = OpenedInBackground(spec, metas)  # binds its store; finishes while the receiver joins
-    receiver = build_receiver(rank0.spec.for_rank(1), engine)
+    receiver = build_receiver(rank0.spec.for_rank(1), engine.weights)
     box = {"sender": rank0.sender(30)}
     for version in (2, 3):
         new = {k: torch.full(v.shape, float(version)) for k, v in params.items()}
@@ -182,7 +185,7 @@ def test_a_group_receiver_never_writes_storage_another_transport_handed_the_engi
         send.start()
         assert receiver.receive_and_swap()["version"] == version
         send.join(30)
-        assert all(torch.equal(engine.named_parameters()[k], v) for k, v in new.items())
+        assert all(torch.equal(engine.weights.named_parameters()[k], v) for k, v in new.items())
     receiver.close()
     box["sender"].close()
 

@@ -52,15 +52,15 @@ def _replica_main(port, rank, world, model_path, n_syncs, q, cmd_q):
     torch.set_num_threads(1)  # 3 processes share 2 cores
     try:
         from rayllm_rl.inference.protocol import LLMRequest, SamplingParams
-        from rayllm_rl.inference.transformers_engine import TransformersEngine
+        from rayllm_rl.inference.transformers.engine import TransformersEngine
 
         engine = TransformersEngine(model_path, seed=rank)
         group = StatelessGlooGroup(HOST, port, rank, world, timeout_s=60)
         metas, names = cmd_q.get(timeout=60)
-        rx = ShmWeightReceiver(engine, group, metas, names, timeout_s=60)
+        rx = ShmWeightReceiver(engine.weights, group, metas, names, timeout_s=60)
         for _ in range(n_syncs):
             info = rx.receive_and_swap()
-            params = engine.named_parameters()
+            params = engine.weights.named_parameters()
             segments = sorted({rx.segment_of(p) for p in params.values()}, key=str)
             req = LLMRequest(input_ids=PROMPT, sampling=SamplingParams(max_new_tokens=6, greedy=True, ignore_eos=True))
             resp = engine.generate([req])[0]

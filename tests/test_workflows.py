@@ -31,7 +31,7 @@ class RecordingEngine:
         return resp
 
     def load_weights_sync(self, named, version=None):
-        return self.engine.load_weights_sync(named, version)
+        return self.engine.weights.load_weights_sync(named, version)
 
 
 ROW = {"messages": [{"role": "user", "content": "What is 2+3?"}], "answer": "5"}

@@ -95,7 +95,11 @@ def check_request(req: LLMRequest, max_positions: int) -> None:
 
 @runtime_checkable
 class InferenceEngine(Protocol):
-    """The generation side an inference replica offers to rollouts."""
+    """The generation side an inference replica offers to rollouts. An engine holds its other parts:
+    `weights` (its `WeightSink`) and `turns` (its `GenerationTurns`)."""
+
+    weights: "WeightSink"
+    turns: "GenerationTurns"
 
     @property
     def version(self) -> int:
@@ -117,7 +121,7 @@ class InferenceEngine(Protocol):
 
 @runtime_checkable
 class WeightSink(Protocol):
-    """The weight side each engine owns (TorchRL's RLvLLMEngine shape).
+    """The weight side each engine owns, as `engine.weights` (TorchRL's RLvLLMEngine shape).
 
     Transports only move bytes; the sink decides where they land and how they become weights
     (a zero-copy swap for Transformers, `model.load_weights` inside vLLM's worker). Every update
@@ -159,7 +163,7 @@ class WeightSink(Protocol):
 
 @runtime_checkable
 class GenerationTurns(Protocol):
-    """When an engine generates: held for a moment (`pause`/`resume`), or put to sleep while a colocated
+    """`engine.turns`: when an engine generates: held for a moment (`pause`/`resume`), or put to sleep while a colocated
     learner trains on its GPU (`sleep`/`wake_up`, orchestration/ray/turns.py)."""
 
     async def pause(self) -> None:

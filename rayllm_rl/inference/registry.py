@@ -1,6 +1,6 @@
 """The engine registry: one line per engine; the one place that knows engines by name.
 
-Each line names an engine's job side (`transformers_job.TransformersJobSide`, `vllm_job.VLLMJobSide`): what a
+Each line names an engine's job side (`transformers.job.TransformersJobSide`, `vllm.job.VLLMJobSide`): what a
 job may ask of the engine, apart from the engine class, which it builds. A job side has:
 
 * ``Options``: a dataclass of its own options (docstring under each field), filled from
@@ -24,8 +24,8 @@ import importlib.util
 from typing import Any, Mapping
 
 ENGINES: dict[str, str] = {
-    "transformers": "rayllm_rl.inference.transformers_job:TransformersJobSide",
-    "vllm": "rayllm_rl.inference.vllm_job:VLLMJobSide",
+    "transformers": "rayllm_rl.inference.transformers.job:TransformersJobSide",
+    "vllm": "rayllm_rl.inference.vllm.job:VLLMJobSide",
 }
 """Engine name (`inference.engine`) -> "module:class" of its job side."""
 

@@ -1,7 +1,7 @@
 """The memory side of the shm transport: where each tensor lies in a flat segment, and read-only attach.
 
 A pure function of the metas (:func:`plan_layout`), so the learner's sender, every replica's receiver and
-the vLLM staging segment (`inference/staging.py`) compute the same layout and check it by fingerprint.
+the vLLM staging segment (`inference/vllm/staging.py`) compute the same layout and check it by fingerprint.
 """
 from __future__ import annotations
 

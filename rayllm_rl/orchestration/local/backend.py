@@ -87,7 +87,7 @@ class LocalBackend:
         """Copy the learner's weights into the engine between two decode steps (the engine's lock), then
         tell the collector the version."""
         t0 = time.perf_counter()
-        self.engine.load_weights_sync(self.learner.named_tensors(), version=version)
+        self.engine.weights.load_weights_sync(self.learner.named_tensors(), version=version)
         self.versions_held.append(int(version))
         dt = time.perf_counter() - t0
         self.loop.run(self.collector.set_version, version)
@@ -146,7 +146,7 @@ class LocalBackend:
         return extra["step"], extra["version"]
 
     def summary_stats(self) -> dict[str, Any]:
-        engine_sum = self.loop.call(self.engine.weights_checksum(), 60, "engine checksum")
+        engine_sum = self.loop.call(self.engine.weights.weights_checksum(), 60, "engine checksum")
         model = self.reward_scorers.get("model")
         return backend_summary(failed_episodes=self.collector_stats()["failed_episodes"], faults=self.faults,
                                buffer=self.loop.run(self.buffer.buffer.stats),

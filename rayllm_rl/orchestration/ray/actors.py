@@ -92,8 +92,8 @@ CLOSE_GROUP_S = 60.0
 class InferenceReplica(ActorProcess):
     """`inference-<i>`: an engine (Transformers or vLLM) and the weight sink it owns.
 
-    The replica never touches engine tensors: weights arrive through the engine's sink
-    (`init_update_group`, `receive_weights`), whatever the engine keeps inside.
+    The replica never touches engine tensors: weights arrive through the engine's sink, `engine.weights`
+    (`init_update_group`, `receive_weights`), whatever the engine keeps inside; sleep goes to `engine.turns`.
     """
 
     def __init__(self, spec, num_threads: int = 1, frozen: bool = False):
@@ -125,12 +125,12 @@ class InferenceReplica(ActorProcess):
     async def sleep(self, level: int = 1) -> None:
         """Free the engine's GPU memory while the learner sharing the GPU trains (colocated); requests
         wait until `wake_up` has brought everything back."""
-        await self.engine.sleep(level)
+        await self.engine.turns.sleep(level)
         self._turn("sleep")
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """`tags`: "weights" (before a weight sync), "kv_cache" (then generation resumes); None = both."""
-        await self.engine.wake_up(tags)
+        await self.engine.turns.wake_up(tags)
         self._turn("wake:" + "+".join(tags or ["all"]))
 
     def node_ip(self) -> str:
@@ -141,11 +141,11 @@ class InferenceReplica(ActorProcess):
 
     def receiving_processes(self, transport) -> int:
         """How many processes of this replica receive over `transport` (the ranks it takes)."""
-        return self.engine.receiving_processes(transport)
+        return self.engine.weights.receiving_processes(transport)
 
     async def init_update_group(self, spec) -> bool:
         """Build the engine's receiving end(s) of the weight sync (`weight_sync.registry.SyncSpec`)."""
-        await self.engine.init_update_group(spec)
+        await self.engine.weights.init_update_group(spec)
         self._sync_timeout_s = spec.timeout_s
         return True
 
@@ -164,7 +164,7 @@ class InferenceReplica(ActorProcess):
             except asyncio.TimeoutError as exc:
                 raise TimeoutError(f"weight sync: learner rank 0 did not publish within ray.sync_timeout_s={timeout:g}s "
                                    "(phase: handoff)") from exc
-        out = await self.engine.receive_weights(None if published is None else published["handoff"])
+        out = await self.engine.weights.receive_weights(None if published is None else published["handoff"])
         self._turn("weights received")
         self.versions_held.append(int(out["version"]))
         self.serving = True
@@ -172,19 +172,19 @@ class InferenceReplica(ActorProcess):
 
     async def leave_update_group(self) -> None:
         """Leave the weight-sync group (it is formed again after a replica restarted)."""
-        await self.engine.close_update_group()
+        await self.engine.weights.close_update_group()
 
     def version_history(self) -> list[int]:
         return list(self.versions_held)
 
     async def checksum(self) -> float:
-        return await self.engine.weights_checksum()
+        return await self.engine.weights.weights_checksum()
 
     async def close(self) -> None:
         """Leave the sync group, then stop the engine whatever leaving did: vLLM unlinks its shared-memory queues
         only when it stops itself, and the job kills this process next."""
         try:
-            await asyncio.wait_for(self.engine.close_update_group(), self._sync_timeout_s or CLOSE_GROUP_S)
+            await asyncio.wait_for(self.engine.weights.close_update_group(), self._sync_timeout_s or CLOSE_GROUP_S)
         except Exception as exc:  # noqa: BLE001 - still stop the engine
             warnings.warn(f"leaving the weight-sync group on close: {type(exc).__name__}: {exc}", RuntimeWarning)
         finally:

@@ -49,7 +49,7 @@ class TransformersJobSide:
     @staticmethod
     def engine_class() -> type:
         """The engine these rules build (its module imported here)."""
-        from rayllm_rl.inference.transformers_engine import TransformersEngine
+        from rayllm_rl.inference.transformers.engine import TransformersEngine
 
         return TransformersEngine
 

@@ -9,13 +9,13 @@ receiving end of a weight update lives here:
   through the transport registry (its rank is the replica's first rank plus its tensor-parallel
   rank: a group transport, or CUDA IPC, whose plain-data handoff the actor passes in
   ``rayllm_begin_receive``) or, where the receiver needs Ray (the object store), maps the staging
-  segment the replica actor fills (:mod:`rayllm_rl.inference.staging`). It loads what arrives
+  segment the replica actor fills (:mod:`rayllm_rl.inference.vllm.staging`). It loads what arrives
   through ``model.load_weights``, which takes HF names and fuses them.
 * :class:`RayllmWorkerExtension` (vLLM's ``worker_extension_cls``) adds the calls the actor
   makes through ``collective_rpc``: start receiving in a background thread while the engine
   keeps generating, ask whether the bytes are in, and a weight checksum.
 
-One update, driven by :class:`~rayllm_rl.inference.vllm_engine.VLLMEngine`:
+One update, driven by :class:`~rayllm_rl.inference.vllm.engine.VLLMEngine`:
 ``rayllm_begin_receive`` (bytes move while decoding goes on) → poll ``rayllm_receive_state``
 → the engine core's ``pause_scheduler_async(mode="keep", clear_cache=True)`` → ``start_weight_update`` →
 ``update_weights({"version": v})`` (here: ``model.load_weights`` from the received buffers)
@@ -39,7 +39,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from rayllm_rl.inference.protocol import weights_checksum
-from rayllm_rl.inference.vllm_shadow import ShadowModel, retie_lm_head
+from rayllm_rl.inference.vllm.shadow import ShadowModel, retie_lm_head
 from rayllm_rl.weight_sync import metas_from_spec
 from rayllm_rl.weight_sync.ends import ReceiverEnd
 from rayllm_rl.weight_sync.registry import SyncSpec, build_receiver
@@ -57,7 +57,7 @@ class RayllmInitInfo(WeightTransferInitInfo):
     staging: dict | None = None
     double_buffer: bool = False
     """Load updates into a shadow copy of the model while the live one generates, and swap between
-    steps (vllm_shadow.py); honoured on CPU only (on GPUs CUDA graphs hold the parameters' addresses)."""
+    steps (vllm/shadow.py); honoured on CPU only (on GPUs CUDA graphs hold the parameters' addresses)."""
 
 
 @dataclasses.dataclass
@@ -69,7 +69,7 @@ class RayllmUpdateInfo(WeightTransferUpdateInfo):
 
 class _LoadTarget:
     """What our receivers hand tensors to: `model.load_weights` (a copy into vLLM's fused params), or
-    a :class:`~rayllm_rl.inference.vllm_shadow.ShadowModel`'s load (the back copy, while the live one generates)."""
+    a :class:`~rayllm_rl.inference.vllm.shadow.ShadowModel`'s load (the back copy, while the live one generates)."""
 
     copies_on_swap = True
     """`swap_weights` copies what it is handed into vLLM's parameters (vLLM's layerwise reload may hold a
@@ -161,7 +161,7 @@ class RayllmWeightTransfer(WeightTransferEngine[RayllmInitInfo, RayllmUpdateInfo
         elif not init_info.double_buffer:
             self.shadow = None
         if init_info.staging is not None:
-            from rayllm_rl.inference.staging import StagingReader
+            from rayllm_rl.inference.vllm.staging import StagingReader
 
             staging = init_info.staging
             self.timeout_s = float(staging["timeout_s"])

@@ -83,7 +83,7 @@ def fitting_length(config, options: VLLMOptions, dtype: str) -> int:
 
 
 class VLLMJobSide:
-    """The engine registry's entry for `inference.engine=vllm` (the engine itself: `vllm_engine.VLLMEngine`)."""
+    """The engine registry's entry for `inference.engine=vllm` (the engine itself: `vllm.engine.VLLMEngine`)."""
 
     Options = VLLMOptions
     requires = "vllm"
@@ -92,7 +92,7 @@ class VLLMJobSide:
     @staticmethod
     def engine_class() -> type:
         """The engine these rules build (its module is imported here, vllm itself only when it starts)."""
-        from rayllm_rl.inference.vllm_engine import VLLMEngine
+        from rayllm_rl.inference.vllm.engine import VLLMEngine
 
         return VLLMEngine
 
@@ -121,7 +121,7 @@ class VLLMJobSide:
             raise ValueError("inference.options.gpu_memory_utilization must be in (0, 1], or 0 for the placement's "
                              f"default (got {job.options.gpu_memory_utilization})")
         if job.lora_rank > 0:
-            from rayllm_rl.inference.vllm_lora import max_lora_rank
+            from rayllm_rl.inference.vllm.lora import max_lora_rank
 
             max_lora_rank(job.lora_rank, job.options.max_lora_rank)  # raises naming the key
         elif job.options.max_lora_rank:
