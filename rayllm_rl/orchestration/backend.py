@@ -23,7 +23,7 @@ class RoleCrashed(RuntimeError):
 
 
 def backend_summary(*, failed_episodes: int, faults: Any, buffer: dict[str, Any], reward_failures: dict[str, Any],
-                    versions_held: list[list[int]], transport: str, checksums_equal: bool,
+                    versions_held: list[list[int]], transport: str | None, checksums_equal: bool,
                     reward_services: dict[str, Any]) -> dict[str, Any]:
     """`Backend.summary_stats`: the same keys from either backend (`faults`: its `FaultLedger`;
     `versions_held`: per replica, every version it generated with)."""

@@ -27,7 +27,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from rayllm_rl.weight_sync.buckets import TensorMeta, metas_from_spec
 from rayllm_rl.weight_sync.scheme import InitInfo, NoInit, OpenedSender, TransportScheme, init_from_dict
 
-__all__ = ["SyncSpec", "TransportInfo", "TRANSPORTS", "SCHEMES", "transport_info", "scheme_of", "plan_transport",
+__all__ = ["SyncSpec", "TransportInfo", "TRANSPORTS", "transport_info", "scheme_of", "plan_transport",
            "make_spec", "open_sender", "build_receiver"]
 
 
@@ -36,6 +36,8 @@ class TransportInfo:
     """What orchestration and engines may know of a transport (never its name)."""
 
     name: str
+    scheme: str
+    """"module:Class" of its `TransportScheme`, imported only when one of its ends is built."""
     pulls: bool
     """Receivers fetch what the sender published, given its handoff; else the sender pushes the
     bytes through a group collective that every receiver joins at the same time."""
@@ -77,34 +79,30 @@ class TransportInfo:
 
 
 TRANSPORTS: dict[str, TransportInfo] = {t.name: t for t in (
-    TransportInfo("object_store", pulls=True, receiver_needs_ray=True, cross_node=True, gpu_only=False, group=False,
+    TransportInfo("object_store", "rayllm_rl.weight_sync.object_store:ObjectStoreScheme",
+                  pulls=True, receiver_needs_ray=True, cross_node=True, gpu_only=False, group=False,
                   default_bucket_mb=256.0),
-    TransportInfo("rdt_gloo", pulls=True, receiver_needs_ray=True, cross_node=True, gpu_only=False, group=False,
+    TransportInfo("rdt_gloo", "rayllm_rl.weight_sync.ray_direct:RDTScheme",
+                  pulls=True, receiver_needs_ray=True, cross_node=True, gpu_only=False, group=False,
                   tensor_transport="gloo", single_learner_rank=True),
-    TransportInfo("rdt_nccl", pulls=True, receiver_needs_ray=True, cross_node=True, gpu_only=True, group=False,
+    TransportInfo("rdt_nccl", "rayllm_rl.weight_sync.ray_direct:RDTScheme",
+                  pulls=True, receiver_needs_ray=True, cross_node=True, gpu_only=True, group=False,
                   tensor_transport="nccl", shared_device=False),
-    TransportInfo("ray_channel", pulls=False, receiver_needs_ray=True, cross_node=False, gpu_only=False, group=False,
+    TransportInfo("ray_channel", "rayllm_rl.weight_sync.ray_channel:ChannelScheme",
+                  pulls=False, receiver_needs_ray=True, cross_node=False, gpu_only=False, group=False,
                   needs_readers=True),
-    TransportInfo("shm", pulls=False, receiver_needs_ray=False, cross_node=False, gpu_only=False, group=True),
-    TransportInfo("gloo", pulls=False, receiver_needs_ray=False, cross_node=True, gpu_only=False, group=True),
-    TransportInfo("nccl", pulls=False, receiver_needs_ray=False, cross_node=True, gpu_only=True, group=True,
+    TransportInfo("shm", "rayllm_rl.weight_sync.shm:ShmScheme",
+                  pulls=False, receiver_needs_ray=False, cross_node=False, gpu_only=False, group=True),
+    TransportInfo("gloo", "rayllm_rl.weight_sync.broadcast:BroadcastScheme",
+                  pulls=False, receiver_needs_ray=False, cross_node=True, gpu_only=False, group=True),
+    TransportInfo("nccl", "rayllm_rl.weight_sync.broadcast:BroadcastScheme",
+                  pulls=False, receiver_needs_ray=False, cross_node=True, gpu_only=True, group=True,
                   shared_device=False),
-    TransportInfo("cuda_ipc", pulls=True, receiver_needs_ray=False, cross_node=False, gpu_only=True, group=False,
+    TransportInfo("cuda_ipc", "rayllm_rl.weight_sync.cuda_ipc:CudaIpcScheme",
+                  pulls=True, receiver_needs_ray=False, cross_node=False, gpu_only=True, group=False,
                   shared_device=True, device_local=True),
 )}
 
-
-SCHEMES: dict[str, str] = {
-    "object_store": "rayllm_rl.weight_sync.object_store:ObjectStoreScheme",
-    "rdt_gloo": "rayllm_rl.weight_sync.ray_direct:RDTScheme",
-    "rdt_nccl": "rayllm_rl.weight_sync.ray_direct:RDTScheme",
-    "ray_channel": "rayllm_rl.weight_sync.ray_channel:ChannelScheme",
-    "shm": "rayllm_rl.weight_sync.shm:ShmScheme",
-    "gloo": "rayllm_rl.weight_sync.broadcast:BroadcastScheme",
-    "nccl": "rayllm_rl.weight_sync.broadcast:BroadcastScheme",
-    "cuda_ipc": "rayllm_rl.weight_sync.cuda_ipc:CudaIpcScheme",
-}
-"""Transport name (`ray.sync_transport`) -> "module:class" of its scheme, imported when first built."""
 
 def transport_info(name: str) -> TransportInfo:
     if name not in TRANSPORTS:
@@ -115,7 +113,7 @@ def transport_info(name: str) -> TransportInfo:
 def scheme_of(name: str) -> TransportScheme:
     """The scheme of transport `name`, built with its properties (its module is imported here)."""
     info = transport_info(name)
-    module, cls = SCHEMES[name].split(":")
+    module, cls = info.scheme.split(":")
     return getattr(importlib.import_module(module), cls)(info)
 
 

@@ -297,7 +297,8 @@ class RayBackend:
         col = self.collector_stats()
         return backend_summary(failed_episodes=col["failed_episodes"], faults=self.faults,
                                buffer=self._get(c.buffer.stats.remote()), reward_failures=self._reward_counters(),
-                               versions_held=c.replicas.versions_held(), transport=c.transport,
+                               versions_held=c.replicas.versions_held(),
+                               transport=None if c.transport is None else c.transport.name,
                                checksums_equal=len(set(sums)) == 1,
                                reward_services=reward_service_stats(c.services, c.timeout_s))
 

@@ -33,7 +33,8 @@ class Cluster:
     collector: Any
     timeout_s: float
     sync_timeout_s: float
-    transport: str = "object_store"
+    transport: Any = None
+    """The weight sync's `TransportInfo`, which the plan picked for the actors' nodes (set when the sync forms)."""
     collective_group: Any = None
     """Ray Direct Transport: the Ray collective group of learner rank 0 and the replicas."""
     placement: Placement | None = None
@@ -76,9 +77,7 @@ class Cluster:
         """Learners send (rank 0) while every replica receives into its back buffer. A pull transport:
         the replicas get the reference to rank 0's result, so they fetch once it has published (the
         driver passes references and the version, never bytes)."""
-        from rayllm_rl.weight_sync.registry import transport_info
-
-        info = transport_info(self.transport)
+        info = self.transport
         # with Ray Direct Transport Ray keeps rank 0's result's tensors with it and sends them to each replica
         sent = self.learners.send_weights(version, info.tensor_transport)
         got = self.replicas.receive_weights(handoff_arg(info, sent[0]))
@@ -246,9 +245,8 @@ def form_sync_group(cluster: Cluster, plan: JobPlan) -> None:
     rc, learners, replicas = plan.config.ray, cluster.learners, cluster.replicas
     sync_host = learners.node_ip()
     transport = plan.pick_transport(sync_host, replicas.node_ips())
-    cluster.transport = transport
+    cluster.transport = info = transport_info(transport)
     ranks = replicas.receiving_processes(transport)
-    info = transport_info(transport)
     # a transport whose sender makes what the replicas read (Ray channels) gets their actors and nodes
     readers = list(zip(replicas, replicas.node_ids())) if info.needs_readers else ()
     spec = make_spec(transport, learners.weight_metadata(), receivers=sum(ranks),
