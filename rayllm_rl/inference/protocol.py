@@ -166,6 +166,11 @@ class GenerationTurns(Protocol):
     """`engine.turns`: when an engine generates: held for a moment (`pause`/`resume`), or put to sleep while a colocated
     learner trains on its GPU (`sleep`/`wake_up`, orchestration/ray/turns.py)."""
 
+    @property
+    def sleeping(self) -> bool:
+        """Whether `sleep` put anything down that `wake_up` has not brought back (no generation then)."""
+        ...
+
     async def pause(self) -> None:
         """Hold generation (running requests are kept and continue on resume)."""
         ...
