@@ -204,7 +204,7 @@ class TransformersEngine:
         while b.active:
             with self.weights.lock.decode_step():
                 if self.turns.held():
-                    if self.turns.asleep:
+                    if self.turns.sleeping:
                         b.cache = None
                     return False
                 stale = self.weights.stale
@@ -275,7 +275,7 @@ class TransformersEngine:
         sleep that stops it raises (only `agenerate`'s requests wait for `resume`/`wake_up`)."""
         state = self._start_batch(requests)
         if not self._run_batch(state):
-            asleep = self.turns.asleep
+            asleep = self.turns.sleeping
             raise RuntimeError(f"generate_batch: the engine is {'asleep' if asleep else 'paused'}: "
                                f"{'turns.wake_up()' if asleep else 'turns.resume()'} first, or use agenerate, which waits")
         return self._finish_batch(state)

@@ -28,19 +28,25 @@ class TransformersTurns:
         self._in_flight = in_flight
         # Changed under the weights' lock and read by every decode step in it.
         self.paused = False
-        self.asleep: frozenset[str] = frozenset()
-        """The SLEEP_TAGS that `sleep` put down and `wake_up` has not brought back."""
+        self._kv_cache_down = False  # "kv_cache" is asleep; "weights" is the weight sink's offload level
         self._gate: asyncio.Event | None = None  # set while generation may run (the serving loop's)
         self._gate_loop: asyncio.AbstractEventLoop | None = None
 
     @property
+    def asleep(self) -> frozenset[str]:
+        """The SLEEP_TAGS that `sleep` put down and `wake_up` has not brought back ("weights": the sink's
+        weights are off the device, `weights.offload_level`)."""
+        down = {"weights": self.weights.offload_level > 0, "kv_cache": self._kv_cache_down}
+        return frozenset(tag for tag in SLEEP_TAGS if down[tag])
+
+    @property
     def sleeping(self) -> bool:
         """Whether `sleep` put anything down that `wake_up` has not brought back (no generation then)."""
-        return bool(self.asleep)
+        return self._kv_cache_down or self.weights.offload_level > 0
 
     def held(self) -> bool:
         """Whether generation must wait (read by the decode loop under the weights' lock)."""
-        return self.paused or bool(self.asleep)
+        return self.paused or self.sleeping
 
     def gate(self) -> asyncio.Event:
         """The serving loop's event, set while generation may run (brought in line with the holds)."""
@@ -101,7 +107,7 @@ class TransformersTurns:
 
     def _sleep(self, level: int) -> None:
         with self.weights.lock.writer(), torch.no_grad():
-            self.asleep = frozenset(SLEEP_TAGS)
+            self._kv_cache_down = True
             self.weights.offload(level)
 
     async def wake_up(self, tags: Sequence[str] | None = None) -> None:
@@ -118,10 +124,10 @@ class TransformersTurns:
             t0 = time.perf_counter()
             await asyncio.to_thread(self._wake_weights)
             self.stats.last_wake_s = time.perf_counter() - t0
-        self.asleep = self.asleep.difference(want)
+        if "kv_cache" in want:
+            self._kv_cache_down = False
         self._open_gate_if_free()
 
     def _wake_weights(self) -> None:
         with self.weights.lock.writer(), torch.no_grad():
             self.weights.restore()
-            self.asleep = self.asleep.difference({"weights"})
