@@ -75,6 +75,7 @@ def test_a_gsm8k_job_on_a_local_model_inherits_no_demo_value(model_dir):
     assert calls == []
     plan = describe_job(cfg)
     assert plan["schedule"] == {"sft_steps": 0, "rl_steps": 500, "optim_lr": 1e-6, "trainer_time_budget_s": 0.0,
+                                "optim_lr_schedule": "warm-up 10 steps, then constant",
                                 "eval": "500 prompts held out of the training rows"}
     assert plan["rollout"]["max_new_tokens"] == 512 and plan["model"]["config_source"].startswith(model_dir)
 

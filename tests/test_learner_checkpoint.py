@@ -9,10 +9,11 @@ from rayllm_rl.learner.distributed import DistConfig, launch_local
 from rayllm_rl.learner.learner import Learner, OptimConfig
 from rayllm_rl.objectives import GRPOLoss
 
-# Two minibatches and two epochs per step: the seeded permutation must resume too; warm-up: the step count.
-# Token-budget micro-batches (rows of ~25-30 tokens, two per micro-batch) and a chunked LM head.
+# Two minibatches and two epochs per step: the seeded permutation must resume too; warm-up and a cosine decay
+# over the 16 optimizer steps: the step count. Token-budget micro-batches (rows of ~25-30 tokens, two per
+# micro-batch) and a chunked LM head.
 OPTIM = OptimConfig(lr=1e-3, max_tokens_per_micro_batch=64, logprob_chunk_size=8, num_minibatches=2, epochs=2,
-                    warmup_steps=6, weight_decay=0.01)
+                    warmup_steps=6, weight_decay=0.01, lr_schedule="cosine", decay_steps=16, min_lr_ratio=0.1)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -321,6 +321,14 @@ def placement_plan(plan: JobPlan) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------- the plan
 
 
+def lr_schedule_text(optim) -> str:
+    """The learning rate over RL in words, e.g. 'warm-up 5 steps, then cosine to 0.1 x lr at optimizer step 150'."""
+    warm = f"warm-up {optim.warmup_steps} steps, then " if optim.warmup_steps > 0 else ""
+    if optim.lr_schedule == "constant":
+        return warm + "constant"
+    return f"{warm}{optim.lr_schedule} to {optim.min_lr_ratio:g} x lr at optimizer step {optim.decay_steps}"
+
+
 def plan_decisions(plan: JobPlan) -> dict[str, Any]:
     """What the plan decided, as the dry run shows it (JSON-able): backend, engine, rollout and schedule,
     every actor, the placement group and the weight transport. Reads nothing from disk."""
@@ -334,6 +342,7 @@ def plan_decisions(plan: JobPlan) -> dict[str, Any]:
         "rollout": {"prompts_per_step": cfg.rollout.prompts_per_step, "group_size": cfg.rollout.group_size,
                     "max_new_tokens": cfg.rollout.max_new_tokens, "max_staleness": cfg.rollout.max_staleness},
         "schedule": {"sft_steps": cfg.sft.steps, "rl_steps": cfg.trainer.steps, "optim_lr": cfg.optim.lr,
+                     "optim_lr_schedule": lr_schedule_text(cfg.optim),
                      "trainer_time_budget_s": cfg.trainer.time_budget_s,
                      "eval": cfg.data.eval_path or f"{cfg.data.eval_size} prompts held out of the training rows"},
         "actors": [a.describe() for a in plan.actors], "placement": placement_plan(plan),

@@ -56,7 +56,7 @@ def format_plan(plan: dict) -> str:
            + ("" if e["installed_here"] else f" ({e['name']} is not installed on this machine; the job's machines need it)"),
            "rollout: {prompts_per_step} prompts x {group_size} samples per step, max_new_tokens={max_new_tokens}, "
            "max_staleness={max_staleness}".format(**plan["rollout"]) + _truncation_text(plan["rollout"]),
-           "schedule: sft.steps={sft_steps}, trainer.steps={rl_steps}, optim.lr={optim_lr:g}, "
+           "schedule: sft.steps={sft_steps}, trainer.steps={rl_steps}, optim.lr={optim_lr:g} ({optim_lr_schedule}), "
            "trainer.time_budget_s={trainer_time_budget_s:g}; eval: {eval}".format(**plan["schedule"])]
     for role, key in (("train", "data.path"), ("eval", "data.eval_path")):
         src = (plan.get("data") or {}).get(role)

@@ -53,7 +53,8 @@ def resolve_presets(cfg: Any, inputs: Any = None) -> Any:
     """A new config: `cfg` with `task` resolved (`task_registry.resolve_task_name`: left unset, `prompts` when a
     reward function is given by `reward.fn` or in `inputs` (the job's JobInputs), a task object's
     "python:<name>", else `arithmetic`) and each field it leaves None (and `model.dtype=auto`) filled from
-    `preset_values`; `rollout.workflow` left "auto" is "python:<name>" for a workflow given as a Python object.
+    `preset_values`; `rollout.workflow` left "auto" is "python:<name>" for a workflow given as a Python object;
+    a decaying `optim.lr_schedule` without `optim.decay_steps` ends at the last RL optimizer step.
     Idempotent; `cfg` is not changed."""
     out = copy.deepcopy(cfg)
     out.task = resolve_task_name(cfg.task, bool(cfg.reward.fn) or bool(getattr(inputs, "reward_fns", ())),
@@ -66,4 +67,6 @@ def resolve_presets(cfg: Any, inputs: Any = None) -> Any:
         section = get_key(out, ".".join(path)) if path else out
         if getattr(section, field) in (None, "auto"):
             setattr(section, field, value)
+    if out.optim.lr_schedule != "constant" and out.optim.decay_steps is None:  # the decay ends with the last step
+        out.optim.decay_steps = out.trainer.steps * out.optim.epochs * out.optim.num_minibatches
     return out

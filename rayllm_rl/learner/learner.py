@@ -55,7 +55,6 @@ from rayllm_rl.learner.distributed import (
     to_local_scalar,
 )
 from rayllm_rl.learner.logprobs import (
-    DEFAULT_CHUNK,
     batched_token_logprobs,
     check_chunked_head,
     micro_batches,
@@ -63,6 +62,7 @@ from rayllm_rl.learner.logprobs import (
     trim,
 )
 from rayllm_rl.learner.mismatch import MismatchMeter
+from rayllm_rl.learner.optim import OptimConfig, lr_scale
 from rayllm_rl.learner.precision import Precision
 from rayllm_rl.learner.shared_prompt import (
     check_shared_prompt,
@@ -75,59 +75,6 @@ from rayllm_rl.lora import LoraOptions
 from rayllm_rl.objectives.base import Loss
 from rayllm_rl.objectives.ppo_decoupled import loglinear_prox_logp
 from rayllm_rl.sampling_mask import SamplingMask
-
-
-@dataclasses.dataclass
-class OptimConfig:
-    """AdamW and batching settings of the learner."""
-
-    lr: float = 1e-3
-    """Peak learning rate."""
-    weight_decay: float = 0.0
-    """AdamW decoupled weight decay."""
-    beta1: float = 0.9
-    """AdamW beta1."""
-    beta2: float = 0.99
-    """AdamW beta2."""
-    grad_clip: float = 1.0
-    """Clip the global gradient norm to this value (<= 0 disables)."""
-    max_tokens_per_micro_batch: int = 16384
-    """Padded tokens (rows x longest row) per forward/backward; gradients accumulate over micro-batches.
-    Rows are sorted by length, so padding stays small. 16384 (8 rows of 2k, or 4 of 4k) keeps the
-    activations of a ~1.5B model within a few GB of GPU memory (less with `activation_checkpointing`),
-    since the LM head never holds more than `logprob_chunk_size` positions of logits; a row longer than
-    this is a micro-batch of its own."""
-    micro_batch_size: int = 0
-    """Optional cap on rows per micro-batch on top of the token budget (0 = no row cap)."""
-    logprob_chunk_size: int = DEFAULT_CHUNK
-    """Positions per LM-head chunk when computing logprobs and entropy: one `[chunk, V]` float32 block of
-    logits lives at a time (0.31 GB at 512 x 151,936, Qwen2.5's vocabulary), while each chunk's
-    `[chunk, H] x [H, V]` matmul stays large enough to run at full speed. 0 = full-vocabulary logits
-    (only for models whose logits are post-processed, e.g. soft-capped)."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer's activations in backward (HF gradient checkpointing, non-reentrant):
-    less memory for long sequences, about one more forward of compute."""
-    num_minibatches: int = 1
-    """Optimizer steps per epoch over a rollout batch (1 = fully on-policy)."""
-    epochs: int = 1
-    """Passes over each rollout batch."""
-    warmup_steps: int = 0
-    """Linear warm-up of the learning rate over this many optimizer steps."""
-    share_prompts: bool = True
-    """Train rows that share a prompt (a GRPO group) in one packed row, the prompt run once
-    (learner/shared_prompt.py): the same logprobs and gradient, the decoder's work cut by ~(G-1)/G of the
-    prompt's tokens. Used where the model supports it (`supports_shared_prompt`: sdpa or eager attention, no
-    sliding window); false keeps padded rows (e.g. long rows on flash-attention, where the dense 4D mask costs
-    more than the prompt)."""
-
-    def __post_init__(self) -> None:
-        if self.max_tokens_per_micro_batch < 1:
-            raise ValueError(f"optim.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch}: must be >= 1")
-        if self.micro_batch_size < 0:
-            raise ValueError(f"optim.micro_batch_size={self.micro_batch_size}: must be >= 0 (0 = no row cap)")
-        if self.logprob_chunk_size < 0:
-            raise ValueError(f"optim.logprob_chunk_size={self.logprob_chunk_size}: must be >= 0 "
-                             "(0 = full-vocabulary logits)")
 
 
 COUNTED_METRICS = frozenset({"skipped_nonfinite_steps"})
@@ -297,10 +244,6 @@ class Learner:
             return self.compute_logprobs(td)
 
     # ------------------------------------------------------------------ update
-    def _lr_scale(self) -> float:
-        w = self.cfg.warmup_steps
-        return 1.0 if w <= 0 else min(1.0, (self.optim_steps + 1) / w)
-
     def train_step(self, td: TensorDict, loss_fn: Loss) -> dict[str, float]:
         """Epochs x minibatches optimizer steps over `td`; returns the metrics averaged over the
         steps that report them, except the counters in `COUNTED_METRICS`, which are summed
@@ -437,7 +380,7 @@ class Learner:
         metrics["grad_norm"] = grad_norm
         metrics["skipped_nonfinite_steps"] = 0.0
         for g in self.optimizer.param_groups:
-            g["lr"] = self.cfg.lr * self._lr_scale()
+            g["lr"] = self.cfg.lr * lr_scale(self.cfg, self.optim_steps)
         self.optimizer.step()
         self.optim_steps += 1
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]

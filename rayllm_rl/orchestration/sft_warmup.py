@@ -49,7 +49,8 @@ def sft_warm_start(cfg: GRPOJobConfig, task: Task, tokenizer, reporter,
         reporter.log({"phase": "sft", "skipped": note})
         logging.getLogger(__name__).warning(note)
         return None
-    reset_optimizer(dataclasses.replace(cfg.optim, lr=cfg.sft.lr, warmup_steps=cfg.sft.warmup_steps))
+    reset_optimizer(dataclasses.replace(cfg.optim, lr=cfg.sft.lr, warmup_steps=cfg.sft.warmup_steps,
+                                        lr_schedule="constant"))
     loader, loss, t0 = PromptLoader(task.train, seed=cfg.trainer.seed + 1), SFTLoss(), time.perf_counter()
     cut = None
     with reporter.task_progress(cfg.sft.steps, "sft warm start") as tick:
