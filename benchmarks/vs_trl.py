@@ -167,6 +167,7 @@ def run_ours(args, s: dict, task: str, seed: int, engine: str, tmp: str) -> dict
            f"rollout.prompts_per_step={s['prompts']}", f"rollout.group_size={s['samples']}",
            f"rollout.max_new_tokens={s['max_new_tokens']}", f"trainer.seed={seed}",
            f"trainer.steps={s['steps'] or 100000}", f"trainer.time_budget_s={s['rl_seconds']}", "trainer.eval_every=0",
+           "optim.lr_schedule=constant",  # as TRL's side (constant_with_warmup); the recipe decays over its 150 steps
            f"trainer.run_dir={tmp}/ours-{task}-{engine}-{seed}"]
     if args.advantage == "trl":
         cmd += ["algo.advantage.std_estimator=unbiased", "algo.advantage.eps=1e-4"]
