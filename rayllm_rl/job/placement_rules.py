@@ -95,19 +95,20 @@ def actor_gpus(gpus: float, colocated: bool = False) -> float:
 
 
 REFERENCE_SHARE = 0.1
-"""What the frozen reference model (KL) asks of learner rank 0's one-GPU bundle, taken from the learner's
-share: Ray then gives it learner rank 0's device, where it runs in the learner's dtype."""
+"""What a frozen model (the KL reference, the distillation teacher) asks of learner rank 0's one-GPU bundle,
+taken from the learner's share: Ray then gives it learner rank 0's device, where it runs in the learner's dtype."""
 
 
 def reference_on_gpu(learner_gpus: float, reference: bool) -> bool:
-    """The reference shares learner rank 0's GPU when the job has one (a learner rank of one GPU); with
+    """A frozen model shares learner rank 0's GPU when the job has one (a learner rank of one GPU); with
     CPU learners, or several GPUs per rank (no fraction of a multi-GPU bundle), it runs on the CPU."""
     return reference and learner_gpus == 1.0
 
 
-def learner_gpus_asked(learner_gpus: float, colocated: bool, reference: bool) -> float:
-    """What each learner rank asks of its bundle: its share, less the reference's on a one-GPU rank."""
-    return actor_gpus(learner_gpus, colocated) - (REFERENCE_SHARE if reference_on_gpu(learner_gpus, reference) else 0.0)
+def learner_gpus_asked(learner_gpus: float, colocated: bool, reference: bool, teacher: bool = False) -> float:
+    """What each learner rank asks of its bundle: its share, less each frozen model's on a one-GPU rank."""
+    frozen = sum(REFERENCE_SHARE for on in (reference, teacher) if reference_on_gpu(learner_gpus, on))
+    return actor_gpus(learner_gpus, colocated) - frozen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +125,8 @@ class GpuLayout:
     colocated: bool = False
     reference: bool = False
     """The job has a frozen reference model (KL)."""
+    teacher: bool = False
+    """The job has a distillation teacher (`teacher.path`), placed like the reference."""
 
     @property
     def uses_gpus(self) -> bool:
@@ -135,7 +138,7 @@ class GpuLayout:
 
     @property
     def learner_asks(self) -> float:
-        return learner_gpus_asked(self.learner_gpus, self.colocated, self.reference)
+        return learner_gpus_asked(self.learner_gpus, self.colocated, self.reference, self.teacher)
 
     @property
     def reference_asks(self) -> float:
@@ -153,14 +156,22 @@ class GpuLayout:
         """Learner rank 0's bundle when the reference takes a share of its GPU, else None (CPU)."""
         return self.learner_bundle(0) if self.reference_asks else None
 
+    @property
+    def teacher_asks(self) -> float:
+        return REFERENCE_SHARE if reference_on_gpu(self.learner_gpus, self.teacher) else 0.0
+
+    def teacher_bundle(self) -> int | None:
+        """Learner rank 0's bundle when the teacher takes a share of its GPU, else None (CPU)."""
+        return self.learner_bundle(0) if self.teacher_asks else None
+
 
 def gpu_layout(num_replicas: int, num_learners: int, gpus_per_replica: float, gpus_per_learner: float,
                tensor_parallel_size: int, timeout_s: float, *, colocated: bool = False,
-               reference: bool = False) -> GpuLayout:
+               reference: bool = False, teacher: bool = False) -> GpuLayout:
     """Check the placement settings (`validate`, ValueError naming the `ray.*` key) and decide the layout."""
     replica_gpus, learner_gpus = validate(num_replicas, num_learners, gpus_per_replica, gpus_per_learner,
                                           tensor_parallel_size, timeout_s, colocated)
-    return GpuLayout(int(num_replicas), int(num_learners), replica_gpus, learner_gpus, colocated, reference)
+    return GpuLayout(int(num_replicas), int(num_learners), replica_gpus, learner_gpus, colocated, reference, teacher)
 
 
 _LABEL = r"[a-zA-Z0-9]([a-zA-Z0-9_.-]{0,61}[a-zA-Z0-9])?"

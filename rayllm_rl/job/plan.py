@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 from typing import Any
 
 from rayllm_rl.orchestration.batch_prep import BatchPipeline, make_batch_pipeline
@@ -24,7 +25,7 @@ BACKENDS = {"local": "rayllm_rl.orchestration.local.backend:LocalBackend",
 """`trainer.backend` -> the class that runs the roles (imported only when the job starts)."""
 
 REPLICA, LEARNER, ENV_WORKER = "inference-{}", "learner-{}", "env-{}"
-BUFFER, COLLECTOR, REFERENCE = "replay-buffer", "collector", "reference"
+BUFFER, COLLECTOR, REFERENCE, TEACHER = "replay-buffer", "collector", "reference", "teacher"
 """The dashboard names of the job's actors (`{}`: the replica, rank or worker index)."""
 
 
@@ -90,6 +91,8 @@ class JobPlan:
     sampling_mask: SamplingMask = SamplingMask()
     """What the learner replays when it scores tokens: the rollout's top-k / top-p, or nothing when
     `rollout.replay_sampling_mask` is off (`rayllm_rl.sampling_mask`)."""
+    needs_teacher: bool = False
+    """A frozen distillation teacher (`teacher.path`) scores every batch (docs/distillation.md)."""
     learner_threads: int = 0
     """torch threads of a learner: `ray.threads_per_actor` in an actor, `trainer.num_threads` in this process
     (0 = torch's default); the LoRA demo's base warm-up runs with it too."""
@@ -138,6 +141,18 @@ class JobPlan:
         cfg = self.config
         return ReferenceSpec(model_path, cfg.rollout.temperature, cfg.model.dtype,
                              cfg.optim.max_tokens_per_micro_batch, cfg.optim.logprob_chunk_size)
+
+    def teacher_spec(self):
+        """The distillation teacher (`learner.teacher.TeacherSpec`): `teacher.path`, scored as the learner scores
+        (temperature, dtype, batching, the sampling mask replayed)."""
+        from rayllm_rl.learner.teacher import TeacherSpec
+
+        cfg = self.config
+        path = cfg.teacher.path  # a local directory or file as an absolute path: the actors' working directory differs
+        path = os.path.abspath(path) if os.path.exists(path) else path
+        return TeacherSpec(path, cfg.rollout.temperature, cfg.model.dtype,
+                           cfg.optim.max_tokens_per_micro_batch, cfg.optim.logprob_chunk_size,
+                           SamplingMask(cfg.rollout.top_k, cfg.rollout.top_p))
 
     def reward_model_spec(self):
         """The reward model of `reward.model` (`rewards.reward_model.RewardModelSpec`), the same for every actor."""
@@ -198,6 +213,12 @@ def _actors(cfg: GRPOJobConfig, layout: GpuLayout, reference: bool) -> tuple[Act
         gpus = layout.reference_asks
         actors.append(ActorPlan(REFERENCE, "frozen reference model (KL)", gpus, t, layout.reference_bundle(), 0,
                                 f"on {LEARNER.format(0)}'s GPU, {cfg.model.dtype}" if gpus else f"CPU, {cfg.model.dtype}"))
+    if layout.teacher:
+        gpus = layout.teacher_asks
+        actors.append(ActorPlan(TEACHER, "distillation teacher (frozen, scores sampled tokens)", gpus, t,
+                                layout.teacher_bundle(), rc.teacher_restarts,
+                                f"{cfg.teacher.path}; " + (f"on {LEARNER.format(0)}'s GPU, {cfg.model.dtype}" if gpus
+                                                           else f"CPU, {cfg.model.dtype}")))
     if cfg.rollout.workflow == "python_tool":
         actors.append(ActorPlan("python-executor", "sandboxed code execution service", 0.0, 1))
     m, j = cfg.reward.model, cfg.reward.judge
@@ -275,22 +296,22 @@ def make_plan(cfg: GRPOJobConfig, inputs: Any = None, *, environment: bool = Tru
     check_job(cfg, environment, inputs)  # the rules no decision below covers
     rc = cfg.ray
     loss = cfg.algo.build_loss(cfg.rollout.max_new_tokens)  # and its own checks (e.g. GRPO's clip_eps_low < 1)
-    reference = _needs_reference(cfg, loss)
+    reference, teacher = _needs_reference(cfg, loss), bool(cfg.teacher.path)
     capacity = cfg.rollout.buffer_episodes or 2 * (cfg.rollout.max_staleness + 1) * cfg.rollout.prompts_per_step
     if _in_process(cfg):  # every role in this process, on CPU: no actors, no transport
-        layout = GpuLayout(1, 1, 0.0, 0.0, False, reference)
+        layout = GpuLayout(1, 1, 0.0, 0.0, False, reference, teacher)
         actors: tuple[ActorPlan, ...] = ()
         transport = TransportChoice("in-process", "in-process", "in-process")
     else:
         layout = gpu_layout(rc.num_replicas, rc.num_learners, rc.gpus_per_replica, rc.gpus_per_learner,
                             rc.tensor_parallel_size, rc.sync_timeout_s, colocated=rc.placement == "colocated",
-                            reference=reference)
+                            reference=reference, teacher=teacher)
         actors, transport = _actors(cfg, layout, reference), _transport(cfg, layout)
     return JobPlan(config=cfg, backend=cfg.trainer.backend, engine=cfg.inference.engine,
                    engine_options=_engine_options(cfg, layout, environment),
                    replicas=layout.num_replicas, learner_ranks=layout.num_learners, layout=layout, loss=loss,
                    needs_reference=reference, actors=actors, buffer_capacity=capacity,
-                   batch_pipeline=make_batch_pipeline(cfg, reference), transport=transport,
+                   batch_pipeline=make_batch_pipeline(cfg, reference), transport=transport, needs_teacher=teacher,
                    sampling_mask=SamplingMask(cfg.rollout.top_k, cfg.rollout.top_p) if cfg.rollout.replay_sampling_mask
                    else SamplingMask(),
                    learner_threads=cfg.trainer.num_threads if _in_process(cfg) else rc.threads_per_actor)

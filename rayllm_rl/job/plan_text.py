@@ -105,6 +105,16 @@ def format_plan(plan: dict) -> str:
     if plan.get("batch_stages"):
         out.append(f"batch pipeline (in the replay buffer): {' -> '.join(plan['batch_stages'])}; "
                    f"buffer capacity {plan['buffer_capacity']} episodes")
+    if plan.get("teacher"):
+        out.append("distillation teacher: {path} ({placement}); advantage = {task_coef:g} x task - {coef:g} x "
+                   "(log pi_student - log pi_teacher) per sampled token".format(**plan["teacher"]))
+        t = plan["teacher"]
+        if "memory_total_bytes" in t:
+            out.append(f"  teacher: {t['params'] / 1e9:.3f}B parameters, ~{_gib(t['memory_total_bytes'])} "
+                       f"(weights {_gib(t['memory_bytes']['weights'])}); per batch one forward of "
+                       f"{t['tokens_per_batch']} tokens, {t['flops_per_batch'] / 1e12:.2f} TFLOP: {t['time_per_batch']}")
+        elif "memory" in t:
+            out.append(f"  teacher memory: {t['memory']}")
     mem = plan["memory"]
     if "unknown" in mem:
         out.append(f"memory estimate: {mem['unknown']} (model {m['path']})")

@@ -10,6 +10,7 @@ from tensordict import TensorDict
 
 from rayllm_rl.learner.learner import OptimConfig
 from rayllm_rl.learner.logprobs import batched_token_logprobs, check_chunked_head
+from rayllm_rl.sampling_mask import SamplingMask
 
 
 REFERENCE_FILE = "reference.safetensors"
@@ -63,8 +64,10 @@ class ReferenceModel:
     def __init__(self, model_path: str, *, temperature: float = 1.0,
                  max_tokens_per_micro_batch: int = OptimConfig.max_tokens_per_micro_batch,
                  logprob_chunk_size: int = OptimConfig.logprob_chunk_size, dtype: torch.dtype = torch.float32,
-                 named_tensors: dict[str, torch.Tensor] | None = None, device: torch.device | str = "cpu"):
-        """`device`: where the frozen model runs (a GPU in the learner's dtype, next to learner rank 0)."""
+                 named_tensors: dict[str, torch.Tensor] | None = None, device: torch.device | str = "cpu",
+                 sampling_mask: SamplingMask = SamplingMask()):
+        """`device`: where the frozen model runs (a GPU in the learner's dtype, next to learner rank 0);
+        `sampling_mask`: the rollout's top-k / top-p, replayed so tokens are scored over the sampler's kept set."""
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
@@ -78,6 +81,7 @@ class ReferenceModel:
                              f"{max_tokens_per_micro_batch} and {logprob_chunk_size}")
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
         self.logprob_chunk_size = logprob_chunk_size
+        self.sampling_mask = sampling_mask
         check_chunked_head(self.model, logprob_chunk_size)
 
     def load_weights(self, named: dict[str, torch.Tensor]) -> None:
@@ -100,4 +104,4 @@ class ReferenceModel:
 
     def compute_logprobs(self, td: TensorDict) -> torch.Tensor:
         return batched_token_logprobs(self.model, td, self.max_tokens_per_micro_batch, self.temperature, self.device,
-                                      chunk_size=self.logprob_chunk_size)
+                                      chunk_size=self.logprob_chunk_size, mask=self.sampling_mask)

@@ -66,6 +66,10 @@ class Backend(Protocol):
         """A frozen reference policy (the current learner weights, or the one `checkpoint` saved),
         built without its weights passing through the driver; `next_batch` uses it from then on."""
 
+    def start_teacher(self) -> None:
+        """The distillation teacher (`teacher.path`, loaded from there: a resumed run loads it again, it is in no
+        checkpoint); `next_batch` scores every batch with it from then on (`teacher_s`: how long that took)."""
+
     def driver_bytes(self) -> int | None:
         """Bytes of data the driver received from the roles or sent them since the last call (None
         where the roles live in the driver's process and nothing crosses)."""

@@ -2,7 +2,7 @@
 
 `make_batch_pipeline(cfg, reference)` builds the stages the job's config asks for, in their order:
 reward shaping (DAPO's overlong penalty), reference KL (and KL-in-reward), top-k selection, advantages,
-and the proximal version stamp. The job plan holds the pipeline; the replay buffer (the buffer's actor on
+the distillation teacher's KL (per-token advantages), and the proximal version stamp. The job plan holds the pipeline; the replay buffer (the buffer's actor on
 Ray, the driver's process locally) gets it when it is made and runs it where the batch is, so the driver
 sees only `step_metadata`: scalars and short lists, never tensors. Every stage has one signature,
 `stage(batch [N, ...], version) -> batch [N', ...]` (only selection changes N).
@@ -84,6 +84,31 @@ class Advantages:
 
 
 @dataclasses.dataclass(frozen=True)
+class TeacherKL:
+    """On-policy distillation: the teacher's logprobs of the sampled tokens (`teacher_logprobs` `[N, T]`, put on
+    the batch by the pipeline) become `teacher_kl` `[N, T]` and the per-token `advantages` `[N, T]` =
+    `task_coef * A_task - coef * teacher_kl` (`objectives.distill`); after `advantages`, which made A_task `[N]`."""
+
+    name = "teacher_kl"
+    coef: float
+    task_coef: float
+
+    def __call__(self, batch, version: int):
+        from rayllm_rl.objectives.distill import distill_advantages, teacher_kl
+
+        if "teacher_logprobs" not in batch.keys():
+            raise ValueError("the batch pipeline has a teacher_kl stage but the batch came without the teacher's "
+                             "logprobs (start the teacher before taking batches)")
+        mask = batch["loss_mask"]
+        kl = teacher_kl(batch["logprobs"].float(), batch["teacher_logprobs"], mask)
+        batch["teacher_kl"] = kl  # kept for the step's figures; the teacher's own logprobs are not sent on
+        del batch["teacher_logprobs"]
+        task = batch["advantages"] if self.task_coef > 0 else None
+        batch["advantages"] = distill_advantages(kl, mask, self.coef, task, self.task_coef)
+        return batch
+
+
+@dataclasses.dataclass(frozen=True)
 class ProxVersion:
     """`prox_version` `[N]`: the policy version the learner trains this batch from
     (`algo.prox_logp_method=loglinear` interpolates the proximal logprobs with it)."""
@@ -105,18 +130,22 @@ class BatchPipeline:
     def names(self) -> list[str]:
         return [s.name for s in self.stages]
 
-    def __call__(self, batch, version: int, ref_logprobs: torch.Tensor | None = None):
+    def __call__(self, batch, version: int, ref_logprobs: torch.Tensor | None = None,
+                 teacher_logprobs: torch.Tensor | None = None):
         """Rollout batch `[N]` -> training batch `[N']` (use the returned batch: it may be smaller).
-        `ref_logprobs` `[N, T]`: the reference's logprobs of this batch, for a `reference_kl` stage."""
-        if ref_logprobs is not None:
-            batch["ref_logprobs"] = torch.as_tensor(ref_logprobs, dtype=torch.float32)
+        `ref_logprobs` / `teacher_logprobs` `[N, T]`: the frozen models' logprobs of this batch, for a
+        `reference_kl` / `teacher_kl` stage."""
+        for key, scored in (("ref_logprobs", ref_logprobs), ("teacher_logprobs", teacher_logprobs)):
+            if scored is not None:
+                batch[key] = torch.as_tensor(scored, dtype=torch.float32)
         for stage in self.stages:
             batch = stage(batch, version)
         return batch
 
-    def prepare(self, batch, version: int, ref_logprobs: torch.Tensor | None = None) -> tuple[Any, dict]:
+    def prepare(self, batch, version: int, ref_logprobs: torch.Tensor | None = None,
+                teacher_logprobs: torch.Tensor | None = None) -> tuple[Any, dict]:
         """(training batch, its step metadata) of a rollout batch trained from `version`."""
-        batch = self(batch, version, ref_logprobs)
+        batch = self(batch, version, ref_logprobs, teacher_logprobs)
         return batch, step_metadata(batch, version)
 
 
@@ -130,7 +159,10 @@ def make_batch_pipeline(cfg, reference: bool) -> BatchPipeline:
         stages.append(ReferenceKL(a.kl_reward_coef))
     if cfg.rollout.keep_top_k > 0:
         stages.append(TopKSelection(cfg.rollout.keep_top_k))
-    stages += [Advantages(a.advantage), ProxVersion()]
+    stages.append(Advantages(a.advantage))
+    if cfg.teacher.path:
+        stages.append(TeacherKL(cfg.teacher.coef, cfg.teacher.task_coef))
+    stages.append(ProxVersion())
     return BatchPipeline(tuple(stages))
 
 
@@ -147,8 +179,38 @@ def step_metadata(batch, version: int) -> dict:
 
     lag = batch_staleness_stats(batch, version)
     return {"reward": float(batch["rewards"].mean()), "seqs": batch.batch_size[0],
-            "gen_tokens": int(batch["loss_mask"].sum()), "advantage_abs_mean": float(batch["advantages"].abs().mean()),
+            "gen_tokens": int(batch["loss_mask"].sum()), "advantage_abs_mean": advantage_abs_mean(batch),
             "staleness_mean": lag["mean_lag"], "staleness_max": lag["max_lag"],
             "token_versions": sorted(set(batch["versions"][batch["loss_mask"]].tolist())),
             "episode_ids": sorted(set(batch["group_id"].tolist())), "data_sha": prompts_digest(batch),
-            "batch_bytes": int(batch.bytes()), **reward_component_means(batch)}
+            "batch_bytes": int(batch.bytes()), **reward_component_means(batch), **teacher_kl_stats(batch)}
+
+
+def advantage_abs_mean(batch) -> float:
+    """Mean |advantage| over the rows `[N]`, or over the sampled tokens of per-token advantages `[N, T]`."""
+    adv = batch["advantages"]
+    return float(adv[batch["loss_mask"].bool()].abs().mean() if adv.dim() == 2 else adv.abs().mean())
+
+
+def teacher_kl_stats(batch) -> dict[str, float]:
+    """The teacher KL of a distillation batch over its sampled tokens: mean and per-token quantiles ({} without)."""
+    if "teacher_kl" not in batch.keys():
+        return {}
+    kl = batch["teacher_kl"][batch["loss_mask"].bool()].double()
+    if kl.numel() == 0:
+        return {"teacher_kl_mean": 0.0}
+    q = quantiles(kl, (0.1, 0.5, 0.9))
+    return {"teacher_kl_mean": float(kl.mean()), "teacher_kl_p10": q[0], "teacher_kl_p50": q[1],
+            "teacher_kl_p90": q[2]}
+
+
+def quantiles(values: torch.Tensor, qs: tuple[float, ...]) -> list[float]:
+    """`torch.quantile`'s linear interpolation of a 1-D tensor, by sorting (torch.quantile refuses > 2**24 values)."""
+    v, n = values.sort().values, values.numel()
+    out = []
+    for q in qs:
+        pos = q * (n - 1)
+        lo = int(pos)
+        hi = min(lo + 1, n - 1)
+        out.append(float(v[lo] + (pos - lo) * (v[hi] - v[lo])))
+    return out

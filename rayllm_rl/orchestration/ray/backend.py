@@ -11,7 +11,7 @@ from typing import Any
 
 import ray
 
-from rayllm_rl.orchestration.ray.actors import ReferenceActor
+from rayllm_rl.orchestration.ray.actors import ReferenceActor, TeacherActor
 from rayllm_rl.orchestration.backend import ROLE_KINDS, RoleCrashed, backend_summary
 from rayllm_rl.orchestration.fault_ledger import FaultLedger
 from rayllm_rl.orchestration.ray.cluster import (
@@ -22,7 +22,7 @@ from rayllm_rl.hub import resolve_model_path
 from rayllm_rl.envs.task import Task
 from rayllm_rl.orchestration.factories import build_workflow
 from rayllm_rl.job.config import GRPOJobConfig
-from rayllm_rl.job.plan import REFERENCE, JobPlan
+from rayllm_rl.job.plan import REFERENCE, TEACHER, JobPlan
 from rayllm_rl.orchestration.ray.liveness import Liveness
 from rayllm_rl.orchestration.ray.router import ReplicaRouter
 from rayllm_rl.orchestration.ray.reward_actors import ray_reward_scorers, reward_service_stats
@@ -84,6 +84,11 @@ def _crash_aware(method):
     return wrapper
 
 
+def frozen_roles(backend) -> dict:
+    """A backend's frozen models started so far, by dashboard name (watched with the cluster's roles, killed with them)."""
+    return {name: h for name, h in ((REFERENCE, backend.reference), (TEACHER, backend.teacher)) if h is not None}
+
+
 class RayBackend:
     """Replicas, env workers, learners, buffer and collector as named Ray actors (see cluster.py)."""
 
@@ -113,10 +118,9 @@ class RayBackend:
         cfg, worker_task = self.cfg, worker_part(self.task)
         self.cluster: Cluster = build_cluster(self.plan, self.model_path, self.task, functools.partial(
             make_workflow, cfg, self.model_path, worker_task, self.workflow))
-        self.reference = None
+        self.reference = self.teacher = None
         self._pending_version = None  # the last version told the collector, awaited at the next one
-        self.live = Liveness(self.cluster, self.plan, self.faults,
-                             lambda: {"reference": self.reference} if self.reference is not None else None)
+        self.live = Liveness(self.cluster, self.plan, self.faults, lambda: frozen_roles(self))
         """Dead roles and restarted replicas, checked while the driver waits (`live.every_s`)."""
 
     def recover(self, crash: RoleCrashed) -> None:
@@ -133,9 +137,11 @@ class RayBackend:
         """Kill every actor of the job and wait until their names are free: a rollback, or the next
         job in this Ray session, starts actors under the same names."""
         ns = self.cfg.ray.namespace
-        if self.reference is not None:
-            ray.kill(self.reference, no_restart=True)
-            wait_names_free([REFERENCE], ns)
+        frozen = frozen_roles(self)
+        for handle in frozen.values():
+            ray.kill(handle, no_restart=True)
+        wait_names_free(list(frozen), ns)
+        self.reference = self.teacher = None
         self.cluster.shutdown(close_timeout_s=close_timeout_s, namespace=ns)
 
     def _take_fault_events(self, timeout_s: float | None = None, note_pids: bool = True) -> None:
@@ -205,7 +211,7 @@ class RayBackend:
         while waiting: a dead role ends the wait, and a restarted replica gets the current weights
         (it serves nothing until then, so with one replica the batch would never fill)."""
         c = self.cluster
-        batch, meta = c.buffer.take_batch.remote(n_episodes, version, c.timeout_s, self.reference)
+        batch, meta = c.buffer.take_batch.remote(n_episodes, version, c.timeout_s, self.reference, self.teacher)
         meta = self.live.await_live(meta, f"batch of {n_episodes} episodes at version {version}")
         return batch, self._through_driver(meta)
 
@@ -226,6 +232,15 @@ class RayBackend:
                 raise TimeoutError(f"the learners' weights for the reference model were not gathered in "
                                    f"{self.cluster.timeout_s:g}s")
         self._get(self.reference.pid.remote())  # built (a failure names the reference here, not at its first batch)
+
+    @_crash_aware
+    def start_teacher(self) -> None:
+        """The `teacher` actor: it loads `teacher.path` on its node (and again when Ray restarts it)."""
+        actor, args = self.plan.actor(TEACHER), (self.plan.teacher_spec(), self.plan.actor(TEACHER).threads)
+        check_inlined("teacher", args)  # Ray re-runs the constructor with them on a restart
+        self.teacher = TeacherActor.options(name=TEACHER, namespace=self.cfg.ray.namespace, max_restarts=actor.restarts,
+                                            **self.cluster.placement.teacher_options).remote(*args)
+        self._get(self.teacher.pid.remote())  # loaded (a failure names the teacher here, not at its first batch)
 
     @_crash_aware
     def evaluate(self, progress=None) -> dict[str, Any]:

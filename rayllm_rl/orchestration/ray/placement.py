@@ -85,6 +85,8 @@ class Placement:
     reference_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Merged into `ReferenceActor.options(...)`: learner rank 0's bundle with a GPU share (one-GPU learner
     ranks), else the learners' node labels, or else the driver's node."""
+    teacher_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Merged into `TeacherActor.options(...)`: placed as the reference is (`reference_options`)."""
 
     def remove(self) -> None:
         """Release the placement group (kills actors still in it); safe to call twice."""
@@ -141,8 +143,9 @@ def plan_placement(layout: GpuLayout, timeout_s: float, *, replica_labels: dict[
     env_options = _with_labels({}, env_worker_labels)
     driver_node = {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
                                                                          soft=False)}
+    frozen = _with_labels({}, learner_labels) if learner_labels else driver_node  # the reference, the teacher
     others = {"env_worker_options": env_options, "driver_node_options": driver_node,
-              "reference_options": _with_labels({}, learner_labels) if learner_labels else driver_node}
+              "reference_options": frozen, "teacher_options": frozen}
     if not layout.uses_gpus:
         return Placement([_with_labels({"num_cpus": 0}, replica_labels) for _ in range(n_rep)],
                          [_with_labels({"num_cpus": 0}, learner_labels) for _ in range(n_learn)], **others)
@@ -168,6 +171,8 @@ def plan_placement(layout: GpuLayout, timeout_s: float, *, replica_labels: dict[
         raise
     if layout.reference_bundle() is not None:
         others["reference_options"] = _actor_options(pg, layout.reference_bundle(), layout.reference_asks)
+    if layout.teacher_bundle() is not None:
+        others["teacher_options"] = _actor_options(pg, layout.teacher_bundle(), layout.teacher_asks)
     return Placement([_actor_options(pg, i, layout.replica_asks) for i in range(n_rep)],
                      [_actor_options(pg, layout.learner_bundle(r), layout.learner_asks) for r in range(n_learn)],
                      pg, **others)

@@ -1,5 +1,6 @@
 """The rollout side's actor shells: `replay-buffer` (`ReplayBufferActor`, over `rollout.replay_buffer`) and
-`collector` (`RayLLMCollector`, over `rollout.collector.LLMCollector`), each built from the plan's spec."""
+`collector` (`RayLLMCollector`, over `rollout.collector.LLMCollector`), each built from the plan's spec; and
+`score_with_restarts`, how the buffer gets a restartable scorer's (the teacher's) logprobs of a batch."""
 from __future__ import annotations
 
 import asyncio
@@ -50,16 +51,22 @@ class ReplayBufferActor(ActorProcess):
         return await self.waiting.get_batch(n_episodes, current_version, timeout_s)
 
     @ray.method(num_returns=2)
-    async def take_batch(self, n_episodes: int, current_version: int, timeout_s: float, reference=None):
+    async def take_batch(self, n_episodes: int, current_version: int, timeout_s: float, reference=None,
+                         teacher=None):
         """`get_batch`, made a training batch here by the job's batch pipeline (with the `reference`
-        actor's logprobs for KL if given): two results, the batch (the learners take its reference)
-        and its metadata (all the driver fetches)."""
+        actor's logprobs for KL, and the distillation `teacher`'s, if given): two results, the batch (the
+        learners take its reference) and its metadata (all the driver fetches)."""
         batch, depth = await self.waiting.get_batch(n_episodes, current_version, timeout_s)
-        ref_logprobs = None
+        ref_logprobs = teacher_logprobs = None
         if reference is not None:
             ref_logprobs = await asyncio.wait_for(reference.compute_logprobs.remote(batch), timeout_s)
-        batch, meta = self.pipeline.prepare(batch, current_version, ref_logprobs)
-        return batch, {**meta, "buffer_depth": depth}
+        scored: dict[str, float] = {}
+        if teacher is not None:
+            t0 = time.perf_counter()
+            teacher_logprobs, rescored = await score_with_restarts(teacher, batch, timeout_s)
+            scored = {"teacher_s": time.perf_counter() - t0, "teacher_rescored": rescored}
+        batch, meta = self.pipeline.prepare(batch, current_version, ref_logprobs, teacher_logprobs)
+        return batch, {**meta, "buffer_depth": depth, **scored}
 
     async def fail(self, reason: str) -> None:  # async: on the loop, so the waiters wake at once
         self.waiting.fail(reason)
@@ -72,6 +79,30 @@ class ReplayBufferActor(ActorProcess):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.buffer.load_state_dict(state)
+
+
+async def score_with_restarts(scorer, batch, timeout_s: float) -> tuple[Any, int]:
+    """(`scorer.compute_logprobs(batch)`, how many times the batch was scored again): a scorer whose process
+    dies while scoring is restarted by Ray (its `max_restarts`), and once it answers again it scores the batch
+    again; one gone for good (ActorDiedError on a ping), or no answer within `timeout_s` in all, raises."""
+    deadline, rescored = time.monotonic() + timeout_s, 0
+    while True:
+        try:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"the teacher scored no batch within {timeout_s:g}s (trainer.call_timeout_s), "
+                                   f"after {rescored} restart(s)")
+            return await asyncio.wait_for(scorer.compute_logprobs.remote(batch), left), rescored
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+            while time.monotonic() < deadline:  # until the restarted process answers
+                try:
+                    await asyncio.wait_for(scorer.pid.remote(), max(deadline - time.monotonic(), 0.1))
+                    break
+                except ray.exceptions.ActorDiedError:
+                    raise  # for good: no restart left (the driver's liveness check names it)
+                except (ray.exceptions.RayActorError, asyncio.TimeoutError):
+                    await asyncio.sleep(0.5)
+            rescored += 1
 
 
 @ray_actor
