@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from rayllm_rl.learner.learner import Learner, OptimConfig  # noqa: E402
+from rayllm_rl.learner.optim import lr_scale  # noqa: E402
 from rayllm_rl.learner.logprobs import full_token_logprobs  # noqa: E402
 from rayllm_rl.objectives import GRPOLoss  # noqa: E402
 from rayllm_rl.objectives.base import Loss  # noqa: E402
@@ -93,7 +94,7 @@ class TodayLearner(Learner):
         metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
         metrics["skipped_nonfinite_steps"] = 0.0
         for g in self.optimizer.param_groups:
-            g["lr"] = self.cfg.lr * self._lr_scale()
+            g["lr"] = self.cfg.lr * lr_scale(self.cfg, self.optim_steps)
         self.optimizer.step()
         self.optim_steps += 1
         return metrics
