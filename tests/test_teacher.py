@@ -35,7 +35,7 @@ TEACHER_LOGP = torch.tensor([[0.0, -0.4, -1.5, -0.2], [0.0, -0.5, -0.3, 0.0], [0
 @pytest.mark.parametrize("task_coef", [0.0, 0.5])
 def test_the_teacher_stage_makes_per_token_advantages_and_reports_the_kl(task_coef):
     cfg = load_config(GRPOJobConfig, ["teacher.path=some/teacher", "teacher.coef=2", f"teacher.task_coef={task_coef}"])
-    pipeline = make_batch_pipeline(cfg, reference=False)
+    pipeline = make_batch_pipeline(cfg, reference=False, teacher=True)
     assert pipeline.names == ["advantages", "teacher_kl", "prox_version"]
     batch = rollout_batch()
     group_adv = make_batch_pipeline(load_config(GRPOJobConfig, []), False)(rollout_batch(), 3)["advantages"]
@@ -60,7 +60,7 @@ def test_the_teacher_stage_makes_per_token_advantages_and_reports_the_kl(task_co
 def test_a_batch_without_the_teachers_logprobs_is_refused():
     cfg = load_config(GRPOJobConfig, ["teacher.path=some/teacher"])
     with pytest.raises(ValueError, match="without the teacher's logprobs"):
-        make_batch_pipeline(cfg, reference=False)(rollout_batch(), 0)
+        make_batch_pipeline(cfg, reference=False, teacher=True)(rollout_batch(), 0)
 
 
 def test_teacher_settings_that_cannot_train_fail_naming_the_keys():

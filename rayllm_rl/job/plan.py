@@ -311,7 +311,7 @@ def make_plan(cfg: GRPOJobConfig, inputs: Any = None, *, environment: bool = Tru
                    engine_options=_engine_options(cfg, layout, environment),
                    replicas=layout.num_replicas, learner_ranks=layout.num_learners, layout=layout, loss=loss,
                    needs_reference=reference, actors=actors, buffer_capacity=capacity,
-                   batch_pipeline=make_batch_pipeline(cfg, reference), transport=transport, needs_teacher=teacher,
+                   batch_pipeline=make_batch_pipeline(cfg, reference, teacher), transport=transport, needs_teacher=teacher,
                    sampling_mask=SamplingMask(cfg.rollout.top_k, cfg.rollout.top_p) if cfg.rollout.replay_sampling_mask
                    else SamplingMask(),
                    learner_threads=cfg.trainer.num_threads if _in_process(cfg) else rc.threads_per_actor)

@@ -1,6 +1,6 @@
 """From a rollout batch to a training batch: the named stages of the batch pipeline, built once.
 
-`make_batch_pipeline(cfg, reference)` builds the stages the job's config asks for, in their order:
+`make_batch_pipeline(cfg, reference, teacher)` builds the stages the job's config asks for, in their order:
 reward shaping (DAPO's overlong penalty), reference KL (and KL-in-reward), top-k selection, advantages,
 the distillation teacher's KL (per-token advantages), and the proximal version stamp. The job plan holds the pipeline; the replay buffer (the buffer's actor on
 Ray, the driver's process locally) gets it when it is made and runs it where the batch is, so the driver
@@ -149,8 +149,9 @@ class BatchPipeline:
         return batch, step_metadata(batch, version)
 
 
-def make_batch_pipeline(cfg, reference: bool) -> BatchPipeline:
-    """The stages `cfg` asks for (`reference`: the job has a frozen reference model, `JobPlan.needs_reference`)."""
+def make_batch_pipeline(cfg, reference: bool, teacher: bool = False) -> BatchPipeline:
+    """The stages `cfg` asks for (`reference`: the job has a frozen reference model, `JobPlan.needs_reference`;
+    `teacher`: a distillation teacher, `JobPlan.needs_teacher`)."""
     a = cfg.algo
     stages: list = []
     if a.overlong_buffer_len > 0:
@@ -160,7 +161,7 @@ def make_batch_pipeline(cfg, reference: bool) -> BatchPipeline:
     if cfg.rollout.keep_top_k > 0:
         stages.append(TopKSelection(cfg.rollout.keep_top_k))
     stages.append(Advantages(a.advantage))
-    if cfg.teacher.path:
+    if teacher:
         stages.append(TeacherKL(cfg.teacher.coef, cfg.teacher.task_coef))
     stages.append(ProxVersion())
     return BatchPipeline(tuple(stages))

