@@ -157,3 +157,38 @@ def test_a_model_that_ignores_the_4d_mask_is_refused_naming_the_key():
     model.forward = lambda *a, attention_mask=None, **kw: forward(*a, **kw)
     with pytest.raises(ValueError, match="optim.share_prompts=false"):
         check_shared_prompt(model, 7)
+
+
+@pytest.mark.parametrize("budget", [400, 40])
+def test_a_frozen_scorer_gives_the_padded_logprobs_at_the_sampled_tokens(budget):
+    """The teacher's path (`shared_prompt_logprobs`): each group's prompt run once, the batch in the original row
+    order, the loss-mask tokens scored as the padded rows score them (top-k replayed), 0 at every other place."""
+    from rayllm_rl.learner.logprobs import batched_token_logprobs
+    from rayllm_rl.learner.shared_prompt import shared_prompt_logprobs
+    from rayllm_rl.sampling_mask import SamplingMask
+
+    model, td = qwen2().eval(), grpo_batch()
+    pos = td["loss_mask"] != 0
+    top_k = SamplingMask(top_k=5)
+    with torch.no_grad():
+        want = batched_token_logprobs(model, td, budget, 0.7, chunk_size=7, mask=top_k)
+    got = shared_prompt_logprobs(model, td, budget, 0.7, chunk_size=7, mask=top_k)
+    assert got.shape == want.shape and torch.equal(got != 0, pos)
+    assert float(want[pos].abs().max()) > 1.0
+    assert float((got[pos] - want[pos]).abs().max()) < TOL
+    assert not torch.equal(want, batched_token_logprobs(model, td, budget, 0.7, chunk_size=7))  # top-k mattered
+
+
+def test_the_teacher_shares_prompts_where_the_model_allows_and_scores_as_the_padded_path(tiny_model_path):
+    """A `ReferenceModel` built with share_prompts (the teacher) takes the packed path and agrees with the padded
+    one on the sampled tokens within float32 rounding (sums over hidden 128, logits of a few units: 1e-4)."""
+    from rayllm_rl.learner.reference import ReferenceModel
+
+    td = grpo_batch(vocab=300)
+    padded = ReferenceModel(tiny_model_path, share_prompts=False)
+    packed = ReferenceModel(tiny_model_path, share_prompts=True)
+    assert packed.share_prompts and not padded.share_prompts
+    pos = td["loss_mask"] != 0
+    want, got = padded.compute_logprobs(td), packed.compute_logprobs(td)
+    assert torch.equal(got != 0, pos)
+    assert float((got[pos] - want[pos]).abs().max()) < 1e-4

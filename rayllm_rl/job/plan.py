@@ -144,7 +144,8 @@ class JobPlan:
 
     def teacher_spec(self):
         """The distillation teacher (`learner.teacher.TeacherSpec`): `teacher.path`, scored as the learner scores
-        (temperature, dtype, batching, the sampling mask replayed)."""
+        (temperature, dtype, batching, prompts shared; the sampling mask always replayed: the student's logprob in
+        the KL is the sampler's)."""
         from rayllm_rl.learner.teacher import TeacherSpec
 
         cfg = self.config
@@ -152,7 +153,7 @@ class JobPlan:
         path = os.path.abspath(path) if os.path.exists(path) else path
         return TeacherSpec(path, cfg.rollout.temperature, cfg.model.dtype,
                            cfg.optim.max_tokens_per_micro_batch, cfg.optim.logprob_chunk_size,
-                           SamplingMask(cfg.rollout.top_k, cfg.rollout.top_p))
+                           SamplingMask(cfg.rollout.top_k, cfg.rollout.top_p), cfg.optim.share_prompts)
 
     def reward_model_spec(self):
         """The reward model of `reward.model` (`rewards.reward_model.RewardModelSpec`), the same for every actor."""

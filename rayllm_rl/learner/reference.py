@@ -10,6 +10,7 @@ from tensordict import TensorDict
 
 from rayllm_rl.learner.learner import OptimConfig
 from rayllm_rl.learner.logprobs import batched_token_logprobs, check_chunked_head
+from rayllm_rl.learner.shared_prompt import check_shared_prompt, shared_prompt_logprobs, supports_shared_prompt
 from rayllm_rl.sampling_mask import SamplingMask
 
 
@@ -65,9 +66,11 @@ class ReferenceModel:
                  max_tokens_per_micro_batch: int = OptimConfig.max_tokens_per_micro_batch,
                  logprob_chunk_size: int = OptimConfig.logprob_chunk_size, dtype: torch.dtype = torch.float32,
                  named_tensors: dict[str, torch.Tensor] | None = None, device: torch.device | str = "cpu",
-                 sampling_mask: SamplingMask = SamplingMask()):
+                 sampling_mask: SamplingMask = SamplingMask(), share_prompts: bool = False):
         """`device`: where the frozen model runs (a GPU in the learner's dtype, next to learner rank 0);
-        `sampling_mask`: the rollout's top-k / top-p, replayed so tokens are scored over the sampler's kept set."""
+        `sampling_mask`: the rollout's top-k / top-p, replayed so tokens are scored over the sampler's kept set;
+        `share_prompts`: score only the loss-mask tokens, each group's prompt run once (`learner.shared_prompt`),
+        where the model supports it (a teacher reads no other token)."""
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
@@ -83,6 +86,9 @@ class ReferenceModel:
         self.logprob_chunk_size = logprob_chunk_size
         self.sampling_mask = sampling_mask
         check_chunked_head(self.model, logprob_chunk_size)
+        self.share_prompts = share_prompts and logprob_chunk_size > 0 and supports_shared_prompt(self.model)
+        if self.share_prompts:
+            check_shared_prompt(self.model, logprob_chunk_size)
 
     def load_weights(self, named: dict[str, torch.Tensor]) -> None:
         """Replace the reference weights (e.g. with the policy right after its SFT warm start)."""
@@ -103,5 +109,8 @@ class ReferenceModel:
         return path
 
     def compute_logprobs(self, td: TensorDict) -> torch.Tensor:
+        if self.share_prompts:
+            return shared_prompt_logprobs(self.model, td, self.max_tokens_per_micro_batch, self.temperature,
+                                          self.device, chunk_size=self.logprob_chunk_size, mask=self.sampling_mask)
         return batched_token_logprobs(self.model, td, self.max_tokens_per_micro_batch, self.temperature, self.device,
                                       chunk_size=self.logprob_chunk_size, mask=self.sampling_mask)

@@ -22,6 +22,8 @@ class TeacherSpec:
     max_tokens_per_micro_batch: int = OptimConfig.max_tokens_per_micro_batch
     logprob_chunk_size: int = OptimConfig.logprob_chunk_size
     sampling_mask: SamplingMask = SamplingMask()
+    share_prompts: bool = OptimConfig.share_prompts
+    """Score each group's prompt once (`optim.share_prompts`): the teacher reads only the sampled tokens."""
 
     def build(self, device: str = "cpu"):
         """A `ReferenceModel` of the teacher's weights, its path resolved on this node (a hub id, a GGUF, a
@@ -34,7 +36,7 @@ class TeacherSpec:
         return ReferenceModel(resolve_model_path(self.model_path), temperature=self.temperature,
                               max_tokens_per_micro_batch=self.max_tokens_per_micro_batch,
                               logprob_chunk_size=self.logprob_chunk_size, dtype=getattr(torch, self.dtype),
-                              device=device, sampling_mask=self.sampling_mask)
+                              device=device, sampling_mask=self.sampling_mask, share_prompts=self.share_prompts)
 
 
 def tokenizer_mismatch(student, teacher) -> str:
