@@ -82,3 +82,32 @@ def test_bad_shapes_and_weights_are_refused_naming_them():
         distill_advantages(torch.zeros(2, 4), torch.ones(2, 4), 1.0, torch.zeros(3))
     with pytest.raises(ValueError, match="must be >= 0"):
         distill_advantages(torch.zeros(2, 4), torch.ones(2, 4), -1.0)
+
+
+def test_the_distillation_curve_is_read_against_the_rl_runs_time(tmp_path):
+    """benchmarks/distill_vs_rl.py: RL seconds count from the end of the step-0 evaluation; the first distillation
+    evaluation at >= 90% of the teacher's (the RL run's last) score, and its share of the RL run's time."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "distill_vs_rl.py"
+    spec = importlib.util.spec_from_file_location("distill_vs_rl", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def metrics(name, evals):
+        path = tmp_path / name
+        rows = [{"phase": "eval" if s == 0 else "rl", "step": s, "time_s": t, "eval_reward": r} for s, t, r in evals]
+        rows.insert(1, {"phase": "rl", "step": 1, "time_s": evals[0][1] + 5.0, "reward": 0.1})  # a step record
+        path.write_text("\n".join(map(json.dumps, rows)) + "\n")
+        return path
+
+    rl = metrics("rl.jsonl", [(0, 100.0, 0.2), (10, 400.0, 0.4), (20, 700.0, 0.5), (20, 700.0, 0.5)])
+    distill = metrics("d.jsonl", [(0, 50.0, 0.2), (5, 150.0, 0.44), (10, 250.0, 0.46), (12, 290.0, 0.45)])
+    out = module.main(["--rl", str(rl), "--distill", str(distill)])
+    assert out["rl_curve"] == [(0.0, 0, 0.2), (300.0, 10, 0.4), (600.0, 20, 0.5)]  # the repeated final eval once
+    assert out["teacher_score"] == 0.5 and out["rl_seconds"] == 600.0 and out["target"] == 0.45
+    assert out["reached"] == {"rl_seconds": 200.0, "step": 10, "score": 0.46, "time_share": round(200 / 600, 4)}
+    assert out["distill_final"] == 0.45 and out["distill_time_share"] == round(240 / 600, 4)
+    assert module.main(["--rl", str(rl), "--distill", str(distill), "--share", "0.95"])["reached"] is None

@@ -99,6 +99,14 @@ def test_the_plan_places_the_teacher_like_the_reference_and_lets_ray_restart_it(
     t, arch = described["teacher"], described["model"]["architecture"]  # the teacher is the student's model here
     assert t["params"] == arch["params"] and t["memory_bytes"]["weights"] == 4 * arch["params"]
     assert t["flops_per_batch"] == 2 * arch["params"] * t["tokens_per_batch"]
+    # each group's prompt once (optim.share_prompts, the default): the padded rows' tokens less (G - 1) prompts a group
+    from rayllm_rl.job.describe import teacher_cost
+
+    padded = teacher_cost(make_plan(load_config(GRPOJobConfig, [f"teacher.path={tiny_model_path}", "trainer.backend=local",
+                                                                "optim.share_prompts=false"]), environment=False))
+    r = local.config.rollout
+    prompt = (padded["tokens_per_batch"] - r.prompts_per_step * r.group_size * r.max_new_tokens) // (r.prompts_per_step * r.group_size)
+    assert t["tokens_per_batch"] == padded["tokens_per_batch"] - r.prompts_per_step * (r.group_size - 1) * prompt > 0
     assert f"  teacher: {arch['params'] / 1e9:.3f}B parameters" in text
 
 

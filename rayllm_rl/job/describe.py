@@ -395,8 +395,8 @@ def describe_plan(plan: JobPlan) -> dict[str, Any]:
 
 def teacher_cost(plan: JobPlan) -> dict[str, Any]:
     """The teacher's memory (its weights in the job's dtype, and the largest scoring micro-batch's activations and
-    logits chunk) and its work per batch (one forward over every sampled row: ~2 x params FLOPs a token, a third of
-    the learner's forward + backward), from its config.json when this machine can read it."""
+    logits chunk) and its work per batch (one forward over every sampled row, each group's prompt once with
+    optim.share_prompts: ~2 x params FLOPs a token, a third of the learner's forward + backward), from its config.json when this machine can read it."""
     cfg = plan.config
     teacher_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=cfg.teacher.path, revision="",
                                                                      gguf_file=""))
@@ -410,13 +410,16 @@ def teacher_cost(plan: JobPlan) -> dict[str, Any]:
     arch, b = architecture(config), DTYPE_BYTES[cfg.model.dtype]
     seq = _prompt_tokens(cfg) + cfg.rollout.max_new_tokens
     rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    # with optim.share_prompts each group's prompt runs once (learner.shared_prompt), as in the learner's forward
+    tokens = (cfg.rollout.prompts_per_step * _prompt_tokens(cfg) + rows * cfg.rollout.max_new_tokens
+              if cfg.optim.share_prompts else rows * seq)
     mb_tokens = min(rows * seq, max(seq, cfg.optim.max_tokens_per_micro_batch))
     chunk = cfg.optim.logprob_chunk_size or mb_tokens
     parts = {"weights": arch["params"] * b, "activations": mb_tokens * (4 * arch["hidden_size"] + 2 * arch["intermediate_size"]) * b,
              "logits": min(mb_tokens, chunk) * arch["vocab_size"] * 8}
     return {"config_source": source, "params": arch["params"], "memory_bytes": {k: int(v) for k, v in parts.items()},
             "memory_total_bytes": int(sum(parts.values())),
-            "flops_per_batch": 2 * arch["params"] * rows * seq, "tokens_per_batch": rows * seq,
+            "flops_per_batch": 2 * arch["params"] * tokens, "tokens_per_batch": tokens,
             "time_per_batch": "about a third of a learner step's compute at the same size (a forward, no backward)"}
 
 
