@@ -102,10 +102,11 @@ def test_the_plan_places_the_teacher_like_the_reference_and_lets_ray_restart_it(
     # each group's prompt once (optim.share_prompts, the default): the padded rows' tokens less (G - 1) prompts a group
     from rayllm_rl.job.describe import teacher_cost
 
-    padded = teacher_cost(make_plan(load_config(GRPOJobConfig, [f"teacher.path={tiny_model_path}", "trainer.backend=local",
-                                                                "optim.share_prompts=false"]), environment=False))
+    padded_cfg = [f"teacher.path={tiny_model_path}", "trainer.backend=local", "optim.share_prompts=false"]
+    padded = teacher_cost(make_plan(load_config(GRPOJobConfig, padded_cfg), environment=False))
     r = local.config.rollout
-    prompt = (padded["tokens_per_batch"] - r.prompts_per_step * r.group_size * r.max_new_tokens) // (r.prompts_per_step * r.group_size)
+    rows = r.prompts_per_step * r.group_size
+    prompt = (padded["tokens_per_batch"] - rows * r.max_new_tokens) // rows
     assert t["tokens_per_batch"] == padded["tokens_per_batch"] - r.prompts_per_step * (r.group_size - 1) * prompt > 0
     assert f"  teacher: {arch['params'] / 1e9:.3f}B parameters" in text
 

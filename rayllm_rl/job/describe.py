@@ -396,7 +396,8 @@ def describe_plan(plan: JobPlan) -> dict[str, Any]:
 def teacher_cost(plan: JobPlan) -> dict[str, Any]:
     """The teacher's memory (its weights in the job's dtype, and the largest scoring micro-batch's activations and
     logits chunk) and its work per batch (one forward over every sampled row, each group's prompt once with
-    optim.share_prompts: ~2 x params FLOPs a token, a third of the learner's forward + backward), from its config.json when this machine can read it."""
+    optim.share_prompts: ~2 x params FLOPs a token, a third of the learner's forward + backward), from its
+    config.json when this machine can read it."""
     cfg = plan.config
     teacher_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=cfg.teacher.path, revision="",
                                                                      gguf_file=""))

@@ -55,11 +55,11 @@ class ReferenceSpec:
 class ReferenceModel:
     """Loads a model with `from_pretrained` (or takes a copy of given weights) and never trains it.
 
-    `compute_logprobs(td)` returns `[N, T]` token-aligned log pi_ref (column 0 and padding 0) at
-    the same temperature as the learner, batched like the learner: micro-batches of at most
-    `max_tokens_per_micro_batch` padded tokens, the LM head in chunks of `logprob_chunk_size`
-    positions (see `OptimConfig`). In the Ray backend it runs inside a reference actor
-    (orchestration.ray.actors.ReferenceActor).
+    `compute_logprobs(td)` returns `[N, T]` token-aligned log pi_ref (column 0 and padding 0; with
+    `share_prompts`, only the loss-mask tokens) at the same temperature as the learner, batched like the
+    learner: micro-batches of at most `max_tokens_per_micro_batch` tokens, the LM head in chunks of
+    `logprob_chunk_size` positions (see `OptimConfig`). In the Ray backend it runs inside a reference actor
+    (orchestration.ray.actors.ReferenceActor), or the teacher's (`TeacherActor`).
     """
 
     def __init__(self, model_path: str, *, temperature: float = 1.0,

@@ -2,9 +2,10 @@
 
 `make_batch_pipeline(cfg, reference, teacher)` builds the stages the job's config asks for, in their order:
 reward shaping (DAPO's overlong penalty), reference KL (and KL-in-reward), top-k selection, advantages,
-the distillation teacher's KL (per-token advantages), and the proximal version stamp. The job plan holds the pipeline; the replay buffer (the buffer's actor on
-Ray, the driver's process locally) gets it when it is made and runs it where the batch is, so the driver
-sees only `step_metadata`: scalars and short lists, never tensors. Every stage has one signature,
+the distillation teacher's KL (per-token advantages), and the proximal version stamp. The job plan holds the
+pipeline; the replay buffer (the buffer's actor on Ray, the driver's process locally) gets it when it is made
+and runs it where the batch is, so the driver sees only `step_metadata`: scalars and short lists, never tensors.
+Every stage has one signature,
 `stage(batch [N, ...], version) -> batch [N', ...]` (only selection changes N).
 """
 from __future__ import annotations

@@ -85,7 +85,8 @@ def _crash_aware(method):
 
 
 def frozen_roles(backend) -> dict:
-    """A backend's frozen models started so far, by dashboard name (watched with the cluster's roles, killed with them)."""
+    """A backend's frozen models started so far, by dashboard name (watched with the cluster's roles, killed with
+    them)."""
     return {name: h for name, h in ((REFERENCE, backend.reference), (TEACHER, backend.teacher)) if h is not None}
 
 
