@@ -1,5 +1,6 @@
 """On-policy distillation end to end on the tiny model (issue W): the untrained student distilled from a trained
-tiny checkpoint learns on both backends (its teacher KL falls, its held-out score rises from 0); a run stopped and
+tiny checkpoint learns on both backends (its teacher KL falls, its expected held-out reward rises from ~1e-21 to
+a few in a hundred); a run stopped and
 resumed on the single-process backend (the teacher, in no checkpoint, is loaded again from its path and scores as
 before); on Ray a teacher actor SIGKILLed mid-run (Ray restarts it; no rollback, no step lost), and in the middle
 of a call."""
@@ -32,18 +33,44 @@ def rl_records(summary) -> list[dict]:
 LEARN = ["data.eval_size=32", "data.max_operand=9", "rollout.prompts_per_step=8", "rollout.group_size=4",
          "rollout.max_new_tokens=10", "trainer.log_every=1000", "trainer.call_timeout_s=120", "trainer.eval_every=0"]
 """The learning runs' size: 32 held-out sums of two digits 0-9 (the 68 other pairs train), 32 samples a step."""
-LEARN_STEPS = 300
+LEARN_STEPS = 200
 
 
 @pytest.fixture(scope="module")
 def trained_teacher(tiny_model_path, tmp_path_factory) -> tuple[str, float]:
-    """The tiny model after the arithmetic demo's SFT warm start (250 steps, ~30 s): its checkpoint and held-out
-    score (0.69 here on 32 sums)."""
+    """The tiny model after 100 steps of the arithmetic demo's SFT warm start (~10 s): its checkpoint and greedy
+    held-out score (about 0.6 on the 32 sums)."""
     run = run_job(load_config(GRPOJobConfig, [f"model.path={tiny_model_path}", "trainer.backend=local", *LEARN,
-                                              f"trainer.run_dir={tmp_path_factory.mktemp('teacher')}", "sft.steps=250",
+                                              f"trainer.run_dir={tmp_path_factory.mktemp('teacher')}", "sft.steps=100",
                                               "trainer.steps=0", "trainer.max_recoveries=0"]))
     assert run["eval_reward_after"] >= 0.4, run["eval_reward_after"]
     return run["checkpoint"], run["eval_reward_after"]
+
+
+def held_out_answer_probability(model_path: str) -> float:
+    """The mean, over the 32 held-out sums, of the probability that the model at `model_path` samples exactly
+    `<answer>{a+b}</answer><|im_end|>` at temperature 1: teacher-forced, so exact, and a lower bound of its expected
+    held-out reward (1 for any completion whose first answer tag holds the sum). Unlike the greedy score it moves
+    smoothly, where the greedy score of a student that has learnt the format but not the sums is whichever
+    held-out sums its near-constant answer happens to hit (0 to 4 of 32)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rayllm_rl.envs.arithmetic import make_arithmetic_splits, sft_target
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    _, held_out = make_arithmetic_splits(max_operand=9, eval_size=32, seed=0)  # LEARN's split (trainer.seed 0)
+    probs = []
+    for row in held_out:
+        text = tok.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=False)
+        prompt = tok(text, add_special_tokens=False)["input_ids"]
+        answer = tok(sft_target(row) + "<|im_end|>", add_special_tokens=False)["input_ids"]
+        ids = torch.tensor([prompt + answer])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].double(), dim=-1)
+        probs.append(float(logp.gather(1, torch.tensor(answer)[:, None]).sum().exp()))
+    return sum(probs) / len(probs)
 
 
 def learning_cfg(run_dir, teacher: str, *extra: str):
@@ -54,18 +81,24 @@ def learning_cfg(run_dir, teacher: str, *extra: str):
                                        "optim.num_minibatches=4", f"trainer.steps={LEARN_STEPS}", *extra])
 
 
-def assert_learned(summary) -> None:
-    """The student's teacher KL fell to under a quarter of its first step's, and its held-out score rose from 0:
-    it writes the teacher's `<answer>n</answer>` and gets some of the 32 unseen sums right."""
+def assert_learned(summary, student: str) -> None:
+    """The student's teacher KL fell to under a quarter of its first step's, and its expected held-out reward rose
+    from ~1e-21 (the random `student`) to at least 0.005: it writes the teacher's `<answer>n</answer>` on sums it
+    never saw, with answers spread as the teacher's are. Measured over 5 seeds: 0.02-0.05 after 200 steps, the KL
+    5.4 -> 0.6-0.8; the right sum no likelier than its neighbours, so the sums themselves are not learnt yet
+    (docs/distillation.md, "A tiny model learning from a teacher")."""
     kl = [r["teacher_kl_mean"] for r in rl_records(summary)]
     assert len(kl) == LEARN_STEPS and kl[0] > 4.0  # nats a token: the random student and the teacher disagree
     assert sum(kl[-20:]) / 20 < kl[0] / 4, (kl[0], kl[-20:])
-    assert summary["eval_reward_before"] == 0.0 and summary["eval_reward_after"] >= 1 / 32, summary["eval_reward_after"]
+    assert summary["eval_reward_before"] == 0.0
+    before, after = held_out_answer_probability(student), held_out_answer_probability(summary["checkpoint"])
+    assert before < 1e-12 and after >= 0.005, (before, after)
 
 
-def test_local_distillation_raises_the_untrained_students_held_out_score(trained_teacher, tmp_path):
+def test_local_distillation_raises_the_untrained_students_held_out_reward(tiny_model_path, trained_teacher, tmp_path):
     teacher, _ = trained_teacher
-    assert_learned(run_job(learning_cfg(tmp_path, teacher, "trainer.backend=local", "rollout.max_staleness=0")))
+    run = run_job(learning_cfg(tmp_path, teacher, "trainer.backend=local", "rollout.max_staleness=0"))
+    assert_learned(run, tiny_model_path)
 
 
 def distill_cfg(run_dir, teacher: str, *extra: str):
@@ -147,7 +180,8 @@ def test_a_scorer_killed_while_scoring_scores_the_batch_again_once_ray_restarted
 
 
 @pytest.mark.ray
-def test_ray_distillation_raises_the_students_score_through_a_killed_teacher(local_ray, trained_teacher, tmp_path):
+def test_ray_distillation_raises_the_students_reward_through_a_killed_teacher(local_ray, tiny_model_path,
+                                                                            trained_teacher, tmp_path):
     """The learning run on Ray, asynchronous (staleness 1), its teacher actor SIGKILLed after step 3: Ray restarts
     it, it loads its path again, the batch it was scoring (if any) is scored again, every step trains with its KL,
     no rollback, and the student learns as on the local backend."""
@@ -177,4 +211,4 @@ def test_ray_distillation_raises_the_students_score_through_a_killed_teacher(loc
     records = rl_records(summary)
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     assert all(r["teacher_kl_mean"] != 0 and r["teacher_s"] > 0 for r in records)
-    assert_learned(summary)
+    assert_learned(summary, tiny_model_path)
