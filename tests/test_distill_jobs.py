@@ -52,7 +52,7 @@ def held_out_answer_probability(model_path: str) -> float:
     `<answer>{a+b}</answer><|im_end|>` at temperature 1: teacher-forced, so exact, and a lower bound of its expected
     held-out reward (1 for any completion whose first answer tag holds the sum). Unlike the greedy score it moves
     smoothly, where the greedy score of a student that has learnt the format but not the sums is whichever
-    held-out sums its near-constant answer happens to hit (0 to 4 of 32)."""
+    held-out sums its near-constant answer happens to hit (0 to 5 of 32)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -84,7 +84,7 @@ def learning_cfg(run_dir, teacher: str, *extra: str):
 def assert_learned(summary, student: str) -> None:
     """The student's teacher KL fell to under a quarter of its first step's, and its expected held-out reward rose
     from ~1e-21 (the random `student`) to at least 0.005: it writes the teacher's `<answer>n</answer>` on sums it
-    never saw, with answers spread as the teacher's are. Measured over 5 seeds: 0.02-0.05 after 200 steps, the KL
+    never saw, with answers spread as the teacher's are. Measured over 5 seeds: 0.02-0.06 after 200 steps, the KL
     5.4 -> 0.6-0.8; the right sum no likelier than its neighbours, so the sums themselves are not learnt yet
     (docs/distillation.md, "A tiny model learning from a teacher")."""
     kl = [r["teacher_kl_mean"] for r in rl_records(summary)]
