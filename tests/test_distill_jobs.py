@@ -39,7 +39,7 @@ LEARN_STEPS = 200
 @pytest.fixture(scope="module")
 def trained_teacher(tiny_model_path, tmp_path_factory) -> tuple[str, float]:
     """The tiny model after 100 steps of the arithmetic demo's SFT warm start (~10 s): its checkpoint and greedy
-    held-out score (about 0.6 on the 32 sums)."""
+    held-out score (0.5-0.6 on the 32 sums)."""
     run = run_job(load_config(GRPOJobConfig, [f"model.path={tiny_model_path}", "trainer.backend=local", *LEARN,
                                               f"trainer.run_dir={tmp_path_factory.mktemp('teacher')}", "sft.steps=100",
                                               "trainer.steps=0", "trainer.max_recoveries=0"]))
@@ -74,18 +74,18 @@ def held_out_answer_probability(model_path: str) -> float:
 
 
 def learning_cfg(run_dir, teacher: str, *extra: str):
-    """The untrained tiny student (random weights, no SFT: held-out 0) distilled from `teacher` alone, 4 optimizer
-    steps a batch at lr 5e-4 (docs/distillation.md, "A tiny model learning from a teacher")."""
+    """The untrained tiny student (random weights, no SFT: held-out 0) distilled from `teacher` alone, 2 optimizer
+    steps a batch at lr 1e-3 (docs/distillation.md, "A tiny model learning from a teacher")."""
     return load_config(GRPOJobConfig, [f"teacher.path={teacher}", f"trainer.run_dir={run_dir}", *LEARN, "sft.steps=0",
-                                       "teacher.coef=1", "teacher.task_coef=0", "optim.lr=5e-4", "optim.warmup_steps=0",
-                                       "optim.num_minibatches=4", f"trainer.steps={LEARN_STEPS}", *extra])
+                                       "teacher.coef=1", "teacher.task_coef=0", "optim.lr=1e-3", "optim.warmup_steps=0",
+                                       "optim.num_minibatches=2", f"trainer.steps={LEARN_STEPS}", *extra])
 
 
 def assert_learned(summary, student: str) -> None:
     """The student's teacher KL fell to under a quarter of its first step's, and its expected held-out reward rose
     from ~1e-21 (the random `student`) to at least 0.005: it writes the teacher's `<answer>n</answer>` on sums it
-    never saw, with answers spread as the teacher's are. Measured over 5 seeds: 0.02-0.06 after 200 steps, the KL
-    5.4 -> 0.6-0.8; the right sum no likelier than its neighbours, so the sums themselves are not learnt yet
+    never saw, with answers spread as the teacher's are. Measured over 3 seeds: 0.037-0.054 after 200 steps, the KL
+    5.4 -> 0.7-0.8; the right sum no likelier than its neighbours, so the sums themselves are not learnt yet
     (docs/distillation.md, "A tiny model learning from a teacher")."""
     kl = [r["teacher_kl_mean"] for r in rl_records(summary)]
     assert len(kl) == LEARN_STEPS and kl[0] > 4.0  # nats a token: the random student and the teacher disagree
