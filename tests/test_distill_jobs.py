@@ -73,12 +73,13 @@ def held_out_answer_probability(model_path: str) -> float:
     return sum(probs) / len(probs)
 
 
-def learning_cfg(run_dir, teacher: str, *extra: str):
-    """The untrained tiny student (random weights, no SFT: held-out 0) distilled from `teacher` alone, 2 optimizer
+def learning_cfg(run_dir, student: str, teacher: str, *extra: str):
+    """The untrained tiny `student` (random weights, no SFT: held-out 0) distilled from `teacher` alone, 2 optimizer
     steps a batch at lr 1e-3 (docs/distillation.md, "A tiny model learning from a teacher")."""
-    return load_config(GRPOJobConfig, [f"teacher.path={teacher}", f"trainer.run_dir={run_dir}", *LEARN, "sft.steps=0",
-                                       "teacher.coef=1", "teacher.task_coef=0", "optim.lr=1e-3", "optim.warmup_steps=0",
-                                       "optim.num_minibatches=2", f"trainer.steps={LEARN_STEPS}", *extra])
+    return load_config(GRPOJobConfig, [f"model.path={student}", f"teacher.path={teacher}", f"trainer.run_dir={run_dir}",
+                                       *LEARN, "sft.steps=0", "teacher.coef=1", "teacher.task_coef=0", "optim.lr=1e-3",
+                                       "optim.warmup_steps=0", "optim.num_minibatches=2",
+                                       f"trainer.steps={LEARN_STEPS}", *extra])
 
 
 def assert_learned(summary, student: str) -> None:
@@ -97,7 +98,7 @@ def assert_learned(summary, student: str) -> None:
 
 def test_local_distillation_raises_the_untrained_students_held_out_reward(tiny_model_path, trained_teacher, tmp_path):
     teacher, _ = trained_teacher
-    run = run_job(learning_cfg(tmp_path, teacher, "trainer.backend=local", "rollout.max_staleness=0"))
+    run = run_job(learning_cfg(tmp_path, tiny_model_path, teacher, "trainer.backend=local", "rollout.max_staleness=0"))
     assert_learned(run, tiny_model_path)
 
 
@@ -188,7 +189,7 @@ def test_ray_distillation_raises_the_students_reward_through_a_killed_teacher(lo
     import ray
 
     steps, ns = LEARN_STEPS, "rayllm_distill_test"
-    cfg = learning_cfg(tmp_path, trained_teacher[0], "trainer.backend=ray", f"ray.namespace={ns}",
+    cfg = learning_cfg(tmp_path, tiny_model_path, trained_teacher[0], "trainer.backend=ray", f"ray.namespace={ns}",
                        "ray.sync_timeout_s=60", "rollout.max_staleness=1").validate()
     out: dict = {}
     runner = threading.Thread(target=lambda: out.update(summary=run_job(cfg)), daemon=True)
