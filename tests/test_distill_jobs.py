@@ -57,6 +57,7 @@ def held_out_answer_probability(model_path: str) -> float:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rayllm_rl.envs.arithmetic import make_arithmetic_splits, sft_target
+    from rayllm_rl.learner.logprobs import token_logprobs
 
     tok = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
@@ -67,9 +68,9 @@ def held_out_answer_probability(model_path: str) -> float:
         prompt = tok(text, add_special_tokens=False)["input_ids"]
         answer = tok(sft_target(row) + "<|im_end|>", add_special_tokens=False)["input_ids"]
         ids = torch.tensor([prompt + answer])
-        with torch.no_grad():
-            logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].double(), dim=-1)
-        probs.append(float(logp.gather(1, torch.tensor(answer)[:, None]).sum().exp()))
+        with torch.no_grad():  # the learner's scorer: log p(x_t | x_<t) [1, T], the answer's tokens at the end
+            logp = token_logprobs(model, ids, torch.ones_like(ids))
+        probs.append(float(logp[0, len(prompt):].double().sum().exp()))
     return sum(probs) / len(probs)
 
 

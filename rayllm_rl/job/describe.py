@@ -411,10 +411,11 @@ def teacher_cost(plan: JobPlan) -> dict[str, Any]:
     arch, b = architecture(config), DTYPE_BYTES[cfg.model.dtype]
     seq = _prompt_tokens(cfg) + cfg.rollout.max_new_tokens
     rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    padded = rows * seq
     # with optim.share_prompts each group's prompt runs once (learner.shared_prompt), as in the learner's forward
     tokens = (cfg.rollout.prompts_per_step * _prompt_tokens(cfg) + rows * cfg.rollout.max_new_tokens
-              if cfg.optim.share_prompts else rows * seq)
-    mb_tokens = min(rows * seq, max(seq, cfg.optim.max_tokens_per_micro_batch))
+              if cfg.optim.share_prompts else padded)
+    mb_tokens = min(padded, max(seq, cfg.optim.max_tokens_per_micro_batch))
     chunk = cfg.optim.logprob_chunk_size or mb_tokens
     parts = {"weights": arch["params"] * b, "activations": mb_tokens * (4 * arch["hidden_size"] + 2 * arch["intermediate_size"]) * b,
              "logits": min(mb_tokens, chunk) * arch["vocab_size"] * 8}

@@ -5,8 +5,7 @@ reward shaping (DAPO's overlong penalty), reference KL (and KL-in-reward), top-k
 the distillation teacher's KL (per-token advantages), and the proximal version stamp. The job plan holds the
 pipeline; the replay buffer (the buffer's actor on Ray, the driver's process locally) gets it when it is made
 and runs it where the batch is, so the driver sees only `step_metadata`: scalars and short lists, never tensors.
-Every stage has one signature,
-`stage(batch [N, ...], version) -> batch [N', ...]` (only selection changes N).
+Every stage has one signature, `stage(batch [N, ...], version) -> batch [N', ...]` (only selection changes N).
 """
 from __future__ import annotations
 
