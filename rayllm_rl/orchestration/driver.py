@@ -150,8 +150,10 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
                   **train_metrics, "driver_bytes": backend.driver_bytes()}
         if "teacher_s" in meta:  # distillation: the teacher's scoring, as a share of the step (within its wait)
             record["teacher_share"] = meta["teacher_s"] / max(t_wait + t_train + sync["sync_s"], 1e-9)
-        if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
+        if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:  # eval_s: what a clock of RL alone takes off
+            t_eval = time.perf_counter()
             record["eval_reward"] = evaluate(backend, reporter, callbacks, step, len(task.eval))["eval_reward"]
+            record["eval_s"] = time.perf_counter() - t_eval
         reporter.log(record, show=step % cfg.trainer.log_every == 0)
         backend.publish(record)
         progress.update(1, reward=record["reward"])
