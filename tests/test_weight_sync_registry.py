@@ -100,8 +100,8 @@ def test_every_transport_is_described_by_properties_engines_may_ask():
 
 def test_a_vllm_replica_takes_a_rank_per_worker_only_where_its_workers_receive(tiny_model_path):
     """vLLM's workers join a group transport themselves (one rank each); for the object store the
-    replica actor receives for them (one rank). Built without starting vLLM."""
-    pytest.importorskip("vllm")
+    replica actor receives for them (one rank). Built without starting vLLM, and without the vllm package: it passes
+    with vllm hidden (its own importorskip("vllm") skipped it for nothing where vllm is missing)."""
     from rayllm_rl.inference.transformers.engine import TransformersEngine
     from rayllm_rl.inference.vllm.engine import VLLMEngine
 
