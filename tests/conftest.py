@@ -112,12 +112,18 @@ SMOLLM2_GGUF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 """The real instruct model the tests train: `make models` (a prerequisite of `make test`) fetches it."""
 
 
+def require_smollm2_gguf(path: str = SMOLLM2_GGUF) -> str:
+    """The SmolLM2-135M-Instruct GGUF file. `make test` and `make test-fast` fetch it first (`make models`), so a
+    missing file fails the test, saying how to fetch it, and never skips it."""
+    if not os.path.isfile(path):
+        pytest.fail(f"{path} is missing: `make models` fetches it (`make test` does)", pytrace=False)
+    return path
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
-    """The SmolLM2-135M-Instruct GGUF file; the test is skipped, saying why, when it was not fetched."""
-    if not os.path.isfile(SMOLLM2_GGUF):
-        pytest.skip(f"{SMOLLM2_GGUF} is missing: `make models` fetches it (`make test` does)")
-    return SMOLLM2_GGUF
+    """The SmolLM2-135M-Instruct GGUF file (`require_smollm2_gguf`)."""
+    return require_smollm2_gguf()
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import require_smollm2_gguf
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 GiB = float(1 << 30)
@@ -152,8 +154,8 @@ def test_every_recipe_passes_the_dry_run(path, offline_hub, capsys):
 
     r = recipe(path)
     gguf_copy = GGUF_MODELS.get(r["model"]["path"])
-    if gguf_copy and not (ROOT / gguf_copy).is_file():
-        pytest.skip(f"{gguf_copy} is missing: `make models` fetches it")
+    if gguf_copy:
+        require_smollm2_gguf(str(ROOT / gguf_copy))  # `make models` fetches it: missing fails, never skips
     fetched = fetched_here(r["model"]["path"], gguf_copy) if gguf_copy else None  # as the job's node would have it
     rc = r.get("ray", {})
     replicas, learners = rc.get("num_replicas", 1), rc.get("num_learners", 1)
