@@ -1,9 +1,10 @@
 """On-policy distillation end to end on the tiny model (issue W): the untrained student distilled from a trained
-tiny checkpoint learns on both backends (its teacher KL falls, its expected held-out reward rises from ~1e-21 to
-a few in a hundred); a run stopped and
-resumed on the single-process backend (the teacher, in no checkpoint, is loaded again from its path and scores as
-before); on Ray a teacher actor SIGKILLed mid-run (Ray restarts it; no rollback, no step lost), and in the middle
-of a call."""
+tiny checkpoint learns the teacher's answer format on both backends (its teacher KL falls to a twelfth, it writes
+the format about as often as the teacher, its answers spread like the training answers), but not the sums: its
+chance of the right held-out sum is what it would score ignoring the question (the question-blind baseline, read
+exactly from the model: `held_out_scores`); a run stopped and resumed on the single-process backend (the teacher,
+in no checkpoint, is loaded again from its path and scores as before); on Ray a teacher actor SIGKILLed mid-run
+(Ray restarts it; no rollback, no step lost), and in the middle of a call."""
 from __future__ import annotations
 
 import json
@@ -37,41 +38,88 @@ LEARN_STEPS = 200
 
 
 @pytest.fixture(scope="module")
-def trained_teacher(tiny_model_path, tmp_path_factory) -> tuple[str, float]:
-    """The tiny model after 100 steps of the arithmetic demo's SFT warm start (~10 s): its checkpoint and greedy
-    held-out score (0.5-0.6 on the 32 sums)."""
+def trained_teacher(tiny_model_path, tmp_path_factory) -> tuple[str, dict]:
+    """The tiny model after 100 steps of the arithmetic demo's SFT warm start (~10 s): its checkpoint and its
+    `held_out_scores`. It must read the question: its chance of the right held-out sum beats the best any
+    question-blind answer distribution can do (measured: 0.26 against 0.094, with AVX-512's and AVX2's kernels;
+    its greedy score, 0.56 and 0.34, moves with the kernels and is not asserted)."""
     run = run_job(load_config(GRPOJobConfig, [f"model.path={tiny_model_path}", "trainer.backend=local", *LEARN,
                                               f"trainer.run_dir={tmp_path_factory.mktemp('teacher')}", "sft.steps=100",
                                               "trainer.steps=0", "trainer.max_recoveries=0"]))
-    assert run["eval_reward_after"] >= 0.4, run["eval_reward_after"]
-    return run["checkpoint"], run["eval_reward_after"]
+    scores, blind = held_out_scores(run["checkpoint"]), question_blind_baselines()
+    assert scores["right"] > blind["best_blind"], (scores, blind)
+    return run["checkpoint"], scores
 
 
-def held_out_answer_probability(model_path: str) -> float:
-    """The mean, over the 32 held-out sums, of the probability that the model at `model_path` samples exactly
-    `<answer>{a+b}</answer><|im_end|>` at temperature 1: teacher-forced, so exact, and a lower bound of its expected
-    held-out reward (1 for any completion whose first answer tag holds the sum). Unlike the greedy score it moves
-    smoothly, where the greedy score of a student that has learnt the format but not the sums is whichever
-    held-out sums its near-constant answer happens to hit (0 to 5 of 32)."""
+ANSWERS = range(19)
+"""The sums of two digits 0-9: every answer a training row has."""
+
+
+def answer_table(model_path: str) -> "torch.Tensor":
+    """`[32, 19]` float64: the probability that the model at `model_path` samples exactly
+    `<answer>{n}</answer><|im_end|>` at temperature 1 on each of the 32 held-out questions, for each n in ANSWERS.
+    Teacher-forced through `from_pretrained` and the learner's scorer, so exact: no sampling noise."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rayllm_rl.envs.arithmetic import make_arithmetic_splits, sft_target
     from rayllm_rl.learner.logprobs import token_logprobs
 
     tok = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    _, held_out = make_arithmetic_splits(max_operand=9, eval_size=32, seed=0)  # LEARN's split (trainer.seed 0)
-    probs = []
-    for row in held_out:
+    prompts, answers = [], [tok(f"<answer>{n}</answer><|im_end|>", add_special_tokens=False)["input_ids"]
+                            for n in ANSWERS]
+    for row in held_out_rows():
         text = tok.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=False)
-        prompt = tok(text, add_special_tokens=False)["input_ids"]
-        answer = tok(sft_target(row) + "<|im_end|>", add_special_tokens=False)["input_ids"]
-        ids = torch.tensor([prompt + answer])
-        with torch.no_grad():  # the learner's scorer: log p(x_t | x_<t) [1, T], the answer's tokens at the end
-            logp = token_logprobs(model, ids, torch.ones_like(ids))
-        probs.append(float(logp[0, len(prompt):].double().sum().exp()))
-    return sum(probs) / len(probs)
+        prompts.append(tok(text, add_special_tokens=False)["input_ids"])
+    seqs = [p + a for p in prompts for a in answers]
+    width = max(map(len, seqs))
+    ids = torch.tensor([q + [0] * (width - len(q)) for q in seqs])
+    mask = torch.tensor([[1] * len(q) + [0] * (width - len(q)) for q in seqs])
+    with torch.no_grad():  # log p(x_t | x_<t) [B, T]: the answer's tokens follow each prompt
+        logp = token_logprobs(model, ids, mask).double()
+    out = torch.empty(len(prompts), len(answers), dtype=torch.float64)
+    for i, p in enumerate(prompts):
+        for j, a in enumerate(answers):
+            out[i, j] = logp[i * len(answers) + j, len(p):len(p) + len(a)].sum().exp()
+    return out
+
+
+def held_out_rows() -> list[dict]:
+    from rayllm_rl.envs.arithmetic import make_arithmetic_splits
+
+    return list(make_arithmetic_splits(max_operand=9, eval_size=32, seed=0)[1])  # LEARN's split (trainer.seed 0)
+
+
+def question_blind_baselines() -> dict[str, float]:
+    """What a student that writes the format but ignores the question scores on the held-out sums (its expected
+    reward, as `held_out_scores` measures the model's):
+    - `train_answers`: the answer drawn from the training answers' distribution: the issue's baseline (0.063);
+    - `best_blind`: the best any question-blind answer distribution can do on these 32 sums: always the most
+      frequent held-out sum (3 of 32 = 0.094). A student above it must read the question: the margin over the
+      training answers' baseline is derived from the held-out set itself, not tuned to a run."""
+    from collections import Counter
+
+    from rayllm_rl.envs.arithmetic import make_arithmetic_splits
+
+    train = make_arithmetic_splits(max_operand=9, eval_size=32, seed=0)[0]
+    freq = Counter(int(r["answer"]) for r in train)
+    held = [int(r["answer"]) for r in held_out_rows()]
+    return {"train_answers": sum(freq[s] / len(train) for s in held) / len(held),
+            "best_blind": max(Counter(held).values()) / len(held)}
+
+
+def held_out_scores(model_path: str) -> dict[str, float]:
+    """From `answer_table`: `right`, the mean over the held-out sums of the probability of writing the right one
+    (a lower bound of the expected held-out reward: any completion whose first answer tag holds the sum scores
+    1); `format`, the mean probability of writing some answer 0-18 in the format; `blind`, what the model would
+    score if it gave every question its average answer distribution (itself made question-blind)."""
+    import torch
+
+    table = answer_table(model_path)
+    right = torch.tensor([int(r["answer"]) for r in held_out_rows()])
+    rows = torch.arange(len(right))
+    return {"right": float(table[rows, right].mean()), "format": float(table.sum(1).mean()),
+            "blind": float(table.mean(0)[right].mean())}
 
 
 def learning_cfg(run_dir, student: str, teacher: str, *extra: str):
@@ -83,24 +131,34 @@ def learning_cfg(run_dir, student: str, teacher: str, *extra: str):
                                        f"trainer.steps={LEARN_STEPS}", *extra])
 
 
-def assert_learned(summary, student: str) -> None:
-    """The student's teacher KL fell to under a quarter of its first step's, and its expected held-out reward rose
-    from ~1e-21 (the random `student`) to at least 0.005: it writes the teacher's `<answer>n</answer>` on sums it
-    never saw, with answers spread as the teacher's are. Measured over 3 seeds: 0.037-0.054 after 200 steps, the KL
-    5.4 -> 0.7-0.8; the right sum no likelier than its neighbours, so the sums themselves are not learnt yet
-    (docs/distillation.md, "A tiny model learning from a teacher")."""
+def assert_learned_the_format(summary, student: str, teacher_scores: dict) -> None:
+    """What 200 steps of distillation teach the untrained student, each bound taken from the run itself:
+    - its teacher KL: the mean of the last 20 steps is under a quarter of step 1's (measured 4.0-4.4 -> 0.31-0.35,
+      a twelfth, with AVX-512's and AVX2's kernels);
+    - the teacher's format: the random student writes `<answer>n</answer><|im_end|>` (any n of the training sums)
+      with probability < 1e-12; after the run at least half as often as the teacher does (measured 0.58-0.62
+      against the teacher's 0.83);
+    - answers spread like the training answers, compared with the question-blind baseline (the format, the answer
+      drawn from the training answers' distribution: 0.063 on these 32 sums): its chance of the right sum is at
+      least half of that baseline scaled by its own format mass (measured 1.0-1.2x).
+    It does not assert the sums: the student's chance of the right sum equals what it would score ignoring the
+    question (`blind`), and stays below the best question-blind score (0.094). In longer runs the sums came at
+    300-500 steps with one CPU's kernels and not by 600 with another's (docs/distillation.md)."""
     kl = [r["teacher_kl_mean"] for r in rl_records(summary)]
-    assert len(kl) == LEARN_STEPS and kl[0] > 4.0  # nats a token: the random student and the teacher disagree
+    assert len(kl) == LEARN_STEPS and kl[0] > 0
     assert sum(kl[-20:]) / 20 < kl[0] / 4, (kl[0], kl[-20:])
     assert summary["eval_reward_before"] == 0.0
-    before, after = held_out_answer_probability(student), held_out_answer_probability(summary["checkpoint"])
-    assert before < 1e-12 and after >= 0.005, (before, after)
+    before, after, blind = held_out_scores(student), held_out_scores(summary["checkpoint"]), question_blind_baselines()
+    assert before["format"] < 1e-12, before
+    assert after["format"] >= teacher_scores["format"] / 2, (after, teacher_scores)
+    assert after["right"] >= after["format"] * blind["train_answers"] / 2, (after, blind)
 
 
-def test_local_distillation_raises_the_untrained_students_held_out_reward(tiny_model_path, trained_teacher, tmp_path):
-    teacher, _ = trained_teacher
+def test_local_distillation_teaches_the_untrained_student_the_teachers_answer_format(tiny_model_path,
+                                                                                    trained_teacher, tmp_path):
+    teacher, teacher_scores = trained_teacher
     run = run_job(learning_cfg(tmp_path, tiny_model_path, teacher, "trainer.backend=local", "rollout.max_staleness=0"))
-    assert_learned(run, tiny_model_path)
+    assert_learned_the_format(run, tiny_model_path, teacher_scores)
 
 
 def distill_cfg(run_dir, teacher: str, *extra: str):
@@ -182,11 +240,12 @@ def test_a_scorer_killed_while_scoring_scores_the_batch_again_once_ray_restarted
 
 
 @pytest.mark.ray
-def test_ray_distillation_raises_the_students_reward_through_a_killed_teacher(local_ray, tiny_model_path,
-                                                                            trained_teacher, tmp_path):
+def test_ray_distillation_teaches_the_answer_format_through_a_killed_and_restarted_teacher(local_ray, tiny_model_path,
+                                                                                         trained_teacher, tmp_path):
     """The learning run on Ray, asynchronous (staleness 1), its teacher actor SIGKILLed after step 3: Ray restarts
-    it, it loads its path again, the batch it was scoring (if any) is scored again, every step trains with its KL,
-    no rollback, and the student learns as on the local backend."""
+    it (a new process answers under the same name while the run goes on), it loads its path again, the batch it
+    was scoring (if any) is scored again, every step trains with its KL, no rollback, and the student learns the
+    format as on the local backend."""
     import ray
 
     steps, ns = LEARN_STEPS, "rayllm_distill_test"
@@ -206,6 +265,18 @@ def test_ray_distillation_raises_the_students_reward_through_a_killed_teacher(lo
     actor = ray.get_actor("teacher", namespace=ns)
     old_pid = ray.get(actor.pid.remote(), timeout=30)
     os.kill(old_pid, signal.SIGKILL)
+    # the restart itself: the same named actor answers from a new process while the run goes on. A call that
+    # reaches it while it restarts is refused as unavailable and asked again; a dead actor without restarts
+    # raises ActorDiedError here
+    restarted_by = time.monotonic() + 120
+    while True:
+        try:
+            new_pid = ray.get(actor.pid.remote(), timeout=30)
+            break
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            assert time.monotonic() < restarted_by, "the killed teacher was not restarted within 120 s"
+            time.sleep(0.5)
+    assert new_pid != old_pid and not out, (old_pid, new_pid)
     runner.join(timeout=400)
     assert "summary" in out, "the run did not finish after the teacher was killed"
     summary = out["summary"]
@@ -213,4 +284,4 @@ def test_ray_distillation_raises_the_students_reward_through_a_killed_teacher(lo
     records = rl_records(summary)
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     assert all(r["teacher_kl_mean"] != 0 and r["teacher_s"] > 0 for r in records)
-    assert_learned(summary, tiny_model_path)
+    assert_learned_the_format(summary, tiny_model_path, trained_teacher[1])
