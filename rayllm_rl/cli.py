@@ -19,9 +19,12 @@ runs) is `rayllm-rl train ARGS`, with `--dry-run [--json]` for `dry-run`.
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import logging
+import os
+import shlex
 import sys
 
 JOB_HELP = """GRPO-family training job: `rayllm-rl train [config=recipe:NAME | config=FILE.yaml] [key.sub=value ...]`
@@ -37,14 +40,69 @@ stdout line is a JSON summary.
 --dry-run validates the config and prints the job's plan (data sources, actors, CPUs/GPUs, placement, weight
 transport, engine, learner and KV-cache memory estimates) without starting Ray or loading any weights or rows;
 --json prints it as one JSON object instead.
+
+A mapping given on the command line merges into the one a config file set: `'~key' 'key={a: 1}'` replaces it.
+A config error (unknown key, bad value or type, a rule the job breaks) stops the command before anything starts,
+with one message naming the key and exit status 1; RAYLLM_DEBUG=1 shows its traceback instead.
 """
 
 JOB_FLAGS = ("--dry-run", "--json")
 
 
-def job_main(argv: list[str]) -> dict:
+DEBUG_ENV = "RAYLLM_DEBUG"
+"""`RAYLLM_DEBUG=1`: a config error the command line would say in one message raises with its traceback instead."""
+
+
+def config_errors() -> tuple[type[BaseException], ...]:
+    """What a config found wrong before the job starts raises: `ConfigError` and every other check's ValueError
+    (unknown key, bad value or type, a task's options, cross-field rules, a missing file), a TypeError of a check,
+    a missing pip extra, a YAML file that does not parse."""
+    import yaml
+
+    from rayllm_rl.extras import MissingExtraError
+
+    return ValueError, TypeError, MissingExtraError, yaml.YAMLError
+
+
+def config_error_message(error: BaseException, argv: list[str]) -> str:
+    """What the command line prints for a config error: the error's own message (it names the key), a hint where
+    an override merged into a mapping a config file set and the error is about that mapping, and how to see the
+    traceback."""
+    from rayllm_rl.config import merged_mappings
+    from rayllm_rl.job.config import GRPOJobConfig
+
+    text = " ".join(str(error).split()) or type(error).__name__
+    lines = [f"config error: {text}" if isinstance(error, ValueError)
+             else f"config error: {type(error).__name__}: {text}"]
+    files = " ".join(a for a in argv if a.startswith("config=")) or "the config file"
+    for key, (kept, items) in merged_mappings(GRPOJobConfig, argv).items():
+        if key in text:
+            lines.append(f"  hint: {' '.join(items)} was merged into the {key} that {files} set ({kept}), whose "
+                         f"entries stay; to replace the mapping, unset it first: {shlex.quote('~' + key)} "
+                         + " ".join(shlex.quote(i) for i in items))
+    lines.append(f"  (nothing was started; {DEBUG_ENV}=1 shows the traceback)")
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def _said_in_one_message(argv: list[str], say: bool):
+    """Around the job's config loading, validation and plan (nothing started yet): with `say`, a config error ends
+    the process with `config_error_message` on stderr and exit status 1, no traceback (unless RAYLLM_DEBUG=1)."""
+    try:
+        yield
+    except config_errors() as error:
+        if not say or os.environ.get(DEBUG_ENV, "").strip() not in ("", "0"):
+            raise
+        print(config_error_message(error, argv), file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+
+
+def job_main(argv: list[str], *, say_config_errors: bool = False) -> dict:
     """The job's command line (`rayllm-rl train`, `jobs/grpo.py`): validate, then train or print the plan.
-    Returns the summary (or the plan); a bad flag or config exits naming it."""
+    Returns the summary (or the plan); a bad flag exits naming it. A config error found before the job starts
+    (loading, validation, the plan; the dry run is all of that) is raised, or with `say_config_errors` (the
+    processes of `jobs/grpo.py` and `rayllm-rl train|dry-run`) said in one message naming the key, exit status 1
+    (`config_error_message`; `RAYLLM_DEBUG=1` raises it). An error once the job has started keeps its traceback."""
     from rayllm_rl.config import describe, load_config
     from rayllm_rl.job.config import GRPOJobConfig
 
@@ -58,29 +116,37 @@ def job_main(argv: list[str]) -> dict:
         raise SystemExit(f"unknown flag(s) {sorted(flags - set(JOB_FLAGS))}; flags: {', '.join(JOB_FLAGS)}, -h/--help")
     if "--json" in flags and "--dry-run" not in flags:
         raise SystemExit("--json goes with --dry-run (the job itself always ends with a JSON summary line)")
-    cfg = load_config(GRPOJobConfig, [a for a in argv if a not in flags])
-    if "--dry-run" in flags:  # a plan for the job's machines: this one need not have their packages
-        from rayllm_rl.job.plan import make_plan
-        from rayllm_rl.job.plan_text import dry_run
+    args = [a for a in argv if a not in flags]
+    with _said_in_one_message(args, say_config_errors):
+        cfg = load_config(GRPOJobConfig, args)
+        if "--dry-run" in flags:  # a plan for the job's machines: this one need not have their packages
+            from rayllm_rl.job.plan import make_plan
+            from rayllm_rl.job.plan_text import dry_run
 
-        return dry_run(make_plan(cfg, environment=False), as_json="--json" in flags)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    from rayllm_rl.orchestration.entry import train  # validates first: cross-field mistakes fail before any actor
+            return dry_run(make_plan(cfg, environment=False), as_json="--json" in flags)
+        logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+        from rayllm_rl.orchestration.entry import prepare, run_plan
 
-    summary = train(cfg)
+        plan, inputs = prepare(cfg)  # the validation: cross-field mistakes fail here, before any actor or weights
+    summary = run_plan(plan, inputs)
     sys.stdout.write(json.dumps(summary, default=str) + "\n")
     sys.stdout.flush()
     return summary
 
 
 def _train(args: list[str]) -> int:
-    job_main(args)
+    job_main(args, say_config_errors=True)
     return 0
 
 
 def _dry_run(args: list[str]) -> int:
-    job_main([*args, "--dry-run"])
+    job_main([*args, "--dry-run"], say_config_errors=True)
     return 0
+
+
+def job_command(argv: list[str]) -> dict:
+    """`python jobs/grpo.py ARGS`: `job_main` as a process runs it (a config error said in one message)."""
+    return job_main(argv, say_config_errors=True)
 
 
 def _view(args: list[str]) -> int:

@@ -119,7 +119,13 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
         items = [coerce(v, inner, key) for v in value]
         return tuple(items) if origin is tuple else items
     if origin is dict or tp is dict:
-        value = yaml.safe_load(value) if isinstance(value, str) else value
+        if isinstance(value, str):
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError as error:
+                raise ConfigError(f"config key {key!r}: {value!r} is not a YAML mapping ({_yaml_problem(error)}); "
+                                  f"write it as {key}={{a: 1, b: x}} (quoted in a shell) or set one entry as "
+                                  f"{key}.a=1") from None
         if not isinstance(value, dict):
             raise ConfigError(f"config key {key!r}: expected a mapping, got {value!r}")
         return dict(value)
@@ -250,7 +256,8 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items:
         if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like key.sub=value")
+            raise ConfigError(f"override {item!r} must look like key.sub=value (a value with spaces, such as a mapping "
+                              "{a: 1, b: 2}, goes in quotes: 'key.sub={a: 1, b: 2}')")
         key, raw = item.split("=", 1)
         node = out
         parts = key.strip().split(".")
@@ -267,10 +274,20 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(error)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping at top level")
     return data
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """A YAML parse error in one line: what the parser found, and where (PyYAML's own text spans several)."""
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    mark = getattr(error, "problem_mark", None)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
 
 
 RECIPE_PREFIX = "recipe:"
@@ -322,6 +339,13 @@ def load_config(cls: type[T], argv: list[str] | None = None, *, config_key: str 
     recipe), then `~key` items (`unset_key`), then overrides. What the user wrote, nothing more: fields left to a
     preset stay None until the job's `validate()` resolves them (GRPOJobConfig: `presets.resolve_presets`, which
     returns a new config)."""
+    cfg, overrides = _before_overrides(cls, argv, config_key)
+    return apply_dict(cfg, parse_overrides(overrides))
+
+
+def _before_overrides(cls: type[T], argv: list[str] | None, config_key: str) -> tuple[T, list[str]]:
+    """`load_config` up to the overrides: (the defaults, the files and the `~key` items applied; the `key=value`
+    items left)."""
     argv = list(argv or [])
     cfg = cls()
     files = [a.split("=", 1)[1] for a in argv if a.startswith(f"{config_key}=")]
@@ -330,7 +354,38 @@ def load_config(cls: type[T], argv: list[str] | None = None, *, config_key: str 
     rest = [a for a in argv if not a.startswith(f"{config_key}=")]
     for item in (a for a in rest if a.startswith("~")):
         cfg = unset_key(cfg, item[1:].strip())
-    return apply_dict(cfg, parse_overrides([a for a in rest if not a.startswith("~")]))
+    return cfg, [a for a in rest if not a.startswith("~")]
+
+
+def merged_mappings(cls: type, argv: list[str] | None, *,
+                    config_key: str = "config") -> dict[str, tuple[dict, list[str]]]:
+    """The mappings of `load_config(cls, argv)` that a command-line override merged into (`apply_dict`) where a
+    config file had already set them: {dotted key: (what the file set, the override items that merged into it)}.
+    What an error about such a key is told (`cli.config_error_message`): the file's entries stayed, and `~key`
+    first replaces the mapping instead. {} when `argv` cannot be read that far."""
+    try:
+        cfg, overrides = _before_overrides(cls, argv, config_key)
+        parsed = parse_overrides(overrides)
+    except (ValueError, TypeError):
+        return {}
+    out: dict[str, tuple[dict, list[str]]] = {}
+
+    def walk(node: Any, values: dict[str, Any], prefix: str) -> None:
+        for name, value in values.items():
+            current = getattr(node, name, None)
+            key = f"{prefix}{name}"
+            if dataclasses.is_dataclass(current) and isinstance(value, dict):
+                walk(current, value, key + ".")
+            elif isinstance(current, dict) and current and current != getattr(type(node)(), name):
+                items = [a for a in overrides if a.split("=", 1)[0].strip() == key
+                         or a.split("=", 1)[0].strip().startswith(key + ".")]
+                out[key] = (dict(current), items)
+
+    try:
+        walk(cfg, parsed, "")
+    except (ValueError, TypeError):  # a section whose class cannot be made bare: no hint
+        return {}
+    return out
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """`train(config, overrides, **objects)`: one entry point for a job, from `jobs/grpo.py` or from Python.
 
 Gathers the job's Python objects (`JobInputs`), makes the job's plan once (`job.plan.make_plan`), runs it on
-the backend the plan names, and returns the same JSON-able summary the job prints.
+the backend the plan names, and returns the same JSON-able summary the job prints. Its two halves: `prepare`
+(the validation, nothing started) and `run_plan` (the job).
 """
 from __future__ import annotations
 
@@ -42,19 +43,32 @@ def train(config: GRPOJobConfig | None = None, overrides: list[str] | None = Non
       `workflow_kwargs`, returning an object with `async arun_episode(engine, data) -> TensorDict`; or such an
       object itself (pickled to each worker: keep it small). docs/extending.md has the contract.
     """
+    plan, inputs = prepare(config, overrides, reward_fn=reward_fn, reward_weights=reward_weights,
+                           train_dataset=train_dataset, eval_dataset=eval_dataset, task=task, workflow=workflow,
+                           workflow_kwargs=workflow_kwargs)
+    return run_plan(plan, inputs, callbacks=callbacks)
+
+
+def prepare(config: GRPOJobConfig | None = None, overrides: list[str] | None = None, **objects: Any):
+    """`train`'s first half: the overrides applied, the job's objects gathered (`JobInputs`, `objects` are `train`'s
+    keywords but `callbacks`) and its plan made (the validation): `(plan, inputs)`. Nothing is started or loaded, so
+    whatever this raises is a config error (the command line says it in one message, `cli.job_main`)."""
     from rayllm_rl.config import apply_dict, parse_overrides
     from rayllm_rl.job.inputs import JobInputs
+    from rayllm_rl.job.plan import make_plan
 
     cfg = config if config is not None else GRPOJobConfig()
     if overrides:
         cfg = apply_dict(cfg, parse_overrides(list(overrides)))
-    inputs = JobInputs.of(cfg, reward_fn=reward_fn, reward_weights=reward_weights, train_dataset=train_dataset,
-                          eval_dataset=eval_dataset, task=task, workflow=workflow, workflow_kwargs=workflow_kwargs)
+    inputs = JobInputs.of(cfg, **objects)
+    return make_plan(cfg, inputs), inputs  # the validation: a new config, the presets filled, each decision made once
+
+
+def run_plan(plan, inputs, *, callbacks: list | None = None) -> dict:
+    """`train`'s second half: run the job of `prepare`'s plan on its backend; returns the summary."""
     from rayllm_rl.orchestration.driver import train as run_driver
-    from rayllm_rl.job.plan import make_plan
     from rayllm_rl.orchestration.reporting import hf_progress_bars_off
 
-    plan = make_plan(cfg, inputs)  # the validation: a new config, the presets filled, each decision made once
     # the job's console holds one bar: no "Map"/"Flattening"/download/"Loading weights" bars from the HF
     # libraries in this process (actors start with HF_HUB_DISABLE_PROGRESS_BARS=1); put back after the run
     with hf_progress_bars_off(), plan.backend_class().session():
