@@ -6,9 +6,12 @@ import atexit
 import contextlib
 import functools
 import itertools
+import math
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -50,9 +53,11 @@ def build_tiny_reward_model(path, *, hidden: int = 64, layers: int = 2, seed: in
     return model, tok
 
 
-def sft_tiny_lm(path, chats: list[list[dict]], steps: int, lr: float, batch: int = 0, seed: int = 0) -> str:
+def sft_tiny_lm(path, chats: list[list[dict]], steps: int, lr: float, batch: int = 0, seed: int = 0,
+                done: Callable[[Any, int], bool] | None = None) -> str:
     """The tiny causal LM, SFT'd on `chats` (loss on the assistant's tokens; AdamW, one torch thread; each
-    step a random `batch` of them, or all with 0), saved to `path` with its tokenizer."""
+    step a random `batch` of them, or all with 0), saved to `path` with its tokenizer. `done(model, step)`, if
+    given, is asked after each step and ends the training early when it says True."""
     from transformers import AutoModelForCausalLM
 
     from rayllm_rl.data.sft import make_sft_batch
@@ -65,39 +70,114 @@ def sft_tiny_lm(path, chats: list[list[dict]], steps: int, lr: float, batch: int
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     with one_thread():
-        for _ in range(steps):
+        for step in range(1, steps + 1):
             data = make_sft_batch(tok, [rng.choice(chats) for _ in range(batch)] if batch else chats)
             labels = data["input_ids"].masked_fill(~data["loss_mask"].bool(), -100)
             loss = model(input_ids=data["input_ids"], attention_mask=data["attention_mask"], labels=labels).loss
             opt.zero_grad()
             loss.backward()
             opt.step()
+            if done is not None and done(model, step):
+                break
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
 
 
-def train_judge_to_answer(path, answer: str, steps: int = 40, seed: int = 0) -> str:
-    """The tiny causal LM, SFT'd to answer every judge prompt (the default template) with `answer`."""
+def judge_chats(answer: str, n: int = 32, seed: int = 0) -> list[list[dict]]:
+    """`n` judge conversations (the default template) answered with `answer`: arithmetic questions with answers and
+    junk alike as the graded completions (a policy's early completions are mostly junk)."""
     from rayllm_rl.rewards.config import DEFAULT_JUDGE_TEMPLATE
 
     rng = random.Random(seed)
     chats = []
-    for k in range(32):  # answers and junk alike: a policy's early completions are mostly junk
+    for k in range(n):
         a, b = rng.randint(0, 9), rng.randint(0, 9)
         completion = (f"<answer>{rng.randint(0, 18)}</answer>" if k % 2 else
                       "".join(rng.choice(NOISE + "abcdefghij") for _ in range(rng.randint(0, 12))))
         text = DEFAULT_JUDGE_TEMPLATE.format(question=f"{a}+{b}=", completion=completion)
         chats.append([{"role": "user", "content": text}, {"role": "assistant", "content": answer}])
-    return sft_tiny_lm(path, chats, steps, lr=3e-3, seed=seed)
+    return chats
+
+
+def judge_test_chats(answer: str) -> list[list[dict]]:
+    """The judge prompts the tests ask themselves (test_judge, test_reward_models: 2+3= graded on <answer>0..6)."""
+    from rayllm_rl.rewards.config import DEFAULT_JUDGE_TEMPLATE
+
+    asked = [DEFAULT_JUDGE_TEMPLATE.format(question="2+3=", completion=f"<answer>{n}</answer>") for n in range(7)]
+    return [[{"role": "user", "content": text}, {"role": "assistant", "content": answer}] for text in asked]
+
+
+class JudgeNotTrained(RuntimeError):
+    """The tiny judge's greedy answers were still not the one it is trained to give after its last SFT step."""
+
+
+def greedy_judge_answers(model, chats: list[list[dict]], max_new_tokens: int = 32) -> list[str]:
+    """What `model` (a copy of it, in the project's TransformersEngine) answers greedily to each chat's user turn,
+    as `rewards.judge.Judge.verdict` asks it (chat template, generation prompt, the judge's default max_new_tokens)."""
+    import copy
+
+    from rayllm_rl.inference.protocol import LLMRequest, SamplingParams
+    from rayllm_rl.inference.transformers.engine import TransformersEngine
+    from rayllm_rl.models.tiny import ensure_tiny_model
+
+    engine = TransformersEngine(ensure_tiny_model(), model=copy.deepcopy(model), device="cpu")
+    tok, sampling = engine.tokenizer, SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
+    requests = [LLMRequest(input_ids=list(tok.apply_chat_template(chat[:1], add_generation_prompt=True, tokenize=True,
+                                                                  return_dict=False)), sampling=sampling)
+                for chat in chats]
+    return [tok.decode(r.output_tokens, skip_special_tokens=True) for r in engine.generate(requests)]
+
+
+def train_judge_to_answer(path, answer: str, max_steps: int = 120, seed: int = 0, first_check: int = 20,
+                          check_every: int = 5) -> str:
+    """The tiny causal LM, SFT'd to answer every judge prompt (the default template) with exactly `answer`.
+
+    How many steps that takes is an outcome of a training run, which another CPU's kernels change; the judge tests
+    need the outcome, not a step count. So it trains until its greedy answer is exactly `answer` on every check
+    prompt (32 judge prompts it never trained on, and the tests' own) at two checks in a row, `check_every` steps
+    apart from step `first_check` (measured: 6/32 right at step 20, 27/32 at 25, all at 30 and 35; it stops at
+    35, where 40 fixed steps ran before). Not there by `max_steps` (3x that): JudgeNotTrained, saying what it
+    answered."""
+    checks = judge_chats(answer, seed=seed + 1) + judge_test_chats(answer)
+    state = {"streak": 0, "wrong": [], "step": 0}
+
+    def done(model, step: int) -> bool:
+        state["step"] = step
+        if step < first_check or (step - first_check) % check_every:
+            return False
+        answers = greedy_judge_answers(model, checks)
+        state["wrong"] = [a for a in answers if a != answer]
+        state["streak"] = 0 if state["wrong"] else state["streak"] + 1
+        return state["streak"] == 2
+
+    sft_tiny_lm(path, judge_chats(answer, seed=seed), max_steps, lr=3e-3, seed=seed, done=done)
+    if state["streak"] < 2:
+        raise JudgeNotTrained(
+            f"the tiny judge did not learn to answer {answer!r} in {max_steps} SFT steps: at step {state['step']} "
+            f"{len(state['wrong'])} of its {len(checks)} greedy check answers differ, e.g. {state['wrong'][:3]}. The "
+            f"judge tests check the judge's plumbing (engine, parser, weights), which needs this answer: raise "
+            f"max_steps in tests/reward_model_helpers.py:train_judge_to_answer")
+    return str(path)
 
 
 @functools.lru_cache(maxsize=None)
-def tiny_judge(answer: str = "Score: 7") -> str:
-    """`train_judge_to_answer(answer)` once per test process (in a temporary directory removed at exit)."""
+def _tiny_judge(answer: str) -> tuple[str | None, str | None]:
     path = tempfile.mkdtemp(prefix="rayllm-tiny-judge-")
     atexit.register(shutil.rmtree, path, True)
-    return train_judge_to_answer(path, answer)
+    try:
+        return train_judge_to_answer(path, answer), None
+    except JudgeNotTrained as exc:  # kept: every test asking for this judge fails with it, none trains again
+        return None, str(exc)
+
+
+def tiny_judge(answer: str = "Score: 7") -> str:
+    """`train_judge_to_answer(answer)` once per test process (in a temporary directory removed at exit); its
+    JudgeNotTrained, once, for every caller."""
+    path, failure = _tiny_judge(answer)
+    if failure is not None:
+        raise JudgeNotTrained(failure)
+    return path
 
 
 def sft_arithmetic_policy(path, rows, steps: int = 60, batch: int = 32, seed: int = 0) -> str:
@@ -216,12 +296,36 @@ where the tiny policy's ChatML takes 23). The job's reward service reads a conve
 as it does any RM's that brings its own."""
 
 
+RM_AVOIDS = 0.75
+"""The share of a constant classifier's errors the test's reward model must avoid on each of its labelled sets:
+it errs on at most a quarter as many examples as always answering the set's majority label would (on the format
+noise, where that constant is right 96.8% of the time, accuracy >= 99.2%). How many steps that takes is an outcome
+of the training run: 500 here (AVX-512 kernels: 97%, 82%, 85% of the errors avoided), 1,200 with AVX2 kernels
+(`ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2`: at 600 steps, 15% on the policy's
+samples). The set's own check noise is about 9% of the majority classifier's errors on the format noise (1,200
+examples), so three quarters is clear of what this machine's runs reach and of a constant."""
+
+
+def majority_rate(labels) -> float:
+    """The accuracy of always answering the commoner of the 0/1 `labels`."""
+    positives = sum(float(y) for y in labels)
+    return max(positives, len(labels) - positives) / len(labels)
+
+
+def errors_avoided(accuracy: float, majority: float) -> float:
+    """The share of the majority-class classifier's errors a classifier of `accuracy` does not make."""
+    return 1 - (1 - accuracy) / (1 - majority) if majority < 1 else 0.0
+
+
 def train_reward_classifier(path, groups: list[list[tuple[dict, str, float]]], shares: list[float],
-                            steps: int = 600, batch: int = 128, lr: float = 1e-3, seed: int = 0) -> list[float]:
+                            max_steps: int = 1500, batch: int = 128, lr: float = 1e-3, seed: int = 0,
+                            avoid: float = RM_AVOIDS) -> list[float]:
     """Train `build_tiny_reward_model(path)` with binary cross-entropy on labelled (row, completion, label)
     examples (its logit is the log-odds of the rule's 1; AdamW, one torch thread), `shares[i]` of each batch
-    drawn from `groups[i]`; keep the best of the checks every 100 steps (by the worst group's accuracy) and
-    save it to `path`; returns its accuracy on each group (logit > 0 <=> label 1)."""
+    drawn from `groups[i]`; check its accuracy on each group every 100 steps, and stop at the first check where
+    it avoids `avoid` of the majority-class classifier's errors on every group (`RM_AVOIDS`), else after
+    `max_steps`; save the best check (by the smallest share avoided) to `path` and return its accuracy on each
+    group (logit > 0 <=> label 1)."""
     model, tok = build_tiny_reward_model(path, seed=seed)
     tok.chat_template = COMPACT_TEMPLATE
     tok.save_pretrained(path)
@@ -235,9 +339,10 @@ def train_reward_classifier(path, groups: list[list[tuple[dict, str, float]]], s
     encoded = [({k: v[lo:hi] for k, v in enc.items()}, labels[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:])]
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    best: tuple[list[float], dict | None] = ([-1.0], None)
+    majority = [majority_rate(group_labels.tolist()) for _, group_labels in encoded]
+    best: tuple[float, list[float], dict | None] = (-math.inf, [], None)
     with one_thread():
-        for step in range(1, steps + 1):
+        for step in range(1, max_steps + 1):
             model.train()
             picks = [(enc, labels, torch.randint(len(labels), (round(batch * share),), generator=gen))
                      for (enc, labels), share in zip(encoded, shares)]
@@ -255,8 +360,11 @@ def train_reward_classifier(path, groups: list[list[tuple[dict, str, float]]], s
                 with torch.no_grad():
                     accuracy = [float(((model(**enc).logits[:, 0] > 0).float() == labels).float().mean())
                                 for enc, labels in encoded]
-                if min(accuracy) > min(best[0]):
-                    best = (accuracy, {k: v.clone() for k, v in model.state_dict().items()})
-    model.load_state_dict(best[1])
+                avoided = min(errors_avoided(a, m) for a, m in zip(accuracy, majority))
+                if avoided > best[0]:
+                    best = (avoided, accuracy, {k: v.clone() for k, v in model.state_dict().items()})
+                if avoided >= avoid:
+                    break
+    model.load_state_dict(best[2])
     model.save_pretrained(path)
-    return best[0]
+    return best[1]

@@ -62,16 +62,24 @@ def test_the_scripts_reward_and_myreward_score_alike():
 @pytest.mark.slow
 def test_user_reward_example_trains_from_python_and_the_held_out_reward_rises(tmp_path):
     """`python examples/user_reward/train.py trainer.backend=local` (the README's one-process command): the tiny
-    model on the script's JSONL rows, the reward defined in the script. The held-out greedy reward rises by at
-    least 0.15 (GRPO teaches the tags, which carry over to unseen sums). The same rows and settings on Ray, the
-    reward reaching the env workers by value, learn in test_user_task_jobs (measured +0.23..+0.32 on both)."""
+    model on the script's JSONL rows, the reward defined in the script. The held-out greedy reward rises, its share
+    of answers in tags by more items than chance flips explain (GRPO teaches the tags, which carry over to unseen
+    sums), and the training reward by more than the run's own noise (tests/learning_bounds.py). The same rows and
+    settings on Ray, the reward reaching the env workers by value, learn in test_user_task_jobs (measured
+    +0.23..+0.32 on both)."""
+    from learning_bounds import assert_greedy_gain, assert_rises
+    from test_user_task_jobs import HELD_OUT
+
     s = run_script(EXAMPLES / "user_reward" / "train.py", "--out", str(tmp_path / "out"), "trainer.backend=local",
                    cwd=tmp_path)
     assert (s["preset"], s["backend"], s["steps"], s["held_out_rows"]) == ("small", "local", 60, 30)
     assert Path(s["rows"]).is_file() and len(Path(s["rows"]).read_text().splitlines()) == 70
     assert s["failed_episodes"] == 0 and s["reward_errors"] == 0 and s["reward_calls"] >= 60 * 8 * 8
-    assert s["held_out_reward_after"] >= s["held_out_reward_before"] + 0.15, s
-    assert s["train_reward_last_steps"] > s["train_reward_first_steps"], s
+    assert_greedy_gain(*s["held_out_tagged"], n=s["held_out_rows"], what=HELD_OUT)
+    assert s["held_out_reward_after"] > s["held_out_reward_before"], s
+    rl = [r["reward"] for r in map(json.loads, (Path(s["run_dir"]) / "metrics.jsonl").read_text().splitlines())
+          if r.get("phase") == "rl"]
+    assert_rises(rl[:15], rl[-15:], what="training reward, first 15 -> last 15 steps")
 
 
 @pytest.mark.slow

@@ -106,7 +106,10 @@ def test_bad_judge_settings_fail_validation_naming_the_key(overrides, message):
 # ---------------------------------------------------------------- a real (tiny) judge in process
 @pytest.fixture(scope="module")
 def judge_path() -> str:
-    """The tiny causal LM SFT'd to answer every judge prompt with 'Score: 7' (once per test process)."""
+    """The tiny causal LM SFT'd to answer every judge prompt with 'Score: 7' (once per test process). Trained until
+    its greedy answer is exactly that on held-out judge prompts and on these tests' own, whatever the CPU's kernels
+    make of the run; a judge that never got there fails here, once, saying what it answered (JudgeNotTrained):
+    these tests check the judge's plumbing, not its learning."""
     return tiny_judge("Score: 7")
 
 

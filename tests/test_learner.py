@@ -11,6 +11,7 @@ from rayllm_rl.data.loader import PromptLoader
 from rayllm_rl.inference.protocol import SamplingParams
 from rayllm_rl.learner.learner import Learner, OptimConfig
 from rayllm_rl.objectives import AdvantageConfig, GRPOLoss, SFTLoss, compute_advantages
+from learning_bounds import assert_falls, assert_separated
 from rollout_helpers import collect_batch
 from rayllm_rl.workflows.rlvr import RLVRWorkflow
 
@@ -54,7 +55,12 @@ def test_grpo_step_raises_logprob_of_positive_advantage_sequences(engine, tokeni
     for _ in range(3):
         learner.train_step(batch, GRPOLoss())
     delta = (learner.compute_logprobs(batch) * batch["loss_mask"]).sum(-1) - before
-    assert delta[adv > 0].mean() > delta[adv < 0].mean() + 0.05
+    # The rows GRPO pushed up gained more log-probability than those it pushed down, by more than rows move for no
+    # reason: the rows with advantage 0 (groups whose lengths all agree, most of them) move too, through the
+    # shared weights, and their spread is the noise (tests/learning_bounds.py). Measured: 8 rows with an
+    # advantage, +4.2 nats apart, 10 SE.
+    assert_separated(delta[adv < 0].tolist(), delta[adv > 0].tolist(), noise=delta[adv == 0].tolist(),
+                     what="sequence logprob change after 3 GRPO steps, advantage < 0 -> advantage > 0")
 
 
 @pytest.mark.slow
@@ -82,7 +88,9 @@ def test_sft_steps_lower_the_nll(tokenizer, tiny_model_path):
     first = learner.train_step(batch, SFTLoss())["nll"]
     for _ in range(15):
         last = learner.train_step(batch, SFTLoss())["nll"]
-    assert last < 0.5 * first
+    # 16 full-batch steps on 8 demonstrations the tiny model can memorise: the nll starts near ln(vocab) = 5.95 (a
+    # random model) and heads for 0; half its first value is a fall no rounding explains (a bound from step 1)
+    assert_falls(first, last, 0.5, what="SFT nll, step 1 -> step 16")
 
 def test_learner_reports_true_policy_entropy(engine, tokenizer, tiny_model_path):
     """The learner's `entropy` metric is the mean full-distribution entropy over trained tokens."""

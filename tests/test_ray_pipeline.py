@@ -162,8 +162,10 @@ def check_versions_and_staleness(summary: dict, eta: int, steps: int) -> None:
         assert all(trained_at - v <= eta and v <= trained_at for v in r["token_versions"])
     assert summary["max_version_lag"] <= eta and summary["failed_episodes"] == 0
     held = summary["replica_versions_held"]
-    assert all(h == sorted(h) for h in held)  # each replica's versions never go back (v0 = load, then post-SFT sync)
-    assert all(set(r["token_versions"]) <= set().union(*map(set, held)) for r in records)
+    assert all(h["in_order"] for h in held)  # each replica's versions never go back (v0 = load, then post-SFT sync)
+    assert all(h["count"] == steps + 2 and h["last"][-1] == steps for h in held)  # load, post-SFT sync, one a step
+    # `last` holds the newest 5: every version a step of these short jobs sampled with (v0 ... steps)
+    assert all(set(r["token_versions"]) <= set().union(*(set(h["last"]) for h in held)) for r in records)
     assert summary["learner_checksums_equal_replicas"]
     if eta == 0:
         assert all(r["token_versions"] == [r["version"] - 1] for r in records)
@@ -265,7 +267,7 @@ def test_two_fsdp_learner_actors_train_and_sync(fsdp_agent_run):
     assert summary["steps"] == 3 and summary["version"] == 3
     check_versions_and_staleness(summary, eta=1, steps=3)
     assert summary["learner_checksums_equal_replicas"]  # both FSDP ranks' full weights == every replica's
-    assert summary["replica_versions_held"] == [[0, 0, 1, 2, 3]]
+    assert summary["replica_versions_held"] == [{"count": 5, "last": [0, 0, 1, 2, 3], "in_order": True}]
 
 
 def test_gsm8k_env_in_ray_env_workers_with_reference_kl(gsm8k_kl_run):
@@ -328,15 +330,16 @@ def learning_run(local_ray, tmp_path_factory):
 
 def test_ray_pipeline_learns_with_nonzero_advantages(learning_run):
     """A short warm start leaves the model right on some prompts, so groups disagree, advantages
-    are non-zero and GRPO raises the training reward (measured: ~0.24 -> ~0.54 over 80 steps)."""
-    import statistics
+    are non-zero and GRPO raises the training reward (measured: ~0.24 -> ~0.54 over 80 steps), by more
+    than the run's own step-to-step noise (tests/learning_bounds.py)."""
+    from learning_bounds import assert_advantages_every_step, assert_rises
 
     summary = learning_run.summary
     rl = rl_records(summary)
     assert len(rl) == 80 and summary["failed_episodes"] == 0
-    assert statistics.fmean(r["advantage_abs_mean"] for r in rl) > 0.2, "groups must disagree for GRPO to learn"
-    first, last = (statistics.fmean(r["reward"] for r in part) for part in (rl[:15], rl[-15:]))
-    assert last > first + 0.1, (first, last)
+    assert_advantages_every_step(rl)
+    assert_rises([r["reward"] for r in rl[:15]], [r["reward"] for r in rl[-15:]],
+                 what="training reward, first 15 -> last 15 steps")
 
 
 def test_the_dashboard_showed_the_running_jobs_actors_and_the_job_through_the_token(local_ray, learning_run):

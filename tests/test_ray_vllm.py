@@ -114,7 +114,7 @@ def test_grpo_job_trains_through_vllm_replicas(local_ray, tmp_path):
     summary = run_job(vllm_cfg(tmp_path, "trainer.steps=4", "rollout.max_staleness=1"))
     assert summary["steps"] == 4 and summary["version"] == 4
     assert summary["learner_checksums_equal_replicas"] is True
-    assert summary["replica_versions_held"] == [[0, 0, 1, 2, 3, 4]]
+    assert summary["replica_versions_held"] == [{"count": 6, "last": [0, 1, 2, 3, 4], "in_order": True}]
     assert summary["max_version_lag"] <= 1
     assert summary["failed_episodes"] == 0
     for key in ("eval_reward_before", "eval_reward_after", "eval_reward_gain", "wall_seconds", "run_dir"):

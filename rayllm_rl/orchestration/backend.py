@@ -22,13 +22,27 @@ class RoleCrashed(RuntimeError):
         self.roles = roles
 
 
+VERSIONS_SHOWN = 5
+"""How many of a replica's newest versions the summary lists (`versions_held_summary`)."""
+
+
+def versions_held_summary(held: list[int]) -> dict[str, Any]:
+    """One replica's `replica_versions_held` entry, the same size whatever the run's length: `count` (the versions
+    its current process held: the weights it loaded, then one per weight sync), `last` (the newest
+    `VERSIONS_SHOWN`, oldest first) and `in_order` (they never went back)."""
+    held = [int(v) for v in held]
+    return {"count": len(held), "last": held[-VERSIONS_SHOWN:], "in_order": held == sorted(held)}
+
+
 def backend_summary(*, failed_episodes: int, faults: Any, buffer: dict[str, Any], reward_failures: dict[str, Any],
                     versions_held: list[list[int]], transport: str | None, checksums_equal: bool,
                     reward_services: dict[str, Any]) -> dict[str, Any]:
     """`Backend.summary_stats`: the same keys from either backend (`faults`: its `FaultLedger`;
-    `versions_held`: per replica, every version it generated with)."""
+    `versions_held`: per replica, every version it generated with, which the summary holds as
+    `versions_held_summary`: the summary line stays the same size however many steps the run took)."""
     return {"failed_episodes": failed_episodes, **faults.summary(), "buffer": buffer,
-            "reward_failures": reward_failures, "replica_versions_held": versions_held, "weight_transport": transport,
+            "reward_failures": reward_failures,
+            "replica_versions_held": [versions_held_summary(h) for h in versions_held], "weight_transport": transport,
             "learner_checksums_equal_replicas": checksums_equal, "reward_services": reward_services}
 
 
