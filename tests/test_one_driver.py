@@ -39,7 +39,7 @@ def test_local_backend_runs_the_shared_driver(tmp_path, eta):
     assert summary["failed_episodes"] == 0 and summary["budget_cuts"] == []
     records = rl_records(summary)
     assert [r["step"] for r in records] == [1, 2, 3] and [r["version"] for r in records] == [1, 2, 3]
-    assert all(r["seqs"] == 16 for r in records) and "eval_reward" in records[1]
+    assert all(r["seqs"] == 16 for r in records) and "eval_reward" in records[1] and records[1]["eval_s"] > 0
     for r in records:  # tokens sampled at most eta versions before the step that trains on them
         assert all(r["version"] - 1 - eta <= v <= r["version"] - 1 for v in r["token_versions"])
         assert r["staleness_max"] <= eta
