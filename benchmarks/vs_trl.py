@@ -20,9 +20,10 @@ thread counts, package versions, commit: `benchmarks/machine.py`) and the CPU se
 while it ran (`contention`: a run above 5% of the machine is flagged `contended`, its speed not comparable).
 The result file is rewritten after every run, so an interrupted table keeps what finished.
 The clock: RL seconds run on both sides from the end of the held-out eval before RL to the last optimizer step,
-less the evaluations during RL (each side's eval seconds are measured and taken off). On our side, generation of
-the next batch may go on during an evaluation (staleness 1): each run records the mean wait before the steps that
-follow an evaluation and before the others, so what that hides can be read.
+less the evaluations during RL (each side's eval seconds are measured and taken off). Our driver pauses the
+rollouts for an evaluation (the running episodes finish first, on the clock), so no batch is made off the clock;
+after it the collector starts again from nothing, a wait the clock keeps: each run records the mean wait for a
+batch on the steps that follow an evaluation and on the others.
 Per run: steps, sequences/s, held-out before/after, gain, gain per step, gain per RL wall-second, the held-out
 curve [(step, RL s, score)], each step's training reward. Per task and side: mean and min/max over seeds. Time to
 target (per task): the target is the lower of the sides' mean final scores minus that side's standard error over
@@ -237,11 +238,11 @@ def rl_loop(metrics: Path, before: float, after: float) -> dict:
     """Our run's RL clock and held-out curve from its `metrics.jsonl`.
 
     The clock starts at the eval before RL and runs to the last step's record, less each evaluation during RL
-    (`eval_s` of the step it follows): TRL's clock is taken the same way. The job's own `rl_seconds` runs on to
-    its final checkpoint and evaluation. The curve's last point is the job's final evaluation (the same weights as
-    the last step's) where the last step had none. Also: each step's training reward, the evaluations' seconds,
-    and the mean wait for a batch on the steps right after an evaluation and on the others (generation may go on
-    during an evaluation: what the clock's deduction hides)."""
+    (`eval_s` of the step it follows; the driver pauses the rollouts for it): TRL's clock is taken the same way.
+    The job's own `rl_seconds` runs on to its final checkpoint and evaluation. The curve's last point is the job's
+    final evaluation (the same weights as the last step's) where the last step had none. Also: each step's
+    training reward, the evaluations' seconds, and the mean wait for a batch on the steps right after an
+    evaluation (the collector starts again from nothing: a cost the clock keeps) and on the others."""
     recs = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
     start = next(r["time_s"] for r in recs if r.get("phase") == "eval" and r.get("step") == 0)
     rl = [r for r in recs if r.get("phase") == "rl"]

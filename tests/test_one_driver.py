@@ -29,6 +29,30 @@ def rl_records(summary) -> list[dict]:
 
 
 @pytest.mark.slow
+def test_an_evaluation_during_rl_has_the_engine_to_itself(tmp_path, monkeypatch):
+    """Asynchronous (staleness 1), an evaluation after every step: the collector is paused with no episode running
+    while the evaluation runs (no training batch is made meanwhile, so `eval_s` is the evaluation's alone, as the
+    vs_trl clock takes it off), and it resumes after: every step still gets its batch."""
+    from rayllm_rl.orchestration.local.backend import LocalBackend
+
+    seen, evaluate = [], LocalBackend.evaluate
+
+    def watched(self, progress=None):
+        c = self.collector
+        before = (c._paused, len(c.running()), c.finished)
+        out = evaluate(self, progress)
+        seen.append((*before, c.finished))
+        return out
+
+    monkeypatch.setattr(LocalBackend, "evaluate", watched)
+    summary = run_job(local_cfg(tmp_path, "trainer.steps=3", "trainer.eval_every=1", "rollout.max_staleness=1"))
+    assert summary["steps"] == 3 and len(seen) == 1 + 3 + 1  # before RL, after each step, at the end
+    for paused, running, finished, finished_after in seen[1:4]:
+        assert paused and running == 0 and finished_after == finished, seen
+    assert all(r["eval_s"] > 0 for r in rl_records(summary))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("eta", [0, 1])
 def test_local_backend_runs_the_shared_driver(tmp_path, eta):
     from transformers import AutoModelForCausalLM

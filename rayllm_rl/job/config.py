@@ -216,7 +216,8 @@ class TrainerConfig:
     """Safety net: stop RL early once this many seconds of RL have elapsed (0 = no limit); None = the
     task's preset (arithmetic 420, so the CPU demo ends in minutes; else 0)."""
     eval_every: int = 100
-    """Evaluate every N steps during RL (0 = only before and after)."""
+    """Evaluate every N steps during RL (0 = only before and after). The rollouts pause for it (the running
+    episodes finish, none starts until it ends), as AReaL's do: the engines serve the evaluation alone."""
     log_every: int = 5
     """Print a progress line every N steps."""
     seed: int = 0

@@ -2,7 +2,8 @@
 
     build roles -> SFT on the learner -> sync v0 -> eval -> start collector ->
     [B episodes (<= eta versions old), advantages computed where they are -> learner step ->
-     v += 1 -> weights to the engines -> tell the collector v -> callbacks] x N -> checkpoint -> eval -> summary
+     v += 1 -> weights to the engines -> tell the collector v -> (rollouts paused: eval) -> callbacks] x N ->
+    checkpoint -> eval -> summary
 
 `trainer.backend=ray` runs the roles as actors (RayBackend), `local` in this process
 (LocalBackend); this loop, its resume, checkpoints and summary are the same for both. The loop is
@@ -150,10 +151,14 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
                   **train_metrics, "driver_bytes": backend.driver_bytes()}
         if "teacher_s" in meta:  # distillation: the teacher's scoring, as a share of the step (within its wait)
             record["teacher_share"] = meta["teacher_s"] / max(t_wait + t_train + sync["sync_s"], 1e-9)
-        if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:  # eval_s: what a clock of RL alone takes off
+        if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
+            # rollouts pause for the evaluation (as AReaL's do): the running episodes finish, none starts, so the
+            # engines serve the evaluation alone and its seconds (eval_s) are its own, with no batch made meanwhile
+            backend.drain()
             t_eval = time.perf_counter()
             record["eval_reward"] = evaluate(backend, reporter, callbacks, step, len(task.eval))["eval_reward"]
             record["eval_s"] = time.perf_counter() - t_eval
+            backend.start_collector()
         reporter.log(record, show=step % cfg.trainer.log_every == 0)
         backend.publish(record)
         progress.update(1, reward=record["reward"])
