@@ -400,11 +400,13 @@ def run_trl(args, s: dict, task: str, seed: int, tmp: str) -> dict:
 # ---------------------------------------------------------------------------- report
 def run_order(args) -> list[tuple[int, str, str, str | None]]:
     """[(seed, task, side, engine)]: per seed, per task, every side back to back; the sides' order turns by one
-    each seed, so that each side runs first, second, ... equally often over the seeds."""
+    each seed, so that each side runs first, second, ... equally often over the seeds. The turn is the seed's own
+    number, not its place in --seeds, so that a table made in parts (--seeds 0, then --seeds 1,2) turns the same."""
     sides = [("ours", e) for e in args.engines] * (args.side != "trl") + [("trl", None)] * (args.side != "ours")
     order = []
-    for i, seed in enumerate(args.seed_list):
-        turned = sides[i % len(sides):] + sides[:i % len(sides)]
+    for seed in args.seed_list:
+        k = seed % len(sides)
+        turned = sides[k:] + sides[:k]
         order += [(seed, task, side, engine) for task in args.tasks for side, engine in turned]
     return order
 

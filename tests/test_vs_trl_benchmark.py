@@ -53,6 +53,10 @@ def test_each_side_runs_first_second_and_last_once_over_three_seeds():
             for i, side in enumerate(block):
                 positions.setdefault(side, []).append(i)
         assert all(sorted(p) == [0, 1, 2] for p in positions.values()), positions
+    # a table made in parts turns as the whole one does: the turn is the seed's number
+    parts = [o for seeds in ("0", "1,2") for o in vs_trl.run_order(vs_trl.parse_args(
+        ["--task", "chain_sum,basic_arithmetic", "--engine", "transformers,vllm", "--seeds", seeds]))]
+    assert parts == order
     # each task's own steps and cadence, unless given
     assert args.task_steps == {"chain_sum": 6, "basic_arithmetic": 12}
     assert args.task_eval_every == {"chain_sum": 1, "basic_arithmetic": 2}
