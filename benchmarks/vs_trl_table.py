@@ -5,8 +5,9 @@ seeds of the gain, gain per step, sequences/s, gain per RL second and time to ta
 later file replaces the same (task, side, seed) from an earlier one: a rerun, listed in the output). A table mixes
 no machines and no days: files whose runs record other CPUs, other kernels or dates more than a day apart are
 refused (`benchmarks/machine.py: same_machine`), and so are runs without a machine record (made before
-2026-12-06). A run flagged `contended` (another process took over 5% of the machine while it ran) is refused
-unless a rerun of it replaces it or `--keep-contended` keeps it, marked, beside its rerun.
+2026-12-06) and tasks whose sides ran other seeds (`--tasks` leaves a task out). A run flagged `contended`
+(another process took over 5% of the machine while it ran) is refused unless a rerun of it replaces it or
+`--keep-contended` keeps it, marked, beside its rerun.
 
 Time to target, per task: the target is the lower of the sides' mean final held-out scores minus that side's
 standard error over its seeds (sample std / sqrt(seeds)); a run's time to target is the RL seconds at the first
@@ -32,16 +33,20 @@ from machine import same_machine  # noqa: E402
 FIELDS = ("gain", "gain_per_step", "sequences_per_s", "gain_per_rl_second")
 
 
-def load_runs(files: list[str], sides: set[str] | None, keep_contended: bool = False) -> tuple[dict, list, list]:
+def load_runs(files: list[str], sides: set[str] | None, keep_contended: bool = False,
+              tasks: set[str] | None = None) -> tuple[dict, list, list]:
     """({(task, label, seed): run}, [(task, label, seed, replaced file, by file)], [problems]): a problem is a
     reason the files cannot make one table (another machine or day, a run without its machine, a contended run
-    that no rerun replaced)."""
+    that no rerun replaced, a task whose sides ran other seeds: a side's mean over fewer seeds is not beside the
+    others'). `sides` and `tasks` keep only those labels and tasks."""
     runs: dict[tuple, dict] = {}
     origin: dict[tuple, str] = {}
     replaced, problems = [], []
     for f in files:
         data = json.loads(Path(f).read_text())
         for task, by_label in data["runs"].items():
+            if tasks and task not in tasks:
+                continue
             for label, seed_runs in by_label.items():
                 if sides and label not in sides:
                     continue
@@ -61,6 +66,14 @@ def load_runs(files: list[str], sides: set[str] | None, keep_contended: bool = F
     if contended and not keep_contended:
         problems.append("contended runs (another process took over 5% of the machine), rerun them: "
                         + ", ".join(f"{t} {lbl} seed {s}" for t, lbl, s in contended))
+    seeds: dict[str, dict[str, set]] = {}
+    for task, label, seed in runs:
+        seeds.setdefault(task, {}).setdefault(label, set()).add(seed)
+    for task, by_label in sorted(seeds.items()):
+        if len({frozenset(v) for v in by_label.values()}) > 1:
+            problems.append(f"{task}: the sides ran other seeds (" + ", ".join(
+                f"{label} {sorted(v)}" for label, v in sorted(by_label.items())) + "): run the missing ones, or "
+                "leave the task out (--tasks)")
     return runs, replaced, problems
 
 
@@ -153,15 +166,17 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--files", nargs="+", required=True, help="vs_trl.py result files, earlier first")
     p.add_argument("--sides", nargs="*", default=[], help="side labels to keep (default: all)")
+    p.add_argument("--tasks", nargs="*", default=[], help="tasks to keep (default: all)")
     p.add_argument("--keep-contended", action="store_true",
                    help="keep contended runs (marked in the table) instead of refusing the files")
     p.add_argument("--out", default="benchmarks/results/vs_trl_table.json")
     args = p.parse_args(argv)
-    runs, replaced, problems = load_runs(args.files, set(args.sides) or None, args.keep_contended)
+    runs, replaced, problems = load_runs(args.files, set(args.sides) or None, args.keep_contended,
+                                         set(args.tasks) or None)
     if problems:
         raise SystemExit("vs_trl_table: these runs do not make one table:\n  " + "\n  ".join(problems))
     tab = summarize(runs)
-    result = {"files": args.files, "sides": args.sides, "replaced": replaced, "table": tab}
+    result = {"files": args.files, "sides": args.sides, "tasks": args.tasks, "replaced": replaced, "table": tab}
     print(markdown(tab))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

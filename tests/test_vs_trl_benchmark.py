@@ -118,7 +118,8 @@ def test_the_table_refuses_other_machines_other_days_unrecorded_and_contended_ru
     assert "more than a day" in vs_trl_table.load_runs([a, c], None)[2][0]
     d = write(tmp_path, "d.json", {"trl": [run(1, 0.5, curve, None)]})
     assert "record no machine" in vs_trl_table.load_runs([a, d], None)[2][0]
-    e = write(tmp_path, "e.json", {"trl": [run(1, 0.5, curve, INFO, contended=True)]})
+    e = write(tmp_path, "e.json", {"ours": [run(1, 0.5, curve, INFO)],
+                                   "trl": [run(1, 0.5, curve, INFO, contended=True)]})
     assert "contended" in vs_trl_table.load_runs([a, e], None)[2][0]
     assert vs_trl_table.load_runs([a, e], None, keep_contended=True)[2] == []
     rerun = write(tmp_path, "f.json", {"trl": [run(1, 0.5, curve, INFO)]})  # its rerun replaces it
@@ -126,6 +127,11 @@ def test_the_table_refuses_other_machines_other_days_unrecorded_and_contended_ru
     assert problems == [] and replaced == [["cs", "trl", 1, e, rerun]]
     with pytest.raises(SystemExit, match="do not make one table"):
         vs_trl_table.main(["--files", a, b, "--out", str(tmp_path / "t.json")])
+    # a side with a seed the others lack: refused, unless its task is left out
+    g = write(tmp_path, "g.json", {"ours": [run(1, 0.5, curve, INFO)]})
+    assert vs_trl_table.load_runs([a, g], None)[2] == [
+        "cs: the sides ran other seeds (ours [0, 1], trl [0]): run the missing ones, or leave the task out (--tasks)"]
+    assert vs_trl_table.load_runs([a, g], None, tasks={"other"}) == ({}, [], [])
 
 
 BUSY = "import time, sys\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\nprint(time.process_time())"
