@@ -66,15 +66,17 @@ def job(tmp_path, *extra: str) -> GRPOJobConfig:
         "trainer.call_timeout_s=60", "ray.sync_timeout_s=30", "ray.namespace=failed-start", *extra])
 
 
-def what_is_left() -> dict[str, list]:
-    """Named actors, placement groups not removed, and the product's shm segments."""
+def what_is_left(before: "leak_guard.Snapshot") -> dict[str, list]:
+    """Named actors, placement groups not removed, and the product's shm segments made since `before`: /dev/shm
+    is the node's, and another job's segments, or those a SIGKILLed process tree left there before this test
+    (what failed CI once: a killed benchmark's), are not this start's."""
     import ray
     from ray.util import placement_group_table
 
     groups = [pg for pg in placement_group_table().values() if pg["state"] != "REMOVED"]
     return {"named actors": sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)),
             "placement groups": groups,
-            "segments": sorted(n for n in leak_guard.shm_segments() if n.startswith("rayllm_"))}
+            "segments": sorted(n for n in before.new_segments() if n.startswith("rayllm_"))}
 
 
 CASES = {
@@ -98,12 +100,13 @@ def test_a_failed_start_raises_its_own_error_and_leaves_nothing(notebook_ray, fa
     bad = tmp_path / "not-a-model"  # a directory without a model
     bad.mkdir()
     fault_file.write_text(fault)
+    before = leak_guard.Snapshot.take(leak_guard.own_start_ticks())
     try:
         with pytest.raises(error, match=message):
             train(job(tmp_path / "failed", *(o.format(bad=bad) for o in overrides)))
     finally:
         fault_file.write_text("")
-    assert what_is_left() == {"named actors": [], "placement groups": [], "segments": []}
+    assert what_is_left(before) == {"named actors": [], "placement groups": [], "segments": []}
 
 
 def test_the_next_train_after_the_failed_starts_succeeds(notebook_ray, tmp_path):
@@ -111,7 +114,8 @@ def test_the_next_train_after_the_failed_starts_succeeds(notebook_ray, tmp_path)
     succeeds shows none of them left anything in its way (run alone, it trains on a Ray nothing failed on)."""
     from rayllm_rl.orchestration.entry import train
 
+    before = leak_guard.Snapshot.take(leak_guard.own_start_ticks())
     summary = train(job(tmp_path / "next"))
     assert summary["steps"] == 1 and summary["version"] == 1
     assert summary["learner_checksums_equal_replicas"] is True
-    assert what_is_left()["named actors"] == []
+    assert what_is_left(before)["named actors"] == []
