@@ -62,13 +62,15 @@ def test_a_gguf_model_names_the_gguf_extra(without_extras):
 def test_the_extras_here_are_pyprojects_and_all_holds_every_one_but_vllm():
     """extras.EXTRAS names every optional-dependency group of pyproject.toml (dev aside), `all` holds the rest
     (vllm has a CPU build `make` installs and a CUDA one), and the core holds exactly the five packages the package
-    needs plus pyyaml."""
+    needs, pyyaml, and the packages our code imports that come with those (named all the same:
+    tests/test_declared_dependencies.py)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     groups = project["optional-dependencies"]
     assert set(groups) - {"dev", "all"} == set(extras.EXTRAS)
     everything = re.fullmatch(r"rayllm_rl\[(.*)\]", groups["all"][0]).group(1).split(",")
     assert set(everything) == set(extras.EXTRAS) - {"vllm"}
     core = {re.split(r"[\[<>=]", d)[0] for d in project["dependencies"]}
-    assert core == {"torch", "transformers", "ray", "tensordict", "datasets", "pyyaml"}
+    assert core == {"torch", "transformers", "ray", "tensordict", "datasets", "pyyaml",
+                    "numpy", "huggingface-hub", "safetensors", "tokenizers", "tqdm", "pyarrow", "pandas"}
     for extra, modules in extras.EXTRAS.items():
         assert all(importlib.util.find_spec(m) is not None for m in modules) or extra == "vllm", extra
