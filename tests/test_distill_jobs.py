@@ -138,9 +138,11 @@ def assert_learned_the_format(summary, student: str, teacher_scores: dict) -> No
     - the teacher's format: the random student writes `<answer>n</answer><|im_end|>` (any n of the training sums)
       with probability < 1e-12; after the run at least half as often as the teacher does (measured 0.58-0.62
       against the teacher's 0.83);
-    - answers spread like the training answers, compared with the question-blind baseline (the format, the answer
-      drawn from the training answers' distribution: 0.063 on these 32 sums): its chance of the right sum is at
-      least half of that baseline scaled by its own format mass (measured 1.0-1.2x).
+    - its answers are not collapsed onto sums the held-out set lacks: its chance of the right sum is at least half
+      of the question-blind baseline (the format, the answer drawn from the training answers' distribution: 0.063
+      on these 32 sums) scaled by its own format mass (measured 1.0-1.2x). A weak check, and only that: answers
+      spread evenly over 0-18 would pass it too (1/19 = 0.053 > 0.063 / 2), so it does not show that they are
+      spread like the training answers.
     It does not assert the sums: the student's chance of the right sum equals what it would score ignoring the
     question (`blind`), and stays below the best question-blind score (0.094). In longer runs the sums came at
     300-500 steps with one CPU's kernels and not by 600 with another's (docs/distillation.md)."""
