@@ -1,8 +1,10 @@
 """What a benchmark ran on, and whether anything else ran beside it.
 
 `machine_info()`: the CPU (model, the flags that pick torch's kernels, the kernels torch picked), cores and
-thread settings, memory, the package versions and the git commit (and whether the tree had edits). A result file
-that records it can be told apart from one made on another machine or another day (`same_machine`).
+thread settings, memory, the package versions, the git commit (and whether the tree had edits), and a digest of
+the code a run executes (`code_digest`: the package, the job script, the recipes and the benchmarks, edits
+included). A result file that records it can be told apart from one made on another machine or another day, or
+with other packages or other code (`same_machine`).
 
 `Contention`: samples every process's CPU time from /proc while a run goes on, and splits it into this
 benchmark's own (the processes that carry `MARK` in their environment: the benchmark sets it before it starts a
@@ -52,6 +54,23 @@ def _cpuinfo() -> dict[str, str]:
     return out
 
 
+CODE = ("rayllm_rl", "jobs", "benchmarks")
+"""What a benchmark's runs execute (the recipes live in rayllm_rl/recipes): its digest tells two runs' code apart
+even where the commit differs only in tests or docs, or the tree had edits."""
+
+
+def code_digest(root: Path = ROOT) -> str:
+    """sha256 over the paths and bytes of the .py and .yaml files under `CODE`, as they are on disk now."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for top in CODE:
+        for path in sorted((root / top).rglob("*")):
+            if path.suffix in (".py", ".yaml") and path.is_file() and "__pycache__" not in path.parts:
+                h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def _git(*args: str) -> str | None:
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         proc = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
@@ -82,6 +101,7 @@ def machine_info() -> dict:
         "mem_total": mem, "platform": platform.platform(), "python": platform.python_version(),
         "versions": {p: _version(p) for p in PACKAGES},
         "commit": _git("rev-parse", "HEAD"), "tree_edited": bool(status) if status is not None else None,
+        "code_digest": code_digest(),
     }
 
 
@@ -93,11 +113,19 @@ def machine_key(info: dict) -> tuple:
 
 def same_machine(infos: list[dict]) -> list[str]:
     """The differences that forbid putting these runs in one table (empty: none): another CPU, other kernels,
-    another core count, or runs more than a day apart."""
+    another core count, other package versions, other code (where both runs record its digest), or runs more than
+    a day apart."""
     problems = []
     keys = {machine_key(i) for i in infos}
     if len(keys) > 1:
         problems.append(f"{len(keys)} machines: " + "; ".join(map(str, sorted(keys, key=str))))
+    versions = {tuple(sorted((i.get("versions") or {}).items(), key=str)) for i in infos}
+    if len(versions) > 1:
+        differ = sorted({p for v in versions for p, _ in v if len({dict(w).get(p) for w in versions}) > 1})
+        problems.append(f"{len(versions)} sets of package versions (differing: {', '.join(differ)})")
+    digests = {i["code_digest"] for i in infos if i.get("code_digest")}
+    if len(digests) > 1:
+        problems.append(f"{len(digests)} versions of the code (code_digest {', '.join(sorted(digests))})")
     dates = sorted(datetime.datetime.fromisoformat(i["date"]) for i in infos if i.get("date"))
     if len(dates) < len(infos):
         problems.append(f"{len(infos) - len(dates)} run(s) record no date")

@@ -176,7 +176,10 @@ def main(argv=None) -> dict:
     if problems:
         raise SystemExit("vs_trl_table: these runs do not make one table:\n  " + "\n  ".join(problems))
     tab = summarize(runs)
-    result = {"files": args.files, "sides": args.sides, "tasks": args.tasks, "replaced": replaced, "table": tab}
+    code = sorted({(r["machine"].get("commit"), r["machine"].get("tree_edited"), r["machine"].get("code_digest"))
+                   for r in runs.values()}, key=str)  # what ran: commits, edited trees, code digests
+    result = {"files": args.files, "sides": args.sides, "tasks": args.tasks, "replaced": replaced,
+              "code": [dict(zip(("commit", "tree_edited", "code_digest"), c)) for c in code], "table": tab}
     print(markdown(tab))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

@@ -162,3 +162,25 @@ def test_machine_info_records_the_cpu_kernels_threads_packages_and_commit():
     assert info["versions"]["torch"] and info["versions"]["rayllm_rl"]
     assert info["commit"] is None or len(info["commit"]) == 40
     assert machine.same_machine([info, dict(info)]) == []
+    assert len(info["code_digest"]) == 16
+
+
+def test_the_table_refuses_other_packages_and_other_code(tmp_path):
+    info = {**INFO, "versions": {"torch": "2.13.0", "trl": "1.16.0"}, "code_digest": "a" * 16}
+    assert machine.same_machine([info, dict(info)]) == []
+    newer_trl = {**info, "versions": {"torch": "2.13.0", "trl": "1.17.0"}}
+    assert machine.same_machine([info, newer_trl]) == ["2 sets of package versions (differing: trl)"]
+    other_code = {**info, "code_digest": "b" * 16}
+    assert machine.same_machine([info, other_code]) == [f"2 versions of the code (code_digest {'a' * 16}, {'b' * 16})"]
+    unrecorded = {k: v for k, v in info.items() if k != "code_digest"}  # made before the digest was recorded
+    assert machine.same_machine([info, unrecorded]) == []
+    # the digest follows the bytes of the code a run executes, edits included, and nothing else
+    for top in machine.CODE:
+        (tmp_path / top).mkdir()
+    (tmp_path / "rayllm_rl" / "loss.py").write_text("x = 1\n")
+    (tmp_path / "rayllm_rl" / "notes.md").write_text("a doc\n")
+    first = machine.code_digest(tmp_path)
+    (tmp_path / "rayllm_rl" / "notes.md").write_text("another doc\n")
+    assert machine.code_digest(tmp_path) == first
+    (tmp_path / "rayllm_rl" / "loss.py").write_text("x = 2\n")
+    assert machine.code_digest(tmp_path) != first
