@@ -57,8 +57,9 @@ browser:
 
 PYTEST := $(PYW) -m pytest
 
+# --durations: the 25 slowest tests close every run's log, so a suite that grows past its 25 minutes says where
 test: $(STAMP) $(SMOLLM2) browser
-	$(PYTEST) -q tests $(PYTEST_ARGS)
+	$(PYTEST) -q tests --durations=25 $(PYTEST_ARGS)
 
 # The quick subset while developing: no vLLM engines, no Ray clusters, nothing marked slow.
 test-fast: $(STAMP) $(SMOLLM2)
