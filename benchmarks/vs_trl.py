@@ -13,17 +13,20 @@ Parts (`--side`, both by default):
         conversational prompt). A callback evaluates the held-out set every `eval_every` steps, with our
         `evaluate_greedy` on a `TransformersEngine` over TRL's in-memory model (the same rows, max new tokens and
         answer extraction as our job's evaluation), and stops training at the step count or the wall budget.
-Order: for each seed, each task's sides run back to back, and the sides' order turns by one each seed (seed 0:
-ours then TRL, seed 1: TRL then ours, ...): a drift of the machine's speed over the hours spreads over both
+Order: for each seed, each task's sides run back to back, and the sides' order turns by the seed's number (seed
+0: ours then TRL, seed 1: TRL then ours, ...; a table made in parts, --seeds 0 then --seeds 1,2, turns the same):
+a drift of the machine's speed over the hours spreads over both
 sides instead of landing on one. Every run records the machine (CPU model and flags, the kernels torch picked,
-thread counts, package versions, commit: `benchmarks/machine.py`) and the CPU seconds that other processes took
+thread counts, package versions, commit, code digest: `benchmarks/machine.py`; each run adds its own threads:
+TRL's torch threads, our job's per-actor threads) and the CPU seconds that other processes took
 while it ran (`contention`: a run above 5% of the machine is flagged `contended`, its speed not comparable).
 The result file is rewritten after every run, so an interrupted table keeps what finished.
 The clock: RL seconds run on both sides from the end of the held-out eval before RL to the last optimizer step,
 less the evaluations during RL (each side's eval seconds are measured and taken off). Our driver pauses the
-rollouts for an evaluation (the running episodes finish first, on the clock), so no batch is made off the clock;
-after it the collector starts again from nothing, a wait the clock keeps: each run records the mean wait for a
-batch on the steps that follow an evaluation and on the others.
+rollouts for an evaluation (the running episodes, the next batch, finish first, on the clock), so no batch is
+made off the clock, and each evaluation costs our clock one batch's generation that would otherwise have run
+beside training: each run records the mean wait for a batch on the steps that follow an evaluation and on the
+others.
 Per run: steps, sequences/s, held-out before/after, gain, gain per step, gain per RL wall-second, the held-out
 curve [(step, RL s, score)], each step's training reward. Per task and side: mean and min/max over seeds. Time to
 target (per task): the target is the lower of the sides' mean final scores minus that side's standard error over
@@ -31,8 +34,10 @@ its seeds; each run's time to target is the RL seconds at its first evaluation a
 `--steps` ends each run after that many optimizer steps (default: the task's, `TASKS`): on the recipe's task the
 held-out score levels off (~0.5) within ~6-10 steps, so a wall budget past that compares plateaus.
 
-Run: `.venv/bin/python benchmarks/vs_trl.py --task chain_sum,basic_arithmetic --engine transformers,vllm` (the
-full table of docs/performance.md: 3 seeds x 2 tasks x 3 sides, ~5 h on 2 cores, the machine otherwise idle).
+Run: `.venv/bin/python benchmarks/vs_trl.py --task chain_sum,basic_arithmetic --engine transformers,vllm --out
+benchmarks/results/vs_trl_backtoback.json` (the full table: 3 seeds x 2 tasks x 3 sides, ~4.5 h on 2 cores, the
+machine otherwise idle; chain_sum ~30 min a seed, basic_arithmetic ~55), then `benchmarks/vs_trl_table.py`; the
+commands that made docs/performance.md's table are there, "The table".
 Smoke: `--smoke` (tiny offline model, 1 seed, 2 steps, eval every step, 8 eval rows, 8 new tokens, 2 prompts x 2).
 The last stdout line is the JSON result, also written to `--out`.
 """
@@ -224,6 +229,9 @@ def run_ours(args, s: dict, task: str, seed: int, engine: str, tmp: str) -> dict
     if proc.returncode or not lines:
         return {"error": f"rc={proc.returncode}", "stderr_tail": proc.stderr[-3000:], "command": " ".join(cmd[1:])}
     out = json.loads(lines[-1])
+    job = json.loads((Path(out["run_dir"]) / "config.json").read_text())
+    threads = {"backend": job["trainer"]["backend"], "ray.threads_per_actor": job["ray"]["threads_per_actor"],
+               "trainer.num_threads": job["trainer"]["num_threads"]}  # the learner's and the replicas' torch threads
     loop = rl_loop(Path(out["run_dir"]) / "metrics.jsonl", out["eval_reward_before"], out["eval_reward_after"])
     res = per_run(out["steps"], loop["rl_seconds"], out["eval_reward_before"], out["eval_reward_after"],
                   s["prompts"] * s["samples"], loop["curve"])
@@ -231,7 +239,7 @@ def run_ours(args, s: dict, task: str, seed: int, engine: str, tmp: str) -> dict
             "wait_after_eval_s": loop["wait_after_eval_s"], "wait_other_s": loop["wait_other_s"],
             "job_rl_seconds": out["rl_seconds"], "wall_seconds": out["wall_seconds"],
             "process_seconds": time.perf_counter() - t0, "eval_n": out.get("eval_prompts"),
-            "command": " ".join(cmd[1:])}
+            "threads": threads, "command": " ".join(cmd[1:])}
 
 
 def rl_loop(metrics: Path, before: float, after: float) -> dict:
@@ -382,7 +390,8 @@ def child_trl(spec: dict) -> dict:
         raise RuntimeError(f"TRL's prompt token ids differ from our job's: {prompt_check}")
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     return {**per_run(steps, seconds, before, after, P * G, curve), "train_reward": rewards, "eval_seconds": evals,
-            "eval_n": len(eval_rows), "prompt_ids_checked": prompt_check}
+            "eval_n": len(eval_rows), "prompt_ids_checked": prompt_check,
+            "threads": {"torch": torch.get_num_threads(), "interop": torch.get_num_interop_threads()}}
 
 
 def run_trl(args, s: dict, task: str, seed: int, tmp: str) -> dict:
@@ -429,7 +438,8 @@ def main(argv=None) -> dict:
     resolve_model_path(args.model)  # converts a GGUF once, before either side starts its clock
     run_id = f"vs_trl-{os.getpid()}-{time.time():.0f}"
     Contention.mark_environment(run_id)  # this process and every child it starts: the benchmark's own CPU
-    result = {"settings": {t: settings(args, t) for t in args.tasks}, "tasks": args.tasks, "seeds": args.seed_list,
+    result = {"argv": sys.argv[1:] if argv is None else list(argv),
+              "settings": {t: settings(args, t) for t in args.tasks}, "tasks": args.tasks, "seeds": args.seed_list,
               "side": args.side, "engines": args.engines, "model": args.model, "smoke": args.smoke,
               "machine": machine_info(), "order": [], "runs": {}, "summary": {}}
     out = Path(args.out)

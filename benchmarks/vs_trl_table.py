@@ -15,7 +15,8 @@ evaluation of its curve at or above the target (None: never reached). A side's m
 it, and the ours / TRL ratio of time to target ("x sooner") is given only where every run of both reached it.
 
 Run (the table in docs/performance.md, "Against TRL"):
-  .venv/bin/python benchmarks/vs_trl_table.py --files benchmarks/results/vs_trl_backtoback.json
+  .venv/bin/python benchmarks/vs_trl_table.py --files benchmarks/results/vs_trl_backtoback.json \
+      benchmarks/results/vs_trl_backtoback_2.json benchmarks/results/vs_trl_backtoback_rerun.json --tasks chain_sum
 The last stdout line is the JSON (also written to `--out`); the markdown table is printed before it.
 """
 from __future__ import annotations
