@@ -119,10 +119,11 @@ def same_machine(infos: list[dict]) -> list[str]:
     keys = {machine_key(i) for i in infos}
     if len(keys) > 1:
         problems.append(f"{len(keys)} machines: " + "; ".join(map(str, sorted(keys, key=str))))
-    versions = {tuple(sorted((i.get("versions") or {}).items(), key=str)) for i in infos}
-    if len(versions) > 1:
-        differ = sorted({p for v in versions for p, _ in v if len({dict(w).get(p) for w in versions}) > 1})
-        problems.append(f"{len(versions)} sets of package versions (differing: {', '.join(differ)})")
+    versions = [i.get("versions") or {} for i in infos]
+    sets = {tuple(sorted(v.items())) for v in versions}
+    if len(sets) > 1:
+        differ = sorted({p for v in versions for p in v if len({w.get(p) for w in versions}) > 1})
+        problems.append(f"{len(sets)} sets of package versions (differing: {', '.join(differ)})")
     digests = {i["code_digest"] for i in infos if i.get("code_digest")}
     if len(digests) > 1:
         problems.append(f"{len(digests)} versions of the code (code_digest {', '.join(sorted(digests))})")

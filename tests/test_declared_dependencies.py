@@ -40,7 +40,6 @@ import sys
 import tomllib
 from pathlib import Path
 
-from packaging.markers import default_environment
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,15 +119,6 @@ def installed_distributions() -> dict[str, importlib.metadata.Distribution]:
 def providers() -> dict[str, list[str]]:
     """Top-level module -> the distributions that provide it (`yaml` -> ["PyYAML"])."""
     return importlib.metadata.packages_distributions()
-
-
-def _installed(name: str) -> str | None:
-    """The canonical name of the installed distribution `name` (or its CPU build, `CPU_BUILDS`), None if neither is."""
-    dists, name = installed_distributions(), canonical(name)
-    return next((n for n in (name, CPU_BUILDS.get(name)) if n in dists), None)
-
-
-ENVIRONMENT = default_environment()
 
 
 @functools.cache
