@@ -7,6 +7,7 @@ AsyncLLM shell whose `shutdown` raises is a stand-in, to reach the failure path 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import shutil
@@ -19,7 +20,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from rayllm_rl.inference.vllm.shutdown import engine_processes, kill_trees, stop_async_llm
+from rayllm_rl.inference.vllm.shutdown import engine_processes, kill_trees, process_trees, stop_async_llm
 
 
 def _engine_with_a_worker(ready) -> None:
@@ -92,17 +93,42 @@ def test_a_tripped_vllm_shutdown_still_kills_the_engine_and_its_worker_and_close
 
 
 @pytest.mark.timeout(60)
-def test_a_clean_vllm_shutdown_is_left_alone():
+def test_a_clean_vllm_shutdown_is_not_redone_and_nothing_outlives_the_stop():
+    """vLLM's shutdown returned (its own socket cleanup ran: ours does not run again), but the engine and its
+    worker still run: after the bounded wait they are killed, since a stop leaves no engine process."""
     proc, worker_pid = _start_engine()
     try:
         llm = TrippingAsyncLLM([proc], raise_exc=False)
-        stop_async_llm(llm)
-        assert llm.shutdowns == 1 and llm.closed == 0  # vLLM's own cleanup ran; ours did not
-        assert proc.is_alive()  # nothing killed behind vLLM's back
+        t0 = time.monotonic()
+        stop_async_llm(llm, reap_timeout_s=1.0)
+        assert time.monotonic() - t0 < 10  # the waits are bounded
+        assert llm.shutdowns == 1 and llm.closed == 0
+        proc.join(10)
+        assert proc.exitcode == -9 and _gone(worker_pid)
     finally:
-        assert sorted(kill_trees([proc.pid])) == sorted([worker_pid, proc.pid])
+        kill_trees([proc.pid])
         proc.join(30)
-    assert proc.exitcode == -9
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_whose_engine_core_died_is_killed_by_the_stop():
+    """The engine core dies first (as when a tensor-parallel worker raised): its other worker is reparented, out
+    of the tree vLLM's shutdown kills, and spins on its queue. The tree recorded at the start still names it."""
+    proc, worker_pid = _start_engine()
+    started = process_trees([proc])
+    assert sorted(p.pid for p in started) == sorted([proc.pid, worker_pid])
+    proc.kill()
+    proc.join(10)
+    assert not _gone(worker_pid) and worker_pid not in [p.pid for p in process_trees([proc])]
+    try:
+        stop_async_llm(TrippingAsyncLLM([proc], raise_exc=False), reap_timeout_s=1.0, started=started)
+        deadline = time.monotonic() + 10
+        while not _gone(worker_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(worker_pid), f"worker {worker_pid} outlived the stop"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker_pid, 9)
 
 
 def test_kill_trees_tolerates_a_process_that_is_already_gone():
@@ -121,6 +147,16 @@ def _killed_worker_leaves_its_queue(name: str, ready) -> None:
     time.sleep(300)
 
 
+def _start_queue_holder(name: str):
+    """A spawned worker stand-in that holds the segment `name`, once it has made it."""
+    ctx = mp.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    worker = ctx.Process(target=_killed_worker_leaves_its_queue, args=(name, send), daemon=True)
+    worker.start()
+    assert recv.poll(60) and recv.recv() == name, "the worker stand-in did not make its segment within 60 s"
+    return worker
+
+
 def test_segments_a_killed_worker_left_are_unlinked_and_live_ones_kept(tmp_path):
     """The sweep after an engine's stop: a segment made since the engine started whose maker was killed (so
     nobody maps it, and its resource tracker died with it) goes; one a live process maps, and one that existed
@@ -133,13 +169,9 @@ def test_segments_a_killed_worker_left_are_unlinked_and_live_ones_kept(tmp_path)
     older.close()
     before = shm_segments()
     live = shared_memory.SharedMemory(create=True, size=4096)  # made since, still mapped here
-    ctx = mp.get_context("spawn")
-    recv, send = ctx.Pipe(duplex=False)
     orphan_name = f"psm_t{os.getpid()}"
-    worker = ctx.Process(target=_killed_worker_leaves_its_queue, args=(orphan_name, send), daemon=True)
-    worker.start()
+    worker = _start_queue_holder(orphan_name)
     try:
-        assert recv.poll(60) and recv.recv() == orphan_name
         worker.kill()
         worker.join(10)
         assert os.path.exists(f"/dev/shm/{orphan_name}")  # what vLLM's killed worker leaves
@@ -150,6 +182,42 @@ def test_segments_a_killed_worker_left_are_unlinked_and_live_ones_kept(tmp_path)
         for seg in (live, older):
             seg.close()
             seg.unlink()
+
+
+class KillingAsyncLLM:
+    """vLLM's shutdown as it ends when a process outlasts its wait: SIGKILL sent (here landing 0.5 s later, as a
+    busy machine may take to end a process that maps a segment), and return without waiting for the exit."""
+
+    def __init__(self, procs):
+        self.engine_core = SimpleNamespace(resources=Resources(procs))
+        self.procs = procs
+
+    def shutdown(self):
+        import signal
+        import threading
+
+        for proc in self.procs:
+            threading.Timer(0.5, os.kill, (proc.pid, signal.SIGKILL)).start()
+
+
+@pytest.mark.timeout(120)
+def test_the_sweep_after_a_stop_removes_the_segment_of_a_worker_vllm_killed_without_waiting():
+    """stop_async_llm waits for the killed processes to exit, so the sweep that follows (VLLMEngine._stop) finds
+    the segment unmapped. Without the wait the worker still maps it for 0.5 s and the sweep keeps it."""
+    from rayllm_rl.inference.vllm.shutdown import shm_segments, unlink_orphaned_segments
+
+    before = shm_segments()
+    name = f"psm_k{os.getpid()}"
+    worker = _start_queue_holder(name)
+    try:
+        stop_async_llm(KillingAsyncLLM([worker]), reap_timeout_s=30)
+        assert unlink_orphaned_segments(before) == [name]
+        assert not os.path.exists(f"/dev/shm/{name}")
+    finally:
+        worker.kill()
+        worker.join(10)
+        if os.path.exists(f"/dev/shm/{name}"):
+            os.unlink(f"/dev/shm/{name}")
 
 
 def test_each_engine_start_gets_its_own_socket_dir_and_no_later_process_inherits_it(monkeypatch, request):

@@ -23,8 +23,10 @@ from typing import Any, Sequence
 import torch
 
 from rayllm_rl.inference.protocol import LLMRequest, LLMResponse, check_request
-from rayllm_rl.inference.vllm.job import VLLMJobSide, VLLMOptions, cpu_thread_binding, fitting_length
-from rayllm_rl.inference.vllm.shutdown import engine_ipc_dir, remove_ipc_dir, stop_async_llm, unlink_orphaned_segments
+from rayllm_rl.inference.vllm.job import (VLLMJobSide, VLLMOptions, cpu_thread_binding, fitting_length,
+                                          separate_inductor_cache)
+from rayllm_rl.inference.vllm.shutdown import (engine_ipc_dir, engine_processes, process_trees, remove_ipc_dir,
+                                               stop_async_llm, unlink_orphaned_segments)
 from rayllm_rl.inference.vllm.weights import VLLMWeights
 from rayllm_rl.lora import LoraOptions
 
@@ -77,6 +79,7 @@ class VLLMEngine:
         """vLLM's `AsyncLLM`, once `start` built it (None before and after)."""
         self._segments_before: set[str] = set()
         self._ipc_dir: str | None = None  # vLLM's zmq sockets for this engine (removed when it stops)
+        self._processes: list = []  # vLLM's engine processes and their workers (psutil), from the start on
         self.eager = True
         """No CUDA graphs or torch.compile (set when vLLM is built; always on the CPU)."""
         self._start_lock: asyncio.Lock | None = None
@@ -121,6 +124,8 @@ class VLLMEngine:
         o = self.options
         on_cpu = not torch.cuda.is_available()
         self.eager = on_cpu if o.enforce_eager is None else bool(o.enforce_eager)
+        if on_cpu:
+            separate_inductor_cache(os.environ)  # vLLM's compiled helpers, when ATEN_CPU_CAPABILITY picks the kernels
         if on_cpu and self.tensor_parallel_size > 1:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(self.tensor_parallel_size))
         args = AsyncEngineArgs(
@@ -138,6 +143,7 @@ class VLLMEngine:
         )
         with engine_ipc_dir() as self._ipc_dir:  # a failed start removes it (vLLM stops what it started)
             self.llm = AsyncLLM.from_engine_args(args)
+        self._processes = process_trees(engine_processes(self.llm))  # its workers, while they are its children
 
     async def aclose(self) -> None:
         """Stop vLLM from the loop that serves it: the output handler first, then the engine core
@@ -163,7 +169,8 @@ class VLLMEngine:
 
     def _stop(self, llm) -> None:
         """Stop `llm`'s processes, then remove what they leave: shared-memory segments and the socket directory."""
-        stop_async_llm(llm)
+        stop_async_llm(llm, started=self._processes)
+        self._processes = []
         unlink_orphaned_segments(self._segments_before)
         remove_ipc_dir(self._ipc_dir)
 

@@ -59,6 +59,26 @@ def cpu_thread_binding(workers: int) -> str:
     return "|".join(",".join(str(c) for c in g) for g in groups)
 
 
+def separate_inductor_cache(env) -> None:
+    """Give torch's inductor a cache of its own for a CPU capability chosen by `ATEN_CPU_CAPABILITY`, in `env`
+    (os.environ, read by the vLLM processes this one spawns). Inductor takes its vector width from that variable
+    (16 int32 lanes for AVX-512, 8 for AVX2), but its graph cache (torch 2.13) does not key on it: a run with
+    ATEN_CPU_CAPABILITY=avx2 on an AVX-512 machine reuses the 16-lane C++ an earlier run cached and builds it with
+    AVX2's 8-lane vectors. vLLM's vocab-parallel embedding (its torch.compile'd index mask, tensor parallel only)
+    then returns garbage token ids past the 8th and the workers die on "index out of range". A cache directory
+    per capability ("/tmp/torchinductor_<user>_avx2") keeps the two apart. A directory the user chose
+    (TORCHINDUCTOR_CACHE_DIR, other than torch's default) is kept."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    capability = env.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    if not capability:
+        return
+    default = os.path.abspath(default_cache_dir())
+    current = env.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == default:  # unset, or set by torch itself to its default
+        env["TORCHINDUCTOR_CACHE_DIR"] = f"{default}_{capability}"
+
+
 KV_BLOCK = 128
 """vLLM-CPU's KV-cache block, in tokens."""
 KV_USABLE = 0.85

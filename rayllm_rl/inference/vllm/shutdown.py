@@ -11,7 +11,8 @@ A worker vLLM had to kill (on a busy machine its exit can outlast vLLM's wait) l
 segment (`/dev/shm/psm_*`) to Python's resource tracker, which unlinks it only when the process that started
 the tracker exits: a replica actor killed by Ray takes its tracker with it, a long-lived process keeps the
 segment until it ends. `unlink_orphaned_segments` removes the ones that appeared since the engine started and
-that no live process maps any more.
+that no live process maps any more; `stop_async_llm` returns only once the killed processes have exited (vLLM
+sends SIGKILL and returns at once), so that a dying worker's mapping does not keep its segment from the sweep.
 
 vLLM names its zmq sockets `ipc://<VLLM_RPC_BASE_PATH>/<uuid>` (default: the temp dir) and never removes
 them: three per engine. `engine_ipc_dir` gives each engine's start a directory of its own for them, which
@@ -26,6 +27,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -59,12 +61,48 @@ def kill_trees(pids: list[int]) -> list[int]:
     return signalled
 
 
-def stop_async_llm(llm: Any, reap_timeout_s: float = REAP_TIMEOUT_S) -> None:
+def process_trees(procs: list[Any]) -> list[Any]:
+    """psutil handles of `procs` (multiprocessing processes) and all their descendants, as they are now."""
+    import psutil
+
+    tree = []
+    for proc in procs:
+        with contextlib.suppress(psutil.Error, ValueError):
+            top = psutil.Process(proc.pid)
+            tree += [top] + top.children(recursive=True)
+    return tree
+
+
+def wait_gone(tree: list[Any], timeout_s: float) -> list[Any]:
+    """Wait until every process of `tree` has exited (a zombie counts: it maps no memory any more), at most
+    `timeout_s`. Returns those still running then. vLLM's shutdown SIGKILLs what outlasts its wait and returns
+    at once; a segment the dying process still maps would be taken for a live one by the sweep that follows."""
+    import psutil
+
+    def running(p) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    deadline = time.monotonic() + timeout_s
+    left = [p for p in tree if running(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = [p for p in left if running(p)]
+    return left
+
+
+def stop_async_llm(llm: Any, reap_timeout_s: float = REAP_TIMEOUT_S, started: list[Any] = ()) -> None:
     """`llm.shutdown()`; if vLLM's process kill trips on a child that already exited, kill the
-    engine processes' trees here, reap them, and run the client's socket cleanup that was skipped."""
+    engine processes' trees here, reap them, and run the client's socket cleanup that was skipped.
+    Returns once the engine's processes have exited. `started`: the tree as it was when the engine started
+    (`process_trees`); a worker whose engine core died is no longer in it now (it was reparented) and vLLM's
+    shutdown does not reach it: one still running `reap_timeout_s` after the shutdown is killed here."""
     import psutil
 
     procs = engine_processes(llm)
+    tree = list({p.pid: p for p in [*started, *process_trees(procs)]}.values())  # vLLM kills without waiting
     try:
         llm.shutdown()
     except psutil.NoSuchProcess as exc:
@@ -78,6 +116,16 @@ def stop_async_llm(llm: Any, reap_timeout_s: float = REAP_TIMEOUT_S) -> None:
         resources = getattr(getattr(llm, "engine_core", None), "resources", None)
         if callable(resources):
             resources()  # its engine manager is detached already: this closes the sockets and tasks
+    left = wait_gone(tree, reap_timeout_s)
+    if left:
+        log.warning("vLLM's engine processes %s still ran %.0f s after its shutdown (a worker whose engine core "
+                    "died is out of vLLM's reach); killing them", [p.pid for p in left], reap_timeout_s)
+        for p in left:
+            with contextlib.suppress(psutil.Error):
+                p.kill()  # psutil checks that the pid is still this process
+        left = wait_gone(left, reap_timeout_s)
+        if left:
+            log.error("vLLM's engine processes %s outlived SIGKILL by %.0f s", [p.pid for p in left], reap_timeout_s)
 
 
 SEGMENT_PREFIX = "psm_"
