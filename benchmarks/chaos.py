@@ -42,7 +42,7 @@ def main(argv=None) -> dict:
 
     import ray
 
-    from rayllm_rl.orchestration.entry import train
+    from rayllm_rl.api.entry import train
 
     run_root = Path(tempfile.mkdtemp(prefix="rayllm-chaos-"))
     ray.init(address="local", _temp_dir=str(run_root / "ray"), include_dashboard=False,

@@ -59,7 +59,7 @@ def config(mode: str, args, run_root: str):
 
 
 def measure(mode: str, args, run_root: str) -> dict:
-    from rayllm_rl.orchestration.entry import train
+    from rayllm_rl.api.entry import train
 
     summary = train(config(mode, args, run_root))
     records = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]

@@ -14,9 +14,9 @@ __version__ = "0.2.0"
 """The package's version, kept here only (pyproject.toml reads it; CHANGELOG.md says what each one changed)."""
 
 _LAZY = {
-    "train": ("rayllm_rl.orchestration.entry", "train"),
+    "train": ("rayllm_rl.api.entry", "train"),
     "GRPOJobConfig": ("rayllm_rl.job.config", "GRPOJobConfig"),
-    "GRPOTrainer": ("rayllm_rl.orchestration.trainer", "GRPOTrainer"),
+    "GRPOTrainer": ("rayllm_rl.api.trainer", "GRPOTrainer"),
     "JobInputs": ("rayllm_rl.job.inputs", "JobInputs"),
     "Task": ("rayllm_rl.envs.task", "Task"),
     "load_config": ("rayllm_rl.config", "load_config"),

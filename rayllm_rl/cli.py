@@ -125,7 +125,7 @@ def job_main(argv: list[str], *, say_config_errors: bool = False) -> dict:
 
             return dry_run(make_plan(cfg, environment=False), as_json="--json" in flags)
         logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-        from rayllm_rl.orchestration.entry import prepare, run_plan
+        from rayllm_rl.api.entry import prepare, run_plan
 
         plan, inputs = prepare(cfg)  # the validation: cross-field mistakes fail here, before any actor or weights
     summary = run_plan(plan, inputs)

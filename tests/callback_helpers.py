@@ -2,7 +2,7 @@
 under pytest. Each instance the job makes is kept in `MADE`, so a test can read what it saw."""
 from __future__ import annotations
 
-from rayllm_rl.orchestration.callbacks import Callback
+from rayllm_rl.callbacks import Callback
 
 MADE: list[Callback] = []
 

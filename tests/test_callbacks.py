@@ -1,4 +1,4 @@
-"""Callbacks (orchestration/callbacks.py) on real jobs: a callback that stops the run ends it as at
+"""Callbacks (callbacks.py) on real jobs: a callback that stops the run ends it as at
 trainer.steps (checkpoint, eval, summary); one that raises is counted and the run goes on; on_evaluate sees
 every evaluation; `trainer.callbacks` by import path; a bad callback fails before anything starts. The Ray
 backend runs the same hooks on the driver: test_custom_workflow's Ray job carries a callback defined there."""
@@ -13,8 +13,8 @@ import callback_helpers
 from callback_helpers import Recorder
 from rayllm_rl.config import load_config
 from job_helpers import run_job
-from rayllm_rl.orchestration import entry
-from rayllm_rl.orchestration.callbacks import Callback
+from rayllm_rl.api import entry
+from rayllm_rl.callbacks import Callback
 from rayllm_rl.job.config import GRPOJobConfig
 from rayllm_rl.orchestration.reporting import SUMMARY_KEYS
 

@@ -56,7 +56,7 @@ def test_enum_set_in_python_is_checked_too():
     (["trainer.keep_checkpoints=-1"], "trainer.keep_checkpoints=-1: must be >= 0"),
     (["ray.env_worker_restarts=-2"], "ray.env_worker_restarts=-2"),
     (["ray.sync_bucket_mb=-1"], "ray.sync_bucket_mb=-1"),
-    (["trainer.callbacks=[rayllm_rl.orchestration.callbacks:Callback,no.such.module:Cb]"],
+    (["trainer.callbacks=[rayllm_rl.callbacks:Callback,no.such.module:Cb]"],
      r"trainer.callbacks\[1\]: cannot import 'no.such.module:Cb'"),
 ])
 def test_fields_the_chosen_workflow_does_not_read_are_errors(overrides, message):

@@ -221,7 +221,7 @@ def test_a_workflow_defined_in_the_test_reaches_the_ray_env_workers_by_value_and
     import ray
 
     from rayllm_rl import train
-    from rayllm_rl.orchestration.callbacks import Callback
+    from rayllm_rl.callbacks import Callback
     from rayllm_rl.orchestration.reporting import SUMMARY_KEYS
     from test_callbacks import as_logged, logged
 

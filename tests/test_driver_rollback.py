@@ -15,7 +15,7 @@ from rayllm_rl.data.trajectory import concat_padded, make_trajectory
 from job_helpers import run_job
 from rayllm_rl.orchestration import driver
 from rayllm_rl.orchestration.backend import ROLE_KINDS, RoleCrashed
-from rayllm_rl.orchestration.batch_prep import make_batch_pipeline
+from rayllm_rl.algorithm.batch_prep import make_batch_pipeline
 from rayllm_rl.orchestration.fault_ledger import LOST, RERUN, FaultLedger
 from rayllm_rl.job.config import GRPOJobConfig
 from rayllm_rl.orchestration.reporting import SUMMARY_KEYS
@@ -196,7 +196,7 @@ def test_a_crash_before_the_first_checkpoint_fails_the_run(tmp_path, monkeypatch
 def test_a_callbacks_stop_holds_across_a_rollback(tmp_path, monkeypatch):
     """A callback stops the run at step 2, before step 2's periodic checkpoint; the final drain finds the
     collector dead, so the run rolls back to step 0's checkpoint, trains steps 1 and 2 again and stops there."""
-    from rayllm_rl.orchestration.callbacks import Callback
+    from rayllm_rl.callbacks import Callback
 
     class StopAtTwo(Callback):
         def __init__(self):

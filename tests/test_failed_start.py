@@ -94,7 +94,7 @@ CASES = {
 
 @pytest.mark.parametrize("stage", list(CASES))
 def test_a_failed_start_raises_its_own_error_and_leaves_nothing(notebook_ray, fault_file, tmp_path, stage):
-    from rayllm_rl.orchestration.entry import train
+    from rayllm_rl.api.entry import train
 
     overrides, fault, error, message = CASES[stage]
     bad = tmp_path / "not-a-model"  # a directory without a model
@@ -112,7 +112,7 @@ def test_a_failed_start_raises_its_own_error_and_leaves_nothing(notebook_ray, fa
 def test_the_next_train_after_the_failed_starts_succeeds(notebook_ray, tmp_path):
     """After the failed starts above, in the same process and on the same Ray (a notebook's): one train that
     succeeds shows none of them left anything in its way (run alone, it trains on a Ray nothing failed on)."""
-    from rayllm_rl.orchestration.entry import train
+    from rayllm_rl.api.entry import train
 
     before = leak_guard.Snapshot.take(leak_guard.own_start_ticks())
     summary = train(job(tmp_path / "next"))

@@ -58,7 +58,7 @@ def test_no_argument_config_keeps_every_demo_value():
 def test_a_gsm8k_job_on_a_local_model_inherits_no_demo_value(model_dir):
     from rayllm_rl.orchestration.factories import build_task
     from rayllm_rl.job.describe import describe_job
-    from rayllm_rl.orchestration.sft_warmup import sft_warm_start
+    from rayllm_rl.algorithm.sft_warmup import sft_warm_start
 
     cfg = gsm8k_job(model_dir)
     for key, demo in DEMO.items():

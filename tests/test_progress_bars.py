@@ -69,7 +69,7 @@ def test_the_sft_warm_start_has_a_bar(take_err, tmp_path, tokenizer):
     from rayllm_rl.config import load_config
     from rayllm_rl.orchestration.factories import build_task
     from rayllm_rl.job.config import GRPOJobConfig
-    from rayllm_rl.orchestration.sft_warmup import sft_warm_start
+    from rayllm_rl.algorithm.sft_warmup import sft_warm_start
 
     cfg = load_config(GRPOJobConfig, ["sft.steps=3", "sft.batch_size=2", "data.eval_size=4"]).validate()
     reporter, steps = RunReporter(str(tmp_path)), []

@@ -135,7 +135,7 @@ def test_eval_size_limits_an_eval_path_too(tmp_path):
 def test_a_job_runs_the_task_in_each_workflow(workflow, tmp_path):
     """Two RL steps of the local backend on the tiny model: the rows reach the workflow, the reward components
     of reasoning-gym's scorer come back per step and in the eval."""
-    from rayllm_rl.orchestration.entry import train
+    from rayllm_rl.api.entry import train
 
     cfg = job(f"rollout.workflow={workflow}", "trainer.backend=local", "trainer.steps=2", "data.eval_size=4",
               "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=6",

@@ -1,4 +1,4 @@
-"""Results that outlive the job (orchestration/storage.py): a relative `trainer.run_dir` and `resume=` resolve
+"""Results that outlive the job (storage.py): a relative `trainer.run_dir` and `resume=` resolve
 against one storage root (trainer.storage_root, $RAYLLM_STORAGE_ROOT, ~/rayllm_results in an uploaded working
 dir, else the directory the job started from), never against Ray's temporary copy of a job's working dir."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from rayllm_rl.config import load_config
 from rayllm_rl.job.config import GRPOJobConfig
-from rayllm_rl.orchestration.storage import (JOB_DEFAULT_ROOT, RAY_JOB_CONFIG_ENV, STORAGE_ENV, in_uploaded_working_dir,
+from rayllm_rl.storage import (JOB_DEFAULT_ROOT, RAY_JOB_CONFIG_ENV, STORAGE_ENV, in_uploaded_working_dir,
                                              storage_root, with_resolved_paths)
 
 UPLOADED = "/tmp/ray/session_1/runtime_resources/working_dir_files/_ray_pkg_0123abcd"

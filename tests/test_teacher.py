@@ -15,7 +15,7 @@ from rayllm_rl.job.config import GRPOJobConfig
 from rayllm_rl.job.plan import TEACHER, make_plan
 from rayllm_rl.learner.teacher import tokenizer_mismatch
 from rayllm_rl.objectives.distill import distill_advantages, teacher_kl
-from rayllm_rl.orchestration.batch_prep import make_batch_pipeline
+from rayllm_rl.algorithm.batch_prep import make_batch_pipeline
 
 
 def rollout_batch() -> TensorDict:

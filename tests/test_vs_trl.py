@@ -160,7 +160,7 @@ def our_step(model_path, batch, loss_type: str, stale: bool, advantage=None):
     from rayllm_rl.learner.learner import Learner, OptimConfig
     from rayllm_rl.objectives import AdvantageConfig
     from rayllm_rl.job.algo_config import DrGRPOAlgo, GRPOAlgo
-    from rayllm_rl.orchestration.batch_prep import make_batch_pipeline
+    from rayllm_rl.algorithm.batch_prep import make_batch_pipeline
     from rayllm_rl.job.config import GRPOJobConfig
 
     tok, prompt_ids, completions, rewards = batch
@@ -286,7 +286,7 @@ def decoupled_step(model_path, batch, method: str, mode: str):
     from rayllm_rl.job.algo_config import PPODecoupledAlgo
     from rayllm_rl.job.config import GRPOJobConfig
     from rayllm_rl.learner.learner import Learner, OptimConfig
-    from rayllm_rl.orchestration.batch_prep import make_batch_pipeline
+    from rayllm_rl.algorithm.batch_prep import make_batch_pipeline
 
     tok, prompt_ids, completions, rewards = batch
     cfg = GRPOJobConfig(algo=PPODecoupledAlgo(clip_eps_low=EPS, clip_eps_high=EPS, behav_weight_cap=CAP,

@@ -15,7 +15,7 @@ from rayllm_rl.config import load_config
 from rayllm_rl.job.plan import make_plan
 from rayllm_rl.learner.learner import Learner, OptimConfig
 from rayllm_rl.objectives import DecoupledPPOLoss, GRPOLoss, GRPOTISLoss
-from rayllm_rl.orchestration.batch_prep import make_batch_pipeline
+from rayllm_rl.algorithm.batch_prep import make_batch_pipeline
 from rayllm_rl.job.config import GRPOJobConfig
 
 EPS = 1e-6  # AdvantageConfig.eps

@@ -2,7 +2,7 @@
 
 TopKRewardSelector (TorchRL's `torchrl.data.llm.TopKRewardSelector`): keep, of each prompt group,
 at most k completions whose reward is above the group's median (a uniform group keeps none); the
-job applies it with `rollout.keep_top_k` (the `top_k_selection` stage of `orchestration.batch_prep`,
+job applies it with `rollout.keep_top_k` (the `top_k_selection` stage of `algorithm.batch_prep`,
 before advantages). drop_uniform_groups: DAPO's
 dynamic sampling filter, dropping groups whose rewards are all equal (their group-normalised
 advantages are all 0: no signal). Both keep the surviving rows in their original order.

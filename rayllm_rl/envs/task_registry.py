@@ -72,7 +72,7 @@ def _presets(max_new_tokens: int, eval_size: int, **over: Any) -> Mapping[str, A
 
 TASKS: Mapping[str, TaskEntry] = MappingProxyType({
     # the CPU demo: a tiny model from scratch, answers of a few tokens, done in minutes; a LoRA job adapts the
-    # demo's SFT-warmed tiny model (orchestration/sft_warmup.py), so no adapter SFT on top
+    # demo's SFT-warmed tiny model (algorithm/sft_warmup.py), so no adapter SFT on top
     "arithmetic": TaskEntry(
         "rayllm_rl.envs.arithmetic:make_task",
         _presets(10, 200, **{"sft.steps": 250, "sft.lr": 1e-3, "sft.time_budget_s": 300.0,

@@ -13,12 +13,16 @@ from typing import Any
 from rayllm_rl.config import check_fields
 from rayllm_rl.envs import task_registry
 from rayllm_rl.envs.task_registry import PROMPT_TASK, task_entry
-from rayllm_rl.orchestration.callbacks import check_callback_paths
-from rayllm_rl.job.object_path import import_object
+from rayllm_rl.callbacks import check_callback_paths
+from rayllm_rl.object_path import import_object
 from rayllm_rl.job.presets import PRESET_KEYS, get_key
 
 IN_PROCESS_ENGINE = "transformers"
 """The one engine `trainer.backend=local` runs (in this process, on the CPU)."""
+
+BUILTIN_WORKFLOWS = ("auto", "rlvr", "multi_turn", "env", "openai_agent", "python_tool")
+"""The built-in values of `rollout.workflow` (`factories.build_workflow` builds each); any other value is an import
+path 'package.module:Name' of a workflow of your own, or "python:<name>" for one given to `train(workflow=...)`."""
 
 
 def check_job(cfg: Any, environment: bool = True, inputs: Any = None) -> None:
@@ -39,7 +43,7 @@ def check_job(cfg: Any, environment: bool = True, inputs: Any = None) -> None:
     cfg.trackers.check()
     check_callback_paths(cfg.trainer.callbacks)  # a callback that does not import fails here, naming the key
     cfg.reward.check(environment)
-    from rayllm_rl.orchestration.storage import check_root, storage_root
+    from rayllm_rl.storage import check_root, storage_root
 
     check_root(cfg.trainer.storage_root, "trainer.storage_root")
     if environment:  # this machine runs the job: each optional feature used has its extra installed
@@ -54,7 +58,6 @@ def check_rollout_fields(cfg: Any, inputs: Any = None) -> None:
     """`rollout.workflow` is a built-in workflow or one of the user's (`inputs.workflow`, the job's JobInputs), and a
     rollout field the chosen workflow never reads is a mistake, not a no-op: a custom workflow reads `max_turns`
     and `turn_discount` when its class or factory takes them as keywords."""
-    from rayllm_rl.job.config import BUILTIN_WORKFLOWS
 
     r, defaults = cfg.rollout, type(cfg.rollout)()
     custom = getattr(inputs, "workflow", None)

@@ -115,11 +115,6 @@ class DataConfig:
     instruction and system line, and the format reward (envs/reasoning_gym_task.py, docs/tasks.md)."""
 
 
-BUILTIN_WORKFLOWS = ("auto", "rlvr", "multi_turn", "env", "openai_agent", "python_tool")
-"""The built-in values of `rollout.workflow` (`factories.build_workflow` builds each); any other value is an import
-path 'package.module:Name' of a workflow of your own, or "python:<name>" for one given to `train(workflow=...)`."""
-
-
 @dataclasses.dataclass
 class RolloutConfig:
     """Sampling and grouping of rollouts."""

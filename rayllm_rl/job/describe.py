@@ -160,7 +160,7 @@ def data_plan(cfg: GRPOJobConfig, inputs: Any = None) -> dict[str, Any] | None:
     from rayllm_rl.data.sources import EVAL_SPLIT
     from rayllm_rl.envs.task_registry import task_entry
     from rayllm_rl.job.inputs import JobInputs
-    from rayllm_rl.job.object_path import import_object
+    from rayllm_rl.object_path import import_object
 
     entry = task_entry(cfg.task)
     inputs = inputs if inputs is not None else JobInputs.of(cfg)
@@ -427,7 +427,7 @@ def teacher_cost(plan: JobPlan) -> dict[str, Any]:
 
 def results_plan(cfg: GRPOJobConfig) -> dict[str, Any]:
     """Where the run's directory and a relative resume will be, resolved as the job resolves them here."""
-    from rayllm_rl.orchestration.storage import with_resolved_paths
+    from rayllm_rl.storage import with_resolved_paths
 
     resolved, root = with_resolved_paths(cfg)
     return {"run_dir": f"{resolved.trainer.run_dir}/<stamp>", "storage_root": str(root.path), "source": root.source,

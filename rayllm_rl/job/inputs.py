@@ -13,7 +13,7 @@ import dataclasses
 import math
 from typing import Any, Callable, Mapping, Sequence
 
-from rayllm_rl.job.object_path import import_object
+from rayllm_rl.object_path import import_object
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +127,7 @@ def _workflow(cfg: Any, given, given_kwargs: Mapping[str, Any] | None):
     import), with its keyword arguments (`workflow_kwargs=` or `rollout.workflow_kwargs`, command-line text
     converted to the parameters' types), checked against its signature (`CustomWorkflow.check`)."""
     from rayllm_rl.config import coerce
-    from rayllm_rl.job.object_path import is_import_path
+    from rayllm_rl.object_path import is_import_path
     from rayllm_rl.workflows.custom import PYTHON_WORKFLOW_PREFIX, CustomWorkflow, name_of, typed_kwargs
 
     name = cfg.rollout.workflow or "auto"

@@ -13,12 +13,14 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rayllm_rl.orchestration.batch_prep import BatchPipeline, make_batch_pipeline
-from rayllm_rl.job.config import GRPOJobConfig
+from rayllm_rl.algorithm.batch_prep import BatchPipeline, make_batch_pipeline
 from rayllm_rl.job.placement_rules import GpuLayout, gpu_layout
 from rayllm_rl.sampling_mask import SamplingMask
+
+if TYPE_CHECKING:  # the plan reads the config; `GRPOJobConfig.validate()` calls `make_plan`
+    from rayllm_rl.job.config import GRPOJobConfig
 
 BACKENDS = {"local": "rayllm_rl.orchestration.local.backend:LocalBackend",
             "ray": "rayllm_rl.orchestration.ray.backend:RayBackend"}

@@ -26,14 +26,14 @@ from rayllm_rl.learner.checkpoint import prune_checkpoints
 from rayllm_rl.learner.mismatch import mismatch_summary
 from rayllm_rl.learner.teacher import check_teacher_tokenizer
 from rayllm_rl.orchestration.backend import Backend, RoleCrashed
-from rayllm_rl.orchestration.callbacks import CallbackList, RunInfo
+from rayllm_rl.callbacks import CallbackList, RunInfo
 from rayllm_rl.orchestration.factories import build_task
 from rayllm_rl.job.config import GRPOJobConfig
 from rayllm_rl.job.inputs import JobInputs
 from rayllm_rl.job.plan import JobPlan
 from rayllm_rl.orchestration.reporting import RunReporter, hub_download_bars
-from rayllm_rl.orchestration.sft_warmup import sft_warm_start, sft_warmed_demo_model
-from rayllm_rl.orchestration.storage import with_resolved_paths
+from rayllm_rl.algorithm.sft_warmup import sft_warm_start, sft_warmed_demo_model
+from rayllm_rl.storage import with_resolved_paths
 from rayllm_rl.view.records import TraceWriter
 
 
@@ -46,7 +46,7 @@ def train(plan: JobPlan, inputs: JobInputs | None = None, *, callbacks: list | N
     """Run a whole job of its plan (`job.plan.make_plan(cfg)`, whose config it runs); returns the summary (also
     written to the run directory). `inputs`: the job's objects (`JobInputs`: reward functions, datasets, a task
     given in Python; None = what the config's paths name). `callbacks`: Callback objects
-    (orchestration/callbacks.py), run on this process before those `trainer.callbacks` names."""
+    (callbacks.py), run on this process before those `trainer.callbacks` names."""
     from transformers import AutoTokenizer
 
     if not isinstance(plan, JobPlan):

@@ -12,9 +12,10 @@ from rayllm_rl.data.selectors import uniform_group_mask
 from rayllm_rl.envs.task import Task
 from rayllm_rl.envs.task_registry import make_task
 from rayllm_rl.inference.protocol import SamplingParams
-from rayllm_rl.job.config import BUILTIN_WORKFLOWS, GRPOJobConfig
+from rayllm_rl.job.checks import BUILTIN_WORKFLOWS
+from rayllm_rl.job.config import GRPOJobConfig
 from rayllm_rl.job.inputs import JobInputs
-from rayllm_rl.job.object_path import import_object
+from rayllm_rl.object_path import import_object
 from rayllm_rl.workflows.custom import CustomWorkflow
 from rayllm_rl.workflows.rlvr import RLVRWorkflow
 

@@ -8,7 +8,6 @@ above it: the bars are cleared, the line written, the bars drawn again. Another 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import sys
@@ -353,13 +352,3 @@ class RunReporter:
         self.plot_rewards()
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.close()
-
-
-def prompts_digest(batch) -> str:
-    """Hash of the prompts a batch trains on, in group order (to check resume keeps data order)."""
-    h = hashlib.sha1()
-    for gid in sorted(set(batch["group_id"].tolist())):
-        row = batch["input_ids"][batch["group_id"] == gid][0]
-        first_gen = int(batch["loss_mask"][batch["group_id"] == gid][0].float().argmax())
-        h.update(str(row[:first_gen].tolist()).encode())
-    return h.hexdigest()[:16]

@@ -38,13 +38,13 @@ class GRPOTrainer:
         self.reward_funcs, self.reward_weights = reward_funcs, reward_weights
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.callbacks = callbacks
-        """Callback objects (orchestration/callbacks.py), as TRL's `callbacks`."""
+        """Callback objects (callbacks.py), as TRL's `callbacks`."""
         self.workflow, self.workflow_kwargs = workflow, workflow_kwargs
         """A rollout workflow of your own (`train(workflow=...)`, docs/extending.md) and its keyword arguments."""
 
     def train(self) -> dict:
         """Run the job (`rayllm_rl.train`); returns its summary."""
-        from rayllm_rl.orchestration.entry import train
+        from rayllm_rl.api.entry import train
 
         return train(self.config, callbacks=self.callbacks, reward_fn=self.reward_funcs,
                      reward_weights=self.reward_weights, train_dataset=self.train_dataset,

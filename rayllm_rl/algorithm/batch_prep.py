@@ -10,6 +10,7 @@ Every stage has one signature, `stage(batch [N, ...], version) -> batch [N', ...
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any
 
 import torch
@@ -175,7 +176,6 @@ def reward_component_means(batch) -> dict[str, float]:
 
 def step_metadata(batch, version: int) -> dict:
     """What the driver logs of a training batch trained from `version`: plain numbers and lists."""
-    from rayllm_rl.orchestration.reporting import prompts_digest
     from rayllm_rl.rollout.replay_buffer import batch_staleness_stats
 
     lag = batch_staleness_stats(batch, version)
@@ -215,3 +215,13 @@ def quantiles(values: torch.Tensor, qs: tuple[float, ...]) -> list[float]:
         hi = min(lo + 1, n - 1)
         out.append(float(v[lo] + (pos - lo) * (v[hi] - v[lo])))
     return out
+
+
+def prompts_digest(batch) -> str:
+    """Hash of the prompts a batch trains on, in group order (to check resume keeps data order)."""
+    h = hashlib.sha1()
+    for gid in sorted(set(batch["group_id"].tolist())):
+        row = batch["input_ids"][batch["group_id"] == gid][0]
+        first_gen = int(batch["loss_mask"][batch["group_id"] == gid][0].float().argmax())
+        h.update(str(row[:first_gen].tolist()).encode())
+    return h.hexdigest()[:16]

@@ -14,7 +14,7 @@ import sys
 import traceback
 from typing import Any, Iterable
 
-from rayllm_rl.job.object_path import import_object
+from rayllm_rl.object_path import import_object
 
 HOOKS = ("on_train_begin", "on_step_end", "on_evaluate", "on_train_end")
 
@@ -161,7 +161,7 @@ def _make(obj: Any, key: str) -> Any:
             raise ValueError(f"{key}: calling {obj!r} with no arguments failed: {type(exc).__name__}: {exc}") from exc
     if not any(callable(getattr(obj, hook, None)) for hook in HOOKS):
         raise TypeError(f"{key}={obj!r} has none of the hooks {', '.join(HOOKS)}; subclass "
-                        "rayllm_rl.orchestration.callbacks.Callback")
+                        "rayllm_rl.callbacks.Callback")
     return obj
 
 

@@ -25,7 +25,7 @@ def train(config: GRPOJobConfig | None = None, overrides: list[str] | None = Non
     backend a local Ray started here is shut down at the end; a Ray the caller had already
     initialised (or `ray.address`) is left running. The HF libraries' progress bars are off during the
     run (the job's console holds one bar) and put back as they were. `callbacks`: Callback objects
-    (orchestration/callbacks.py) called on this process after each step and evaluation, before those
+    (callbacks.py) called on this process after each step and evaluation, before those
     `trainer.callbacks` names; one that raises is counted in the summary's `callback_errors`.
 
     Objects instead of import paths (`JobInputs`), each reaching the Ray env workers by value (a function

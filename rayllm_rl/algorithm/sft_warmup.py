@@ -21,10 +21,12 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from rayllm_rl.envs.task import Task
-from rayllm_rl.job.config import GRPOJobConfig
+
+if TYPE_CHECKING:  # the job's config is read, never built, here
+    from rayllm_rl.job.config import GRPOJobConfig
 
 
 def sft_chats(task: Task, rows: list[dict]) -> list[list[dict]]:
