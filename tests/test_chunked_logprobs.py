@@ -188,7 +188,7 @@ def _td(ids, am, loss):
 
 
 def test_compute_logprobs_and_reference_batch_by_tokens_in_the_original_row_order(tiny_model_path):
-    from rayllm_rl.learner.reference import ReferenceModel
+    from rayllm_rl.learner.frozen import FrozenModel
 
     g = torch.Generator().manual_seed(3)
     lengths = torch.tensor([5, 17, 9, 30, 2, 12, 30, 8])
@@ -201,7 +201,7 @@ def test_compute_logprobs_and_reference_batch_by_tokens_in_the_original_row_orde
         got = Learner(tiny_model_path, OptimConfig(max_tokens_per_micro_batch=budget, logprob_chunk_size=chunk)) \
             .compute_logprobs(td)
         torch.testing.assert_close(got * am, want * am, atol=2e-5, rtol=0)
-        ref = ReferenceModel(tiny_model_path, max_tokens_per_micro_batch=budget, logprob_chunk_size=chunk)
+        ref = FrozenModel(tiny_model_path, max_tokens_per_micro_batch=budget, logprob_chunk_size=chunk)
         torch.testing.assert_close(ref.compute_logprobs(td) * am, want * am, atol=2e-5, rtol=0)
     assert (want[:, 1:][am[:, 1:]] < 0).all()  # every real token has a computed logprob
 

@@ -15,7 +15,7 @@ from rayllm_rl.data.trajectory import concat_padded, make_trajectory
 from job_helpers import run_job
 from rayllm_rl.orchestration import driver
 from rayllm_rl.orchestration.backend import ROLE_KINDS, RoleCrashed
-from rayllm_rl.algorithm.batch_prep import make_batch_pipeline
+from rayllm_rl.algorithm.batch_prep import make_batch_pipeline, step_metadata
 from rayllm_rl.orchestration.fault_ledger import LOST, RERUN, FaultLedger
 from rayllm_rl.job.config import GRPOJobConfig
 from rayllm_rl.orchestration.reporting import SUMMARY_KEYS
@@ -27,8 +27,8 @@ class ScriptedBackend:
     """`Backend` in memory. `crashes` maps (method, n) to the roles whose death the n-th call (1-based) of
     `method` reports; `faults` maps a `next_batch` call number to collector fault events seen then."""
 
-    def __init__(self, cfg, tokenizer, crashes: dict[tuple[str, int], list[str]], faults: dict[int, list] | None = None):
-        self.cfg, self.reference = cfg, False
+    def __init__(self, plan, tokenizer, crashes: dict[tuple[str, int], list[str]], faults: dict[int, list] | None = None):
+        self.plan, self.cfg, self.frozen = plan, plan.config, ()
         self.tokenizer = tokenizer
         self.crashes, self.fault_script = crashes, faults or {}
         self.calls: dict[str, list] = {}
@@ -70,13 +70,14 @@ class ScriptedBackend:
             episodes += [make_trajectory([5, 6 + gid % 7, 9, 10], [0.0, 0.0, -1.0, -1.0], [0, 0, 1, 1],
                                          [-1, -1, version, version], reward=float(r), group_id=gid) for r in range(G)]
         batch = concat_padded(episodes)
-        ref = torch.zeros(batch["input_ids"].shape) if self.reference else None
-        batch, meta = make_batch_pipeline(self.cfg, self.reference).prepare(batch, version, ref)
+        scored = {"ref_logprobs": torch.zeros(batch["input_ids"].shape)} if "reference" in self.frozen else {}
+        batch = make_batch_pipeline(self.cfg, self.frozen)(batch, version, scored)
+        meta = step_metadata(batch, version)
         return batch, {**meta, "buffer_depth": 0}
 
-    def start_reference(self, checkpoint):
-        self._call("start_reference", checkpoint)
-        self.reference = True
+    def start_frozen(self, checkpoint):
+        self._call("start_frozen", checkpoint)
+        self.frozen = self.plan.frozen_names()
 
     def driver_bytes(self):
         return None
@@ -126,7 +127,7 @@ def run(tmp_path, monkeypatch, crashes, *overrides, faults=None, callbacks=None)
     made = []
     monkeypatch.setattr(driver, "open_backend",
                         lambda plan, model_path, task, tokenizer, workflow=None:
-                        made.append(ScriptedBackend(plan.config, tokenizer, crashes, faults)) or made[0])
+                        made.append(ScriptedBackend(plan, tokenizer, crashes, faults)) or made[0])
     try:
         out = run_job(cfg.validate(), callbacks=callbacks)
     except RoleCrashed as exc:

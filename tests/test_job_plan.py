@@ -100,11 +100,12 @@ def test_one_loss_decides_the_reference_and_the_buffer_holds_two_batches_per_ver
     cfg = load_config(GRPOJobConfig, ["algo.kl_coef=0.05", "rollout.max_staleness=2",
                                       "rollout.prompts_per_step=4"]).validate(environment=False)
     plan = make_plan(cfg)
-    assert plan.needs_reference and plan.loss.needs_ref_logp
+    assert plan.frozen_names() == ("reference",) and plan.loss.needs_ref_logp
+    assert plan.frozen[0].saved and plan.frozen[0].restarts == 0  # from the policy: in every checkpoint
     assert plan.buffer_capacity == 2 * (2 + 1) * 4
     assert plan.actor("reference").threads == cfg.ray.threads_per_actor
     lora = make_plan(load_config(GRPOJobConfig, ["algo.kl_coef=0.05", "model.lora.rank=8"]).validate(environment=False))
-    assert not lora.needs_reference and "reference" not in [a.name for a in lora.actors]
+    assert lora.frozen == () and "reference" not in [a.name for a in lora.actors]
     with pytest.raises(KeyError, match="no actor 'reference'"):
         lora.actor("reference")
 
@@ -133,7 +134,7 @@ def test_the_backend_is_chosen_by_the_plan():
 def test_the_batch_pipeline_has_the_stages_the_config_asks_for(argv, stages):
     plan = make_plan(load_config(GRPOJobConfig, argv).validate(environment=False))
     assert plan.batch_pipeline.names == stages == plan_decisions(plan)["batch_stages"]
-    assert ("reference_kl" in stages) == plan.needs_reference
+    assert ("reference_kl" in stages) == ("reference" in plan.frozen_names())
 
 
 def test_the_learner_threads_come_from_the_backend_that_runs_the_learner():

@@ -73,9 +73,9 @@ def test_config_defaults_unchanged_and_lora_presets():
     assert mine.optim.lr == 2e-4 and mine.sft.lr == 1e-4  # the user's value wins; gsm8k's LoRA preset
     kl = GRPOJobConfig()
     kl.algo.kl_coef = 0.1
-    assert make_plan(kl.validate(environment=False)).needs_reference
+    assert make_plan(kl.validate(environment=False)).frozen_names() == ("reference",)
     kl.model.lora.rank = 8
-    assert not make_plan(kl.validate(environment=False)).needs_reference  # the learner's adapter-off model serves it
+    assert make_plan(kl.validate(environment=False)).frozen == ()  # the learner's adapter-off model serves it
 
 
 @pytest.mark.parametrize("overrides, match", [
@@ -134,11 +134,11 @@ def test_learner_trains_and_syncs_only_the_adapter(tiny_model_path, batch):
 
 
 def test_reference_is_the_base_model_with_the_adapter_off(tiny_model_path, batch):
-    from rayllm_rl.learner.reference import ReferenceModel
+    from rayllm_rl.learner.frozen import FrozenModel
 
     learner = trained_learner(tiny_model_path, batch)
     ref = learner.reference_logprobs(batch)
-    base = ReferenceModel(tiny_model_path).compute_logprobs(batch)
+    base = FrozenModel(tiny_model_path).compute_logprobs(batch)
     mask = batch["loss_mask"].bool()
     assert float((ref - base)[mask].abs().max()) <= 1e-5
     policy = learner.compute_logprobs(batch)
@@ -345,7 +345,7 @@ def test_fsdp_two_ranks_train_the_same_adapter(tiny_model_path, batch, tmp_path)
     """W=2 over gloo (FSDP2 with frozen base weights in the same groups): the adapter equals W=1's after two
     steps, the reference (adapter off) is the base model, and a W=2 checkpoint is the same PEFT adapter."""
     from rayllm_rl.learner.distributed import launch_local
-    from rayllm_rl.learner.reference import ReferenceModel
+    from rayllm_rl.learner.frozen import FrozenModel
 
     res = launch_local(_fsdp_rank, 2, tiny_model_path, batch, str(tmp_path / "ck2"), timeout_s=240)
     single = trained_learner(tiny_model_path, batch, steps=2, lr=1e-3)
@@ -355,7 +355,7 @@ def test_fsdp_two_ranks_train_the_same_adapter(tiny_model_path, batch, tmp_path)
         assert list(got) == list(want)
         assert max(float((got[n] - want[n]).abs().max()) for n in want) <= 1e-5
     mask = batch["loss_mask"].bool()
-    base = ReferenceModel(tiny_model_path).compute_logprobs(batch)
+    base = FrozenModel(tiny_model_path).compute_logprobs(batch)
     assert float((res[0]["ref"] - base)[mask].abs().max()) <= 1e-5
     from rayllm_rl.lora import read_adapter
 

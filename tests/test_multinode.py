@@ -262,7 +262,7 @@ def test_no_node_with_the_labels_fails_in_time_naming_the_key(nodes):
     assert placement.replica_options == [{"num_cpus": 0, "label_selector": INFERENCE}]
     assert placement.learner_options == [{"num_cpus": 0, "label_selector": LEARNER}]
     assert placement.env_worker_options == {"label_selector": INFERENCE}
-    assert placement.reference_options == {"label_selector": LEARNER}
+    assert placement.frozen_options == {"label_selector": LEARNER}
 
 
 # ------------------------------------------------------------------ the jobs

@@ -28,10 +28,10 @@ pytestmark = [pytest.mark.ray]
 
 
 def _reserve(num_replicas, num_learners, gpus_per_replica, gpus_per_learner, tensor_parallel_size, timeout_s, *,
-             replica_labels=None, learner_labels=None, env_worker_labels=None, colocated=False, reference=False):
+             replica_labels=None, learner_labels=None, env_worker_labels=None, colocated=False, frozen=0):
     """The job's two steps: decide the layout (checks the settings), then reserve it."""
     layout = gpu_layout(num_replicas, num_learners, gpus_per_replica, gpus_per_learner, tensor_parallel_size,
-                        timeout_s, colocated=colocated, reference=reference)
+                        timeout_s, colocated=colocated, frozen=frozen)
     return plan_placement(layout, timeout_s, replica_labels=replica_labels, learner_labels=learner_labels,
                           env_worker_labels=env_worker_labels)
 
@@ -122,13 +122,13 @@ def test_the_reference_takes_a_share_of_learner_rank_0s_gpu(gpu_ray, colocated):
     """With a reference model and one-GPU learner ranks, the reference goes into learner rank 0's bundle with
     0.1 of its GPU (taken from the learner's share): Ray gives it learner rank 0's device."""
     placement = _reserve(1, 1, gpus_per_replica=1, gpus_per_learner=1, tensor_parallel_size=1, timeout_s=30,
-                               colocated=colocated, reference=True)
+                               colocated=colocated, frozen=1)
     try:
         assert placement.learner_options[0]["num_gpus"] == pytest.approx(0.4 if colocated else 0.9)
-        assert placement.reference_options["num_gpus"] == 0.1
+        assert placement.frozen_options["num_gpus"] == 0.1
         probe = _probe_class()
         learner = probe.options(**placement.learner_options[0]).remote()
-        reference = probe.options(**placement.reference_options).remote()
+        reference = probe.options(**placement.frozen_options).remote()
         rep = probe.options(**placement.replica_options[0]).remote()
         lrn, ref, rpl = ray.get([learner.devices.remote(), reference.devices.remote(), rep.devices.remote()], timeout=60)
         assert ref["gpu_ids"] == lrn["gpu_ids"] and ref["cuda_visible_devices"] == lrn["cuda_visible_devices"]

@@ -121,7 +121,7 @@ class TestSync:
         assert cluster.replicas.checksums() == [learner_sum, learner_sum]
         assert [held[-1] for held in cluster.replicas.versions_held()] == [version, version]
         assert stats["sync_bytes"] > 0 and stats["stall_s"] < stats["sync_s"] + stats["receive_s"]
-        named = cluster.get(cluster.learners[0].reference_weights.remote())
+        named = cluster.get(cluster.learners[0].policy_weights.remote())
         assert sum(t.numel() for t in named.values()) * 4 <= stats["sync_bytes"]
         assert isinstance(named[next(iter(named))], torch.Tensor)
 
@@ -177,7 +177,7 @@ def check_versions_and_staleness(summary: dict, eta: int, steps: int) -> None:
 
 def test_the_reference_is_the_learners_policy_built_without_the_driver_and_kl_is_computed_by_the_buffer(
         local_ray, tmp_path):
-    """start_reference hands learner rank 0's weights to the reference actor by reference; the buffer's
+    """start_frozen hands learner rank 0's weights to the reference actor by reference; the buffer's
     actor asks it for the logprobs and computes KL and advantages where the batch is."""
     from transformers import AutoTokenizer
 
@@ -190,9 +190,9 @@ def test_the_reference_is_the_learners_policy_built_without_the_driver_and_kl_is
     backend = RayBackend(make_plan(cfg.validate()), model_path, build_task(cfg), AutoTokenizer.from_pretrained(model_path))
     try:
         nbytes = sum(t.numel() * t.element_size() for t in ray.get(
-            backend.cluster.learners[0].reference_weights.remote(), timeout=60).values())
+            backend.cluster.learners[0].policy_weights.remote(), timeout=60).values())
         assert backend.driver_bytes() == 0
-        backend.start_reference(None)
+        backend.start_frozen(None)
         assert backend.driver_bytes() == 0 < nbytes  # before: every learner rank's full weights came here
         backend.sync_weights(0)
         backend.start_collector()
@@ -201,10 +201,10 @@ def test_the_reference_is_the_learners_policy_built_without_the_driver_and_kl_is
         assert isinstance(ref, ray.ObjectRef) and fetched < min(16_384, meta["batch_bytes"])
         batch = ray.get(ref, timeout=60)  # the test looks inside; the driver's loop never does
         assert batch.bytes() == meta["batch_bytes"] and sorted(set(batch["group_id"].tolist())) == meta["episode_ids"]
-        from rayllm_rl.learner.reference import ReferenceModel  # the policy's full forward, in this process
+        from rayllm_rl.learner.frozen import FrozenModel  # the policy's full forward, in this process
 
-        policy = ReferenceModel(model_path, temperature=cfg.rollout.temperature, named_tensors=ray.get(
-            backend.cluster.learners[0].reference_weights.remote(), timeout=60)).compute_logprobs(batch)
+        policy = FrozenModel(model_path, temperature=cfg.rollout.temperature, named_tensors=ray.get(
+            backend.cluster.learners[0].policy_weights.remote(), timeout=60)).compute_logprobs(batch)
         mask = batch["loss_mask"].bool()
         assert mask.any() and "advantages" in batch.keys() and "kl" in batch.keys()
         torch.testing.assert_close(batch["ref_logprobs"][mask], policy[mask].to(batch["ref_logprobs"].dtype),
@@ -367,3 +367,47 @@ def test_the_dashboard_showed_the_running_jobs_actors_and_the_job_through_the_to
     print(f"dashboard: the job's actors were up at {seen['actors_up_s']:.1f}s; the browser saw them ALIVE at "
           f"{seen['actors_s']:.1f}s and the job RUNNING at {seen['jobs_s']:.1f}s; "
           f"screenshots in {learning_run.shots}")
+
+
+@pytest.mark.ray
+def test_the_buffers_actor_scores_with_a_frozen_actor_a_test_added(local_ray, tiny_model_path):
+    """tests/test_frozen_models.py's second teacher on Ray, without a whole job: a `FrozenActor` named after it, and
+    the replay buffer's actor running `prepare_batch` with it: the KL it reports is the one the same spec's model
+    gives here, in this process, on the same batch."""
+    import sys
+
+    import test_frozen_models as added
+    from rayllm_rl.algorithm.batch_prep import BatchPipeline, make_batch_pipeline
+    from rayllm_rl.api.entry import prepare
+    from rayllm_rl.config import load_config
+    from rayllm_rl.data.trajectory import concat_padded, make_trajectory
+    from rayllm_rl.orchestration.ray.actors import FrozenActor
+    from rayllm_rl.orchestration.ray.rollout_actors import ReplayBufferActor
+
+    cfg = load_config(GRPOJobConfig, [f"teacher.path={tiny_model_path}", "trainer.backend=ray", *added.SMALL])
+    plan = added.with_second_teacher(prepare(cfg)[0])
+    spec = plan.frozen[1]
+    # the stage goes to the buffer's actor by value (this test module is not importable there), as a user's would
+    # from a script
+    ray.cloudpickle.register_pickle_by_value(sys.modules[added.__name__])
+    ns = "rayllm_frozen_test"
+    teacher2 = FrozenActor.options(name="teacher2", namespace=ns).remote(spec)
+    stages = BatchPipeline(make_batch_pipeline(plan.config).stages + (added.SecondTeacherKL(),))  # the second alone
+    buffer = ReplayBufferActor.options(namespace=ns).remote(plan.buffer_spec(), stages)
+    try:
+        for gid in range(2):  # two episodes of two rows each, sampled by version 0
+            rows = [make_trajectory([5, 6 + gid, 9 + r, 10, 11], [0.0, 0.0, -1.5, -0.5, -2.0], [0, 0, 1, 1, 1],
+                                    [-1, -1, 0, 0, 0], reward=float(r), group_id=gid) for r in range(2)]
+            ray.get(buffer.put.remote(concat_padded(rows), 30, gid), timeout=60)
+        ref, meta = buffer.take_batch.remote(2, 0, 60, {"teacher2": teacher2})
+        meta, batch = ray.get(meta, timeout=120), ray.get(ref, timeout=60)
+        assert ray.get(ray.get_actor("teacher2", namespace=ns).pid.remote(), timeout=30) > 0
+    finally:
+        for actor in (teacher2, buffer):
+            ray.kill(actor, no_restart=True)
+    mask = batch["loss_mask"].float()
+    here = spec.build().compute_logprobs(batch)  # the same spec's model, in this process
+    want = float(((batch["logprobs"].float() - here) * mask).sum() / mask.sum())
+    assert meta["teacher2_s"] > 0 and meta["teacher2_rescored"] == 0 and want != 0
+    assert meta["teacher2_kl"] == pytest.approx(want, rel=added.SUM_ORDER_TOL)
+    assert torch.equal(batch["teacher2_kl"], torch.full((4,), batch["teacher2_kl"][0]))

@@ -67,7 +67,7 @@ class TestVLLMSync:
         from rayllm_rl.data.sft import make_sft_batch
         from rayllm_rl.data.trajectory import concat_padded, make_trajectory
         from rayllm_rl.inference.protocol import LLMRequest, SamplingParams
-        from rayllm_rl.learner.reference import ReferenceModel  # a full forward of the learner's weights, here
+        from rayllm_rl.learner.frozen import FrozenModel  # a full forward of the learner's weights, here
         from rayllm_rl.objectives import SFTLoss
         from rayllm_rl.orchestration.ray.cluster import rejoin_sync_group
 
@@ -100,8 +100,8 @@ class TestVLLMSync:
             trajs.append(make_trajectory(r.input_tokens + r.output_tokens, [0.0] * n_in + r.output_logprobs,
                                          [0] * n_in + [1] * r.output_len, [-1] * n_in + r.output_versions, 0.0))
         batch = concat_padded(trajs)
-        learner = ReferenceModel(path, temperature=cfg.rollout.temperature,
-                                 named_tensors=cluster.get(cluster.learners[0].reference_weights.remote()))
+        learner = FrozenModel(path, temperature=cfg.rollout.temperature,
+                                 named_tensors=cluster.get(cluster.learners[0].policy_weights.remote()))
         learner_lp = learner.compute_logprobs(batch)
         mask = batch["loss_mask"]
         diff = (learner_lp[mask] - batch["logprobs"][mask]).abs().max().item()

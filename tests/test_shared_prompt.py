@@ -180,13 +180,13 @@ def test_a_frozen_scorer_gives_the_padded_logprobs_at_the_sampled_tokens(budget)
 
 
 def test_the_teacher_shares_prompts_where_the_model_allows_and_scores_as_the_padded_path(tiny_model_path):
-    """A `ReferenceModel` built with share_prompts (the teacher) takes the packed path and agrees with the padded
+    """A `FrozenModel` built with share_prompts (the teacher) takes the packed path and agrees with the padded
     one on the sampled tokens within float32 rounding (sums over hidden 128, logits of a few units: 1e-4)."""
-    from rayllm_rl.learner.reference import ReferenceModel
+    from rayllm_rl.learner.frozen import FrozenModel
 
     td = grpo_batch(vocab=300)
-    padded = ReferenceModel(tiny_model_path, share_prompts=False)
-    packed = ReferenceModel(tiny_model_path, share_prompts=True)
+    padded = FrozenModel(tiny_model_path, share_prompts=False)
+    packed = FrozenModel(tiny_model_path, share_prompts=True)
     assert packed.share_prompts and not padded.share_prompts
     pos = td["loss_mask"] != 0
     want, got = padded.compute_logprobs(td), packed.compute_logprobs(td)

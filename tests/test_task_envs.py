@@ -17,7 +17,7 @@ from rayllm_rl.envs.chat_transforms import AddThinkingPrompt, TemplateTransform
 from rayllm_rl.envs.dataset_envs import DatasetChatEnv
 from rayllm_rl.inference.protocol import SamplingParams
 from rayllm_rl.learner.learner import Learner, OptimConfig
-from rayllm_rl.learner.reference import ReferenceModel
+from rayllm_rl.learner.frozen import FrozenModel
 from rayllm_rl.objectives.kl_reward import KLRewardTransform, RetrieveKL
 from rayllm_rl.workflows.chat_env_workflow import ChatEnvWorkflow
 from rayllm_rl.workflows.rewards import RewardCaller
@@ -221,7 +221,7 @@ def test_reference_model_and_kl_reward(tiny_model_path, engine, tokenizer):
     batch, _ = asyncio.run(collect_batch(engine, wf, PromptLoader(datasets.Dataset.from_list(rows)), 2))
     assert "reward_right" in batch.keys() and "length" in batch.keys()
     learner = Learner(tiny_model_path, OptimConfig(lr=1e-2))
-    ref = ReferenceModel(tiny_model_path, named_tensors=learner.named_tensors())
+    ref = FrozenModel(tiny_model_path, named_tensors=learner.named_tensors())
     mask = batch["loss_mask"]
     # same weights as the engine: reference logprobs equal the behaviour logprobs, KL = 0
     RetrieveKL(ref.compute_logprobs)(batch)

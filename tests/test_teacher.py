@@ -3,6 +3,7 @@ actor (placed like the reference, restartable), and a teacher whose tokenizer is
 any actor starts, naming both."""
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 
@@ -13,9 +14,9 @@ from tensordict import TensorDict
 from rayllm_rl.config import load_config
 from rayllm_rl.job.config import GRPOJobConfig
 from rayllm_rl.job.plan import TEACHER, make_plan
-from rayllm_rl.learner.teacher import tokenizer_mismatch
+from rayllm_rl.learner.frozen import tokenizer_mismatch
 from rayllm_rl.objectives.distill import distill_advantages, teacher_kl
-from rayllm_rl.algorithm.batch_prep import make_batch_pipeline
+from rayllm_rl.algorithm.batch_prep import make_batch_pipeline, prepare_batch
 
 
 def rollout_batch() -> TensorDict:
@@ -35,11 +36,18 @@ TEACHER_LOGP = torch.tensor([[0.0, -0.4, -1.5, -0.2], [0.0, -0.5, -0.3, 0.0], [0
 @pytest.mark.parametrize("task_coef", [0.0, 0.5])
 def test_the_teacher_stage_makes_per_token_advantages_and_reports_the_kl(task_coef):
     cfg = load_config(GRPOJobConfig, ["teacher.path=some/teacher", "teacher.coef=2", f"teacher.task_coef={task_coef}"])
-    pipeline = make_batch_pipeline(cfg, reference=False, teacher=True)
+    pipeline = make_batch_pipeline(cfg, ["teacher"])
     assert pipeline.names == ["advantages", "teacher_kl", "prox_version"]
     batch = rollout_batch()
-    group_adv = make_batch_pipeline(load_config(GRPOJobConfig, []), False)(rollout_batch(), 3)["advantages"]
-    out, meta = pipeline.prepare(batch, 3, teacher_logprobs=TEACHER_LOGP)
+    group_adv = make_batch_pipeline(load_config(GRPOJobConfig, []))(rollout_batch(), 3)["advantages"]
+    asked = []
+
+    async def score(name, td):
+        asked.append(name)
+        return TEACHER_LOGP, 0
+
+    out, meta = asyncio.run(prepare_batch(pipeline, batch, 3, score))
+    assert asked == ["teacher"] and meta["teacher_rescored"] == 0 and meta["teacher_s"] >= 0
     mask = batch["loss_mask"]
     kl = torch.where(mask, batch["logprobs"] - TEACHER_LOGP, 0.0)
     # by hand: row 0 (-0.1, 0.5, 0), row 1 (-1.5, 0.2), row 2 (1.0), row 3 (-0.5, 0, 2.0)
@@ -60,7 +68,7 @@ def test_the_teacher_stage_makes_per_token_advantages_and_reports_the_kl(task_co
 def test_a_batch_without_the_teachers_logprobs_is_refused():
     cfg = load_config(GRPOJobConfig, ["teacher.path=some/teacher"])
     with pytest.raises(ValueError, match="without the teacher's logprobs"):
-        make_batch_pipeline(cfg, reference=False, teacher=True)(rollout_batch(), 0)
+        make_batch_pipeline(cfg, ["teacher"])(rollout_batch(), 0)
 
 
 def test_teacher_settings_that_cannot_train_fail_naming_the_keys():
@@ -76,7 +84,7 @@ def test_the_plan_places_the_teacher_like_the_reference_and_lets_ray_restart_it(
 
     gpus = ["ray.gpus_per_learner=1", "ray.gpus_per_replica=1", "ray.teacher_restarts=2", "teacher.path=org/teacher"]
     plan = make_plan(load_config(GRPOJobConfig, gpus + ["algo.kl_coef=0.01"]), environment=False)
-    assert plan.needs_teacher and plan.needs_reference
+    assert plan.frozen_names() == ("reference", TEACHER)
     teacher, ref, learner = plan.actor(TEACHER), plan.actor("reference"), plan.actor("learner-0")
     # a tenth of learner-0's GPU each: the three ask exactly the bundle's one GPU
     assert (teacher.num_gpus, ref.num_gpus, learner.num_gpus) == (0.1, 0.1, pytest.approx(0.8))
@@ -90,7 +98,7 @@ def test_the_plan_places_the_teacher_like_the_reference_and_lets_ray_restart_it(
                       environment=False)
     assert local.actors == () and plan_decisions(local)["teacher"]["placement"] == "CPU, in this process"
     off = make_plan(load_config(GRPOJobConfig, []), environment=False)
-    assert not off.needs_teacher and "teacher" not in plan_decisions(off) and TEACHER not in [a.name for a in off.actors]
+    assert off.frozen_names() == () and "teacher" not in plan_decisions(off) and TEACHER not in [a.name for a in off.actors]
     described = dry_run(local, as_json=False)  # the text a user reads
     text = capsys.readouterr().out
     assert (f"distillation teacher: {tiny_model_path} (CPU, in this process); advantage = 0 x task - 1 x "

@@ -179,7 +179,7 @@ def our_step(model_path, batch, loss_type: str, stale: bool, advantage=None):
                                     [-1] * len(p) + [0] * len(c), rewards[i], group_id=i // G))
     td = concat_padded(rows)
     td["logprobs"] = learner.compute_logprobs(td) * td["loss_mask"]  # the behaviour policy: the weights now
-    td = make_batch_pipeline(cfg, reference=False)(td, version=0)
+    td = make_batch_pipeline(cfg)(td, version=0)
     if stale:
         perturb(learner.model)
     metrics = learner.train_step(td, loss_fn)
@@ -305,7 +305,7 @@ def decoupled_step(model_path, batch, method: str, mode: str):
     perturb(learner.model, seed=2)  # the behaviour policy: older weights
     td["logprobs"] = learner.compute_logprobs(td) * td["loss_mask"]
     load_weights(learner.model, start)
-    td = make_batch_pipeline(cfg, reference=False)(td, version=V_PROX)
+    td = make_batch_pipeline(cfg)(td, version=V_PROX)
 
     passes, prox_weights = [], {}
     recompute = learner.compute_logprobs

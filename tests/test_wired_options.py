@@ -27,7 +27,7 @@ def _job(*argv: str) -> GRPOJobConfig:
 
 def rewards_to_advantages(batch: TensorDict, cfg: GRPOJobConfig, version: int = 0) -> TensorDict:
     """The job's batch pipeline (no reference) on a rollout batch trained from `version`."""
-    return make_batch_pipeline(cfg, reference=False)(batch, version)
+    return make_batch_pipeline(cfg)(batch, version)
 
 
 # ---------------------------------------------------------------- rollout.keep_top_k
@@ -230,7 +230,7 @@ def test_loglinear_without_prox_version_raises():
 # ---------------------------------------------------------------- optim.* batching reaches the reference
 def test_the_reference_model_takes_the_learners_token_budget_and_chunk(tiny_model_path):
     """optim.max_tokens_per_micro_batch / optim.logprob_chunk_size reach the frozen reference too (it
-    used to get ReferenceModel's defaults whatever the job said)."""
+    used to get FrozenModel's defaults whatever the job said)."""
     from transformers import AutoTokenizer
 
     from rayllm_rl.orchestration.factories import build_task
@@ -240,8 +240,9 @@ def test_the_reference_model_takes_the_learners_token_budget_and_chunk(tiny_mode
                "algo.kl_coef=0.1", "data.eval_size=8").validate()
     backend = LocalBackend(make_plan(cfg.validate()), tiny_model_path, build_task(cfg), AutoTokenizer.from_pretrained(tiny_model_path))
     try:
-        backend.start_reference(None)
-        assert (backend.reference.max_tokens_per_micro_batch, backend.reference.logprob_chunk_size) == (777, 33)
+        backend.start_frozen(None)
+        reference = backend.frozen["reference"]
+        assert (reference.max_tokens_per_micro_batch, reference.logprob_chunk_size) == (777, 33)
     finally:
         backend.shutdown()
 

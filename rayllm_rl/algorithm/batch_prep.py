@@ -1,17 +1,20 @@
 """From a rollout batch to a training batch: the named stages of the batch pipeline, built once.
 
-`make_batch_pipeline(cfg, reference, teacher)` builds the stages the job's config asks for, in their order:
+`make_batch_pipeline(cfg, frozen)` builds the stages the job's config asks for, in their order:
 reward shaping (DAPO's overlong penalty), reference KL (and KL-in-reward), top-k selection, advantages,
 the distillation teacher's KL (per-token advantages), and the proximal version stamp. The job plan holds the
 pipeline; the replay buffer (the buffer's actor on Ray, the driver's process locally) gets it when it is made
-and runs it where the batch is, so the driver sees only `step_metadata`: scalars and short lists, never tensors.
-Every stage has one signature, `stage(batch [N, ...], version) -> batch [N', ...]` (only selection changes N).
+and runs it where the batch is (`prepare_batch`), so the driver sees only `step_metadata`: scalars and short
+lists, never tensors. Every stage has one signature, `stage(batch [N, ...], version) -> batch [N', ...]` (only
+selection changes N), and declares the frozen models' outputs it reads (`needs`: model name -> the batch key
+their logprobs `[N, T]` go to), which `prepare_batch` scores before the stages run.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Any
+import time
+from typing import Any, Awaitable, Callable, ClassVar, Collection, Mapping
 
 import torch
 
@@ -42,6 +45,7 @@ class ReferenceKL:
     per-token `kl` `[N, T]` (TorchRL's RetrieveKL); with `reward_coef` > 0, `rewards -= coef * sum_t kl_t`."""
 
     name = "reference_kl"
+    needs: ClassVar[Mapping[str, str]] = {"reference": "ref_logprobs"}
     reward_coef: float
 
     def __call__(self, batch, version: int):
@@ -91,6 +95,7 @@ class TeacherKL:
     `task_coef * A_task - coef * teacher_kl` (`objectives.distill`); after `advantages`, which made A_task `[N]`."""
 
     name = "teacher_kl"
+    needs: ClassVar[Mapping[str, str]] = {"teacher": "teacher_logprobs"}
     coef: float
     task_coef: float
 
@@ -123,7 +128,7 @@ class ProxVersion:
 
 @dataclasses.dataclass(frozen=True)
 class BatchPipeline:
-    """The stages, in order; `prepare` runs them on one rollout batch."""
+    """The stages, in order (`prepare_batch` scores the batch with the frozen models they need, then runs them)."""
 
     stages: tuple
 
@@ -131,38 +136,54 @@ class BatchPipeline:
     def names(self) -> list[str]:
         return [s.name for s in self.stages]
 
-    def __call__(self, batch, version: int, ref_logprobs: torch.Tensor | None = None,
-                 teacher_logprobs: torch.Tensor | None = None):
+    def needs(self) -> dict[str, str]:
+        """Frozen model name -> the batch key its logprobs go to, for every stage that reads one."""
+        out: dict[str, str] = {}
+        for stage in self.stages:
+            out.update(getattr(stage, "needs", {}))
+        return out
+
+    def __call__(self, batch, version: int, scored: Mapping[str, Any] | None = None):
         """Rollout batch `[N]` -> training batch `[N']` (use the returned batch: it may be smaller).
-        `ref_logprobs` / `teacher_logprobs` `[N, T]`: the frozen models' logprobs of this batch, for a
-        `reference_kl` / `teacher_kl` stage."""
-        for key, scored in (("ref_logprobs", ref_logprobs), ("teacher_logprobs", teacher_logprobs)):
-            if scored is not None:
-                batch[key] = torch.as_tensor(scored, dtype=torch.float32)
+        `scored`: batch key -> the frozen models' logprobs `[N, T]` of this batch (`needs`)."""
+        for key, logprobs in (scored or {}).items():
+            batch[key] = torch.as_tensor(logprobs, dtype=torch.float32)
         for stage in self.stages:
             batch = stage(batch, version)
         return batch
 
-    def prepare(self, batch, version: int, ref_logprobs: torch.Tensor | None = None,
-                teacher_logprobs: torch.Tensor | None = None) -> tuple[Any, dict]:
-        """(training batch, its step metadata) of a rollout batch trained from `version`."""
-        batch = self(batch, version, ref_logprobs, teacher_logprobs)
-        return batch, step_metadata(batch, version)
+
+Score = Callable[[str, Any], Awaitable[tuple[Any, int]]]
+"""`score(name, batch)` -> (frozen model `name`'s logprobs `[N, T]` of `batch`, how many times a restart made it
+score the batch again)."""
 
 
-def make_batch_pipeline(cfg, reference: bool, teacher: bool = False) -> BatchPipeline:
-    """The stages `cfg` asks for (`reference`: the job has a frozen reference model, `JobPlan.needs_reference`;
-    `teacher`: a distillation teacher, `JobPlan.needs_teacher`)."""
+async def prepare_batch(pipeline: BatchPipeline, batch, version: int, score: Score) -> tuple[Any, dict]:
+    """(training batch, its step metadata) of a rollout batch trained from `version`: every frozen model a stage
+    needs scores the batch (`score`; `{name}_s` its seconds, `{name}_rescored` its restarts), then the stages run.
+    Both backends call it: the local one in the driver's process, the Ray one in the replay buffer's actor."""
+    scored, timed = {}, {}
+    for name, key in pipeline.needs().items():
+        t0 = time.perf_counter()
+        scored[key], rescored = await score(name, batch)
+        timed.update({f"{name}_s": time.perf_counter() - t0, f"{name}_rescored": rescored})
+    batch = pipeline(batch, version, scored)
+    return batch, {**step_metadata(batch, version), **timed}
+
+
+def make_batch_pipeline(cfg, frozen: Collection[str] = ()) -> BatchPipeline:
+    """The stages `cfg` asks for; `frozen`: the names of the job's frozen models (`JobPlan.frozen`), whose stages
+    (reference KL, the teacher's KL) run."""
     a = cfg.algo
     stages: list = []
     if a.overlong_buffer_len > 0:
         stages.append(OverlongShaping(cfg.rollout.max_new_tokens, a.overlong_buffer_len, a.overlong_penalty))
-    if reference:
+    if "reference" in frozen:
         stages.append(ReferenceKL(a.kl_reward_coef))
     if cfg.rollout.keep_top_k > 0:
         stages.append(TopKSelection(cfg.rollout.keep_top_k))
     stages.append(Advantages(a.advantage))
-    if teacher:
+    if "teacher" in frozen:
         stages.append(TeacherKL(cfg.teacher.coef, cfg.teacher.task_coef))
     stages.append(ProxVersion())
     return BatchPipeline(tuple(stages))

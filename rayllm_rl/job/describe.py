@@ -29,7 +29,7 @@ import os
 from typing import Any
 
 from rayllm_rl.job.config import GRPOJobConfig
-from rayllm_rl.job.plan import JobPlan, make_plan
+from rayllm_rl.job.plan import REFERENCE, TEACHER, JobPlan, make_plan
 from rayllm_rl.sampling_mask import SamplingMask
 
 GiB = float(1 << 30)
@@ -302,8 +302,9 @@ def placement_plan(plan: JobPlan) -> dict[str, Any]:
     from rayllm_rl.job.placement_rules import STRATEGY
 
     layout, rc = plan.layout, plan.config.ray
+    frozen = {spec.name: spec.gpu_share for spec in plan.frozen}
     shared = {"replica_gpus": layout.replica_asks, "learner_gpus": layout.learner_asks,
-              "reference_gpus": layout.reference_asks, "teacher_gpus": layout.teacher_asks, "colocated": layout.colocated}
+              **{f"{name}_gpus": frozen.get(name, 0.0) for name in (REFERENCE, TEACHER)}, "colocated": layout.colocated}
     if plan.actors:  # the Ray backend's actors are placed; the local backend has none
         shared = {"placement": rc.placement, **shared}
     if not layout.uses_gpus:
@@ -347,13 +348,14 @@ def plan_decisions(plan: JobPlan) -> dict[str, Any]:
                      "trainer_time_budget_s": cfg.trainer.time_budget_s,
                      "eval": cfg.data.eval_path or f"{cfg.data.eval_size} prompts held out of the training rows"},
         "actors": [a.describe() for a in plan.actors], "placement": placement_plan(plan),
-        "weight_transport": plan.transport.describe(), "needs_reference": plan.needs_reference,
+        "weight_transport": plan.transport.describe(), "needs_reference": REFERENCE in plan.frozen_names(),
         "buffer_capacity": plan.buffer_capacity, "batch_stages": plan.batch_pipeline.names,
         "results": results_plan(cfg),
     }
-    if plan.needs_teacher:  # on-policy distillation (docs/distillation.md)
+    teacher = {spec.name: spec for spec in plan.frozen}.get(TEACHER)
+    if teacher is not None:  # on-policy distillation (docs/distillation.md)
         out["teacher"] = {"path": cfg.teacher.path, "coef": cfg.teacher.coef, "task_coef": cfg.teacher.task_coef,
-                          "placement": (f"{plan.layout.teacher_asks:g} GPU of learner-0's bundle" if plan.layout.teacher_asks
+                          "placement": (f"{teacher.gpu_share:g} GPU of learner-0's bundle" if teacher.gpu_share
                                         else "CPU, in this process" if plan.in_process else "CPU")}
     if SamplingMask(cfg.rollout.top_k, cfg.rollout.top_p).active:  # truncated sampling: does the learner replay it?
         out["rollout"]["truncation"] = {"top_p": cfg.rollout.top_p, "top_k": cfg.rollout.top_k,
@@ -388,7 +390,7 @@ def describe_plan(plan: JobPlan) -> dict[str, Any]:
         arch = architecture(config)
         out["model"]["architecture"] = arch
         out["memory"] = {"learner_per_rank": learner_memory(plan, arch), "kv_cache_per_replica": kv_cache_memory(plan, arch)}
-    if plan.needs_teacher:
+    if "teacher" in out:
         out["teacher"].update(teacher_cost(plan))
     return out
 

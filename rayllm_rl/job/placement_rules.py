@@ -94,28 +94,23 @@ def actor_gpus(gpus: float, colocated: bool = False) -> float:
     return gpus * COLOCATED_SHARE if colocated else gpus
 
 
-REFERENCE_SHARE = 0.1
-"""What a frozen model (the KL reference, the distillation teacher) asks of learner rank 0's one-GPU bundle,
-taken from the learner's share: Ray then gives it learner rank 0's device, where it runs in the learner's dtype."""
+FROZEN_SHARE = 0.1
+"""What a frozen model (the KL reference, the distillation teacher, any `JobPlan.frozen` entry) asks of learner
+rank 0's one-GPU bundle, taken from the learner's share: Ray then gives it learner rank 0's device, where it runs
+in the learner's dtype."""
 
 
-def reference_on_gpu(learner_gpus: float, reference: bool) -> bool:
-    """A frozen model shares learner rank 0's GPU when the job has one (a learner rank of one GPU); with
-    CPU learners, or several GPUs per rank (no fraction of a multi-GPU bundle), it runs on the CPU."""
-    return reference and learner_gpus == 1.0
-
-
-def learner_gpus_asked(learner_gpus: float, colocated: bool, reference: bool, teacher: bool = False) -> float:
-    """What each learner rank asks of its bundle: its share, less each frozen model's on a one-GPU rank."""
-    frozen = sum(REFERENCE_SHARE for on in (reference, teacher) if reference_on_gpu(learner_gpus, on))
-    return actor_gpus(learner_gpus, colocated) - frozen
+def frozen_on_gpu(learner_gpus: float) -> bool:
+    """A frozen model shares learner rank 0's GPU when the job has one (a learner rank of one GPU); with CPU
+    learners, or several GPUs per rank (no fraction of a multi-GPU bundle), it runs on the CPU."""
+    return learner_gpus == 1.0
 
 
 @dataclasses.dataclass(frozen=True)
 class GpuLayout:
     """The job's GPU shape, decided once (`gpu_layout`): what each actor asks of its bundle, and the
     placement group's bundles (none when no GPU is asked for). Replica i is bundle i; learner rank r is
-    `learner_bundle(r)`; the reference shares learner rank 0's bundle when it runs on a GPU."""
+    `learner_bundle(r)`; each frozen model shares learner rank 0's bundle when it runs on a GPU."""
 
     num_replicas: int
     num_learners: int
@@ -123,10 +118,8 @@ class GpuLayout:
     """GPUs per replica (all of its tensor-parallel group's), a checked whole number."""
     learner_gpus: float
     colocated: bool = False
-    reference: bool = False
-    """The job has a frozen reference model (KL)."""
-    teacher: bool = False
-    """The job has a distillation teacher (`teacher.path`), placed like the reference."""
+    frozen: int = 0
+    """How many frozen models the job has (`JobPlan.frozen`), each placed as `frozen_asks` says."""
 
     @property
     def uses_gpus(self) -> bool:
@@ -138,11 +131,13 @@ class GpuLayout:
 
     @property
     def learner_asks(self) -> float:
-        return learner_gpus_asked(self.learner_gpus, self.colocated, self.reference, self.teacher)
+        """Each learner rank's share of its bundle, less each frozen model's on a one-GPU rank."""
+        return actor_gpus(self.learner_gpus, self.colocated) - self.frozen * self.frozen_asks
 
     @property
-    def reference_asks(self) -> float:
-        return REFERENCE_SHARE if reference_on_gpu(self.learner_gpus, self.reference) else 0.0
+    def frozen_asks(self) -> float:
+        """What one frozen model asks of learner rank 0's GPU (0: it runs on the CPU)."""
+        return FROZEN_SHARE if frozen_on_gpu(self.learner_gpus) else 0.0
 
     def bundles(self) -> list[dict[str, float]]:
         if not self.uses_gpus:
@@ -152,26 +147,17 @@ class GpuLayout:
     def learner_bundle(self, rank: int) -> int:
         return learner_bundle(self.num_replicas, rank, self.colocated)
 
-    def reference_bundle(self) -> int | None:
-        """Learner rank 0's bundle when the reference takes a share of its GPU, else None (CPU)."""
-        return self.learner_bundle(0) if self.reference_asks else None
-
-    @property
-    def teacher_asks(self) -> float:
-        return REFERENCE_SHARE if reference_on_gpu(self.learner_gpus, self.teacher) else 0.0
-
-    def teacher_bundle(self) -> int | None:
-        """Learner rank 0's bundle when the teacher takes a share of its GPU, else None (CPU)."""
-        return self.learner_bundle(0) if self.teacher_asks else None
+    def frozen_bundle(self) -> int | None:
+        """Learner rank 0's bundle when a frozen model takes a share of its GPU, else None (CPU)."""
+        return self.learner_bundle(0) if self.frozen_asks else None
 
 
 def gpu_layout(num_replicas: int, num_learners: int, gpus_per_replica: float, gpus_per_learner: float,
-               tensor_parallel_size: int, timeout_s: float, *, colocated: bool = False,
-               reference: bool = False, teacher: bool = False) -> GpuLayout:
+               tensor_parallel_size: int, timeout_s: float, *, colocated: bool = False, frozen: int = 0) -> GpuLayout:
     """Check the placement settings (`validate`, ValueError naming the `ray.*` key) and decide the layout."""
     replica_gpus, learner_gpus = validate(num_replicas, num_learners, gpus_per_replica, gpus_per_learner,
                                           tensor_parallel_size, timeout_s, colocated)
-    return GpuLayout(int(num_replicas), int(num_learners), replica_gpus, learner_gpus, colocated, reference, teacher)
+    return GpuLayout(int(num_replicas), int(num_learners), replica_gpus, learner_gpus, colocated, frozen)
 
 
 _LABEL = r"[a-zA-Z0-9]([a-zA-Z0-9_.-]{0,61}[a-zA-Z0-9])?"

@@ -2,7 +2,7 @@
 
 `make_plan(cfg)` is the job's validation: it fills the presets, checks the rules no decision covers
 (`job_checks`), then decides the backend, the loss, the GPU layout and bundles, the engine and its options
-(placed, checked), whether a reference model is needed, every actor (name, role, GPUs, torch threads,
+(placed, checked), the frozen models (a KL reference, a distillation teacher), every actor (name, role, GPUs, torch threads,
 bundle, restarts), the replay buffer's capacity and its batch pipeline, and the weight transport, each
 once, raising ValueError naming the key. The dry run prints it (`job/describe.py`); both backends
 build from it; the driver takes it alone; nothing below it decides these again.
@@ -82,8 +82,6 @@ class JobPlan:
     layout: GpuLayout
     loss: Any
     """The loss `algo.*` builds (`objectives`): one instance per learner is built from the same config."""
-    needs_reference: bool
-    """A frozen reference model serves KL (in the loss or the reward); a LoRA policy is its own reference."""
     actors: tuple[ActorPlan, ...]
     buffer_capacity: int
     """Replay buffer capacity in episodes."""
@@ -93,8 +91,9 @@ class JobPlan:
     sampling_mask: SamplingMask = SamplingMask()
     """What the learner replays when it scores tokens: the rollout's top-k / top-p, or nothing when
     `rollout.replay_sampling_mask` is off (`rayllm_rl.sampling_mask`)."""
-    needs_teacher: bool = False
-    """A frozen distillation teacher (`teacher.path`) scores every batch (docs/distillation.md)."""
+    frozen: tuple = ()
+    """The frozen models (`learner.frozen.FrozenSpec`), in the order they start: the KL reference (KL in the loss
+    or the reward; a LoRA policy is its own reference, so none), the distillation teacher (`teacher.path`)."""
     learner_threads: int = 0
     """torch threads of a learner: `ray.threads_per_actor` in an actor, `trainer.num_threads` in this process
     (0 = torch's default); the LoRA demo's base warm-up runs with it too."""
@@ -136,26 +135,8 @@ class JobPlan:
         return LearnerSpec(model_path, cfg.optim, cfg.rollout.temperature, self.sampling_mask, cfg.trainer.seed,
                            cfg.model.dtype, self.layout.learner_gpus > 0, cfg.model.lora)
 
-    def reference_spec(self, model_path: str):
-        """The frozen reference (`learner.reference.ReferenceSpec`): the learner's temperature, dtype and batching."""
-        from rayllm_rl.learner.reference import ReferenceSpec
-
-        cfg = self.config
-        return ReferenceSpec(model_path, cfg.rollout.temperature, cfg.model.dtype,
-                             cfg.optim.max_tokens_per_micro_batch, cfg.optim.logprob_chunk_size)
-
-    def teacher_spec(self):
-        """The distillation teacher (`learner.teacher.TeacherSpec`): `teacher.path`, scored as the learner scores
-        (temperature, dtype, batching, prompts shared; the sampling mask always replayed: the student's logprob in
-        the KL is the sampler's)."""
-        from rayllm_rl.learner.teacher import TeacherSpec
-
-        cfg = self.config
-        path = cfg.teacher.path  # a local directory or file as an absolute path: the actors' working directory differs
-        path = os.path.abspath(path) if os.path.exists(path) else path
-        return TeacherSpec(path, cfg.rollout.temperature, cfg.model.dtype,
-                           cfg.optim.max_tokens_per_micro_batch, cfg.optim.logprob_chunk_size,
-                           SamplingMask(cfg.rollout.top_k, cfg.rollout.top_p), cfg.optim.share_prompts)
+    def frozen_names(self) -> tuple[str, ...]:
+        return tuple(spec.name for spec in self.frozen)
 
     def reward_model_spec(self):
         """The reward model of `reward.model` (`rewards.reward_model.RewardModelSpec`), the same for every actor."""
@@ -197,9 +178,30 @@ def _needs_reference(cfg: GRPOJobConfig, loss) -> bool:
     return cfg.algo.kl_reward_coef > 0 or bool(getattr(loss, "needs_ref_logp", False))
 
 
-def _actors(cfg: GRPOJobConfig, layout: GpuLayout, reference: bool) -> tuple[ActorPlan, ...]:
+def _frozen(cfg: GRPOJobConfig, loss) -> tuple:
+    """The job's frozen models (`learner.frozen.FrozenSpec`), scoring as the learner scores (temperature, dtype,
+    batching; on the CPU until the layout places them): the KL reference from the policy's weights; the teacher from `teacher.path`, its prompts shared and the
+    sampling mask always replayed (the student's logprob in its KL is the sampler's)."""
+    from rayllm_rl.learner.frozen import FrozenSpec
+
+    scoring = dict(temperature=cfg.rollout.temperature, dtype=cfg.model.dtype,
+                   max_tokens_per_micro_batch=cfg.optim.max_tokens_per_micro_batch,
+                   logprob_chunk_size=cfg.optim.logprob_chunk_size)
+    out = []
+    if _needs_reference(cfg, loss):
+        out.append(FrozenSpec(REFERENCE, "policy", role="frozen reference model (KL)", **scoring))
+    if cfg.teacher.path:
+        path = cfg.teacher.path  # a local directory or file as an absolute path: the actors' working directory differs
+        out.append(FrozenSpec(TEACHER, "path", os.path.abspath(path) if os.path.exists(path) else path,
+                              sampling_mask=SamplingMask(cfg.rollout.top_k, cfg.rollout.top_p),
+                              share_prompts=cfg.optim.share_prompts, restarts=cfg.ray.teacher_restarts,
+                              role="distillation teacher (frozen, scores sampled tokens)", **scoring))
+    return tuple(out)
+
+
+def _actors(cfg: GRPOJobConfig, layout: GpuLayout, frozen: tuple) -> tuple[ActorPlan, ...]:
     """Every actor of the Ray backend: replicas, learner ranks, env workers, buffer, collector, and the
-    reference, tool and reward services the config asks for."""
+    frozen models, tool and reward services the config asks for."""
     rc, t, pg = cfg.ray, cfg.ray.threads_per_actor, layout.uses_gpus
     tp = f"tensor_parallel_size={rc.tensor_parallel_size}" if rc.tensor_parallel_size > 1 else ""
     actors = [ActorPlan(REPLICA.format(i), f"inference replica ({cfg.inference.engine})", layout.replica_asks, t,
@@ -212,16 +214,10 @@ def _actors(cfg: GRPOJobConfig, layout: GpuLayout, reference: bool) -> tuple[Act
     actors += [ActorPlan(ENV_WORKER.format(i), "env worker (rollout workflows, rewards)", 0.0, 1, None,
                          rc.env_worker_restarts) for i in range(rc.num_env_workers)]
     actors += [ActorPlan(BUFFER, "replay buffer", 0.0, 1), ActorPlan(COLLECTOR, "collector", 0.0, 1)]
-    if reference:
-        gpus = layout.reference_asks
-        actors.append(ActorPlan(REFERENCE, "frozen reference model (KL)", gpus, t, layout.reference_bundle(), 0,
-                                f"on {LEARNER.format(0)}'s GPU, {cfg.model.dtype}" if gpus else f"CPU, {cfg.model.dtype}"))
-    if layout.teacher:
-        gpus = layout.teacher_asks
-        actors.append(ActorPlan(TEACHER, "distillation teacher (frozen, scores sampled tokens)", gpus, t,
-                                layout.teacher_bundle(), rc.teacher_restarts,
-                                f"{cfg.teacher.path}; " + (f"on {LEARNER.format(0)}'s GPU, {cfg.model.dtype}" if gpus
-                                                           else f"CPU, {cfg.model.dtype}")))
+    for spec in frozen:
+        where = f"on {LEARNER.format(0)}'s GPU, {spec.dtype}" if spec.gpu_share else f"CPU, {spec.dtype}"
+        actors.append(ActorPlan(spec.name, spec.role, spec.gpu_share, t, layout.frozen_bundle(), spec.restarts,
+                                f"{spec.model_path}; {where}" if spec.model_path else where))
     if cfg.rollout.workflow == "python_tool":
         actors.append(ActorPlan("python-executor", "sandboxed code execution service", 0.0, 1))
     m, j = cfg.reward.model, cfg.reward.judge
@@ -299,22 +295,23 @@ def make_plan(cfg: GRPOJobConfig, inputs: Any = None, *, environment: bool = Tru
     check_job(cfg, environment, inputs)  # the rules no decision below covers
     rc = cfg.ray
     loss = cfg.algo.build_loss(cfg.rollout.max_new_tokens)  # and its own checks (e.g. GRPO's clip_eps_low < 1)
-    reference, teacher = _needs_reference(cfg, loss), bool(cfg.teacher.path)
+    frozen = _frozen(cfg, loss)
     capacity = cfg.rollout.buffer_episodes or 2 * (cfg.rollout.max_staleness + 1) * cfg.rollout.prompts_per_step
     if _in_process(cfg):  # every role in this process, on CPU: no actors, no transport
-        layout = GpuLayout(1, 1, 0.0, 0.0, False, reference, teacher)
+        layout = GpuLayout(1, 1, 0.0, 0.0, False, len(frozen))
         actors: tuple[ActorPlan, ...] = ()
         transport = TransportChoice("in-process", "in-process", "in-process")
     else:
         layout = gpu_layout(rc.num_replicas, rc.num_learners, rc.gpus_per_replica, rc.gpus_per_learner,
                             rc.tensor_parallel_size, rc.sync_timeout_s, colocated=rc.placement == "colocated",
-                            reference=reference, teacher=teacher)
-        actors, transport = _actors(cfg, layout, reference), _transport(cfg, layout)
+                            frozen=len(frozen))
+        frozen = tuple(dataclasses.replace(spec, gpu_share=layout.frozen_asks) for spec in frozen)
+        actors, transport = _actors(cfg, layout, frozen), _transport(cfg, layout)
     return JobPlan(config=cfg, backend=cfg.trainer.backend, engine=cfg.inference.engine,
                    engine_options=_engine_options(cfg, layout, environment),
                    replicas=layout.num_replicas, learner_ranks=layout.num_learners, layout=layout, loss=loss,
-                   needs_reference=reference, actors=actors, buffer_capacity=capacity,
-                   batch_pipeline=make_batch_pipeline(cfg, reference, teacher), transport=transport, needs_teacher=teacher,
+                   frozen=frozen, actors=actors, buffer_capacity=capacity,
+                   batch_pipeline=make_batch_pipeline(cfg, [spec.name for spec in frozen]), transport=transport,
                    sampling_mask=SamplingMask(cfg.rollout.top_k, cfg.rollout.top_p) if cfg.rollout.replay_sampling_mask
                    else SamplingMask(),
                    learner_threads=cfg.trainer.num_threads if _in_process(cfg) else rc.threads_per_actor)

@@ -239,7 +239,7 @@ class Learner:
 
         if self.lora is None:
             raise RuntimeError("reference_logprobs: this learner has no LoRA adapter; its reference is a separate "
-                               "frozen model (learner/reference.py)")
+                               "frozen model (learner/frozen.py)")
         with adapter_off(self.model):
             return self.compute_logprobs(td)
 

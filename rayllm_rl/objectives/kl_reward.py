@@ -15,7 +15,7 @@ from rayllm_rl.objectives.grpo import KL_ESTIMATORS, kl_estimate
 
 
 class RetrieveKL:
-    """Writes `ref_logprobs` `[N, T]` from `ref_logprobs_fn(batch)` (a ReferenceModel's
+    """Writes `ref_logprobs` `[N, T]` from `ref_logprobs_fn(batch)` (a FrozenModel's
     `compute_logprobs`, or a call to a reference actor) and the per-token KL `kl` `[N, T]`
     (estimator `k1` = logp_behav - logp_ref by default; 0 off the loss mask)."""
 

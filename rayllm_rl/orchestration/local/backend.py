@@ -20,6 +20,7 @@ import torch
 from rayllm_rl.hub import resolve_model_path
 from rayllm_rl.inference.protocol import weights_checksum
 from rayllm_rl.loop_thread import EventLoopThread
+from rayllm_rl.algorithm.batch_prep import prepare_batch
 from rayllm_rl.orchestration.backend import ROLE_KINDS, backend_summary
 from rayllm_rl.rollout.collector import run_and_store
 from rayllm_rl.orchestration.fault_ledger import FaultLedger
@@ -28,6 +29,17 @@ from rayllm_rl.orchestration.local.reward_scorers import local_reward_scorers
 from rayllm_rl.job.plan import JobPlan
 from rayllm_rl.workflows.evaluation import evaluate_greedy
 from rayllm_rl.workflows.rewards import workflow_reward_counters
+
+
+def run_now(coro):
+    """The result of a coroutine that never suspends (the local frozen models score in this thread), run to its end
+    without an event loop: so it runs in any thread, one whose loop is running (a notebook's) too."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise RuntimeError("a local batch preparation awaited something: the local backend scores in this thread")
 
 
 class LocalBackend:
@@ -57,7 +69,8 @@ class LocalBackend:
             self.workflow = build_workflow(cfg, task, tokenizer, make_tools=local_python_tools,
                                            reward_scorers=self.reward_scorers, custom=workflow)
             self.episode_filter = build_episode_filter(cfg)
-            self.reference = self.teacher = None
+            self.frozen: dict[str, Any] = {}
+            """The frozen models started so far (`start_frozen`), by name."""
             self.faults = FaultLedger(ROLE_KINDS)
             """Always zero here (one process: a crashed role is a crashed run), kept so both backends report alike."""
             self.versions_held = [self.engine.version]
@@ -101,12 +114,11 @@ class LocalBackend:
         """(training batch, its metadata): the batch stays in this process, prepared here."""
         batch, depth = self.loop.call(self.buffer.get_batch(n_episodes, version, self.timeout_s), self.timeout_s + 30,
                                       f"a batch of {n_episodes} episodes at version {version}")
-        ref = None if self.reference is None else self.reference.compute_logprobs(batch)
-        t0 = time.perf_counter()
-        teacher = None if self.teacher is None else self.teacher.compute_logprobs(batch)
-        scored = {} if self.teacher is None else {"teacher_s": time.perf_counter() - t0}
-        batch, meta = self.plan.batch_pipeline.prepare(batch, version, ref, teacher)
-        return batch, {**meta, "buffer_depth": depth, **scored}
+        async def score(name, td):  # in this thread: a crashed model is a crashed run, nothing is scored again
+            return self.frozen[name].compute_logprobs(td), 0
+
+        batch, meta = run_now(prepare_batch(self.plan.batch_pipeline, batch, version, score))
+        return batch, {**meta, "buffer_depth": depth}
 
     def driver_bytes(self) -> None:
         """Nothing crosses a process boundary here."""
@@ -119,12 +131,11 @@ class LocalBackend:
         self.loop.run(self.collector.raise_if_dead)
         return self.loop.run(self.collector.stats)
 
-    # ---------------------------------------------------------------- reference, eval, checkpoints
-    def start_reference(self, checkpoint: str | None):
-        self.reference = self.plan.reference_spec(self.model_path).build(checkpoint or self.learner.named_tensors())
-
-    def start_teacher(self) -> None:
-        self.teacher = self.plan.teacher_spec().build("cpu")
+    # ---------------------------------------------------------------- frozen models, eval, checkpoints
+    def start_frozen(self, checkpoint: str | None) -> None:
+        for spec in self.plan.frozen:
+            weights = (checkpoint or self.learner.named_tensors()) if spec.saved else None
+            self.frozen[spec.name] = spec.build(policy_path=self.model_path, weights=weights)
 
     def evaluate(self, progress=None) -> dict[str, Any]:
         coro = evaluate_greedy(self.engine, self.tokenizer, self.task.eval, self.task.reward_fn,
@@ -138,8 +149,9 @@ class LocalBackend:
         extra = {"step": step, "version": version, "collector": self.loop.run(self.collector.state_dict),
                  "buffer": self.loop.run(self.buffer.buffer.state_dict)}
         save_checkpoint(self.learner, path, tokenizer=self.tokenizer, extra=extra)
-        if self.reference is not None:
-            self.reference.save(path)
+        for spec in self.plan.frozen:
+            if spec.saved and spec.name in self.frozen:
+                self.frozen[spec.name].save(path, spec.name)
         self.start_collector()
         return str(path)
 

@@ -1,7 +1,7 @@
 """Ray actor shells: each a thin `@ray.remote` class over a plain, Ray-free component.
 
 Names on the dashboard: `inference-<i>`, `env-<i>`, `learner-<rank>`, `collector`, `replay-buffer`,
-`reference` (only with a reference-KL term), `teacher` (only with `teacher.path`); `collector` and
+the frozen models (`FrozenActor`: `reference` only with a reference-KL term, `teacher` only with `teacher.path`); `collector` and
 `replay-buffer` are in rollout_actors.py, `reward-model-<i>` and `judge-<i>` (with `reward.*`) in reward_actors.py.
 
 Every actor process starts with `ACTOR_ENV_VARS` (no HF progress bars: Ray forwards actor output to
@@ -228,39 +228,27 @@ class EnvWorker(ActorProcess):
 
 
 @ray_actor
-class ReferenceActor(ActorProcess):
-    """`reference` on the dashboard: a frozen ReferenceModel serving reference logprobs for KL."""
+class FrozenActor(ActorProcess):
+    """A frozen model on the dashboard under its name (`reference`, `teacher`): a `learner.frozen.FrozenModel`
+    scoring the sampled tokens of a batch. One loaded from its own path holds nothing a restart loses: Ray restarts it
+    (its spec's `restarts`), it loads the path again, and the buffer scores the batch again (`score_with_restarts`)."""
 
-    def __init__(self, spec, weights: dict[str, torch.Tensor] | str, num_threads: int = 1):
-        """`spec`: the plan's `learner.reference.ReferenceSpec`; `weights`: the policy's tensors (the driver
-        passes learner rank 0's result by reference: Ray fetches it here), or a checkpoint directory holding
-        `reference.safetensors`."""
+    def __init__(self, spec, policy_path: str = "", weights: dict[str, torch.Tensor] | str | None = None,
+                 num_threads: int = 1):
+        """`spec`: one of the plan's `JobPlan.frozen`; a model started from the policy gets `policy_path` and
+        `weights`: the policy's tensors (the driver passes learner rank 0's result by reference: Ray fetches it
+        here), or a checkpoint directory holding them (`learner.frozen.weights_file`)."""
         torch.set_num_threads(num_threads)
         # a GPU share of learner rank 0's bundle (placement.py): that GPU, in the learner's dtype; else the CPU
         on_gpu = bool(ray.get_gpu_ids()) and torch.cuda.is_available()
-        self.model = spec.build(weights, device="cuda" if on_gpu else "cpu")
+        self.name = spec.name
+        self.model = spec.build(policy_path=policy_path, weights=weights, device="cuda" if on_gpu else "cpu")
 
     def compute_logprobs(self, batch) -> torch.Tensor:
         return self.model.compute_logprobs(batch)
 
     def save(self, checkpoint_dir: str) -> str:
-        return self.model.save(checkpoint_dir)
-
-
-@ray_actor
-class TeacherActor(ActorProcess):
-    """`teacher` on the dashboard: the distillation teacher, a frozen model loaded from `teacher.path`, scoring the
-    student's sampled tokens. It holds nothing a restart loses: Ray restarts it (`ray.teacher_restarts`), it
-    loads the path again, and the buffer scores the batch again (`ReplayBufferActor.take_batch`)."""
-
-    def __init__(self, spec, num_threads: int = 1):
-        """`spec`: the plan's `learner.teacher.TeacherSpec`."""
-        torch.set_num_threads(num_threads)
-        on_gpu = bool(ray.get_gpu_ids()) and torch.cuda.is_available()  # a share of learner rank 0's GPU
-        self.model = spec.build(device="cuda" if on_gpu else "cpu")
-
-    def compute_logprobs(self, batch) -> torch.Tensor:
-        return self.model.compute_logprobs(batch)
+        return self.model.save(checkpoint_dir, self.name)
 
 
 @ray_actor(enable_tensor_transport=True)  # rank 0 sends weights over Ray Direct Transport (rdt_* transports)
@@ -373,8 +361,8 @@ class LearnerWorker(ActorProcess):
         """Figures of rank 0's last send (bytes, seconds, bytes/s)."""
         return dict(self._send_stats)
 
-    def reference_weights(self) -> dict[str, torch.Tensor]:
-        """The full weights in host memory, for the reference actor (Ray hands it this result by
+    def policy_weights(self) -> dict[str, torch.Tensor]:
+        """The full weights in host memory, for a frozen model started from the policy (Ray hands it this result by
         reference); every rank must call it (an FSDP gather), non-zero ranks' copies are dropped."""
         full = {}
         for name, t in self.learner.iter_named_tensors():  # every rank joins each gather; rank 0 keeps a copy

@@ -11,7 +11,7 @@ from typing import Any
 
 import ray
 
-from rayllm_rl.orchestration.ray.actors import ReferenceActor, TeacherActor
+from rayllm_rl.orchestration.ray.actors import FrozenActor
 from rayllm_rl.orchestration.backend import ROLE_KINDS, RoleCrashed, backend_summary
 from rayllm_rl.orchestration.fault_ledger import FaultLedger
 from rayllm_rl.orchestration.ray.cluster import (
@@ -22,7 +22,7 @@ from rayllm_rl.hub import resolve_model_path
 from rayllm_rl.envs.task import Task
 from rayllm_rl.orchestration.factories import build_workflow
 from rayllm_rl.job.config import GRPOJobConfig
-from rayllm_rl.job.plan import REFERENCE, TEACHER, JobPlan
+from rayllm_rl.job.plan import JobPlan
 from rayllm_rl.orchestration.ray.liveness import Liveness
 from rayllm_rl.orchestration.ray.router import ReplicaRouter
 from rayllm_rl.orchestration.ray.reward_actors import ray_reward_scorers, reward_service_stats
@@ -84,12 +84,6 @@ def _crash_aware(method):
     return wrapper
 
 
-def frozen_roles(backend) -> dict:
-    """A backend's frozen models started so far, by dashboard name (watched with the cluster's roles, killed with
-    them)."""
-    return {name: h for name, h in ((REFERENCE, backend.reference), (TEACHER, backend.teacher)) if h is not None}
-
-
 class RayBackend:
     """Replicas, env workers, learners, buffer and collector as named Ray actors (see cluster.py)."""
 
@@ -119,9 +113,11 @@ class RayBackend:
         cfg, worker_task = self.cfg, worker_part(self.task)
         self.cluster: Cluster = build_cluster(self.plan, self.model_path, self.task, functools.partial(
             make_workflow, cfg, self.model_path, worker_task, self.workflow))
-        self.reference = self.teacher = None
+        self.frozen: dict[str, Any] = {}
+        """The frozen models' actors started so far (`start_frozen`), by dashboard name: watched with the cluster's
+        roles, killed with them."""
         self._pending_version = None  # the last version told the collector, awaited at the next one
-        self.live = Liveness(self.cluster, self.plan, self.faults, lambda: frozen_roles(self))
+        self.live = Liveness(self.cluster, self.plan, self.faults, lambda: dict(self.frozen))
         """Dead roles and restarted replicas, checked while the driver waits (`live.every_s`)."""
 
     def recover(self, crash: RoleCrashed) -> None:
@@ -138,11 +134,10 @@ class RayBackend:
         """Kill every actor of the job and wait until their names are free: a rollback, or the next
         job in this Ray session, starts actors under the same names."""
         ns = self.cfg.ray.namespace
-        frozen = frozen_roles(self)
-        for handle in frozen.values():
+        for handle in self.frozen.values():
             ray.kill(handle, no_restart=True)
-        wait_names_free(list(frozen), ns)
-        self.reference = self.teacher = None
+        wait_names_free(list(self.frozen), ns)
+        self.frozen = {}
         self.cluster.shutdown(close_timeout_s=close_timeout_s, namespace=ns)
 
     def _take_fault_events(self, timeout_s: float | None = None, note_pids: bool = True) -> None:
@@ -212,37 +207,33 @@ class RayBackend:
         while waiting: a dead role ends the wait, and a restarted replica gets the current weights
         (it serves nothing until then, so with one replica the batch would never fill)."""
         c = self.cluster
-        batch, meta = c.buffer.take_batch.remote(n_episodes, version, c.timeout_s, self.reference, self.teacher)
+        batch, meta = c.buffer.take_batch.remote(n_episodes, version, c.timeout_s, self.frozen)
         meta = self.live.await_live(meta, f"batch of {n_episodes} episodes at version {version}")
         return batch, self._through_driver(meta)
 
     @_crash_aware
-    def start_reference(self, checkpoint: str | None) -> None:
-        """The `reference` actor, from `checkpoint` or from learner rank 0's weights, which Ray hands
-        it by reference (every rank joins the gather; no rank's tensors come to the driver)."""
-        weights = checkpoint
-        if weights is None:
-            gathered = self.cluster.learners.reference_weights()
-            weights = gathered[0]
-        self.reference = ReferenceActor.options(name=REFERENCE, namespace=self.cfg.ray.namespace,
-                                                **self.cluster.placement.reference_options).remote(
-            self.plan.reference_spec(self.model_path), weights, self.plan.actor(REFERENCE).threads)
-        if checkpoint is None:  # the other ranks' copies: waited for, not fetched
-            done, _ = ray.wait(gathered, num_returns=len(gathered), timeout=self.cluster.timeout_s, fetch_local=False)
-            if len(done) < len(gathered):
-                raise TimeoutError(f"the learners' weights for the reference model were not gathered in "
-                                   f"{self.cluster.timeout_s:g}s")
-        self._get(self.reference.pid.remote())  # built (a failure names the reference here, not at its first batch)
-
-    @_crash_aware
-    def start_teacher(self) -> None:
-        """The `teacher` actor: it loads `teacher.path` on its node (and again when Ray restarts it)."""
-        actor = self.plan.actor(TEACHER)
-        args = (self.plan.teacher_spec(), actor.threads)
-        check_inlined("teacher", args)  # Ray re-runs the constructor with them on a restart
-        self.teacher = TeacherActor.options(name=TEACHER, namespace=self.cfg.ray.namespace, max_restarts=actor.restarts,
-                                            **self.cluster.placement.teacher_options).remote(*args)
-        self._get(self.teacher.pid.remote())  # loaded (a failure names the teacher here, not at its first batch)
+    def start_frozen(self, checkpoint: str | None) -> None:
+        """An actor for each of the plan's frozen models, named as the model. One loaded from its own path gets only
+        small inlined arguments (Ray re-runs its constructor on a restart); one started from the policy gets
+        `checkpoint`, or learner rank 0's gathered weights by reference (every rank joins the gather; no rank's
+        tensors come to the driver). Each is waited for, so a failure names the model here, not at its first batch."""
+        for spec in self.plan.frozen:
+            gathered, weights = [], None
+            if spec.saved:
+                gathered = [] if checkpoint else self.cluster.learners.policy_weights()
+                weights = checkpoint or gathered[0]
+            else:
+                check_inlined(spec.name, (spec, self.model_path))
+            options = dict(name=spec.name, namespace=self.cfg.ray.namespace, max_restarts=spec.restarts,
+                           **self.cluster.placement.frozen_options)
+            self.frozen[spec.name] = FrozenActor.options(**options).remote(spec, self.model_path, weights,
+                                                                          self.cfg.ray.threads_per_actor)
+            if gathered:  # the other ranks' copies: waited for, not fetched
+                done, _ = ray.wait(gathered, num_returns=len(gathered), timeout=self.cluster.timeout_s, fetch_local=False)
+                if len(done) < len(gathered):
+                    raise TimeoutError(f"the learners' weights for the frozen model {spec.name!r} were not gathered "
+                                       f"in {self.cluster.timeout_s:g}s")
+            self._get(self.frozen[spec.name].pid.remote())
 
     @_crash_aware
     def evaluate(self, progress=None) -> dict[str, Any]:
@@ -279,8 +270,9 @@ class RayBackend:
         extra = {"step": step, "version": version, "collector": collector_state,
                  "buffer": self._get(c.buffer.state_dict.remote())}
         c.learners.save_checkpoint(str(path), self.model_path, extra)
-        if self.reference is not None:
-            self._get(self.reference.save.remote(str(path)))
+        for spec in self.plan.frozen:
+            if spec.saved and spec.name in self.frozen:
+                self._get(self.frozen[spec.name].save.remote(str(path)))
         self._get(c.collector.start.remote())
         self.faults.checkpoint_taken()
         return str(path)

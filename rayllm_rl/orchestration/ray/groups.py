@@ -99,9 +99,9 @@ class LearnerGroup(ActorGroup):
     def offload(self, timeout_s: float) -> None:
         self.each(lambda l: l.offload.remote(), timeout_s)
 
-    def reference_weights(self) -> list:
+    def policy_weights(self) -> list:
         """Every rank joins the gather of the full weights; rank 0's reference holds them (not waited for)."""
-        return self.submit(lambda l: l.reference_weights.remote())
+        return self.submit(lambda l: l.policy_weights.remote())
 
     def send_weights(self, version: int, tensor_transport: str | None = None) -> list:
         """Every rank joins the send of `version`; rank 0's call (with Ray Direct Transport: its result's

@@ -40,9 +40,9 @@ naming the key and every node's labels, when no live node carries a role's label
 otherwise wait forever to be scheduled). The collector and the replay buffer hold state no restart
 brings back, so they stay on the driver's node (`Placement.driver_node_options`), whose loss ends the
 job anyway, instead of wherever Ray puts an actor that asks for no resources (another node, which
-would then take them down with it). The reference model, rebuilt only by a rollback too, goes with
+would then take them down with it). A frozen model (the reference, the teacher) goes with
 the learners' labels, or else stays on the driver's node; with one-GPU learner ranks it goes into learner
-rank 0's bundle instead, with `REFERENCE_SHARE` of its GPU (taken from the learner's share), and runs there
+rank 0's bundle instead, with `FROZEN_SHARE` of its GPU (taken from the learner's share), and runs there
 in the learner's dtype.
 
 Note (Ray 2.60, ray-project/ray#54868): an actor with 0 GPUs does not get CUDA_VISIBLE_DEVICES
@@ -82,11 +82,9 @@ class Placement:
     """Merged into every `EnvWorker.options(...)` (its node labels, if any)."""
     driver_node_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Merged into the options of the roles that stay with the driver (collector, replay buffer)."""
-    reference_options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Merged into `ReferenceActor.options(...)`: learner rank 0's bundle with a GPU share (one-GPU learner
-    ranks), else the learners' node labels, or else the driver's node."""
-    teacher_options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Merged into `TeacherActor.options(...)`: placed as the reference is (`reference_options`)."""
+    frozen_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Merged into `FrozenActor.options(...)` for every frozen model: learner rank 0's bundle with a GPU share
+    (one-GPU learner ranks), else the learners' labels, or the driver's node."""
 
     def remove(self) -> None:
         """Release the placement group (kills actors still in it); safe to call twice."""
@@ -144,8 +142,7 @@ def plan_placement(layout: GpuLayout, timeout_s: float, *, replica_labels: dict[
     driver_node = {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
                                                                          soft=False)}
     frozen = _with_labels({}, learner_labels) if learner_labels else driver_node  # the reference, the teacher
-    others = {"env_worker_options": env_options, "driver_node_options": driver_node,
-              "reference_options": frozen, "teacher_options": frozen}
+    others = {"env_worker_options": env_options, "driver_node_options": driver_node, "frozen_options": frozen}
     if not layout.uses_gpus:
         return Placement([_with_labels({"num_cpus": 0}, replica_labels) for _ in range(n_rep)],
                          [_with_labels({"num_cpus": 0}, learner_labels) for _ in range(n_learn)], **others)
@@ -169,10 +166,8 @@ def plan_placement(layout: GpuLayout, timeout_s: float, *, replica_labels: dict[
     except BaseException:
         remove_placement_group(pg)
         raise
-    if layout.reference_bundle() is not None:
-        others["reference_options"] = _actor_options(pg, layout.reference_bundle(), layout.reference_asks)
-    if layout.teacher_bundle() is not None:
-        others["teacher_options"] = _actor_options(pg, layout.teacher_bundle(), layout.teacher_asks)
+    if layout.frozen_bundle() is not None:
+        others["frozen_options"] = _actor_options(pg, layout.frozen_bundle(), layout.frozen_asks)
     return Placement([_actor_options(pg, i, layout.replica_asks) for i in range(n_rep)],
                      [_actor_options(pg, layout.learner_bundle(r), layout.learner_asks) for r in range(n_learn)],
                      pg, **others)

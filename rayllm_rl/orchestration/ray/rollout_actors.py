@@ -1,6 +1,6 @@
 """The rollout side's actor shells: `replay-buffer` (`ReplayBufferActor`, over `rollout.replay_buffer`) and
 `collector` (`RayLLMCollector`, over `rollout.collector.LLMCollector`), each built from the plan's spec; and
-`score_with_restarts`, how the buffer gets a restartable scorer's (the teacher's) logprobs of a batch."""
+`score_with_restarts`, how the buffer gets a frozen model's logprobs of a batch (scored again after a restart)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +9,7 @@ from typing import Any
 
 import ray
 
+from rayllm_rl.algorithm.batch_prep import prepare_batch
 from rayllm_rl.orchestration.fault_ledger import ENV_PID, LOST, RERUN
 from rayllm_rl.orchestration.ray.actors import ActorProcess, ray_actor
 
@@ -51,22 +52,21 @@ class ReplayBufferActor(ActorProcess):
         return await self.waiting.get_batch(n_episodes, current_version, timeout_s)
 
     @ray.method(num_returns=2)
-    async def take_batch(self, n_episodes: int, current_version: int, timeout_s: float, reference=None,
-                         teacher=None):
-        """`get_batch`, made a training batch here by the job's batch pipeline (with the `reference`
-        actor's logprobs for KL, and the distillation `teacher`'s, if given): two results, the batch (the
+    async def take_batch(self, n_episodes: int, current_version: int, timeout_s: float, frozen=None):
+        """`get_batch`, made a training batch here (`batch_prep.prepare_batch`: the frozen models the pipeline's
+        stages need score it, `frozen`: name -> actor handle, then the stages run): two results, the batch (the
         learners take its reference) and its metadata (all the driver fetches)."""
         batch, depth = await self.waiting.get_batch(n_episodes, current_version, timeout_s)
-        ref_logprobs = teacher_logprobs = None
-        if reference is not None:
-            ref_logprobs = await asyncio.wait_for(reference.compute_logprobs.remote(batch), timeout_s)
-        scored: dict[str, float] = {}
-        if teacher is not None:
-            t0 = time.perf_counter()
-            teacher_logprobs, rescored = await score_with_restarts(teacher, batch, timeout_s)
-            scored = {"teacher_s": time.perf_counter() - t0, "teacher_rescored": rescored}
-        batch, meta = self.pipeline.prepare(batch, current_version, ref_logprobs, teacher_logprobs)
-        return batch, {**meta, "buffer_depth": depth, **scored}
+        handles = dict(frozen or {})
+
+        async def score(name, td):
+            if name not in handles:
+                raise ValueError(f"the batch pipeline needs the frozen model {name!r}, which is not started "
+                                 f"(started: {sorted(handles)})")
+            return await score_with_restarts(handles[name], td, timeout_s, name)
+
+        batch, meta = await prepare_batch(self.pipeline, batch, current_version, score)
+        return batch, {**meta, "buffer_depth": depth}
 
     async def fail(self, reason: str) -> None:  # async: on the loop, so the waiters wake at once
         self.waiting.fail(reason)
@@ -81,7 +81,7 @@ class ReplayBufferActor(ActorProcess):
         self.buffer.load_state_dict(state)
 
 
-async def score_with_restarts(scorer, batch, timeout_s: float) -> tuple[Any, int]:
+async def score_with_restarts(scorer, batch, timeout_s: float, name: str = "frozen model") -> tuple[Any, int]:
     """(`scorer.compute_logprobs(batch)`, how many times the batch was scored again): a scorer whose process
     dies while scoring is restarted by Ray (its `max_restarts`), and once it answers again it scores the batch
     again; one gone for good (ActorDiedError on a ping), or no answer within `timeout_s` in all, raises."""
@@ -90,7 +90,7 @@ async def score_with_restarts(scorer, batch, timeout_s: float) -> tuple[Any, int
         try:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"the teacher scored no batch within {timeout_s:g}s (trainer.call_timeout_s), "
+                raise TimeoutError(f"the {name} scored no batch within {timeout_s:g}s (trainer.call_timeout_s), "
                                    f"after {rescored} restart(s)")
             return await asyncio.wait_for(scorer.compute_logprobs.remote(batch), left), rescored
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
