@@ -304,8 +304,17 @@ class Learner:
         return [(mb, None) for _, mb in micro_batches(td, budget, rows)]
 
     def _optimizer_step(self, td: TensorDict, loss_fn: Loss, measure_mismatch: bool = False) -> dict[str, float]:
-        """One optimizer step on minibatch `td`; with `measure_mismatch`, also the rollout/learner mismatch
-        figures of its trained tokens (learner/mismatch.py) from the forward the loss needs anyway."""
+        """One optimizer step on minibatch `td`: the gradients of its loss accumulated over micro-batches, then
+        applied (`_accumulate`, `_apply`); with `measure_mismatch`, also the rollout/learner mismatch figures of its
+        trained tokens (learner/mismatch.py) from the forward the loss needs anyway."""
+        metrics, nonfinite_loss = self._accumulate(td, loss_fn, measure_mismatch)
+        return self._apply(metrics, nonfinite_loss)
+
+    def _accumulate(self, td: TensorDict, loss_fn: Loss, measure_mismatch: bool) -> tuple[dict[str, float], bool]:
+        """Zero the gradients, then run forward and backward over this rank's micro-batches of `td`, each loss
+        weighted so that the sum is the full minibatch's loss: (the loss's metrics and the entropy, averaged over
+        every rank; whether any rank's loss was not finite). Under FSDP every rank runs as many passes as the
+        rank with the most micro-batches (zero-weight passes join the collectives)."""
         n = td.batch_size[0]  # the whole minibatch: the weights below use GLOBAL counts on every rank
         total_tokens = float(td["loss_mask"].sum().clamp(min=1))
         # Micro-batch k's loss averages over normalizer(mask_k) units (tokens, non-empty rows, rows):
@@ -370,6 +379,12 @@ class Learner:
             metrics = summed
         if meter is not None:  # every rank joins the gather (all ranks measure the same step)
             metrics.update(meter.figures(all_gather_objects if self.world_size > 1 else None))
+        return metrics, nonfinite_loss
+
+    def _apply(self, metrics: dict[str, float], nonfinite_loss: bool) -> dict[str, float]:
+        """Clip the accumulated gradients and step the optimizer at this step's learning rate, or, when a loss or
+        the gradient norm is not finite on any rank, drop the gradients (weights and AdamW state stay): `metrics`
+        with `grad_norm`, `lr` and `skipped_nonfinite_steps`."""
         # FSDP2 grads are DTensors: clip_grad_norm_ computes the GLOBAL norm (Replicate DTensor).
         # With clipping off, max_norm=inf only measures the norm (the grads are scaled by exactly 1).
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
