@@ -179,7 +179,12 @@ def main(argv=None) -> dict:
     tab = summarize(runs)
     code = sorted({(r["machine"].get("commit"), r["machine"].get("tree_edited"), r["machine"].get("code_digest"))
                    for r in runs.values()}, key=str)  # what ran: commits, edited trees, code digests
+    first = min((r["machine"] for r in runs.values()), key=lambda m: m.get("date") or "")
+    machine = {k: first.get(k) for k in ("cpu_model", "cpu_vendor", "cpu_family_model", "kernel_flags",
+                                         "torch_cpu_capability", "cores", "mem_total", "platform", "versions")}
     result = {"files": args.files, "sides": args.sides, "tasks": args.tasks, "replaced": replaced,
+              "machine": machine,  # the one every run shares (`same_machine` refused any other), for this file alone
+              "dates": sorted({r["machine"].get("date") for r in runs.values()}, key=str),
               "code": [dict(zip(("commit", "tree_edited", "code_digest"), c)) for c in code], "table": tab}
     print(markdown(tab))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
