@@ -302,9 +302,9 @@ def placement_plan(plan: JobPlan) -> dict[str, Any]:
     from rayllm_rl.job.placement_rules import STRATEGY
 
     layout, rc = plan.layout, plan.config.ray
-    frozen = {spec.name: spec.gpu_share for spec in plan.frozen}
     shared = {"replica_gpus": layout.replica_asks, "learner_gpus": layout.learner_asks,
-              **{f"{name}_gpus": frozen.get(name, 0.0) for name in (REFERENCE, TEACHER)}, "colocated": layout.colocated}
+              **{f"{name}_gpus": getattr(plan.frozen_spec(name), "gpu_share", 0.0) for name in (REFERENCE, TEACHER)},
+              "colocated": layout.colocated}
     if plan.actors:  # the Ray backend's actors are placed; the local backend has none
         shared = {"placement": rc.placement, **shared}
     if not layout.uses_gpus:
@@ -352,7 +352,7 @@ def plan_decisions(plan: JobPlan) -> dict[str, Any]:
         "buffer_capacity": plan.buffer_capacity, "batch_stages": plan.batch_pipeline.names,
         "results": results_plan(cfg),
     }
-    teacher = {spec.name: spec for spec in plan.frozen}.get(TEACHER)
+    teacher = plan.frozen_spec(TEACHER)
     if teacher is not None:  # on-policy distillation (docs/distillation.md)
         out["teacher"] = {"path": cfg.teacher.path, "coef": cfg.teacher.coef, "task_coef": cfg.teacher.task_coef,
                           "placement": (f"{teacher.gpu_share:g} GPU of learner-0's bundle" if teacher.gpu_share
@@ -390,7 +390,7 @@ def describe_plan(plan: JobPlan) -> dict[str, Any]:
         arch = architecture(config)
         out["model"]["architecture"] = arch
         out["memory"] = {"learner_per_rank": learner_memory(plan, arch), "kv_cache_per_replica": kv_cache_memory(plan, arch)}
-    if "teacher" in out:
+    if plan.frozen_spec(TEACHER) is not None:
         out["teacher"].update(teacher_cost(plan))
     return out
 

@@ -138,6 +138,10 @@ class JobPlan:
     def frozen_names(self) -> tuple[str, ...]:
         return tuple(spec.name for spec in self.frozen)
 
+    def frozen_spec(self, name: str):
+        """The frozen model `name`'s spec, or None when the job has none of that name."""
+        return next((spec for spec in self.frozen if spec.name == name), None)
+
     def reward_model_spec(self):
         """The reward model of `reward.model` (`rewards.reward_model.RewardModelSpec`), the same for every actor."""
         from rayllm_rl.rewards.reward_model import RewardModelSpec
