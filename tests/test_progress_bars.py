@@ -60,7 +60,7 @@ def test_an_eval_during_rl_shows_in_the_rl_bars_postfix_and_leaves_it_as_it_was(
         worker.join(10)
         assert bar.bar.postfix == "eval 3/3"
         assert "eval 3/3" in screen(err.getvalue())[-1]  # drawn when done, whatever the interval
-    assert bar.bar.postfix == before and not bar.closed and reporter._bar is bar  # still the one bar
+    assert bar.bar.postfix == before and not bar.closed and reporter.bar is bar  # still the one bar
     reporter.close()
 
 
