@@ -82,9 +82,9 @@ def test_the_sft_warm_start_has_a_bar(take_err, tmp_path, tokenizer):
 
 def test_the_gguf_conversion_shows_its_stages(take_err):
     err = take_err()
-    from rayllm_rl.models.gguf import _stages
+    from rayllm_rl.models.gguf import stage_progress
 
-    step = _stages("converting m.gguf (once)", ("dequantize", "save", "check the round trip"))
+    step = stage_progress("converting m.gguf (once)", ("dequantize", "save", "check the round trip"))
     assert "dequantize" in screen(err.getvalue())[-1]
     step("save")
     step("check the round trip")
