@@ -135,9 +135,9 @@ def test_a_dying_collector_loop_fails_the_buffer_waiting_for_a_batch():
         waiter = asyncio.ensure_future(buf.get_batch(4, 0, timeout_s=60))
         col.raise_if_dead()  # not started: nothing to raise
         col.start(buf.fail)
-        first = col._loop_task
+        first = col.loop_task
         col.start(buf.fail)
-        assert col._loop_task is first, "start while the loop runs must not start a second one"
+        assert col.loop_task is first, "start while the loop runs must not start a second one"
         t0 = time.perf_counter()
         with pytest.raises(RuntimeError, match=r"collector loop died: [34] consecutive episodes failed; last: ValueError: bad row"):
             await waiter

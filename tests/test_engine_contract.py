@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+import weakref
 
 import pytest
 import torch
@@ -136,9 +137,14 @@ def test_top_p_logprobs_equal_the_learners_masked_logprobs(served, hf_model, tok
     assert bias.mean() <= -0.02, (kind, float(bias.mean()))  # this model's nucleus keeps ~0.9 of the mass
 
 
+UPDATED_REFERENCE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Engine -> the HF model holding the weights a weight-update test below loaded into it; kept here by the test,
+not on the engine, and gone with the engine."""
+
+
 def hf_model_for(engine, hf_model):
     """The HF model holding the engine's current weights (tests below may have updated them)."""
-    return getattr(engine, "_test_reference", hf_model)
+    return UPDATED_REFERENCE.get(engine, hf_model)
 
 
 def test_stop_and_length_reasons(served, tokenizer):
@@ -261,7 +267,7 @@ def test_update_bumps_version_and_leaves_no_stale_kv(served, hf_model, tokenizer
         assert (ref - torch.tensor(after.output_logprobs)).abs().max().item() <= 1e-4
         assert after.output_tokens != before[0].output_tokens or \
             (forward_logprobs(hf_model, p, after.output_tokens) - ref).abs().max().item() > 1e-3
-        engine._test_reference = fresh  # later tests compare against the weights the engine now holds
+        UPDATED_REFERENCE[engine] = fresh  # later tests compare against the weights the engine now holds
     finally:
         loop.run(engine.weights.close_update_group())
         sender.close()
@@ -288,7 +294,7 @@ def test_direct_load_weights_sets_weights_and_version(served, hf_model, tokenize
     (r,) = generate(loop, engine, [p], SamplingParams(max_new_tokens=8, greedy=True, ignore_eos=True))
     assert r.output_versions == [v + 1] * 8
     assert r.output_tokens == greedy_reference(fresh, p, 8)
-    engine._test_reference = fresh
+    UPDATED_REFERENCE[engine] = fresh
 
 
 @pytest.mark.parametrize("kind", ENGINES)  # vllm's through conftest's rule: fails where `make` installs it, if missing

@@ -310,8 +310,8 @@ def test_verifier_real_pathological_input(verifier):
 @pytest.mark.slow
 def test_verifier_survives_a_killed_worker_and_bad_config():
     with MathVerifier().start() as v:
-        v._proc.kill()
-        v._proc.join(5)
+        v.process.kill()
+        v.process.join(5)
         assert v.check("1", "1.0", timeout_s=20.0) is True
     with pytest.raises(RuntimeError, match="closed"):
         v.check("1", "1")
@@ -366,7 +366,7 @@ def test_math_reward_fn_pickles_without_its_process():
     fn = MathRewardFn(timeout_s=7.0)
     clone = pickle.loads(pickle.dumps(fn))
     assert clone.timeout_s == 7.0 and clone.verifier.default_timeout_s == 7.0
-    assert clone.verifier._proc is None and clone.verifier.num_checks == 0
+    assert clone.verifier.process is None and clone.verifier.num_checks == 0
     try:
         assert asyncio.run(clone("p", r"\boxed{\dfrac{1}{2}}", [], [], answer="0.5"))["reward"] == 1.0
     finally:

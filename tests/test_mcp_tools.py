@@ -229,7 +229,7 @@ def test_two_servers_qualified_names_and_no_leaked_processes(tokenizer):
         out = play(make_env(tokenizer, t), [call("b.echo", text="from b") + call("add", a=1, b=1)])
         got = responses(out["next"][0]["history"].prompt.to_chat()[-1]["content"])
         assert got[0] == "from b" and "unknown tool 'add'" in json.loads(got[1])["error"]
-        loop_thread = t.pool._runner.thread
+        loop_thread = t.pool.loop_thread
         assert loop_thread.is_alive()
     finally:
         t.close()

@@ -39,7 +39,7 @@ def test_an_evaluation_during_rl_has_the_engine_to_itself(tmp_path, monkeypatch)
 
     def watched(self, progress=None):
         c = self.collector
-        before = (c._paused, len(c.running()), c.finished)
+        before = (c.paused, len(c.running()), c.finished)
         out = evaluate(self, progress)
         seen.append((*before, c.finished))
         return out

@@ -89,10 +89,10 @@ def test_endpoint_features_and_errors(engine, tokenizer):
     ids = tokenizer("abc STOP def", add_special_tokens=False)["input_ids"]
     resp = LLMResponse(input_tokens=[1], output_tokens=ids, output_logprobs=[-0.5] * len(ids),
                        output_versions=[7] * len(ids), stop_reason="length")
-    cut, lps, vers, finish = ChatCompletionsSession(engine, tokenizer)._apply_stop(resp, ["STOP"])
+    cut, lps, vers, finish = ChatCompletionsSession(engine, tokenizer).apply_stop(resp, ["STOP"])
     assert tokenizer.decode(cut).endswith("STOP") and "STOP" not in tokenizer.decode(cut[:-1])
     assert cut == ids[:len(cut)] and lps == [-0.5] * len(cut) and vers == [7] * len(cut) and finish == "stop"
-    assert ChatCompletionsSession(engine, tokenizer)._apply_stop(resp, [])[3] == "length"
+    assert ChatCompletionsSession(engine, tokenizer).apply_stop(resp, [])[3] == "length"
     calls = parse_tool_calls('x <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call> <tool_call>{bad</tool_call>')
     assert len(calls) == 1 and calls[0]["function"]["name"] == "add" and calls[0]["function"]["arguments"] == '{"a": 1}'
 

@@ -60,7 +60,7 @@ def test_an_eval_during_rl_shows_in_the_rl_bars_postfix_and_leaves_it_as_it_was(
         worker.join(10)
         assert bar.bar.postfix == "eval 3/3"
         assert "eval 3/3" in screen(err.getvalue())[-1]  # drawn when done, whatever the interval
-    assert bar.bar.postfix == before and not bar.closed and reporter._bar is bar  # still the one bar
+    assert bar.bar.postfix == before and not bar.closed and reporter.bar is bar  # still the one bar
     reporter.close()
 
 
@@ -82,9 +82,9 @@ def test_the_sft_warm_start_has_a_bar(take_err, tmp_path, tokenizer):
 
 def test_the_gguf_conversion_shows_its_stages(take_err):
     err = take_err()
-    from rayllm_rl.models.gguf import _stages
+    from rayllm_rl.models.gguf import stage_progress
 
-    step = _stages("converting m.gguf (once)", ("dequantize", "save", "check the round trip"))
+    step = stage_progress("converting m.gguf (once)", ("dequantize", "save", "check the round trip"))
     assert "dequantize" in screen(err.getvalue())[-1]
     step("save")
     step("check the round trip")

@@ -27,7 +27,7 @@ import pytest
 
 from rayllm_rl.tools import PythonSandbox, SandboxResult
 from rayllm_rl.tools import sandbox as sandbox_mod
-from rayllm_rl.tools.sandbox import _kill_uid, _pids_of_uid
+from rayllm_rl.tools.sandbox import kill_uid, pids_of_uid
 
 REPO = Path(__file__).resolve().parents[1]
 NS_KEYS = ("net_namespace", "pid_namespace", "mount_namespace", "private_uid")
@@ -88,7 +88,7 @@ def _n_sandbox_uid_procs() -> int:
 
 def _assert_healthy(sb: PythonSandbox, res: SandboxResult | None = None) -> None:
     if res is not None and res.uid is not None:
-        assert _pids_of_uid(res.uid) == [], f"leftover processes of sandbox uid {res.uid}"
+        assert pids_of_uid(res.uid) == [], f"leftover processes of sandbox uid {res.uid}"
     ok = sb.run("print(1+1)")
     assert (ok.stdout, ok.exit_code, ok.timed_out) == ("2\n", 0, False), ok
     assert subprocess.run(["true"], timeout=10).returncode == 0  # the host can still spawn processes
@@ -126,7 +126,7 @@ def test_files_stdin_and_unicode(sb):
 def test_invalid_file_names_rejected(sb, name):
     with pytest.raises(ValueError):
         sb.run("print(1)", files={name: "x"})
-    assert not sandbox_mod._uids_in_use  # the reserved private uid was released
+    assert not sandbox_mod.reserved_uids()  # the reserved private uid was released
 
 
 @pytest.mark.slow
@@ -536,7 +536,7 @@ def test_workdir_cleanup_survives_dirs_chmodded_to_000():
             os.chown(p, 65534, 65534)
         os.chmod(base, 0o755)
         os.chmod(tree / "a", 0)
-        code = f"from rayllm_rl.tools.sandbox import _rmtree\n_rmtree({str(tree)!r})\nprint('ok')"
+        code = f"from rayllm_rl.tools.sandbox import remove_tree\nremove_tree({str(tree)!r})\nprint('ok')"
         res = subprocess.run([python, "-c", code], user=65534, group=65534, capture_output=True, text=True,
                              cwd="/", env={"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO)})
         assert res.returncode == 0 and res.stdout == "ok\n", res.stderr
@@ -552,10 +552,10 @@ def test_kill_uid_helper():
     uid = 1_999_999_000 + os.getpid() % 1000
     procs = [subprocess.Popen(["sleep", "60"], user=uid, group=uid, start_new_session=True) for _ in range(3)]
     try:
-        assert len(_pids_of_uid(uid)) == 3
-        _kill_uid(uid)
+        assert len(pids_of_uid(uid)) == 3
+        kill_uid(uid)
         assert all(p.wait(10) == -signal.SIGKILL for p in procs)
-        assert _pids_of_uid(uid) == []
+        assert pids_of_uid(uid) == []
     finally:
         for p in procs:
             p.kill()
@@ -580,7 +580,7 @@ def _start_host(tmp_path: Path, code: str) -> tuple[subprocess.Popen, int]:
 
 def _run_processes(host_pid: int, uid: int) -> list[int]:
     """Live processes of a run: its uid's, plus (root, before the uid is taken) launcher-image ones of this host."""
-    marker, pids = f'"ppid": {host_pid},'.encode(), set(_pids_of_uid(uid))
+    marker, pids = f'"ppid": {host_pid},'.encode(), set(pids_of_uid(uid))
     for name in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{name}/cmdline", "rb") as f:
@@ -596,7 +596,7 @@ def _run_processes(host_pid: int, uid: int) -> list[int]:
 
 def _cmdlines(uid: int) -> list[bytes]:
     out = []
-    for pid in _pids_of_uid(uid):
+    for pid in pids_of_uid(uid):
         with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
             out.append(f.read())
     return out
@@ -617,7 +617,7 @@ def _cleanup_dead_host_run(host: subprocess.Popen, uid: int) -> None:
     for pid in _run_processes(host.pid, uid):  # only if the test failed: do not leave them running
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
-    _kill_uid(uid)
+    kill_uid(uid)
     for d in Path(tempfile.gettempdir()).glob("rayllm-sandbox-*"):  # the dead host could not delete it
         if d.stat().st_uid == uid:
             shutil.rmtree(d)
@@ -659,7 +659,7 @@ def test_host_crash_takes_the_sandbox_down(sb, isolation, tmp_path):
             time.sleep(0.02)  # both hidden children started (the code itself runs before it starts them)
         (launcher,) = _children(host.pid)
         before = _run_processes(host.pid, uid)
-        assert len(_pids_of_uid(uid)) >= 3 and launcher in before and len(before) >= 5, before  # + launcher, init
+        assert len(pids_of_uid(uid)) >= 3 and launcher in before and len(before) >= 5, before  # + launcher, init
         for pid in before:
             with contextlib.suppress(ProcessLookupError):  # a short-lived one (the double fork's middle) may be gone
                 fds.append(os.pidfd_open(pid))
@@ -676,7 +676,7 @@ def test_host_crash_takes_the_sandbox_down(sb, isolation, tmp_path):
                 poll.unregister(fd)
         took = time.monotonic() - t0
         if not isolation["pid_namespace"]:  # the fallback's uid kill runs in a forked helper: give it time too
-            while _pids_of_uid(uid) and time.monotonic() < t0 + _DEATH_TIMEOUT_S:
+            while pids_of_uid(uid) and time.monotonic() < t0 + _DEATH_TIMEOUT_S:
                 time.sleep(0.02)
         left = _run_processes(host.pid, uid)  # also any process started after `before` was taken
         assert not alive and not left, (f"sandbox processes outlived their host: {len(alive)} of {len(before)} "

@@ -146,7 +146,7 @@ def test_models_the_packed_path_cannot_serve_are_scored_padded():
     sliding = qwen2(use_sliding_window=True, sliding_window=4, max_window_layers=0)
     assert not supports_shared_prompt(sliding)
     learner = Learner("unused", OptimConfig(share_prompts=True), model=sliding)
-    assert not learner.can_share_prompts and all(p is None for _, p in learner._micro_batches(grpo_batch()))
+    assert not learner.can_share_prompts and all(p is None for _, p in learner.micro_batches_of(grpo_batch()))
     assert supports_shared_prompt(qwen2()) and supports_shared_prompt(qwen2(attn="eager"))
 
 

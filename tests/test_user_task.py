@@ -425,9 +425,9 @@ def test_worker_part_of_math_ships_its_verifier_settings_not_its_process():
     answer = f"<answer>{row.get('answer') or 'x'}</answer>"
     try:
         on_driver = score(task, answer, row)
-        assert task.reward_fn.verifier._proc is not None  # started here
+        assert task.reward_fn.verifier.process is not None  # started here
         shipped = cloudpickle.loads(cloudpickle.dumps(worker_part(task)))
-        assert shipped.reward_fn.verifier._proc is None
+        assert shipped.reward_fn.verifier.process is None
         assert score(shipped, answer, row) == on_driver
     finally:
         task.reward_fn.close()

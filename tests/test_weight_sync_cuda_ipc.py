@@ -239,7 +239,7 @@ def test_a_receiver_takes_its_own_ranks_exports_and_refuses_the_senders_process(
         receiver(rank=2).receive(fake_handoff(ranks=1))
     with pytest.raises(WeightSyncError, match=rf"sender and receiver are one process \(pid {os.getpid()}\): CUDA IPC "
                                               r"cannot open a handle where it was exported"):
-        receiver().receive(fake_handoff(process=cuda_ipc._process()))
+        receiver().receive(fake_handoff(process=cuda_ipc.process_token()))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fake handles are only opened where torch has no CUDA")

@@ -9,6 +9,7 @@ import ray
 import torch
 
 from rayllm_rl.weight_sync import WeightSyncError, WeightSyncTimeout, metadata_of
+from rayllm_rl.weight_sync.buckets import plan_fingerprint
 from rayllm_rl.weight_sync.object_store import Handoff
 from rayllm_rl.weight_sync.registry import build_receiver, make_spec, open_sender
 
@@ -180,10 +181,11 @@ def test_a_fetch_that_never_completes_times_out_naming_its_phase():
         time.sleep(60)
 
     ref = never.remote()
-    plan = receiver._ep
-    handoff = Handoff(3, plan.fingerprint, (ref,) * len(plan.buckets), 0)
+    buckets = receiver.buckets  # a handoff of the receiver's own plan, whose objects never arrive
+    handoff = Handoff(3, plan_fingerprint(buckets), (ref,) * len(buckets), 0)
     t0 = time.monotonic()
-    with pytest.raises(WeightSyncTimeout, match=rf"phase 'fetch bucket 1/{len(plan.buckets)}' timed out on rank 1 .*timeout 1s"):
+    with pytest.raises(WeightSyncTimeout,
+                       match=rf"phase 'fetch bucket 1/{len(buckets)}' timed out on rank 1 .*timeout 1s"):
         receiver.receive(handoff)
     assert time.monotonic() - t0 < 10
     ray.cancel(ref, force=True)

@@ -131,7 +131,7 @@ class ChatCompletionsSession:
         resps = await asyncio.gather(*(self.engine.agenerate(LLMRequest(
             input_ids=list(prompt_ids), sampling=sampling, rid=f"{self.rid}-{base + i}")) for i in range(n)))
         for i, resp in enumerate(resps):
-            out_ids, lps, vers, finish = self._apply_stop(resp, stops)
+            out_ids, lps, vers, finish = self.apply_stop(resp, stops)
             text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
             reply: dict[str, Any] = {"role": "assistant", "content": text}
             tool_calls = parse_tool_calls(text) if body.get("tools") else []
@@ -152,8 +152,9 @@ class ChatCompletionsSession:
                 "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": usage_out,
                           "total_tokens": len(prompt_ids) + usage_out}}
 
-    def _apply_stop(self, resp, stops: list[str]):
-        """Cut the output at the first token whose text completes a stop string (OpenAI `stop`).
+    def apply_stop(self, resp, stops: list[str]):
+        """Cut `resp`'s output at the first token whose text completes a stop string (OpenAI `stop`): returns
+        (token ids, logprobs, versions, finish reason "stop" or "length"), as `create` answers a request.
         One decode of the whole output first; the per-prefix search runs only when a stop string is there."""
         ids, lps, vers = list(resp.output_tokens), list(resp.output_logprobs), list(resp.output_versions)
         finish = "length" if resp.stop_reason == "length" else "stop"

@@ -295,9 +295,10 @@ class Learner:
         if len(set(prints)) != 1:
             raise ValueError(f"FSDP ranks got different batches (fingerprints {prints}); pass the full batch to all")
 
-    def _micro_batches(self, td: TensorDict) -> list[tuple[TensorDict, Any]]:
-        """`(rows cut to their longest, PackedRows or None)` per training micro-batch of `td`: packed behind
-        shared prompts when `optim.share_prompts` applies to this model, else padded (`micro_batches`)."""
+    def micro_batches_of(self, td: TensorDict) -> list[tuple[TensorDict, Any]]:
+        """How a training step splits `td`: `(rows cut to their longest, PackedRows or None)` per micro-batch,
+        packed behind shared prompts when `optim.share_prompts` applies to this model, else padded
+        (`micro_batches`)."""
         budget, rows = self.cfg.max_tokens_per_micro_batch, self.cfg.micro_batch_size
         if self.cfg.share_prompts and self.can_share_prompts:
             return [(trim(td[packed.rows], packed.width), packed) for packed in packed_micro_batches(td, budget, rows)]
@@ -324,10 +325,10 @@ class Learner:
         chunk = self.cfg.logprob_chunk_size
         bounds = [(r * n // self.world_size, (r + 1) * n // self.world_size) for r in range(self.world_size)]
         shard = td[bounds[self.rank][0]:bounds[self.rank][1]]
-        mbs = self._micro_batches(shard)
+        mbs = self.micro_batches_of(shard)
         # FSDP: every rank must run as many forward/backward passes as the rank with the most micro-batches;
         # every rank holds the full minibatch, so each plans every rank's micro-batches without a collective.
-        passes = max(len(self._micro_batches(td[lo:hi])) for lo, hi in bounds) if self.world_size > 1 else len(mbs)
+        passes = max(len(self.micro_batches_of(td[lo:hi])) for lo, hi in bounds) if self.world_size > 1 else len(mbs)
         self.optimizer.zero_grad(set_to_none=True)
         metrics: dict[str, float] = {}
         nonfinite_loss = False

@@ -275,7 +275,7 @@ def ensure_dequantized(path: str, cache_dir: str | Path | None = None) -> str:
     final = converted_dir(path, sha, cache_dir)
     if is_converted(final):
         return str(final)
-    bar = _stages(f"converting {Path(path).name} (once)", ("dequantize", "save", "check the round trip"))
+    bar = stage_progress(f"converting {Path(path).name} (once)", ("dequantize", "save", "check the round trip"))
     with read_once():  # the file parsed once for both (16.6 s instead of 26.4 s for SmolLM2-135M)
         info = inspect_gguf(path)
         done = dequantize_gguf(path)
@@ -304,9 +304,9 @@ def ensure_dequantized(path: str, cache_dir: str | Path | None = None) -> str:
     return str(final)
 
 
-def _stages(desc: str, stages: tuple[str, ...]):
+def stage_progress(desc: str, stages: tuple[str, ...]):
     """A progress bar on stderr over named stages (the conversion takes tens of seconds): the first stage shown
-    now; `next_stage(name)` moves on to `name`, `next_stage(None)` completes and closes it."""
+    now; the returned `next_stage(name)` moves on to `name`, `next_stage(None)` completes and closes it."""
     import sys
 
     from tqdm import tqdm

@@ -272,6 +272,12 @@ class RunReporter:
         else:
             print(line, file=sys.stderr, flush=True)
 
+    @property
+    def bar(self) -> _Progress | None:
+        """The run's progress bar: the last one `progress` (or `task_progress`, with no bar live) made; None
+        before the first. It may be closed (check `.closed`)."""
+        return self._bar
+
     def progress(self, total: int, desc: str) -> _Progress:
         """The run's one progress bar; a bar still live (a rollback left it) is cleared away first."""
         if self._bar is not None:

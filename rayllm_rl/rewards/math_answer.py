@@ -278,6 +278,12 @@ class MathVerifier:
         return self._conn
 
     # -- public API --
+    @property
+    def process(self):
+        """The worker process (a `multiprocessing` Process), or None: not started yet, closed, or a copy
+        unpickled here (a copy ships settings only and starts its own on first use)."""
+        return self._proc
+
     def start(self) -> "MathVerifier":
         """Start the worker and wait until it is ready (optional: `check` does it lazily)."""
         with self._lock:

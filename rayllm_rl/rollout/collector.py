@@ -108,6 +108,16 @@ class LLMCollector:
         self._stopped = True
         self._wake.set()
 
+    @property
+    def paused(self) -> bool:
+        """True while admissions are paused (`pause`, `drain`) until `resume` or `start`."""
+        return self._paused
+
+    @property
+    def loop_task(self) -> asyncio.Task | None:
+        """The task `start` runs `run()` in (None before the first `start`); one task while it runs."""
+        return self._loop_task
+
     def running(self) -> list[asyncio.Task]:
         """The episodes running now (each an asyncio task of `run_episode`)."""
         return list(self._tasks)

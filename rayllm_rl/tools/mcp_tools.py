@@ -183,6 +183,13 @@ class MCPClientPool:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    @property
+    def loop_thread(self) -> threading.Thread | None:
+        """The daemon thread the sessions' event loop runs in; None before `connect` (a pool made with
+        `connect=False`) and after `close`, which stops the thread."""
+        runner = self._runner
+        return None if runner is None else runner.thread
+
     def _submit(self, coro, timeout: float, what: str):
         runner = self._runner
         if runner is None:

@@ -48,7 +48,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
-__all__ = ["PythonSandbox", "SandboxResult"]
+__all__ = ["PythonSandbox", "SandboxResult", "kill_uid", "pids_of_uid", "remove_tree", "reserved_uids"]
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def _interpreter_paths(python: str) -> list[str]:
     return paths
 
 
-def _pids_of_uid(uid: int) -> list[int]:
+def pids_of_uid(uid: int) -> list[int]:
     """Live host pids whose real, effective, saved or fs uid is ``uid`` (scan of /proc; zombies are dead)."""
     pids = []
     for name in os.listdir("/proc"):
@@ -124,6 +124,12 @@ def _pids_of_uid(uid: int) -> list[int]:
             if str(uid) in fields.get("Uid", "").split() and not fields.get("State", "").strip().startswith("Z"):
                 pids.append(int(name))
     return pids
+
+
+def reserved_uids() -> frozenset[int]:
+    """The private uids this process's runs hold now: each run reserves one and releases it when it ends."""
+    with _lock:
+        return frozenset(_uids_in_use)
 
 
 def _id_ranges(path: str) -> list[tuple[int, int]]:
@@ -147,20 +153,21 @@ def _acquire_uid() -> int | None:
                 if uid in _uids_in_use:
                     continue
                 _uids_in_use.add(uid)
-            if not _pids_of_uid(uid):
+            if not pids_of_uid(uid):
                 return uid
             with _lock:
                 _uids_in_use.discard(uid)
     return None
 
 
-def _kill_uid(uid: int) -> None:
-    """Kill every process of ``uid`` (belt and braces; normally the PID namespace already did)."""
-    if not _pids_of_uid(uid):
+def kill_uid(uid: int) -> None:
+    """Kill every process of ``uid`` (a run's ``SandboxResult.uid``; belt and braces after a run, where normally
+    the PID namespace already did)."""
+    if not pids_of_uid(uid):
         return
     subprocess.run([sys.executable, "-I", "-S", _LAUNCHER, "--kill-uid", str(uid)], timeout=30,
                    env={"PATH": _PATH}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    if _pids_of_uid(uid):
+    if pids_of_uid(uid):
         log.error("PythonSandbox: processes of sandbox uid %d survived cleanup", uid)
 
 
@@ -183,7 +190,7 @@ def _prepare_workdir(code: str, files: dict[str, str | bytes] | None, uid: int |
                     os.chown(n, uid, uid, follow_symlinks=False)
         os.chmod(workdir, 0o700)
     except BaseException:
-        _rmtree(workdir)
+        remove_tree(workdir)
         raise
     return workdir
 
@@ -192,13 +199,15 @@ def _tree_size(path: str) -> int:
     return sum(os.path.getsize(os.path.join(r, n)) for r, _, names in os.walk(path) for n in names)
 
 
-def _rmtree(path: str) -> None:
+def remove_tree(path: str) -> None:
+    """Delete the tree at ``path`` (a run's workdir), also where the code chmod'ed its own directories to 000
+    (without root: each is made 0700 again and emptied from inside); what still cannot go is left, silently."""
     def retry(func, p, _exc):  # unprivileged fallback: the code may have chmod'ed its own dirs to 000
         try:
             os.chmod(os.path.dirname(p), 0o700)
             os.chmod(p, 0o700)
             if os.path.isdir(p) and not os.path.islink(p):
-                _rmtree(p)  # rmtree failed to open it (func is os.open, which needs flags): start over inside
+                remove_tree(p)  # rmtree failed to open it (func is os.open, which needs flags): start over inside
             else:
                 func(p)
         except OSError:
@@ -271,9 +280,9 @@ class PythonSandbox:
             out, err, msg, timed_out = self._pump(proc, stdin.encode(), status_r, timeout, uid)
         finally:
             if uid is not None and workdir is not None:
-                _kill_uid(uid)  # no-op unless something of this uid survived
+                kill_uid(uid)  # no-op unless something of this uid survived
             if workdir is not None:
-                _rmtree(workdir)
+                remove_tree(workdir)
             if uid is not None:
                 with _lock:
                     _uids_in_use.discard(uid)
@@ -334,7 +343,7 @@ class PythonSandbox:
                         with contextlib.suppress(ValueError):
                             msg.update(json.loads(line))
                         if b'"exit_code"' in line and uid is not None and "init_pid" not in msg:
-                            _kill_uid(uid)  # no PID namespace: kill leftovers now so init can reap them
+                            kill_uid(uid)  # no PID namespace: kill leftovers now so init can reap them
                 else:
                     buf = bufs[fd]
                     room = cap - len(buf[0])
@@ -389,4 +398,4 @@ class PythonSandbox:
             else:
                 os.killpg(launcher_pgid, signal.SIGKILL)
         if uid is not None:
-            _kill_uid(uid)
+            kill_uid(uid)

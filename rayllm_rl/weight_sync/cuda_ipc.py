@@ -69,7 +69,7 @@ from rayllm_rl.weight_sync.ends import (
 from rayllm_rl.weight_sync.scheme import TransportScheme
 
 __all__ = ["CudaIpcSender", "CudaIpcReceiver", "CudaIpcScheme", "CudaIpcHandoff", "encode_export", "decode_export",
-           "export_tensor", "release_export", "gpu_uuid", "HANDOFF_KEYS", "EXPORT_KEYS"]
+           "export_tensor", "release_export", "gpu_uuid", "process_token", "HANDOFF_KEYS", "EXPORT_KEYS"]
 
 _WHAT = "CUDA IPC"
 _ONE_BUCKET = 1 << 62  # the plan's buckets are unused here: one entry per tensor
@@ -94,9 +94,9 @@ _ARGS_LEN = 15  # rebuild_cuda_tensor's arguments, as reduce_tensor returns them
 _TOKEN = uuid.uuid4().hex
 
 
-def _process() -> str:
-    """This process, unique across pid namespaces (the token) and forks (the pid): CUDA IPC cannot open an
-    export in the process that made it."""
+def process_token() -> str:
+    """This process as a handoff's `process` names it, unique across pid namespaces (the token) and forks (the
+    pid): CUDA IPC cannot open an export in the process that made it, so a receiver refuses a handoff with its own."""
     return f"{_TOKEN}-{os.getpid()}"
 
 
@@ -229,7 +229,7 @@ class CudaIpcSender(EndpointView, SenderEnd):
                         raise plan.error(f"export {i + 1}/{n}", f"{m.name}: {type(exc).__name__}: {exc}") from exc
                 _wait(device, plan, "publish")  # the bytes are final before a receiver reads them
                 handoff = CudaIpcHandoff(version=int(version), fingerprint=plan.fingerprint,
-                                         device_uuid=gpu_uuid(device), process=_process(), pid=os.getpid(),
+                                         device_uuid=gpu_uuid(device), process=process_token(), pid=os.getpid(),
                                          nbytes=plan.total_bytes, exports=exports)
         except BaseException:
             for entry in (e for per_rank in exports for e in per_rank):  # nobody will open these
@@ -294,7 +294,7 @@ class CudaIpcReceiver(HeldReceiver):
                 ranks = len(exports) if isinstance(exports, list) else 0
                 raise plan.error("handoff", f"the handoff carries no export list of {len(plan.metas)} tensors for "
                                             f"rank {plan.rank} (it has {ranks} receiving ranks)")
-            if handoff["process"] == _process():
+            if handoff["process"] == process_token():
                 raise plan.error("handoff", f"sender and receiver are one process (pid {os.getpid()}): CUDA IPC "
                                             "cannot open a handle where it was exported; use ray.sync_transport="
                                             "object_store")
