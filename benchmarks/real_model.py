@@ -470,7 +470,7 @@ def main(argv=None) -> dict:
         traceback.print_exc(file=sys.stderr)
     finally:
         lt.close(close_engines(), timeout_s=120)
-    del learner, model
+    learner = model = None  # dropped before gc.collect()
     engines.clear()
     gc.collect()
     try:

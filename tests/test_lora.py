@@ -366,7 +366,7 @@ def test_fsdp_two_ranks_train_the_same_adapter(tiny_model_path, batch, tmp_path)
 def _fsdp_rank(dist_cfg, queue, path: str, batch, ckpt: str) -> None:
     torch.set_num_threads(1)
     from rayllm_rl.learner.checkpoint import save_checkpoint
-    from rayllm_rl.learner.distributed import DistConfig, destroy_distributed
+    from rayllm_rl.learner.distributed import destroy_distributed
 
     learner = Learner(path, OptimConfig(lr=1e-3), lora=LORA, dist=dist_cfg)
     for _ in range(2):

@@ -178,7 +178,7 @@ def test_jobs_submitted_with_a_working_dir_train_the_users_reward_and_the_smollm
     from rayllm_rl.config import packaged_recipes
     from test_recipes import HUB_CONFIGS, HUB_DATASETS, lay_out_datasets_cache, lay_out_hub_cache
 
-    smollm2 = Path(require_smollm2_gguf())  # `make models` fetches it (and fills this node's cache)
+    require_smollm2_gguf()  # `make models` fetches it (and fills this node's cache)
     hub = tmp_path / "hf"  # the GPU recipes' model configs and datasets, as a node that planned them has them
     for repo_id, config in HUB_CONFIGS.items():
         lay_out_hub_cache(hub / "hub", repo_id, config)

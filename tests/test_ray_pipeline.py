@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import ray  # noqa: E402  (a core dependency: missing ray is a failure, not a skip)
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
-
-from rayllm_rl.config import load_config  # noqa: E402
+import ray  # a core dependency: missing ray is a failure, not a skip
+from rayllm_rl.config import load_config
 from rayllm_rl.job.plan import make_plan
-from rayllm_rl.job.config import GRPOJobConfig  # noqa: E402
+from rayllm_rl.job.config import GRPOJobConfig
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

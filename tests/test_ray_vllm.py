@@ -10,11 +10,10 @@ import torch
 from rayllm_rl.config import load_config
 from rayllm_rl.job.plan import make_plan
 from rayllm_rl.job.config import GRPOJobConfig
-
-pytestmark = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.slow]
-import ray  # noqa: E402  (a core dependency: missing ray is a failure, not a skip)
 from budgets import VLLM_START_S
 from ray_sessions import JOB_ENV, local_ray_session
+
+pytestmark = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from rayllm_rl.envs.task_registry import PRESET_KEYS, TASKS, find_entry, resolve_task_name
+from rayllm_rl.envs.task_registry import PRESET_KEYS as PRESET_KEYS  # re-exported: job/checks.py imports it here
+from rayllm_rl.envs.task_registry import TASKS, find_entry, resolve_task_name
 from rayllm_rl.workflows.custom import PYTHON_WORKFLOW_PREFIX
 
 TASK_PRESETS: dict[str, dict[str, Any]] = {name: dict(entry.presets) for name, entry in TASKS.items()}
