@@ -21,9 +21,9 @@ for every task. A copy of the registry's presets (`envs/task_registry.py`) as th
 reading; `resolve_presets` reads the registry itself. docs/recipes.md says why each value."""
 
 LORA_LR_PRESETS: dict[str, dict[str, Any]] = {name: dict(entry.lora_presets) for name, entry in TASKS.items()}
-"""(A copy of the registry's, as TASK_PRESETS.) With `model.lora.rank > 0`, these replace TASK_PRESETS' values: an adapter is trained at about 10x the
-full-weight learning rate (the usual LoRA rule, e.g. Thinking Machines' "LoRA Without Regret"; TRL's LoRA
-examples use 1e-5..2e-4). A value the user sets still wins (docs/lora.md)."""
+"""(A copy of the registry's, as TASK_PRESETS.) With `model.lora.rank > 0`, these replace TASK_PRESETS' values: an
+adapter is trained at about 10x the full-weight learning rate (the usual LoRA rule, e.g. Thinking Machines' "LoRA
+Without Regret"; TRL's LoRA examples use 1e-5..2e-4). A value the user sets still wins (docs/lora.md)."""
 
 
 def get_key(cfg: Any, key: str) -> Any:
