@@ -22,7 +22,8 @@ def test_enum_typos_name_key_value_and_allowed(override, key):
 def test_a_task_typo_names_the_built_in_tasks_and_the_close_one():
     """`task` is a built-in name (the registry) or an import path; a typo fails before anything starts."""
     with pytest.raises(ValueError, match=r"task='gsm9k' is neither a built-in task \['arithmetic', 'gsm8k', 'ifeval', "
-                                         r"'math', 'prompts', 'reasoning_gym'\] \(close: \['gsm8k'\]\) nor an import path"):
+                                         r"'math', 'prompts', 'reasoning_gym'\] \(close: \['gsm8k'\]\) "
+                                         r"nor an import path"):
         cfg_of("task=gsm9k")
 
 
@@ -161,7 +162,8 @@ def test_switching_the_loss_keeps_what_the_user_set_and_takes_the_new_loss_defau
 
 
 def test_advantage_mode_is_a_literal():
-    with pytest.raises(ConfigError, match=r"'algo.advantage.mode': 'groups' is not one of \('group', 'global', 'none'\)"):
+    with pytest.raises(ConfigError,
+                       match=r"'algo.advantage.mode': 'groups' is not one of \('group', 'global', 'none'\)"):
         cfg_of("algo.advantage.mode=groups")
 
 
@@ -180,7 +182,8 @@ def test_a_setting_both_backends_read_is_not_under_ray_and_its_old_key_names_the
 @pytest.mark.parametrize("overrides, message", [
     (["trainer.backend=local", "ray.placement=colocated", "rollout.max_staleness=0"],
      "ray.placement=colocated is a placement of the Ray backend's actors: set trainer.backend=ray"),
-    (["trainer.backend=local", "inference.engine=vllm"], "inference.engine=vllm runs in Ray replica actors: set trainer.backend=ray"),
+    (["trainer.backend=local", "inference.engine=vllm"],
+     "inference.engine=vllm runs in Ray replica actors: set trainer.backend=ray"),
 ])
 def test_what_the_local_backend_cannot_run_is_the_configs_check(overrides, message):
     """The backend rules live in the config's checks: an engine's `check_job` no longer sees the backend."""
