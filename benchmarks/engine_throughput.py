@@ -24,8 +24,8 @@ What it measures
 
     2. Weight sync into each engine's sink (vllm, transformers) over `--transports` (gloo, shm), this
        process acting as learner rank 0 (both ends built by `weight_sync.registry`; the object
-       store is compared in benchmarks/weight_sync.py): `--sync-repeats` updates of the HF weights + `--sync-noise` noise, each
-       while `--sync-load` requests x `--new-tokens` keep generating (closed loop: a finished
+       store is compared in benchmarks/weight_sync.py): `--sync-repeats` updates of the HF weights + `--sync-noise`
+       noise, each while `--sync-load` requests x `--new-tokens` keep generating (closed loop: a finished
        request is replaced at once; the update starts `--sync-after` s into the load). Medians
        per engine x transport: `sync_s` (sender total), `receive_s` and `stall_s` (from the
        engine's `receive_weights()`), `wall_s`, bytes; `engine.version` is checked after each sync.
@@ -75,7 +75,8 @@ _SPEC_DEFAULTS = TinyModelSpec()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", default=",".join(ENGINES), help="comma list of transformers, vllm, hf")
     p.add_argument("--batch-size", type=int, default=128, help="rows per batch / concurrent agenerate calls")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per row (also per sync-load request)")
@@ -213,7 +214,8 @@ async def sync_under_load(engine, sender, named, version: int, prompts, params, 
         k = 0
         while not stop.is_set():
             ts = time.perf_counter()
-            r = await engine.agenerate(LLMRequest(input_ids=list(prompts[i]), sampling=params, rid=f"load-{version}-{i}-{k}"))
+            r = await engine.agenerate(LLMRequest(input_ids=list(prompts[i]), sampling=params,
+                                                  rid=f"load-{version}-{i}-{k}"))
             done.append((ts, time.perf_counter(), r))
             k += 1
 
@@ -302,7 +304,8 @@ def main(argv: list[str] | None = None) -> dict:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
 
-    inter = args.intermediate_size or max(1, _SPEC_DEFAULTS.intermediate_size * args.hidden_size // _SPEC_DEFAULTS.hidden_size)
+    inter = args.intermediate_size or max(
+        1, _SPEC_DEFAULTS.intermediate_size * args.hidden_size // _SPEC_DEFAULTS.hidden_size)
     spec = TinyModelSpec(hidden_size=args.hidden_size, num_hidden_layers=args.layers, intermediate_size=inter)
     path = ensure_tiny_model(spec)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -360,8 +363,8 @@ def main(argv: list[str] | None = None) -> dict:
                 r = {"variant": name, "repeat": rep, **variants[name](prompts)}
                 runs.append(r)
                 per[name].append(r)
-                print(f"repeat {rep} {name:13s} {r['tokens_per_s']:9.1f} tok/s  ({r['tokens']} tok, {r['seconds']:.3f}s)",
-                      file=sys.stderr)
+                print(f"repeat {rep} {name:13s} {r['tokens_per_s']:9.1f} tok/s  "
+                      f"({r['tokens']} tok, {r['seconds']:.3f}s)", file=sys.stderr)
 
         sinks = {n: engines[n] for n in ("vllm", "transformers") if n in engines}
         weight_sync = (bench_weight_sync(loop, sinks, base, tokenizer, args)

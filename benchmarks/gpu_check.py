@@ -187,7 +187,8 @@ _positive_int, _positive_float = _positive(int), _positive(float)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, checked (a bad value exits naming its flag) and device defaults filled in."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="cuda (default when torch sees a GPU) or cpu (the smoke run)")
     p.add_argument("--engine", choices=("auto", "transformers", "vllm"), default="auto",
@@ -218,7 +219,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "pass --device cpu for the CPU smoke run")
         args.device = "cuda"
     elif args.device == "cuda" and not torch.cuda.is_available():
-        p.error(f"--device cuda: torch {torch.__version__} sees no CUDA device (a CPU build of torch, or no GPU visible)")
+        p.error(f"--device cuda: torch {torch.__version__} sees no CUDA device "
+                "(a CPU build of torch, or no GPU visible)")
     vllm_here = importlib.util.find_spec("vllm") is not None
     if args.engine == "auto":
         args.engine = "vllm" if vllm_here else "transformers"
@@ -276,7 +278,8 @@ class PhaseMemory:
             self.source = ("torch.cuda.max_memory_allocated of this process, reset before each phase (an engine "
                            "in another process, vLLM's engine core, is not in it: see device_used_bytes)")
         elif self._reset_hwm():
-            self.source = "peak RSS of this process above its RSS at the phase's start (VmHWM via /proc/self/clear_refs)"
+            self.source = ("peak RSS of this process above its RSS at the phase's start "
+                           "(VmHWM via /proc/self/clear_refs)")
         else:
             self.source = "unavailable (no writable /proc/self/clear_refs): peak memory is null"
 
@@ -414,7 +417,8 @@ class GPUCheck:
         try:
             return self.loop.run_until_complete(asyncio.wait_for(coro, self.args.phase_timeout_s))
         except asyncio.TimeoutError:
-            raise TimeoutError(f"{what} did not finish within --phase-timeout-s={self.args.phase_timeout_s:g}s") from None
+            raise TimeoutError(f"{what} did not finish within "
+                               f"--phase-timeout-s={self.args.phase_timeout_s:g}s") from None
 
     @contextmanager
     def phase(self, name: str, needs: tuple[str, ...] = (), memory: bool = False):

@@ -107,7 +107,8 @@ def _proc(path: str, key: str) -> str | None:
 
 
 def machine_info() -> dict:
-    return {"cpu_model": _proc("/proc/cpuinfo", "model name"), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    return {"cpu_model": _proc("/proc/cpuinfo", "model name"),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "nproc": os.cpu_count(), "affinity_cores": len(os.sched_getaffinity(0)),
             "mem_total": _proc("/proc/meminfo", "MemTotal"), "platform": platform.platform(),
             "python": platform.python_version(),
@@ -155,7 +156,8 @@ def run_concurrent(lt, engine, prompts, params: SamplingParams, tag: str) -> tup
     t0 = time.perf_counter()
     resps = lt.call(go(), TIMEOUT_S, f"{tag}: {len(prompts)} agenerate calls")
     dt, lens = time.perf_counter() - t0, [r.output_len for r in resps]
-    return {"seconds": dt, "tokens": sum(lens), "tokens_per_s": sum(lens) / dt, "row_tokens": [min(lens), max(lens)]}, resps
+    return {"seconds": dt, "tokens": sum(lens), "tokens_per_s": sum(lens) / dt,
+            "row_tokens": [min(lens), max(lens)]}, resps
 
 
 def run_hf(model, prompts, new_tokens: int, pad_id: int) -> dict:
@@ -187,7 +189,8 @@ def part_gen(lt, engines: dict, model, pad_id: int, sets, args) -> dict:
     tps = {n: statistics.median([r["tokens_per_s"] for r in runs if r["variant"] == n]) for n in names}
     return {"prompts": args.prompts, "new_tokens": args.new_tokens, "repeats": args.repeats,
             "prompt_tokens": [min(map(len, sets[1])), max(map(len, sets[1]))], "tokens_per_s": tps,
-            "vllm_vs_hf": _div(tps.get("vllm"), tps["hf"]), "transformers_vs_hf": _div(tps.get("transformers"), tps["hf"]),
+            "vllm_vs_hf": _div(tps.get("vllm"), tps["hf"]),
+            "transformers_vs_hf": _div(tps.get("transformers"), tps["hf"]),
             "all_rows_exact_length": all(r["tokens"] == args.prompts * args.new_tokens for r in runs),
             "warmup": warmup, "runs": runs}
 
@@ -251,14 +254,17 @@ def part_sync(lt, engines: dict, learner, args) -> dict:
                     runs.append({"engine": name, "transport": transport, "repeat": rep, "wall_s": wall,
                                  "send_s": stats.seconds, "receive_s": got["receive_s"], "stall_s": got["stall_s"],
                                  "bytes": stats.bytes, "gb_per_s": stats.bytes / wall / 1e9})
-                    print(f"sync {name:12s} {transport:4s} {wall:6.2f}s {runs[-1]['gb_per_s']:5.2f} GB/s", file=sys.stderr)
+                    print(f"sync {name:12s} {transport:4s} {wall:6.2f}s {runs[-1]['gb_per_s']:5.2f} GB/s",
+                          file=sys.stderr)
             finally:
                 lt.call(engine.weights.close_update_group(), 120, "close_update_group")
                 sender.close()
     keys = sorted({(r["engine"], r["transport"]) for r in runs})
     return {"model_bytes": sum(m.nbytes for m in metas), "tensors": len(metas),
-            "median": {f"{e}/{t}": {f: statistics.median([r[f] for r in runs if (r["engine"], r["transport"]) == (e, t)])
-                                    for f in ("wall_s", "send_s", "receive_s", "stall_s", "gb_per_s")} for e, t in keys},
+            "median": {f"{e}/{t}": {f: statistics.median([r[f] for r in runs
+                                                           if (r["engine"], r["transport"]) == (e, t)])
+                                    for f in ("wall_s", "send_s", "receive_s", "stall_s", "gb_per_s")}
+                       for e, t in keys},
             "runs": runs}
 
 
@@ -312,7 +318,8 @@ def child_train(args) -> dict:
     return {"side": args.child, "step_seconds": [round(s, 3) for s in secs], "median_step_s": med,
             "tokens_per_s": real / med, "real_tokens": real, "trained_tokens": int(td["loss_mask"].sum()),
             "micro_batches": len(groups), "padded_tokens": sum(len(g) * max(lengths[i] for i in g) for g in groups),
-            "rss_before_steps_bytes": base, "peak_rss_bytes": _rss("VmHWM"), "peak_above_before_bytes": _rss("VmHWM") - base,
+            "rss_before_steps_bytes": base, "peak_rss_bytes": _rss("VmHWM"),
+            "peak_above_before_bytes": _rss("VmHWM") - base,
             "metrics": {k: metrics[k] for k in ("loss", "grad_norm", "entropy") if k in metrics}}
 
 
@@ -470,7 +477,7 @@ def main(argv=None) -> dict:
         traceback.print_exc(file=sys.stderr)
     finally:
         lt.close(close_engines(), timeout_s=120)
-    del learner, model
+    learner = model = None  # dropped before gc.collect()
     engines.clear()
     gc.collect()
     try:

@@ -28,7 +28,8 @@ must equal the sender's. Timed per sync: end to end as the driver sees it (first
 every replica swapped), the sender's send (object store: the puts; shm: write + header + waiting
 for every ack, which comes after the swap), each replica's receive (object store: the fetch) and
 stall (time generation was held). The bandwidth yardstick is memcpy of the same tensors in the
-sender's process, sampled before every block (median of the idle blocks). Bytes/s = model bytes / end-to-end seconds (every replica got all of them).
+sender's process, sampled before every block (median of the idle blocks). Bytes/s = model bytes / end-to-end
+seconds (every replica got all of them).
 
 Targets (issue L), checked for the Ray paths: >= 0.9x shm end to end while generating; idle >= 50%
 of memcpy; stall <= 5% of the sync time.
@@ -104,7 +105,8 @@ class Sender:
 
     def size(self) -> tuple[int, int]:
         """(parameters, bytes) of what a sync carries."""
-        return sum(t.numel() for t in self.named.values()), sum(t.numel() * t.element_size() for t in self.named.values())
+        return (sum(t.numel() for t in self.named.values()),
+                sum(t.numel() * t.element_size() for t in self.named.values()))
 
     def memcpy(self) -> float:
         """Seconds to copy every tensor into preallocated ones (first touch untimed): the yardstick,

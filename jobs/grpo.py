@@ -10,7 +10,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
-from rayllm_rl.cli import job_command, job_main as main  # noqa: E402  (main: in-process callers get the exception)
+from rayllm_rl.cli import job_command, job_main
+
+main = job_main  # in-process callers get the exception
 
 if __name__ == "__main__":
     job_command(sys.argv[1:])  # a config error: one message naming the key, exit status 1

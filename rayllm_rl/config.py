@@ -191,7 +191,8 @@ def apply_dict(cfg: T, values: dict[str, Any], prefix: str = "") -> T:
             changes[k] = coerce(v, hints[k], key)
             if k in limits:
                 limits[k].check(key, changes[k])
-            if isinstance(current, dict) and isinstance(changes[k], dict):  # a mapping merges (YAML, then the command line)
+            # a mapping merges (YAML, then the command line)
+            if isinstance(current, dict) and isinstance(changes[k], dict):
                 changes[k] = {**current, **changes[k]}
     return dataclasses.replace(cfg, **changes)
 
@@ -325,7 +326,8 @@ def unset_key(cfg: T, key: str) -> T:
         fields = {f.name for f in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else set()
         if part not in fields:
             where = ".".join(parts[:i]) or "the top level"
-            raise ConfigError(f"~{key}: {where} has no key {part!r}" + (f" (its keys: {sorted(fields)})" if fields else ""))
+            raise ConfigError(f"~{key}: {where} has no key {part!r}"
+                              + (f" (its keys: {sorted(fields)})" if fields else ""))
         if i < len(parts) - 1:
             nodes.append(getattr(node, part))
     value = getattr(type(nodes[-1])(), parts[-1])

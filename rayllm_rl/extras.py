@@ -1,6 +1,7 @@
 """The optional features and the pip extra each needs. The core install (torch, transformers, ray[default],
-tensordict, datasets, and the packages they bring that our code imports) runs the built-in arithmetic and prompt tasks with the Transformers engine; a config that
-uses a feature whose package is missing fails at `validate()`, naming the extra: `pip install 'rayllm_rl[lora]'`."""
+tensordict, datasets, and the packages they bring that our code imports) runs the built-in arithmetic and prompt
+tasks with the Transformers engine; a config that uses a feature whose package is missing fails at `validate()`,
+naming the extra: `pip install 'rayllm_rl[lora]'`."""
 from __future__ import annotations
 
 import importlib.util

@@ -196,7 +196,8 @@ def read_adapter(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
 
     path = Path(directory) / WEIGHTS_FILE
     if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: {directory} is not a PEFT adapter (saved with model.lora.rank > 0?)")
+        raise FileNotFoundError(f"{path} is missing: {directory} is not a PEFT adapter "
+                                "(saved with model.lora.rank > 0?)")
     return load_file(str(path))
 
 

@@ -43,9 +43,10 @@ def build_tiny_reward_model(path, *, hidden: int = 64, layers: int = 2, seed: in
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
     tok = tiny_tokenizer()
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, num_labels=1,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, num_labels=1, pad_token_id=tok.pad_token_id,
+                         eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
     torch.manual_seed(seed)
     model = Qwen2ForSequenceClassification(config)
     model.save_pretrained(path)
@@ -195,7 +196,8 @@ def sft_arithmetic_policy(path, rows, steps: int = 60, batch: int = 32, seed: in
     with one_thread():
         learner = Learner(ensure_tiny_model(), OptimConfig(lr=1e-3, warmup_steps=20), seed=seed)
         for _ in range(steps):
-            chats = [[*r["messages"], {"role": "assistant", "content": sft_target(r)}] for r in rng.choices(rows, k=batch)]
+            chats = [[*r["messages"], {"role": "assistant", "content": sft_target(r)}]
+                     for r in rng.choices(rows, k=batch)]
             learner.train_step(make_sft_batch(tok, chats), SFTLoss())
     save_checkpoint(learner, path, tokenizer=tok)
     return str(path)

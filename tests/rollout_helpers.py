@@ -17,7 +17,8 @@ async def collect_batch(engine, workflow, loader, n_episodes: int, *, episode_fi
     """`n_episodes` episodes of `workflow` on `engine`; returns the padded batch and the collector's stats."""
     buffer = AwaitableEpisodeBuffer(ReplayBuffer(n_episodes, 0))
     collector = LLMCollector(loader, lambda row: run_and_store(
-        workflow, engine, row, lambda td: buffer.put(td, timeout_s), episode_filter), StalenessController(n_episodes, 0))
+        workflow, engine, row, lambda td: buffer.put(td, timeout_s), episode_filter),
+        StalenessController(n_episodes, 0))
     loop_task = asyncio.ensure_future(collector.run())
     batch_task = asyncio.ensure_future(buffer.get_batch(n_episodes, 0, timeout_s))
     try:

@@ -29,7 +29,8 @@ def _td(rewards, gids):
     n = len(rewards)
     ids = torch.arange(n).unsqueeze(-1).repeat(1, 3)  # row index in every token slot
     return TensorDict(
-        {"input_ids": ids, "loss_mask": torch.ones(n, 3, dtype=torch.bool), "rewards": _t(rewards), "group_id": _l(gids)},
+        {"input_ids": ids, "loss_mask": torch.ones(n, 3, dtype=torch.bool), "rewards": _t(rewards),
+         "group_id": _l(gids)},
         batch_size=[n],
     )
 

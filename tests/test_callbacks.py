@@ -98,8 +98,10 @@ def test_a_callback_that_raises_is_counted_and_cannot_break_the_run(tmp_path, ca
     assert [as_logged(r) for r in watcher.steps] == rl  # the raiser's change to its copy reached no one
     assert all(r["reward"] != -99.0 for r in rl)
     errors = [(r["step"], r["hook"], r["error"]) for r in logged(summary, "callback_error")]
-    assert errors == [(1, "on_step_end", "RuntimeError: boom at step 1"), (2, "on_step_end", "RuntimeError: boom at step 2"),
-                      (3, "on_step_end", "RuntimeError: boom at step 3"), (3, "on_train_end", "KeyError: 'no such metric'")]
+    assert errors == [(1, "on_step_end", "RuntimeError: boom at step 1"),
+                      (2, "on_step_end", "RuntimeError: boom at step 2"),
+                      (3, "on_step_end", "RuntimeError: boom at step 3"),
+                      (3, "on_train_end", "KeyError: 'no such metric'")]
     assert json.loads((Path(summary["run_dir"]) / "summary.json").read_text())["callback_errors"]["Raiser"] == 4
     err = capsys.readouterr().err
     assert err.count("Traceback (most recent call last)") == 1  # the first in full, then one line each
@@ -132,7 +134,8 @@ def test_callbacks_by_import_path_run_after_those_passed_as_objects(tmp_path):
     callback_helpers.MADE.clear()
     mine = Recorder()
     summary = entry.train(job(tmp_path, "trainer.eval_every=0"),
-                          ["trainer.steps=4", "trainer.callbacks=[callback_helpers:make_recorder,callback_helpers:StopAtTwo]"],
+                          ["trainer.steps=4",
+                           "trainer.callbacks=[callback_helpers:make_recorder,callback_helpers:StopAtTwo]"],
                           callbacks=[mine])
     assert [type(cb).__name__ for cb in callback_helpers.MADE] == ["Recorder", "Recorder", "StopAtTwo"]
     assert callback_helpers.MADE[0] is mine
@@ -156,7 +159,8 @@ def test_a_bad_callback_fails_before_anything_starts_naming_it(tmp_path):
         (["trainer.callbacks=[callback_helpers:MADE]"], {},
          ValueError, r"trainer\.callbacks\[0\]='callback_helpers:MADE' names \[.*\], not a class or factory"),
         (["trainer.callbacks=[callback_helpers:Unbuildable]"], {},
-         ValueError, r"trainer\.callbacks\[0\]: calling .*Unbuildable.* with no arguments failed: RuntimeError: needs a token"),
+         ValueError, r"trainer\.callbacks\[0\]: calling .*Unbuildable.* with no arguments failed: "
+                     r"RuntimeError: needs a token"),
         ([], {"callbacks": [Recorder(), object()]},
          TypeError, r"callbacks\[1\]=<object object at .*> has none of the hooks on_train_begin, on_step_end"),
     ]

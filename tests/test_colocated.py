@@ -82,10 +82,11 @@ def test_colocated_turns_sleep_train_hand_over_wake_and_nothing_generates_while_
     from rayllm_rl.orchestration.factories import build_task
     from rayllm_rl.orchestration.ray.backend import RayBackend
 
-    cfg = _cfg(*COLOCATED, f"inference.engine={engine}", f"trainer.run_dir={tmp_path}", f"trainer.call_timeout_s={VLLM_START_S}",
-               "ray.namespace=rayllm_colo").validate()
+    cfg = _cfg(*COLOCATED, f"inference.engine={engine}", f"trainer.run_dir={tmp_path}",
+               f"trainer.call_timeout_s={VLLM_START_S}", "ray.namespace=rayllm_colo").validate()
     model_path = ensure_tiny_model()
-    backend = RayBackend(make_plan(cfg.validate()), model_path, build_task(cfg), AutoTokenizer.from_pretrained(model_path))
+    backend = RayBackend(make_plan(cfg.validate()), model_path, build_task(cfg),
+                         AutoTokenizer.from_pretrained(model_path))
     try:
         assert backend.cluster.turns.colocated
         backend.sync_weights(0)
@@ -127,6 +128,7 @@ def test_the_plan_puts_the_reference_on_learner_0s_gpu_in_the_learners_dtype(pla
     job = make_plan(cfg.validate(environment=False))
     plan = placement_plan(job)
     actors = {a.name: a.describe() for a in job.actors}
-    assert actors["reference"]["num_gpus"] == 0.1 and actors["reference"]["bundle"] == actors["learner-0"]["bundle"] == bundle
+    assert (actors["reference"]["num_gpus"] == 0.1
+            and actors["reference"]["bundle"] == actors["learner-0"]["bundle"] == bundle)
     assert actors["learner-0"]["num_gpus"] == pytest.approx(learner) and "bfloat16" in actors["reference"]["note"]
     assert sum(a["num_gpus"] for a in actors.values()) == pytest.approx(plan["total_gpus"])

@@ -80,7 +80,8 @@ OPTIM_KEYS = "['betas', 'inner', 'lr', 'milestones', 'steps', 'use_ema']"
 
 def test_parse_overrides_nests_keys_and_keeps_text_for_the_field_type():
     got = parse_overrides(["a.b=1", "a.c=x", "a.d.e=0.28", "f=true", "g=1,2", "h=", "i=null", "j=k=v"])
-    assert got == {"a": {"b": "1", "c": "x", "d": {"e": "0.28"}}, "f": "true", "g": "1,2", "h": "", "i": "null", "j": "k=v"}
+    assert got == {"a": {"b": "1", "c": "x", "d": {"e": "0.28"}}, "f": "true", "g": "1,2", "h": "", "i": "null",
+                   "j": "k=v"}
 
 
 def test_parse_overrides_without_equals_raises():
@@ -230,7 +231,8 @@ def test_unknown_top_level_key():
 
 
 def test_unknown_nested_key_in_sub_section():
-    with pytest.raises(ConfigError, match=r"unknown config key 'optim\.inner\.width'; valid keys here: \['depth', 'mode'\]"):
+    with pytest.raises(ConfigError,
+                       match=r"unknown config key 'optim\.inner\.width'; valid keys here: \['depth', 'mode'\]"):
         load_config(Job, ["optim.inner.width=3"])
 
 
@@ -278,7 +280,8 @@ def test_field_docs_skips_undocumented_fields():
 
 
 def test_field_docs_includes_inherited_fields():
-    assert field_docs(ChildInner) == {"depth": "How deep to go.", "mode": "Speed mode.", "extra": "Added by the subclass."}
+    assert field_docs(ChildInner) == {"depth": "How deep to go.", "mode": "Speed mode.",
+                                      "extra": "Added by the subclass."}
 
 
 def test_describe_lists_keys_defaults_and_docs():

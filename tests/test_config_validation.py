@@ -22,7 +22,8 @@ def test_enum_typos_name_key_value_and_allowed(override, key):
 def test_a_task_typo_names_the_built_in_tasks_and_the_close_one():
     """`task` is a built-in name (the registry) or an import path; a typo fails before anything starts."""
     with pytest.raises(ValueError, match=r"task='gsm9k' is neither a built-in task \['arithmetic', 'gsm8k', 'ifeval', "
-                                         r"'math', 'prompts', 'reasoning_gym'\] \(close: \['gsm8k'\]\) nor an import path"):
+                                         r"'math', 'prompts', 'reasoning_gym'\] \(close: \['gsm8k'\]\) "
+                                         r"nor an import path"):
         cfg_of("task=gsm9k")
 
 
@@ -107,13 +108,11 @@ def test_algo_names_are_the_registered_losses_and_enums_are_checked():
 def test_each_loss_options_class_holds_exactly_its_loss_arguments_with_the_loss_defaults():
     """The options classes are written out by hand: they must stay the losses' keyword arguments (a test
     reads the constructors' signatures so that the config never has to)."""
-    import dataclasses
     import inspect
 
     from rayllm_rl.objectives import LOSSES
-    from rayllm_rl.job.config import ALGOS, AlgoBase
+    from rayllm_rl.job.config import ALGOS
 
-    shared = {f.name for f in dataclasses.fields(AlgoBase)}
     exposed_elsewhere = {"sft": {"loss_function", "beta", "kl_to_ref_coeff", "normalize_by_seq_length"}}
     for name, cls in ALGOS.items():
         params = inspect.signature(LOSSES[name]).parameters
@@ -163,7 +162,8 @@ def test_switching_the_loss_keeps_what_the_user_set_and_takes_the_new_loss_defau
 
 
 def test_advantage_mode_is_a_literal():
-    with pytest.raises(ConfigError, match=r"'algo.advantage.mode': 'groups' is not one of \('group', 'global', 'none'\)"):
+    with pytest.raises(ConfigError,
+                       match=r"'algo.advantage.mode': 'groups' is not one of \('group', 'global', 'none'\)"):
         cfg_of("algo.advantage.mode=groups")
 
 
@@ -182,7 +182,8 @@ def test_a_setting_both_backends_read_is_not_under_ray_and_its_old_key_names_the
 @pytest.mark.parametrize("overrides, message", [
     (["trainer.backend=local", "ray.placement=colocated", "rollout.max_staleness=0"],
      "ray.placement=colocated is a placement of the Ray backend's actors: set trainer.backend=ray"),
-    (["trainer.backend=local", "inference.engine=vllm"], "inference.engine=vllm runs in Ray replica actors: set trainer.backend=ray"),
+    (["trainer.backend=local", "inference.engine=vllm"],
+     "inference.engine=vllm runs in Ray replica actors: set trainer.backend=ray"),
 ])
 def test_what_the_local_backend_cannot_run_is_the_configs_check(overrides, message):
     """The backend rules live in the config's checks: an engine's `check_job` no longer sees the backend."""

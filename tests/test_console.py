@@ -245,7 +245,8 @@ def test_vllm_engine_process_exits_clean(tiny_model_path, tmp_path, request):
         async def main():
             engine = VLLMEngine({tiny_model_path!r}, options=VLLMOptions(kv_cache_mb=64))
             await engine.start()
-            out = await engine.agenerate(LLMRequest(input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=4, ignore_eos=True)))
+            out = await engine.agenerate(LLMRequest(input_ids=[1, 2, 3],
+                                                    sampling=SamplingParams(max_new_tokens=4, ignore_eos=True)))
             llm = weakref.ref(engine.llm)
             await engine.aclose()
             await engine.aclose()  # idempotent

@@ -19,7 +19,8 @@ from rayllm_rl.job.config import GRPOJobConfig
 from rayllm_rl.job.inputs import JobInputs
 from rayllm_rl.rollout.collector import run_and_store
 
-ROWS = [{"messages": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)} for a in range(6) for b in range(6)]
+ROWS = [{"messages": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)}
+        for a in range(6) for b in range(6)]
 
 
 def exact(prompt, completion, prompt_ids, completion_ids, answer, **columns):
@@ -83,8 +84,8 @@ def test_import_path_and_object_resolve_with_typed_kwargs():
     cfg, inputs = validated(["rollout.workflow=workflow_helpers:Sized", "rollout.workflow_kwargs.bonus=2.5"])
     assert cfg.rollout.workflow == "workflow_helpers:Sized" and inputs.workflow.source is Sized
     assert inputs.workflow.kwargs == {"bonus": 2.5}  # command-line text, typed as the parameter's default
-    assert [k for k in ("reward_fn", "tokenizer", "sampling", "group_size", "max_turns", "task") if inputs.workflow.takes(k)] \
-        == ["reward_fn", "tokenizer", "sampling", "group_size"]
+    assert [k for k in ("reward_fn", "tokenizer", "sampling", "group_size", "max_turns", "task")
+            if inputs.workflow.takes(k)] == ["reward_fn", "tokenizer", "sampling", "group_size"]
     cfg, inputs = validated(["rollout.max_turns=3"], workflow=make_sized, workflow_kwargs={"anything": 1})
     assert cfg.rollout.workflow == "python:make_sized"  # config.json names the object
     assert inputs.workflow.takes("max_turns") and inputs.workflow.label == "workflow= (make_sized)"

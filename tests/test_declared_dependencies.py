@@ -273,7 +273,8 @@ def _imports_vllm(node: ast.AST) -> bool:
 
 
 def _catches_import_errors(handler: ast.ExceptHandler) -> bool:
-    names = [] if handler.type is None else [handler.type] if not isinstance(handler.type, ast.Tuple) else handler.type.elts
+    names = ([] if handler.type is None else [handler.type] if not isinstance(handler.type, ast.Tuple)
+             else handler.type.elts)
     return handler.type is None or any(_call_name(n) in ("ImportError", "ModuleNotFoundError", "Exception",
                                                          "BaseException") for n in names)
 
@@ -353,4 +354,5 @@ def test_fine(kind):
 ''')
     found = vllm_bypasses(bad, "tests/test_bad.py")
     assert [f.split(": ")[0] for f in found] == ["tests/test_bad.py:4", "tests/test_bad.py:5", "tests/test_bad.py:9",
-                                                 "tests/test_bad.py:14", "tests/test_bad.py:18", "tests/test_bad.py:25"], found
+                                                 "tests/test_bad.py:14", "tests/test_bad.py:18",
+                                                 "tests/test_bad.py:25"], found

@@ -139,7 +139,8 @@ def test_a_dying_collector_loop_fails_the_buffer_waiting_for_a_batch():
         col.start(buf.fail)
         assert col.loop_task is first, "start while the loop runs must not start a second one"
         t0 = time.perf_counter()
-        with pytest.raises(RuntimeError, match=r"collector loop died: [34] consecutive episodes failed; last: ValueError: bad row"):
+        with pytest.raises(RuntimeError,
+                           match=r"collector loop died: [34] consecutive episodes failed; last: ValueError: bad row"):
             await waiter
         with pytest.raises(RuntimeError, match=r"collector loop died: [34] consecutive"):
             col.raise_if_dead()

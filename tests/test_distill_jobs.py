@@ -13,12 +13,16 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from job_helpers import run_job
 from rayllm_rl.config import load_config
 from rayllm_rl.job.config import GRPOJobConfig
+
+if TYPE_CHECKING:
+    import torch
 
 pytestmark = pytest.mark.slow
 

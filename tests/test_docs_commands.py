@@ -80,7 +80,8 @@ def doc_commands(text: str, name: str) -> list[Command]:
             comments += [comment] if comment else []
             if code.endswith("\\"):
                 if comment:  # `cmd \  # note`: the backslash escapes a blank, and the newline ends the command
-                    broken = f"line {first_line + offset}: a comment after the line-continuing backslash ends the command"
+                    broken = (f"line {first_line + offset}: a comment after the line-continuing backslash ends "
+                              "the command")
                 pending += code[:-1] + " "
                 continue
             line, pending = pending + code, ""
@@ -304,7 +305,8 @@ python jobs/grpo.py rollout.group_size=4 \\
 python jobs/grpo.py ray.gpus_per_replica=1 ray.gpus_per_learner=1   # needs: 2 GPUs
 cd /tmp && make test
 pip install '.[trackers,lora]'
-RAY_AUTH_MODE=token ray job submit --address http://127.0.0.1:8265 --working-dir . -- python jobs/grpo.py rollout.max_staleness=2
+RAY_AUTH_MODE=token ray job submit --address http://127.0.0.1:8265 --working-dir . \\
+    -- python jobs/grpo.py rollout.max_staleness=2
 sbatch --nodes=4 launch/slurm/grpo.sbatch   # needs: a Slurm cluster
 .venv/bin/python launch/kuberay/schema/trim_crd.py ray.io_rayjobs.yaml out.json   # needs: KubeRay's CRD files
 rayllm-rl recipes

@@ -27,7 +27,8 @@ class ScriptedBackend:
     """`Backend` in memory. `crashes` maps (method, n) to the roles whose death the n-th call (1-based) of
     `method` reports; `faults` maps a `next_batch` call number to collector fault events seen then."""
 
-    def __init__(self, plan, tokenizer, crashes: dict[tuple[str, int], list[str]], faults: dict[int, list] | None = None):
+    def __init__(self, plan, tokenizer, crashes: dict[tuple[str, int], list[str]],
+                 faults: dict[int, list] | None = None):
         self.plan, self.cfg, self.frozen = plan, plan.config, ()
         self.tokenizer = tokenizer
         self.crashes, self.fault_script = crashes, faults or {}

@@ -68,7 +68,8 @@ def test_greedy_is_argmax_and_deterministic(engine, tokenizer):
 def test_stop_reasons(engine, tokenizer):
     p = chat_ids(tokenizer, "hi")
     every_token = tuple(range(len(tokenizer)))
-    stop, = engine.generate([LLMRequest(input_ids=p, sampling=SamplingParams(max_new_tokens=5, stop_token_ids=every_token))])
+    stop, = engine.generate([LLMRequest(input_ids=p,
+                                        sampling=SamplingParams(max_new_tokens=5, stop_token_ids=every_token))])
     assert stop.stop_reason == "stop" and stop.output_len == 1
     length, = engine.generate([LLMRequest(input_ids=p, sampling=SamplingParams(max_new_tokens=5, ignore_eos=True))])
     assert length.stop_reason == "length" and length.output_len == 5
@@ -87,7 +88,8 @@ def test_bad_requests_fail_clearly(engine, tokenizer):
 
 def test_bad_request_fails_only_its_caller(engine, tokenizer):
     async def run():
-        good = engine.agenerate(LLMRequest(input_ids=chat_ids(tokenizer, "ok"), sampling=SamplingParams(max_new_tokens=3)))
+        good = engine.agenerate(LLMRequest(input_ids=chat_ids(tokenizer, "ok"),
+                                           sampling=SamplingParams(max_new_tokens=3)))
         bad = engine.agenerate(LLMRequest(input_ids=[5] * 600))
         return await asyncio.gather(good, bad, return_exceptions=True)
 
@@ -132,7 +134,8 @@ def test_weight_swap_lands_between_decode_steps(engine, tokenizer):
     prompts = [chat_ids(tokenizer, f"count {i}") for i in range(4)]
     sp = SamplingParams(max_new_tokens=400, ignore_eos=True)
     result = {}
-    worker = threading.Thread(target=lambda: result.setdefault("r", engine.generate([LLMRequest(input_ids=p, sampling=sp) for p in prompts])))
+    worker = threading.Thread(target=lambda: result.setdefault(
+        "r", engine.generate([LLMRequest(input_ids=p, sampling=sp) for p in prompts])))
     worker.start()
     deadline = time.time() + 60
     while engine.stats.decode_steps < 20 and time.time() < deadline:
@@ -161,8 +164,10 @@ def test_swap_weights_exchanges_buffers_and_bumps_version(engine, tokenizer):
     assert stall >= 0 and engine.version == 5
     for k, v in engine.weights.named_parameters().items():
         assert torch.equal(v, old[k] + 1.0) and torch.equal(back[k], old[k])
-    r, = engine.generate([LLMRequest(input_ids=chat_ids(tokenizer, "x"), sampling=SamplingParams(max_new_tokens=4, ignore_eos=True))])
+    r, = engine.generate([LLMRequest(input_ids=chat_ids(tokenizer, "x"),
+                                     sampling=SamplingParams(max_new_tokens=4, ignore_eos=True))])
     assert r.output_versions == [5] * 4
-    assert (forward_logprobs(engine.model, r.input_tokens, r.output_tokens) - torch.tensor(r.output_logprobs)).abs().max() <= 1e-4
+    assert (forward_logprobs(engine.model, r.input_tokens, r.output_tokens)
+            - torch.tensor(r.output_logprobs)).abs().max() <= 1e-4
     with pytest.raises(ValueError, match="expected"):
         engine.weights.swap_weights({"model.norm.weight": torch.zeros(3)}, version=6)

@@ -128,7 +128,8 @@ def test_top_p_logprobs_equal_the_learners_masked_logprobs(served, hf_model, tok
         positions[0, len(r.input_tokens):] = True
         with torch.no_grad():
             scored = [token_logprobs(model, ids, torch.ones_like(ids), temperature, positions=positions, chunk_size=7,
-                                     mask=mask)[0, len(r.input_tokens):] for mask in (SamplingMask(0, 0.9), SamplingMask())]
+                                     mask=mask)[0, len(r.input_tokens):]
+                      for mask in (SamplingMask(0, 0.9), SamplingMask())]
         engine_lp = torch.tensor(r.output_logprobs, dtype=torch.float64)
         assert (scored[0] - engine_lp).abs().max().item() <= 1e-4, kind
         biases.append(scored[1] - engine_lp)

@@ -19,7 +19,8 @@ EXAMPLES = ROOT / "examples"
 def run_script(script: Path, *args: str, cwd: Path, pythonpath: tuple[Path, ...] = (), timeout: int = 500) -> dict:
     """`python <script> <args>` in `cwd` with this checkout first on PYTHONPATH; the last stdout line, as JSON."""
     paths = [str(p) for p in (*pythonpath, ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
     env.pop("RAY_ADDRESS", None)
     out = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout,
                          env=env, cwd=cwd)
@@ -43,7 +44,8 @@ def load_module(path: Path):
 
 
 def test_every_example_has_a_readme_with_its_commands():
-    for name, script in (("user_reward", "train.py"), ("multi_turn_env", "train.py"), ("openai_agent_tool", "train.py")):
+    for name, script in (("user_reward", "train.py"), ("multi_turn_env", "train.py"),
+                         ("openai_agent_tool", "train.py")):
         readme = (EXAMPLES / name / "README.md").read_text()
         assert f"python examples/{name}/{script}" in readme and "--full" in readme, name
 
@@ -52,7 +54,8 @@ def test_every_example_has_a_readme_with_its_commands():
 
 
 def test_the_scripts_reward_and_myreward_score_alike():
-    script, module = load_module(EXAMPLES / "user_reward" / "train.py"), load_module(EXAMPLES / "user_reward" / "myreward.py")
+    script, module = (load_module(EXAMPLES / "user_reward" / "train.py"),
+                      load_module(EXAMPLES / "user_reward" / "myreward.py"))
     for text in ("<answer>12</answer>", "12", "the sum is 12.", "<answer>11</answer> no, 12", "", "1,2"):
         assert script.score("p", text, [], [], answer="12") == module.score("p", text, [], [], answer="12"), text
     assert module.score("p", "<answer>12</answer>", [], [], answer="12") == {"reward": 1.0, "tagged": 1.0, "right": 1.0}
@@ -128,14 +131,16 @@ def test_the_tutor_appends_its_feedback_as_masked_tokens(engine, tokenizer):
     # an answer no 6-token try can hold (digits are one token each): every conversation takes all three tries
     out = asyncio.run(wf.arun_episode(engine, {"messages": [{"role": "user", "content": "3+4="}],
                                                "answer": "123456789", "group_id": 5}))
-    assert out["group_id"].tolist() == [5, 5] and out["turns"].tolist() == [3.0, 3.0] and out["rewards"].tolist() == [0, 0]
+    assert (out["group_id"].tolist() == [5, 5] and out["turns"].tolist() == [3.0, 3.0]
+            and out["rewards"].tolist() == [0, 0])
     assert sorted(len(tries) for tries in seen.values()) == [3, 3]
     for i in range(2):
         n = int(out["attention_mask"][i].sum())
         ids, mask = out["input_ids"][i, :n].tolist(), out["loss_mask"][i, :n].tolist()
         mine = next(tries for tries in seen.values() if tries[-1].input_tokens + tries[-1].output_tokens == ids)
         for before, after in zip(mine, mine[1:]):  # each try's prompt continues the one before token for token
-            assert after.input_tokens[:before.input_len + before.output_len] == before.input_tokens + before.output_tokens
+            assert (after.input_tokens[:before.input_len + before.output_len]
+                    == before.input_tokens + before.output_tokens)
         trained = sum(r.output_len for r in mine)
         assert sum(mask) == trained
         for r in mine:
@@ -166,7 +171,8 @@ def test_the_tutors_feedback_and_discount(tokenizer):
 
         async def agenerate(self, req):
             self.tries += 1
-            ids = tokenizer(f"<answer>{5 if self.tries == 1 else 7}</answer>", add_special_tokens=False)["input_ids"] + [end]
+            ids = tokenizer(f"<answer>{5 if self.tries == 1 else 7}</answer>",
+                            add_special_tokens=False)["input_ids"] + [end]
             return LLMResponse(input_tokens=list(req.input_ids), output_tokens=ids, output_logprobs=[-0.5] * len(ids),
                                output_versions=[0] * len(ids), stop_reason="stop", rid=req.rid)
 
@@ -174,7 +180,8 @@ def test_the_tutors_feedback_and_discount(tokenizer):
                              turn_discount=0.6)
     out = asyncio.run(agent.arun_episode(Scripted(), {"messages": [{"role": "user", "content": "3+4="}], "answer": "7",
                                                       "group_id": 1}))
-    assert out["turns"].tolist() == [2.0] and out["solved"].tolist() == [1.0] and out["solved_first_try"].tolist() == [0.0]
+    assert (out["turns"].tolist() == [2.0] and out["solved"].tolist() == [1.0]
+            and out["solved_first_try"].tolist() == [0.0])
     assert out["rewards"].tolist() == [pytest.approx(0.6)]
     masked = tokenizer.decode(out["input_ids"][0][~out["loss_mask"][0] & out["attention_mask"][0]].tolist())
     assert masked.endswith("5 is too low. Try again.<|im_end|>\n<|im_start|>assistant\n"), masked
@@ -216,7 +223,8 @@ def test_multi_turn_example_runs_by_import_path_from_jobs_grpo(tmp_path):
 
 def test_calculator_evaluates_arithmetic_only():
     agent = load_module(EXAMPLES / "openai_agent_tool" / "calc_agent.py")
-    assert [agent.calculator(e) for e in ("17*25", "(2+3)*4", "7/2", "-3 - 4", "2**10")] == ["425", "20", "3.5", "-7", "1024"]
+    assert ([agent.calculator(e) for e in ("17*25", "(2+3)*4", "7/2", "-3 - 4", "2**10")]
+            == ["425", "20", "3.5", "-7", "1024"])
     for bad in ("__import__('os')", "x + 1", "2**1000000", "1/0", "2 +"):
         assert agent.calculator(bad).startswith("error:"), bad
 
@@ -252,7 +260,8 @@ def test_the_agent_runs_the_calculator_when_the_model_calls_it(tokenizer):
     out = asyncio.run(wf.arun_episode(engine, {"messages": [{"role": "user", "content": "17*25="}], "answer": "425",
                                                "group_id": 9}))
     assert calls == ["17*25"] and len(engine.requests) == 2
-    assert out["num_completions"].tolist() == [2.0] and out["rewards"].tolist() == [1.0] and out["right"].tolist() == [1.0]
+    assert (out["num_completions"].tolist() == [2.0] and out["rewards"].tolist() == [1.0]
+            and out["right"].tolist() == [1.0])
     n = int(out["attention_mask"][0].sum())
     ids, mask = out["input_ids"][0, :n].tolist(), out["loss_mask"][0, :n].tolist()
     (first, first_out), (second, second_out) = [(r.input_ids, o) for r, o in zip(engine.requests, engine.outputs)]
@@ -273,7 +282,8 @@ def test_openai_agent_example_trains(tmp_path):
     steps = 4  # the script's small preset runs 10; overrides after the flags win, as its docstring says
     s = run_script(EXAMPLES / "openai_agent_tool" / "train.py", "--out", str(tmp_path / "out"), "ray.dashboard=false",
                    f"trainer.steps={steps}", "sft.steps=10", "data.eval_size=8", cwd=tmp_path)
-    assert (s["backend"], s["steps"], s["version"], s["failed_episodes"], s["reward_errors"]) == ("ray", steps, steps, 0, 0)
+    assert ((s["backend"], s["steps"], s["version"], s["failed_episodes"], s["reward_errors"])
+            == ("ray", steps, steps, 0, 0))
     assert s["trajectories"] >= steps * 4 * 4 and s["generated_tokens"] > s["trajectories"]
     assert s["token_versions"] and set(s["token_versions"]) <= set(range(steps))  # sampled by policies 0..3, trained
     assert s["completions_per_conversation"] >= 1.0

@@ -95,9 +95,10 @@ def test_env_worker_restarts_after_the_driver_dropped_its_constructor_arguments(
     from rayllm_rl.orchestration.ray.backend import make_workflow
 
     ns = f"{NS}_args"
-    cfg = load_config(GRPOJobConfig, [f"rollout.prompts_per_step={B}", "rollout.group_size=4", "rollout.max_new_tokens=6",
-                                      "rollout.max_staleness=1", "ray.num_replicas=1", "ray.num_env_workers=1",
-                                      "trainer.call_timeout_s=120", "ray.sync_timeout_s=60", f"ray.namespace={ns}"]).validate()
+    cfg = load_config(GRPOJobConfig, [f"rollout.prompts_per_step={B}", "rollout.group_size=4",
+                                      "rollout.max_new_tokens=6", "rollout.max_staleness=1", "ray.num_replicas=1",
+                                      "ray.num_env_workers=1", "trainer.call_timeout_s=120", "ray.sync_timeout_s=60",
+                                      f"ray.namespace={ns}"]).validate()
     model_path = ensure_tiny_model()
     task = build_task(cfg)
     factory = functools.partial(make_workflow, cfg, model_path, task.worker_part())
@@ -105,7 +106,8 @@ def test_env_worker_restarts_after_the_driver_dropped_its_constructor_arguments(
     try:
         del factory, task  # the driver keeps nothing it passed to a constructor (it holds no ObjectRef either)
         gc.collect()
-        with pytest.raises(TypeError, match=r"argument 1 holds a Ray reference \(ActorHandle\)"):  # handles are refused up front
+        # handles are refused up front
+        with pytest.raises(TypeError, match=r"argument 1 holds a Ray reference \(ActorHandle\)"):
             check_inlined("env worker", (None, [None, cluster.replicas[0]]))
         c, worker = cluster, cluster.env_workers[0]
         c.get(c.collector.set_version.remote(0))
@@ -143,7 +145,8 @@ def test_env_worker_restarts_after_the_driver_dropped_its_constructor_arguments(
 
 
 @pytest.mark.parametrize("transport", ["auto", "ray_channel"])  # the object store; Ray's channels, made anew
-def test_env_worker_and_replica_sigkilled_restart_without_a_rollback_and_lose_no_episode(local_ray, tmp_path, transport):
+def test_env_worker_and_replica_sigkilled_restart_without_a_rollback_and_lose_no_episode(
+        local_ray, tmp_path, transport):
     """One job, two crashes that cost no rollback. Ray restarts the env worker (after step 2); the collector runs
     the episodes it had in flight again and the buffer stores each once. Ray restarts the replica (after step 4);
     it refuses requests (the router waits) until the next sync, which fails, re-forms the sync group with the new
@@ -209,11 +212,13 @@ def test_a_lone_replica_restarted_while_the_driver_waits_gets_the_weights_in_tha
     from rayllm_rl.orchestration.factories import build_task
     from rayllm_rl.orchestration.ray.backend import RayBackend
 
-    cfg = load_config(GRPOJobConfig, [f"rollout.prompts_per_step={B}", "rollout.group_size=4", "rollout.max_new_tokens=6",
-                                      "rollout.max_staleness=0", "ray.num_replicas=1", "trainer.call_timeout_s=60",
-                                      "ray.sync_timeout_s=30", f"ray.namespace={NS}"]).validate()
+    cfg = load_config(GRPOJobConfig, [f"rollout.prompts_per_step={B}", "rollout.group_size=4",
+                                      "rollout.max_new_tokens=6", "rollout.max_staleness=0", "ray.num_replicas=1",
+                                      "trainer.call_timeout_s=60", "ray.sync_timeout_s=30",
+                                      f"ray.namespace={NS}"]).validate()
     model_path = ensure_tiny_model()
-    backend = RayBackend(make_plan(cfg.validate()), model_path, build_task(cfg), AutoTokenizer.from_pretrained(model_path))
+    backend = RayBackend(make_plan(cfg.validate()), model_path, build_task(cfg),
+                         AutoTokenizer.from_pretrained(model_path))
     try:
         backend.live.every_s = 1.0
         backend.sync_weights(0)

@@ -16,7 +16,7 @@ from typing import ClassVar, Mapping
 
 import pytest
 
-from rayllm_rl.algorithm.batch_prep import BatchPipeline, make_batch_pipeline
+from rayllm_rl.algorithm.batch_prep import BatchPipeline
 from rayllm_rl.api.entry import prepare
 from rayllm_rl.config import load_config
 from rayllm_rl.job.config import GRPOJobConfig

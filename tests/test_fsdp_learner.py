@@ -28,9 +28,10 @@ TOL = 1e-10
 DTYPE = torch.float64
 EXACT_METRICS = frozenset({"loss", "entropy", "grad_norm", "lr", "skipped_nonfinite_steps", "mismatch_tokens",
                            "mismatch_abs_logp_diff", "mismatch_k3"})
-"""Global sums, equal for W=1 and W=2 (the mismatch figures: over the trained tokens every rank gathers). The ratio statistics (clip fractions, ess, approx_kl, ...) are
-per-micro-batch values averaged with the loss's weights, so they depend on how rows are grouped
-(W=1 sorts a minibatch's rows by length, W=2 each rank's half): only their presence is compared."""
+"""Global sums, equal for W=1 and W=2 (the mismatch figures: over the trained tokens every rank gathers). The ratio
+statistics (clip fractions, ess, approx_kl, ...) are per-micro-batch values averaged with the loss's weights, so they
+depend on how rows are grouped (W=1 sorts a minibatch's rows by length, W=2 each rank's half): only their presence
+is compared."""
 CASES = {
     # 8 rows, 2 minibatches of 4: each rank gets 2 rows, one micro-batch (W=1: two of 2 rows, by length).
     "aligned": dict(optim=dict(lr=1e-3, micro_batch_size=2, num_minibatches=2), rows=8, loss=dict()),

@@ -131,7 +131,8 @@ def test_smollm2_round_trip_logits_equal_the_gguf_loaded_model(tmp_path, smollm2
 
 def test_a_conversion_whose_logits_differ_is_refused_naming_the_file():
     want = torch.zeros(1, 3, 5)
-    assert check_round_trip("m.gguf", want, want.clone()) == {"probe_tokens": 3, "max_abs_logit_diff": 0.0, "equal": True}
+    assert check_round_trip("m.gguf", want, want.clone()) == {"probe_tokens": 3, "max_abs_logit_diff": 0.0,
+                                                              "equal": True}
     off = want.clone()
     off[0, 1, 2] = 1e-6
     with pytest.raises(GGUFError, match=r"'m.gguf'.*max \|diff\| 1e-06.*nothing was cached"):

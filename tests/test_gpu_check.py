@@ -155,7 +155,8 @@ def test_cpu_smoke_run(gpu_check, tmp_path):
     assert lr["mfu"] is None and lr["peak_flops"] is None  # no MFU on the CPU
     h = r["weight_handoff"]
     assert h["transport"] == "object_store" and h["bytes"] == m["params"] * 4  # float32, tied head once
-    assert h["handoff_s"] > 0 and h["device_copy_s"] > 0 and h["ratio"] == pytest.approx(h["handoff_s"] / h["device_copy_s"])
+    assert (h["handoff_s"] > 0 and h["device_copy_s"] > 0
+            and h["ratio"] == pytest.approx(h["handoff_s"] / h["device_copy_s"]))
     assert h["weights_equal"] is True and h["version_after"] == 1 and h["logprob_max_abs_diff_after"] < 1e-4
     assert "VmHWM" in r["memory_source"]
     assert all(r["peak_memory_bytes"][p] >= 0 for p in ("generate", "train", "handoff"))

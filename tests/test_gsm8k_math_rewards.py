@@ -296,7 +296,8 @@ def test_verifier_timeout_hook_then_recovers():
 
 
 @pytest.mark.slow
-@pytest.mark.fixture_owned("processes")  # the verifier starts a fresh worker after the timeout: the module's fixture owns it
+# the verifier starts a fresh worker after the timeout: the module's fixture owns it
+@pytest.mark.fixture_owned("processes")
 def test_verifier_real_pathological_input(verifier):
     """sympy evaluates 9^(9^(9^9)) with exact big ints in C: only killing the process stops it."""
     before = verifier.num_timeouts

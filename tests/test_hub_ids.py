@@ -90,7 +90,8 @@ MIXED = {  # safetensors next to .bin, gguf and Mistral's consolidated copy; a r
     (LLAMA_LIKE, {"config.json", "generation_config.json", "model-00001-of-00002.safetensors",
                   "model-00002-of-00002.safetensors", "model.safetensors.index.json", "special_tokens_map.json",
                   "tokenizer.json", "tokenizer_config.json"}, 8035),  # of 16067: no original/*.pth
-    (OLD_STYLE, {"config.json", "pytorch_model.bin", "vocab.json", "merges.txt"}, 549),  # of 2901: .bin, no TF/Flax/ONNX
+    (OLD_STYLE, {"config.json", "pytorch_model.bin", "vocab.json",
+                 "merges.txt"}, 549),  # of 2901: .bin, no TF/Flax/ONNX
     (MIXED, {"config.json", "model.safetensors", "tokenizer.model", "qwen.tiktoken", "chat_template.jinja",
              "modeling_custom.py", "configuration_custom.py"}, 991),  # of 3367: one weight format
 ])
@@ -179,7 +180,8 @@ def test_vllm_engine_from_hub_id_reads_its_sink_metadata_from_the_snapshot(hub_m
         loop.call(engine.start(), VLLM_START_S, "vLLM start")
         checksum = loop.call(engine.weights.weights_checksum(), 120, "vLLM checksum")
         prompt = list(AutoTokenizer.from_pretrained(REPO).apply_chat_template(
-            [{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True, tokenize=True, return_dict=False))
+            [{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True, tokenize=True,
+            return_dict=False))
         out = loop.call(engine.agenerate(LLMRequest(input_ids=prompt, sampling=SamplingParams(
             max_new_tokens=5, greedy=True, ignore_eos=True))), 120, "vLLM generate")
     finally:

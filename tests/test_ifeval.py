@@ -268,7 +268,8 @@ def test_scorer_uses_last_answer_block():
 
 
 def test_scorer_unicode():
-    row = {"instruction_id_list": ["language:response_language", "punctuation:no_comma", "length_constraints:number_words"],
+    row = {"instruction_id_list": ["language:response_language", "punctuation:no_comma",
+                                   "length_constraints:number_words"],
            "kwargs": json.dumps([{"language": "ru"}, {}, {"relation": "at least", "num_words": 5}])}
     good = _wrap("Я люблю зиму потому что идёт снег.", think="Думаю по-русски 🤔")
     out = IFEvalScorer()("prompt", good, [], [], **row)
@@ -307,7 +308,8 @@ def test_adversarial_inputs_are_linear(text):
     row = {"instruction_id_list": ["detectable_format:title", "length_constraints:number_sentences",
                                    "detectable_format:json_format", "detectable_format:number_bullet_lists",
                                    "detectable_content:number_placeholders"],
-           "kwargs": [{}, {"relation": "at least", "num_sentences": 1}, {}, {"num_bullets": 1}, {"num_placeholders": 1}]}
+           "kwargs": [{}, {"relation": "at least", "num_sentences": 1}, {}, {"num_bullets": 1},
+                      {"num_placeholders": 1}]}
     start = time.perf_counter()
     out = IFEvalScorer()("prompt", text, [], [], **row)
     assert time.perf_counter() - start < 5.0
@@ -327,7 +329,8 @@ def test_scorer_row_errors():
 
 # ---------------------------------------------------------------------------- real-format fixture
 COMPLETIONS = {  # key -> (a completion that follows every instruction, one that does not)
-    1001: ("The sea is wide and the sea is deep\nIt sings to sailors while the harbour lights sleep\nBlue waves roll on",
+    1001: ("The sea is wide and the sea is deep\nIt sings to sailors while the harbour lights sleep\n"
+           "Blue waves roll on",
            "The sea is wide, and deep."),
     1005: ('"A cat who hated each Monday\nWould sulk and would hide away\nShe slept through the morn\n'
            f'Looked grumpy and worn\nThen purred for the rest of the day. {END}"',

@@ -71,7 +71,8 @@ def test_a_gsm8k_job_on_a_local_model_inherits_no_demo_value(model_dir):
     assert (len(task.train), len(task.eval)) == (4, 1)
     # no SFT warm start happens: neither the optimizer nor a train step is touched
     calls = []
-    assert sft_warm_start(cfg, task, None, None, lambda *a: calls.append("step"), lambda *a: calls.append("reset")) is None
+    assert sft_warm_start(cfg, task, None, None, lambda *a: calls.append("step"),
+                          lambda *a: calls.append("reset")) is None
     assert calls == []
     plan = describe_job(cfg)
     assert plan["schedule"] == {"sft_steps": 0, "rl_steps": 500, "optim_lr": 1e-6, "trainer_time_budget_s": 0.0,
@@ -104,7 +105,8 @@ def test_yaml_values_win_and_the_command_line_wins_over_yaml(tmp_path, model_dir
     path = tmp_path / "job.yaml"
     path.write_text("task: gsm8k\nrollout:\n  max_new_tokens: 300\nsft:\n  steps: 7\ntrainer:\n  time_budget_s: 90\n")
     cfg = load_config(GRPOJobConfig, [f"config={path}"]).validate()
-    assert (cfg.rollout.max_new_tokens, cfg.sft.steps, cfg.trainer.time_budget_s, cfg.data.eval_size) == (300, 7, 90.0, 500)
+    assert ((cfg.rollout.max_new_tokens, cfg.sft.steps, cfg.trainer.time_budget_s, cfg.data.eval_size)
+            == (300, 7, 90.0, 500))
     cfg = load_config(GRPOJobConfig, [f"config={path}", "rollout.max_new_tokens=200"]).validate()
     assert cfg.rollout.max_new_tokens == 200
 
@@ -155,12 +157,14 @@ def test_the_python_api_resolves_after_its_overrides(tmp_path, monkeypatch):
     def recorded(config, overrides):
         run_root = tmp_path / f"runs{len(list(tmp_path.glob('runs*')))}"
         with pytest.raises(ValueError, match="acme/not-cached"):
-            train(config, [*overrides, "trainer.backend=local", "model.path=acme/not-cached", f"trainer.run_dir={run_root}"])
+            train(config, [*overrides, "trainer.backend=local", "model.path=acme/not-cached",
+                           f"trainer.run_dir={run_root}"])
         return json.loads(next(run_root.glob("*/config.json")).read_text())
 
     base = GRPOJobConfig()
     saved = recorded(base, ["task=gsm8k", "rollout.max_new_tokens=256"])
-    assert (saved["rollout"]["max_new_tokens"], saved["sft"]["steps"], saved["trainer"]["time_budget_s"]) == (256, 0, 0.0)
+    assert ((saved["rollout"]["max_new_tokens"], saved["sft"]["steps"], saved["trainer"]["time_budget_s"])
+            == (256, 0, 0.0))
     assert dataclasses.asdict(base) == dataclasses.asdict(GRPOJobConfig())  # the caller's config is left alone
     saved = recorded(base, [])  # so reusing it runs the demo's preset, not the gsm8k run's values
     assert (saved["sft"]["steps"], saved["rollout"]["max_new_tokens"]) == (250, 10)
@@ -197,7 +201,8 @@ def test_a_train_override_equal_to_an_earlier_preset_is_the_users(recorded):
     # the keys not overridden still move to gsm8k's presets, in touched and untouched sections alike
     assert (saved["sft"]["lr"], saved["sft"]["time_budget_s"], saved["optim"]["lr"]) == (1e-5, 0.0, 1e-6)
     saved = recorded(demo, ["task=gsm8k", "rollout.temperature=0.7", "optim.warmup_steps=3"])
-    assert (saved["rollout"]["max_new_tokens"], saved["optim"]["lr"], saved["rollout"]["temperature"]) == (512, 1e-6, 0.7)
+    assert ((saved["rollout"]["max_new_tokens"], saved["optim"]["lr"], saved["rollout"]["temperature"])
+            == (512, 1e-6, 0.7))
     assert dataclasses.asdict(demo) == dataclasses.asdict(load_config(GRPOJobConfig, []))  # caller's untouched
 
 

@@ -90,12 +90,16 @@ def test_bad_templates_are_refused_naming_the_key(template, message):
     (["reward.judge.path=/j", "reward.judge.template=no answer here"], "reward.judge.template must use"),
     (["reward.judge.path=/j", "reward.judge.regex=(unclosed"], "reward.judge.regex='(unclosed' is not a valid"),
     (["reward.judge.path=/j", r"reward.judge.regex=score \d+"], "has no group"),
-    (["reward.judge.path=/j", "reward.judge.min_score=5", "reward.judge.max_score=5"], "reward.judge.min_score=5.0 must be <"),
+    (["reward.judge.path=/j", "reward.judge.min_score=5", "reward.judge.max_score=5"],
+     "reward.judge.min_score=5.0 must be <"),
     (["reward.judge.path=/j", "reward.judge.engine=sglang"], "reward.judge.engine must be one of"),
-    (["reward.judge.path=/j", "reward.judge.options.kv_cache_mb=8"], "unknown config key 'reward.judge.options.kv_cache_mb'"),
-    (["reward.judge.path=/j", "reward.judge.dtype=bfloat16"], "reward.judge.dtype=bfloat16 with reward.judge.engine=transformers"),
+    (["reward.judge.path=/j", "reward.judge.options.kv_cache_mb=8"],
+     "unknown config key 'reward.judge.options.kv_cache_mb'"),
+    (["reward.judge.path=/j", "reward.judge.dtype=bfloat16"],
+     "reward.judge.dtype=bfloat16 with reward.judge.engine=transformers"),
     (["reward.judge.path=/j", "reward.judge.num_replicas=0"], "reward.judge.num_replicas=0: must be > 0"),
-    (["reward.judge.path=/j", "trainer.backend=local", "reward.judge.engine=vllm"], "reward.judge.engine=vllm runs in Ray replica actors: set trainer.backend=ray"),
+    (["reward.judge.path=/j", "trainer.backend=local", "reward.judge.engine=vllm"],
+     "reward.judge.engine=vllm runs in Ray replica actors: set trainer.backend=ray"),
     (["reward.judge.weight=2"], "reward.judge.weight is read only when reward.judge.path is set"),
 ])
 def test_bad_judge_settings_fail_validation_naming_the_key(overrides, message):
@@ -130,7 +134,8 @@ def test_judge_scores_through_its_engine_and_combines_with_rule_and_rm(judge_pat
     cfg, judge = local_judge(judge_path)
     build_tiny_reward_model(tmp_path)
     rm = RewardModelScorer(str(tmp_path))
-    reward = RewardCaller(CombinedReward(arithmetic_reward, 0.5, {"model": (2.0, rm, 30.0), "judge": (3.0, judge, 60.0)}))
+    reward = RewardCaller(CombinedReward(arithmetic_reward, 0.5,
+                                         {"model": (2.0, rm, 30.0), "judge": (3.0, judge, 60.0)}))
     completions = ["<answer>5</answer>", "<answer>6</answer>", "<answer>5</answer>"]
 
     async def go():

@@ -63,7 +63,8 @@ def test_kuberay_manifest_matches_the_kuberay_v1_crd_schema(name):
     manifest, schema = kuberay(name)
     jsonschema.Draft202012Validator.check_schema(schema)
     assert errors(manifest, schema) == []
-    assert manifest["apiVersion"] == "ray.io/v1" and manifest["kind"] == {"rayjob": "RayJob", "raycluster": "RayCluster"}[name]
+    assert (manifest["apiVersion"] == "ray.io/v1"
+            and manifest["kind"] == {"rayjob": "RayJob", "raycluster": "RayCluster"}[name])
 
 
 @pytest.mark.parametrize("name", ["rayjob", "raycluster"])
@@ -80,7 +81,8 @@ def test_kuberay_schema_rejects_a_wrong_type_a_misspelled_field_and_a_missing_re
     assert any("'groupName' is a required property" in e for e in found)
     assert any("'groupNmae' was unexpected" in e for e in found)
     bad_gpu = copy.deepcopy(manifest)
-    spec(bad_gpu)["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = "eight"
+    limits = spec(bad_gpu)["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    limits["nvidia.com/gpu"] = "eight"
     assert any("does not match" in e and "nvidia.com/gpu" in e for e in errors(bad_gpu, schema))
     bad_auth = copy.deepcopy(manifest)
     spec(bad_auth)["authOptions"]["mode"] = "tokens"
@@ -115,11 +117,14 @@ def test_rayjob_runs_grpo_on_as_many_gpus_as_its_recipe_plans():
     assert all(r["limits"] == r["requests"] for _, r in pods)
     assert spec["authOptions"]["mode"] == "token"
     head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
-    assert "nvidia.com/gpu" not in head["resources"]["limits"] and spec["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
+    assert ("nvidia.com/gpu" not in head["resources"]["limits"]
+            and spec["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0")
     dockerfile = (LAUNCH / "kuberay" / "Dockerfile").read_text()
     assert f"FROM rayproject/ray:{spec['rayVersion']}-" in dockerfile
-    images = {c["image"] for g in [spec["headGroupSpec"], *spec["workerGroupSpecs"]] for c in g["template"]["spec"]["containers"]}
-    assert images == {"registry.example.com/rayllm-rl:0.1.0"} and "-t registry.example.com/rayllm-rl:0.1.0" in dockerfile
+    images = {c["image"] for g in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+              for c in g["template"]["spec"]["containers"]}
+    assert (images == {"registry.example.com/rayllm-rl:0.1.0"}
+            and "-t registry.example.com/rayllm-rl:0.1.0" in dockerfile)
     assert plan["placement"]["strategy"] == "PACK" and len(spec["workerGroupSpecs"]) == 1
 
 

@@ -84,7 +84,8 @@ def test_sft_steps_lower_the_nll(tokenizer, tiny_model_path):
     from rayllm_rl.data.sft import make_sft_batch
 
     learner = Learner(tiny_model_path, OptimConfig(lr=3e-3))
-    batch = make_sft_batch(tokenizer, [r["messages"] + [{"role": "assistant", "content": f"<answer>{r['answer']}</answer>"}] for r in ROWS])
+    batch = make_sft_batch(tokenizer, [
+        r["messages"] + [{"role": "assistant", "content": f"<answer>{r['answer']}</answer>"}] for r in ROWS])
     first = learner.train_step(batch, SFTLoss())["nll"]
     for _ in range(15):
         last = learner.train_step(batch, SFTLoss())["nll"]

@@ -102,7 +102,8 @@ def test_config_target_modules_from_the_command_line():
     from rayllm_rl.inference.vllm.lora import max_lora_rank
     from rayllm_rl.job.config import GRPOJobConfig
 
-    cfg = apply_dict(GRPOJobConfig(), parse_overrides(["model.lora.rank=4", "model.lora.target_modules=[q_proj,v_proj]"]))
+    cfg = apply_dict(GRPOJobConfig(), parse_overrides(["model.lora.rank=4",
+                                                       "model.lora.target_modules=[q_proj,v_proj]"]))
     assert cfg.model.lora.target_modules == ["q_proj", "v_proj"]
     assert [max_lora_rank(r) for r in (1, 4, 8, 9, 64)] == [1, 8, 8, 16, 64]
 
@@ -218,8 +219,8 @@ def sync_adapter(loop, engine, learner: Learner, version: int, transport: str = 
     from weight_sync_helpers import OpenedInBackground
 
     metas = learner.weight_metas()
-    spec = make_spec(transport, metas_to_spec(metas), receivers=engine.weights.receiving_processes(transport), timeout_s=60.0,
-                     bucket_bytes=1 << 16, host="127.0.0.1")
+    spec = make_spec(transport, metas_to_spec(metas), receivers=engine.weights.receiving_processes(transport),
+                     timeout_s=60.0, bucket_bytes=1 << 16, host="127.0.0.1")
     rank0 = OpenedInBackground(spec, metas)  # a group binds its store here, finishes while the engine joins
     loop.run(engine.weights.init_update_group(rank0.spec.for_rank(1)))
     box: dict = {"sender": rank0.sender(60)}
@@ -293,8 +294,8 @@ def test_transformers_engine_serves_the_synced_adapter(tiny_model_path, batch, t
     loop = LoopThread()
     engine = TransformersEngine(tiny_model_path, seed=0, device="cpu", lora=LORA)
     try:
-        assert [m[0] for m in engine.weights.weight_metadata()] == [peft_name(n) for n, p in engine.model.named_parameters()
-                                                              if ".lora_" in n]
+        assert [m[0] for m in engine.weights.weight_metadata()] == [
+            peft_name(n) for n, p in engine.model.named_parameters() if ".lora_" in n]
         check_engine_follows_learner("transformers", engine, loop, tiny_model_path, batch, tokenizer)
         assert engine.stats.cache_rebuilds >= 0
     finally:
@@ -366,7 +367,7 @@ def test_fsdp_two_ranks_train_the_same_adapter(tiny_model_path, batch, tmp_path)
 def _fsdp_rank(dist_cfg, queue, path: str, batch, ckpt: str) -> None:
     torch.set_num_threads(1)
     from rayllm_rl.learner.checkpoint import save_checkpoint
-    from rayllm_rl.learner.distributed import DistConfig, destroy_distributed
+    from rayllm_rl.learner.distributed import destroy_distributed
 
     learner = Learner(path, OptimConfig(lr=1e-3), lora=LORA, dist=dist_cfg)
     for _ in range(2):

@@ -32,7 +32,8 @@ def test_the_scale_at_each_step_equals_the_written_out_schedule():
         assert lr_scale(lin, step) == pytest.approx(want_lin, abs=1e-15), step
         assert lr_scale(const, step) == (k / 4 if k < 4 else 1.0)
     # landmarks: the peak right after the warm-up, half-way down at mid-decay, the floor from step 12 on
-    assert lr_scale(cos, 3) == 1.0 and lr_scale(cos, 7) == pytest.approx(0.55) and lr_scale(cos, 11) == pytest.approx(0.1)
+    assert (lr_scale(cos, 3) == 1.0 and lr_scale(cos, 7) == pytest.approx(0.55)
+            and lr_scale(cos, 11) == pytest.approx(0.1))
     assert lr_scale(cos, 40) == pytest.approx(0.1) and lr_scale(lin, 40) == pytest.approx(0.1)
     # no warm-up: the first step already decays a little; to zero by default
     assert lr_scale(OptimConfig(lr_schedule="linear", decay_steps=10), 0) == pytest.approx(0.9)

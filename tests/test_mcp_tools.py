@@ -92,7 +92,8 @@ def test_parse_tool_calls():
     bad = parse_tool_calls('<tool_call>{"name": "add", "arguments": {</tool_call><tool_call>[1]</tool_call>'
                            '<tool_call>{"name": "x", "arguments": 3}</tool_call><tool_call>{"name": "add"')
     assert len(bad) == 4 and all(c.error and c.error.startswith("malformed tool call") for c in bad)
-    assert parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"k\\": 1}"}</tool_call>')[0].arguments == {"k": 1}
+    assert (parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"k\\": 1}"}</tool_call>')[0].arguments
+            == {"k": 1})
 
 
 # ---------------------------------------------------------------------------- stdio
@@ -334,7 +335,8 @@ def test_tool_agent_episodes_close_their_own_mcp_servers(tokenizer):
         async def agenerate(self, req):
             n = self.turns[req.rid] = self.turns.get(req.rid, 0) + 1
             text = call("add", a=2, b=3) if n == 1 else "<answer>5</answer>"
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+            ids = (tokenizer(text, add_special_tokens=False)["input_ids"]
+                   + [tokenizer.convert_tokens_to_ids("<|im_end|>")])
             return LLMResponse(input_tokens=list(req.input_ids), output_tokens=ids, output_logprobs=[-0.1] * len(ids),
                                output_versions=[0] * len(ids), stop_reason="stop", rid=req.rid)
 

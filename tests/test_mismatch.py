@@ -106,9 +106,11 @@ def test_top_p_rollouts_trained_with_the_mask_replayed_show_no_mismatch(engine, 
     full = Learner(tiny_model_path, OptimConfig(lr=0.0))
     got, biased = replayed.train_step(batch.clone(), GRPOLoss()), full.train_step(batch.clone(), GRPOLoss())
     assert got["mismatch_abs_logp_diff"] <= 1e-4 and got["mismatch_k3"] <= 1e-8
-    assert 0.02 <= biased["mismatch_abs_logp_diff"] <= -math.log(0.9) + 1e-4 and biased["mismatch_ratio_max"] <= 1 + 1e-4
+    assert (0.02 <= biased["mismatch_abs_logp_diff"] <= -math.log(0.9) + 1e-4
+            and biased["mismatch_ratio_max"] <= 1 + 1e-4)
 
-    sft = make_sft_batch(tokenizer, [[{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2 and 2"}]])
+    sft = make_sft_batch(tokenizer, [[{"role": "user", "content": "1+1="},
+                                      {"role": "assistant", "content": "2 and 2"}]])
     sft["advantages"] = torch.zeros(1)
     logp = batched_token_logprobs(full.model, sft, 4096)
     want = float(-(logp * sft["loss_mask"]).sum() / sft["loss_mask"].sum())

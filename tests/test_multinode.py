@@ -30,7 +30,8 @@ NODE_ARGS = {"num_cpus": 1, "object_store_memory": 80 * 1024 * 1024}
 @pytest.mark.parametrize("override,message", [
     ("ray.replica_node_labels={gpu: 1}", r"ray.replica_node_labels: label 'gpu': 1 must map a string to a string"),
     ("ray.learner_node_labels={-bad: x}", r"ray.learner_node_labels: '-bad' is not a valid node label name"),
-    ("ray.env_worker_node_labels={zone: 'in(a,'}", r"ray.env_worker_node_labels: zone='in\(a,' is not a label selector"),
+    ("ray.env_worker_node_labels={zone: 'in(a,'}",
+     r"ray.env_worker_node_labels: zone='in\(a,' is not a label selector"),
     ("ray.replica_node_labels=inference", r"config key .ray.replica_node_labels.: expected a mapping, got .inference."),
 ])
 def test_bad_node_labels_fail_naming_the_key(override, message):
@@ -330,7 +331,8 @@ def test_a_node_lost_after_the_last_sync_gets_the_weights_for_the_drain_and_the_
     cfg = job_cfg(tmp_path, nodes, ns, "rollout.max_staleness=1",
                   "trainer.call_timeout_s=60")
     model_path = ensure_tiny_model()
-    backend = RayBackend(make_plan(cfg.validate()), model_path, build_task(cfg), AutoTokenizer.from_pretrained(model_path))
+    backend = RayBackend(make_plan(cfg.validate()), model_path, build_task(cfg),
+                         AutoTokenizer.from_pretrained(model_path))
     try:
         backend.live.every_s = 1.0
         backend.sync_weights(0)

@@ -47,7 +47,8 @@ def test_openai_agent_trajectory_equals_engine_output(engine, tokenizer):
         # the last completion's prompt is the first's exact tokens + the new turn: nothing re-tokenized
         last = [r for r in seen if r.input_tokens + r.output_tokens == ids]
         assert len(last) == 1
-        first = [r for r in seen if last[0].input_tokens[: r.input_len + r.output_len] == r.input_tokens + r.output_tokens
+        first = [r for r in seen
+                 if last[0].input_tokens[: r.input_len + r.output_len] == r.input_tokens + r.output_tokens
                  and r is not last[0]]
         assert len(first) == 1
         for resp in (first[0], last[0]):
@@ -74,7 +75,8 @@ def test_endpoint_features_and_errors(engine, tokenizer):
                                                            temperature=0, max_tokens=5) for _ in range(2)]
             assert greedy[0].choices[0].message.content == greedy[1].choices[0].message.content
             with pytest.raises(openai.BadRequestError, match="stream"):
-                await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], stream=True)
+                await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                                     stream=True)
             with pytest.raises(openai.BadRequestError, match="non-empty"):
                 await client.chat.completions.create(model="m", messages=[])
             models = await client.models.list()
@@ -93,7 +95,8 @@ def test_endpoint_features_and_errors(engine, tokenizer):
     assert tokenizer.decode(cut).endswith("STOP") and "STOP" not in tokenizer.decode(cut[:-1])
     assert cut == ids[:len(cut)] and lps == [-0.5] * len(cut) and vers == [7] * len(cut) and finish == "stop"
     assert ChatCompletionsSession(engine, tokenizer).apply_stop(resp, [])[3] == "length"
-    calls = parse_tool_calls('x <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call> <tool_call>{bad</tool_call>')
+    calls = parse_tool_calls('x <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call> '
+                             '<tool_call>{bad</tool_call>')
     assert len(calls) == 1 and calls[0]["function"]["name"] == "add" and calls[0]["function"]["arguments"] == '{"a": 1}'
 
 

@@ -29,7 +29,8 @@ def installed(tmp_path_factory):
     src.mkdir()
     for name in SOURCES:
         (shutil.copytree if (ROOT / name).is_dir() else shutil.copy2)(
-            ROOT / name, src / name, **({"ignore": shutil.ignore_patterns("__pycache__")} if (ROOT / name).is_dir() else {}))
+            ROOT / name, src / name,
+            **({"ignore": shutil.ignore_patterns("__pycache__")} if (ROOT / name).is_dir() else {}))
     run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
          "--wheel-dir", str(root / "dist"), str(src)], cwd=root)
     wheel, = (root / "dist").glob("rayllm_rl-*.whl")

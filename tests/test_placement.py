@@ -130,7 +130,8 @@ def test_the_reference_takes_a_share_of_learner_rank_0s_gpu(gpu_ray, colocated):
         learner = probe.options(**placement.learner_options[0]).remote()
         reference = probe.options(**placement.frozen_options).remote()
         rep = probe.options(**placement.replica_options[0]).remote()
-        lrn, ref, rpl = ray.get([learner.devices.remote(), reference.devices.remote(), rep.devices.remote()], timeout=60)
+        lrn, ref, rpl = ray.get([learner.devices.remote(), reference.devices.remote(), rep.devices.remote()],
+                                timeout=60)
         assert ref["gpu_ids"] == lrn["gpu_ids"] and ref["cuda_visible_devices"] == lrn["cuda_visible_devices"]
         assert ref["bundle_index"] == lrn["bundle_index"] == (0 if colocated else 1)
         assert (rpl["gpu_ids"] == lrn["gpu_ids"]) is colocated

@@ -56,7 +56,8 @@ def test_history_mode_two_turns_token_first(engine, tokenizer):
             assert elem["versions", "response"].tolist() == [7] * len(elem["tokens", "response"])
         nxt = env.step_mdp(env.step(td))
         for elem, act in zip(nxt.unbind(0), td.unbind(0)):
-            assert elem["history", "prompt"].to_chat() == act["history", "full"].to_chat() + [{"role": "user", "content": RETRY}]
+            assert (elem["history", "prompt"].to_chat()
+                    == act["history", "full"].to_chat() + [{"role": "user", "content": RETRY}])
             # Next prompt tokens extend the exact previous tokens.
             full = act["tokens", "full"].tolist()
             assert elem["tokens", "prompt"].tolist()[:len(full)] == full

@@ -73,8 +73,8 @@ def test_the_sft_warm_start_has_a_bar(take_err, tmp_path, tokenizer):
 
     cfg = load_config(GRPOJobConfig, ["sft.steps=3", "sft.batch_size=2", "data.eval_size=4"]).validate()
     reporter, steps = RunReporter(str(tmp_path)), []
-    assert sft_warm_start(cfg, build_task(cfg), tokenizer, reporter, lambda batch, loss: steps.append(1) or {"nll": 1.0},
-                          lambda optim: None) is None
+    assert sft_warm_start(cfg, build_task(cfg), tokenizer, reporter,
+                          lambda batch, loss: steps.append(1) or {"nll": 1.0}, lambda optim: None) is None
     shown = screen(err.getvalue())
     assert len(steps) == 3 and shown[-1].startswith("sft warm start: 100%") and "3/3" in shown[-1], shown
     reporter.close()

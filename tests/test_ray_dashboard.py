@@ -145,7 +145,8 @@ class Chromium:
     def rows(self) -> list[str]:
         """The visible table rows, each as one line of its cells' text; [] while the page is being replaced."""
         try:
-            return self.evaluate("[...document.querySelectorAll('tr')].map(r => r.innerText.replace(/\\s+/g, ' '))") or []
+            return self.evaluate("[...document.querySelectorAll('tr')]"
+                                 ".map(r => r.innerText.replace(/\\s+/g, ' '))") or []
         except PageChanged:
             return []
 

@@ -141,7 +141,8 @@ def test_main_defaults_the_storage_root_to_the_checkout_prints_the_summary_and_s
     monkeypatch.setattr(script, "start_head", lambda temp, token, timeout: ("HEAD", "http://127.0.0.1:1"))
     monkeypatch.setattr(script, "stop_head", lambda head: calls.append(("stop", head)))
     log = f"Job 'x' succeeded\n{json.dumps(summary)}\n"
-    monkeypatch.setattr(script, "submit", lambda address, token, argv, *a, **k: calls.append(("submit", argv)) or (0, log))
+    monkeypatch.setattr(script, "submit",
+                        lambda address, token, argv, *a, **k: calls.append(("submit", argv)) or (0, log))
     assert script.main(["trainer.steps=1"]) == summary
     assert calls == [("submit", ["trainer.steps=1", f"trainer.storage_root={ROOT}"]), ("stop", "HEAD")]
     assert capsys.readouterr().out.strip().splitlines()[-1] == json.dumps(summary)
@@ -178,7 +179,7 @@ def test_jobs_submitted_with_a_working_dir_train_the_users_reward_and_the_smollm
     from rayllm_rl.config import packaged_recipes
     from test_recipes import HUB_CONFIGS, HUB_DATASETS, lay_out_datasets_cache, lay_out_hub_cache
 
-    smollm2 = Path(require_smollm2_gguf())  # `make models` fetches it (and fills this node's cache)
+    require_smollm2_gguf()  # `make models` fetches it (and fills this node's cache)
     hub = tmp_path / "hf"  # the GPU recipes' model configs and datasets, as a node that planned them has them
     for repo_id, config in HUB_CONFIGS.items():
         lay_out_hub_cache(hub / "hub", repo_id, config)
@@ -220,7 +221,8 @@ def test_jobs_submitted_with_a_working_dir_train_the_users_reward_and_the_smollm
     assert leftovers == [], f"ray processes left running: {leftovers}"
 
     def last_summary(text: str) -> dict:
-        return json.loads(next(x for x in reversed(text.splitlines()) if x.startswith("{") and "eval_reward_after" in x))
+        return json.loads(next(x for x in reversed(text.splitlines())
+                               if x.startswith("{") and "eval_reward_after" in x))
 
     summary = last_summary(users)  # 1. the user's reward and rows
     assert summary["steps"] == 3 and summary["version"] == 3 and summary["max_version_lag"] <= 1

@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import ray  # noqa: E402  (a core dependency: missing ray is a failure, not a skip)
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
-
-from rayllm_rl.config import load_config  # noqa: E402
+import ray  # a core dependency: missing ray is a failure, not a skip
+from rayllm_rl.config import load_config
 from rayllm_rl.job.plan import make_plan
-from rayllm_rl.job.config import GRPOJobConfig  # noqa: E402
+from rayllm_rl.job.config import GRPOJobConfig
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,8 @@ class TestSync:
         assert list(cluster.roles()) == [a.name for a in plan.actors]  # the actors the dry run lists, by name
         # Perturb the learner with one SFT step, then sync the next version to both replicas.
         tok = AutoTokenizer.from_pretrained(path)
-        batch = make_sft_batch(tok, [[{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "<answer>2</answer>"}]])
+        batch = make_sft_batch(tok, [[{"role": "user", "content": "1+1="},
+                                      {"role": "assistant", "content": "<answer>2</answer>"}]])
         cluster.learners.train_step(batch, SFTLoss())
         before = cluster.replicas.checksums()
         learner_sum = cluster.learners.checksums()[0]
@@ -187,7 +188,8 @@ def test_the_reference_is_the_learners_policy_built_without_the_driver_and_kl_is
 
     cfg = small_cfg(tmp_path, "algo.kl_coef=0.05", "ray.namespace=rayllm_ref_test").validate()
     model_path = ensure_tiny_model()
-    backend = RayBackend(make_plan(cfg.validate()), model_path, build_task(cfg), AutoTokenizer.from_pretrained(model_path))
+    backend = RayBackend(make_plan(cfg.validate()), model_path, build_task(cfg),
+                         AutoTokenizer.from_pretrained(model_path))
     try:
         nbytes = sum(t.numel() * t.element_size() for t in ray.get(
             backend.cluster.learners[0].policy_weights.remote(), timeout=60).values())
@@ -345,8 +347,8 @@ def test_ray_pipeline_learns_with_nonzero_advantages(learning_run):
 def test_the_dashboard_showed_the_running_jobs_actors_and_the_job_through_the_token(local_ray, learning_run):
     """The job's own Ray start (`init_ray`) printed the dashboard's URL once (127.0.0.1; Ray's own start-up
     line no longer carries it); while the learning job ran, a real headless Chromium opened that URL, was
-    asked for the token, typed the one from where the printed line says it is, and then saw the job's five named actors ALIVE on
-    the Actors page and the driver job RUNNING on the Jobs page."""
+    asked for the token, typed the one from where the printed line says it is, and then saw the job's five named
+    actors ALIVE on the Actors page and the driver job RUNNING on the Jobs page."""
     from browser_helpers import browser_or_skip
     from test_ray_dashboard import JOB_ACTORS, URL_LINE
 

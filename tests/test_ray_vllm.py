@@ -10,11 +10,10 @@ import torch
 from rayllm_rl.config import load_config
 from rayllm_rl.job.plan import make_plan
 from rayllm_rl.job.config import GRPOJobConfig
-
-pytestmark = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.slow]
-import ray  # noqa: E402  (a core dependency: missing ray is a failure, not a skip)
 from budgets import VLLM_START_S
 from ray_sessions import JOB_ENV, local_ray_session
+
+pytestmark = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +24,10 @@ def local_ray():
 
 def vllm_cfg(tmp_path, *extra: str) -> GRPOJobConfig:
     return load_config(GRPOJobConfig, [
-        "inference.engine=vllm", "inference.options.kv_cache_mb=128", "sft.steps=2", "data.eval_size=8", "data.max_operand=9",
-        "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6", "trainer.eval_every=0",
-        "trainer.log_every=100", f"trainer.run_dir={tmp_path}", f"trainer.call_timeout_s={VLLM_START_S}", "ray.sync_timeout_s=60",
+        "inference.engine=vllm", "inference.options.kv_cache_mb=128", "sft.steps=2", "data.eval_size=8",
+        "data.max_operand=9", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6",
+        "trainer.eval_every=0", "trainer.log_every=100", f"trainer.run_dir={tmp_path}",
+        f"trainer.call_timeout_s={VLLM_START_S}", "ray.sync_timeout_s=60",
         *extra,
     ]).validate()
 
@@ -51,7 +51,8 @@ def vllm_cluster(local_ray, tmp_path_factory):
     cfg = vllm_cfg(tmp_path_factory.mktemp("vllm-sync"), f"ray.sync_transport={VLLM_TRANSPORTS[0]}")
     path = ensure_tiny_model()
     task = build_task(cfg)
-    cluster = build_cluster(make_plan(cfg.validate()), path, task, functools.partial(make_workflow, cfg, path, task.worker_part()))
+    cluster = build_cluster(make_plan(cfg.validate()), path, task,
+                            functools.partial(make_workflow, cfg, path, task.worker_part()))
     try:
         yield SimpleNamespace(cluster=cluster, path=path, versions=iter(range(1, 100)))
     finally:

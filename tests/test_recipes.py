@@ -170,7 +170,8 @@ def test_every_recipe_passes_the_dry_run(path, offline_hub, capsys):
     assert plan["engine"]["name"] == r["inference"]["engine"]
     # colocated: replica i and learner rank i share bundle i's GPU, half each
     share = 0.5 if colocated else 1.0
-    assert plan["total_gpus"] == (replicas * replica_gpus if colocated else replicas * replica_gpus + learners * learner_gpus)
+    assert plan["total_gpus"] == (replicas * replica_gpus if colocated
+                                  else replicas * replica_gpus + learners * learner_gpus)
     actors = {a["name"]: a for a in plan["actors"]}
     assert [actors[f"inference-{i}"]["num_gpus"] for i in range(replicas)] == [replica_gpus * share] * replicas
     assert [actors[f"learner-{k}"]["num_gpus"] for k in range(learners)] == [learner_gpus * share] * learners
@@ -303,7 +304,8 @@ FIXTURE_ROWS = ROOT / "tests" / "fixtures" / "gsm8k.jsonl"
 
 @pytest.mark.parametrize("argv, message", [
     (["data.path=/no/such/file.jsonl"], r"data.path='/no/such/file.jsonl': no such file or folder"),
-    ([f"data.path={FIXTURE_ROWS}", "data.eval_path=./held/out.parquet"], r"data.eval_path='./held/out.parquet': no such"),
+    ([f"data.path={FIXTURE_ROWS}", "data.eval_path=./held/out.parquet"],
+     r"data.eval_path='./held/out.parquet': no such"),
     (["data.path=openai/gsm8k:nope"], r"data.path='openai/gsm8k:nope'.*config 'nope' is not cached \(cached: "
                                        r"\['main', 'socratic'\]\).*offline mode is on"),
     (["data.path=openai/gsm8k:main:validation"], r"split 'validation' of config 'main' is not cached \(cached: "
@@ -328,13 +330,15 @@ def test_the_dry_run_shows_what_the_data_sources_resolve_to(offline_hub, capsys,
                                      "split": "train", "cached_configs": ["main", "socratic"], "status": "cached"}
     assert (plan["data"]["eval"]["config"], plan["data"]["eval"]["split"]) == ("main", "test")  # eval reads test
     plan = dry_run_json(capsys, "task=gsm8k", f"data.path={FIXTURE_ROWS}")
-    assert plan["data"] == {"train": {"source": str(FIXTURE_ROWS), "kind": "file", "status": "local file"}, "eval": None}
+    assert plan["data"] == {"train": {"source": str(FIXTURE_ROWS), "kind": "file", "status": "local file"},
+                            "eval": None}
     assert dry_run_json(capsys, "task=arithmetic")["data"] is None  # built in
     monkeypatch.delenv("HF_HUB_OFFLINE")  # online: a miss is not an error, the job downloads it at start
     import datasets
 
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
-    plan = dry_run_json(capsys, "task=gsm8k", "data.path=acme/absent:cfg", "data.eval_path=openai/gsm8k:main:validation")
+    plan = dry_run_json(capsys, "task=gsm8k", "data.path=acme/absent:cfg",
+                        "data.eval_path=openai/gsm8k:main:validation")
     assert plan["data"]["train"]["status"] == "not cached: will download at start"
     assert plan["data"]["eval"]["status"] == ("split 'validation' of config 'main' is not cached (cached: ['test', "
                                               "'train']): will download at start")

@@ -144,7 +144,8 @@ def test_rlvr_group_is_scored_by_rule_and_rm_by_weights_in_one_batch(rm_path, en
     from rayllm_rl.orchestration.local.reward_scorers import local_reward_scorers
 
     cfg = load_config(GRPOJobConfig, ["rollout.group_size=4", "rollout.workflow=rlvr", f"reward.model.path={rm_path}",
-                                      "reward.rule_weight=0.25", "reward.model.weight=2", "reward.model.batch_wait_s=0.05"])
+                                      "reward.rule_weight=0.25", "reward.model.weight=2",
+                                      "reward.model.batch_wait_s=0.05"])
     cfg = cfg.validate()
     scorers = local_reward_scorers(make_plan(cfg))
     try:
@@ -307,8 +308,8 @@ def test_reward_model_actors_that_cannot_get_their_gpus_fail_naming_the_key(ray_
                                       "reward.model.gpus_per_actor=2", "ray.namespace=rm-gpus",
                                       "trainer.call_timeout_s=2"]).validate()
     t0 = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"reward-model-[01] did not start within trainer\.call_timeout_s=2s .*reward\.model\.gpus_per_actor=2; "
-                                           r"the cluster has GPU=2 in total"):
+    with pytest.raises(TimeoutError, match=r"reward-model-[01] did not start within trainer\.call_timeout_s=2s "
+                                           r".*reward\.model\.gpus_per_actor=2; the cluster has GPU=2 in total"):
         start_reward_actors(make_plan(cfg))
     assert time.monotonic() - t0 < 30
     from rayllm_rl.orchestration.ray.cluster import wait_names_free
@@ -377,7 +378,8 @@ def test_policy_learns_arithmetic_from_a_reward_model_alone(ray_with_two_gpus, t
 
     train_rows, _ = make_arithmetic_splits(max_operand=4, eval_size=5, seed=0)  # the job's own split (trainer.seed=0)
     pairs = [(r["a"], r["b"]) for r in train_rows]
-    policy = sft_arithmetic_policy(tmp_path / "sft", train_rows)  # the SFT warm start, done here: the RM's data needs it
+    # the SFT warm start, done here: the RM's data needs it
+    policy = sft_arithmetic_policy(tmp_path / "sft", train_rows)
     samples = policy_samples(policy, train_rows, per_prompt=32)
     groups = {"answer table": answer_table(pairs), "format noise": format_noise(pairs), "policy samples": samples}
     accuracy = train_reward_classifier(tmp_path / "rm", list(groups.values()), [0.5, 0.2, 0.3])
@@ -400,7 +402,8 @@ def test_policy_learns_arithmetic_from_a_reward_model_alone(ray_with_two_gpus, t
     assert len(rl) == 80 and summary["failed_episodes"] == 0
     failures = summary["reward_failures"]
     assert failures["reward_model_calls"] >= 80 * 64
-    assert failures["reward_model_errors"] == failures["reward_model_timeouts"] == failures["reward_model_nonfinite"] == 0
+    assert (failures["reward_model_errors"] == failures["reward_model_timeouts"]
+            == failures["reward_model_nonfinite"] == 0)
     assert all(r["reward"] == pytest.approx(r["reward_model"], abs=1e-6) for r in rl)  # trained on the RM alone
     assert all(r["reward_model_failed"] == 0 for r in rl)
     services = summary["reward_services"]["reward-model-0"]
@@ -415,7 +418,8 @@ def test_policy_learns_arithmetic_from_a_reward_model_alone(ray_with_two_gpus, t
                       "greedy_train_prompts_before": statistics.fmean(greedy_train[0]),
                       "greedy_train_prompts_after": statistics.fmean(greedy_train[80]),
                       "eval_reward_before": summary["eval_reward_before"],
-                      "eval_reward_after": summary["eval_reward_after"], "eval_reward_gain": summary["eval_reward_gain"],
+                      "eval_reward_after": summary["eval_reward_after"],
+                      "eval_reward_gain": summary["eval_reward_gain"],
                       "rl_seconds": summary["rl_seconds"]}))
     # The RM's score tracks the rule on the policy's own rollouts: each step's two batch means are taken over the
     # same 64 completions, so they share that batch's sampling noise only if the RM follows the rule completion by

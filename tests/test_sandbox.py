@@ -203,7 +203,8 @@ def test_cpu_limit_kills_before_wall_timeout(sb):
 @pytest.mark.slow
 @pytest.mark.parametrize("code", [
     "import os\nwhile True: os.fork()",
-    "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",  # keeps going at the limit
+    # keeps going at the limit
+    "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
 ])
 def test_fork_bomb_contained(sb, isolation, code):
     need(isolation, "private_uid")  # RLIMIT_NPROC counts per uid and does not apply to root
@@ -397,8 +398,8 @@ def test_host_unix_sockets_unreachable(sb, isolation):
         srv.listen()
         srv.settimeout(0.5)
         try:
-            res = sb.run(f"import socket\ntry:\n    socket.socket(socket.AF_UNIX).connect({path!r})\n    print('CONNECTED')\n"
-                         "except OSError as e:\n    print(type(e).__name__)")
+            res = sb.run(f"import socket\ntry:\n    socket.socket(socket.AF_UNIX).connect({path!r})\n"
+                         "    print('CONNECTED')\nexcept OSError as e:\n    print(type(e).__name__)")
             assert res.stdout == "FileNotFoundError\n", res
             with pytest.raises(socket.timeout):
                 srv.accept()
@@ -414,7 +415,8 @@ def test_network_allowed_when_requested(sb, isolation):
         srv.listen()
         srv.settimeout(10)
         port = srv.getsockname()[1]
-        res = make(network=True).run(f"import socket\nsocket.create_connection(('127.0.0.1', {port})).close()\nprint('ok')")
+        res = make(network=True).run(f"import socket\nsocket.create_connection(('127.0.0.1', {port})).close()\n"
+                                     "print('ok')")
         assert res.ok and res.stdout == "ok\n", res
         assert not res.isolation["net_namespace"] and not res.isolation["net_audit_hook"]
         srv.accept()[0].close()

@@ -88,7 +88,8 @@ def test_one_rl_step_engine_and_learner_agree(kind, smollm2):
             assert result["version"] == 1 and engine.version == 1
             from rayllm_rl.inference.protocol import weights_checksum
 
-            assert abs(loop.run(engine.weights.weights_checksum()) - weights_checksum(named)) <= 1e-6 * abs(weights_checksum(named))
+            assert (abs(loop.run(engine.weights.weights_checksum()) - weights_checksum(named))
+                    <= 1e-6 * abs(weights_checksum(named)))
             after = collect(loop, engine, tokenizer, rows, temperature)
             assert set(after["versions"][after["loss_mask"].bool()].tolist()) == {1}
             gap = logprob_gap(learner, after)

@@ -73,7 +73,8 @@ def test_the_dry_run_says_where_the_results_go(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(STORAGE_ENV, str(tmp_path / "store"))
     plan = job_main(["trainer.run_dir=runs/demo", "resume=runs/demo/x/checkpoints/step_4", "--dry-run", "--json"])
     assert plan["results"] == {"run_dir": f"{tmp_path}/store/runs/demo/<stamp>", "storage_root": f"{tmp_path}/store",
-                               "source": f"${STORAGE_ENV}", "resume": f"{tmp_path}/store/runs/demo/x/checkpoints/step_4"}
+                               "source": f"${STORAGE_ENV}",
+                               "resume": f"{tmp_path}/store/runs/demo/x/checkpoints/step_4"}
     capsys.readouterr()
     job_main(["trainer.run_dir=runs/demo", "--dry-run"])
     assert f"results: {tmp_path}/store/runs/demo/<stamp> (storage root {tmp_path}/store: ${STORAGE_ENV})" \
@@ -104,9 +105,9 @@ def test_a_job_in_an_uploaded_working_dir_writes_under_the_root_and_resume_finds
     assert list(copy.iterdir()) == []  # nothing in the temporary copy
     assert json.loads((run / "config.json").read_text())["trainer"]["run_dir"] == str(run.parent)
     err = capfd.readouterr().err.strip().splitlines()
-    assert err[-1] == (f"results: {run} (summary.json, metrics.jsonl, checkpoints/; storage root {home}/rayllm_results: "
-                       f"{JOB_DEFAULT_ROOT} (this job runs in Ray's temporary copy of its working dir; set "
-                       f"trainer.storage_root or ${STORAGE_ENV} to choose))"), err[-3:]
+    assert err[-1] == (f"results: {run} (summary.json, metrics.jsonl, checkpoints/; storage root "
+                       f"{home}/rayllm_results: {JOB_DEFAULT_ROOT} (this job runs in Ray's temporary copy of its "
+                       f"working dir; set trainer.storage_root or ${STORAGE_ENV} to choose))"), err[-3:]
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

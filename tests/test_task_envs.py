@@ -174,7 +174,8 @@ def test_chat_env_workflow_trajectory_is_what_the_engine_generated(engine, token
         assert len(turn_starts) == 2
         for start in turn_starts:
             # a generation whose input is exactly the trajectory prefix and whose output follows it
-            match = [r for r in seen if r.input_tokens == ids[:start] and r.output_tokens == ids[start:start + r.output_len]]
+            match = [r for r in seen
+                     if r.input_tokens == ids[:start] and r.output_tokens == ids[start:start + r.output_len]]
             assert match, f"row {i}: no engine call saw this prefix"
             resp = match[0]
             k = resp.output_len
@@ -186,7 +187,8 @@ def test_chat_env_workflow_trajectory_is_what_the_engine_generated(engine, token
 
 
 def test_add_thinking_prompt_limits_and_template_transform(tokenizer):
-    env = ChatEnv(tokenizer, batch_size=1).append_transform(AddThinkingPrompt(lambda e: True, prompt="More.", max_prompts=1))
+    env = ChatEnv(tokenizer, batch_size=1).append_transform(
+        AddThinkingPrompt(lambda e: True, prompt="More.", max_prompts=1))
     td = env.reset(TensorDict(query=["q"], batch_size=[1]))
     for n_messages in (3, 4):  # user, a, "More." ; then (max_prompts reached) user, a, More., a
         elem = td.unbind(0)[0]
@@ -197,11 +199,13 @@ def test_add_thinking_prompt_limits_and_template_transform(tokenizer):
     assert chat[2] == {"role": "user", "content": "More."} and chat[3]["role"] == "assistant"
     assert int(td[0]["thinking_prompts"]) == 1
 
-    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+    template = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}[assistant] {% endif %}")
     tenv = ChatEnv(tokenizer, batch_size=1).append_transform(TemplateTransform(tokenizer, template))
     td = tenv.reset(TensorDict(query=["hello"], batch_size=[1]))
     assert td[0]["text", "prompt"] == "[user] hello\n[assistant] "
-    assert td[0]["tokens", "prompt"].tolist() == tokenizer("[user] hello\n[assistant] ", add_special_tokens=False)["input_ids"]
+    assert (td[0]["tokens", "prompt"].tolist()
+            == tokenizer("[user] hello\n[assistant] ", add_special_tokens=False)["input_ids"])
     elem = td.unbind(0)[0]
     elem["history"].full = elem["history"].prompt.append({"role": "assistant", "content": "hi"})
     td = tenv.step_mdp(tenv.step(td))

@@ -55,7 +55,8 @@ def test_the_teacher_stage_makes_per_token_advantages_and_reports_the_kl(task_co
     assert torch.equal(out["teacher_kl"], teacher_kl(batch["logprobs"], TEACHER_LOGP, mask))
     want = -2.0 * kl + (task_coef * group_adv[:, None] if task_coef else 0.0)
     assert torch.allclose(out["advantages"], torch.where(mask, want, 0.0), atol=1e-6)
-    assert torch.equal(out["advantages"], distill_advantages(kl, mask, 2.0, group_adv if task_coef else None, task_coef))
+    assert torch.equal(out["advantages"],
+                       distill_advantages(kl, mask, 2.0, group_adv if task_coef else None, task_coef))
     assert out["advantages"].shape == (4, 4) and torch.equal(out["prox_version"], torch.full((4,), 3))
     # the step's figures: the mean and per-token quantiles over the 9 sampled tokens (torch's linear interpolation)
     vals = sorted([-0.1, 0.5, 0.0, -1.5, 0.2, 1.0, -0.5, 0.0, 2.0])
@@ -98,7 +99,8 @@ def test_the_plan_places_the_teacher_like_the_reference_and_lets_ray_restart_it(
                       environment=False)
     assert local.actors == () and plan_decisions(local)["teacher"]["placement"] == "CPU, in this process"
     off = make_plan(load_config(GRPOJobConfig, []), environment=False)
-    assert off.frozen_names() == () and "teacher" not in plan_decisions(off) and TEACHER not in [a.name for a in off.actors]
+    assert (off.frozen_names() == () and "teacher" not in plan_decisions(off)
+            and TEACHER not in [a.name for a in off.actors])
     described = dry_run(local, as_json=False)  # the text a user reads
     text = capsys.readouterr().out
     assert (f"distillation teacher: {tiny_model_path} (CPU, in this process); advantage = 0 x task - 1 x "

@@ -35,7 +35,8 @@ def test_python_interpreter_runs_blocks_in_the_sandbox(tokenizer):
     td = env.reset(TensorDict(query=["What is 6*7?"], batch_size=[1]))
     nxt = env.step_mdp(step_with(env, td, CODE_TURN))
     msg = last_message(nxt)
-    assert msg == {"role": "tool", "content": "<tool_response>\nCode block 1 executed successfully:\n42\n\n</tool_response>"}
+    assert msg == {"role": "tool",
+                   "content": "<tool_response>\nCode block 1 executed successfully:\n42\n\n</tool_response>"}
     # an error: the traceback comes back to the model, the rollout goes on
     nxt = env.step_mdp(step_with(env, nxt, "```python\n1/0\n```"))
     content = last_message(nxt)["content"]
@@ -75,7 +76,8 @@ class ScriptedEngine:
 
     async def agenerate(self, req: LLMRequest) -> LLMResponse:
         text = self.replies[len([c for c in self.calls if c.rid == req.rid])]
-        out = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+        out = (self.tokenizer(text, add_special_tokens=False)["input_ids"]
+               + [self.tokenizer.convert_tokens_to_ids("<|im_end|>")])
         resp = LLMResponse(input_tokens=list(req.input_ids), output_tokens=out,
                            output_logprobs=[-0.25 - 0.01 * i for i in range(len(out))],
                            output_versions=[3] * len(out), stop_reason="stop", rid=req.rid)
@@ -118,7 +120,8 @@ def test_python_tool_job_workflow_runs_the_model_code_in_the_sandbox(tokenizer):
     from rayllm_rl.orchestration.factories import PYTHON_TOOL_PROMPT, build_task, build_workflow
     from rayllm_rl.job.config import GRPOJobConfig
 
-    cfg = load_config(GRPOJobConfig, ["rollout.workflow=python_tool", "rollout.max_turns=3", "rollout.group_size=2"]).validate()
+    cfg = load_config(GRPOJobConfig, ["rollout.workflow=python_tool", "rollout.max_turns=3",
+                                      "rollout.group_size=2"]).validate()
     task = build_task(cfg)
     wf = build_workflow(cfg, task, tokenizer)
     assert isinstance(wf, ToolAgentWorkflow)

@@ -207,7 +207,8 @@ class _Raises(tracking.Tracker):
 def test_a_tracker_that_raises_mid_run_is_dropped_and_the_others_keep_logging(tmp_path, monkeypatch, capsys):
     _Raises.logged = []
     monkeypatch.setitem(tracking.TRACKER_CLASSES, "mlflow", _Raises)
-    reporter = RunReporter(str(tmp_path), config=CONFIG, trackers=TrackersConfig(loggers=["jsonl", "tensorboard", "mlflow"]))
+    reporter = RunReporter(str(tmp_path), config=CONFIG,
+                           trackers=TrackersConfig(loggers=["jsonl", "tensorboard", "mlflow"]))
     for record in driver_like_records():
         reporter.log(record)
     reporter.close()
@@ -242,7 +243,8 @@ def test_a_tracker_that_fails_to_start_or_hangs_on_close_is_dropped_within_the_t
     assert "tracker 'wandb' failed during start" in err and "tracker 'mlflow' failed during close" in err
     assert not (reporter.run_dir / "metrics.jsonl").exists()  # jsonl was not asked for
     [rl] = [r for r in reporter.records if r["phase"] == "rl"]
-    assert read_tensorboard(reporter.run_dir)[0] == {"rl/reward": {1: 0.5}, "rl/time_s": {1: pytest.approx(rl["time_s"])}}
+    assert read_tensorboard(reporter.run_dir)[0] == {"rl/reward": {1: 0.5},
+                                                      "rl/time_s": {1: pytest.approx(rl["time_s"])}}
 
 
 def test_loggers_config_parses_lists_and_rejects_unknown_names(tmp_path):
@@ -251,7 +253,8 @@ def test_loggers_config_parses_lists_and_rejects_unknown_names(tmp_path):
     cfg = load_config(GRPOJobConfig, [*base, "trackers.loggers=[jsonl,tensorboard,wandb,mlflow]"]).validate()
     assert cfg.trackers.loggers == ALL
     assert load_config(GRPOJobConfig, [*base, "trackers.loggers=tensorboard"]).trackers.loggers == ["tensorboard"]
-    with pytest.raises(ValueError, match=r"trackers\.loggers=\['jsonl', 'neptune'\]: unknown logger\(s\) \['neptune'\]"):
+    with pytest.raises(ValueError,
+                       match=r"trackers\.loggers=\['jsonl', 'neptune'\]: unknown logger\(s\) \['neptune'\]"):
         load_config(GRPOJobConfig, [*base, "trackers.loggers=[jsonl,neptune]"]).validate()
     with pytest.raises(ValueError, match=r"trackers\.loggers.*\['wandb'\] named more than once"):
         load_config(GRPOJobConfig, [*base, "trackers.loggers=wandb,wandb"]).validate()
@@ -294,7 +297,8 @@ def test_a_short_job_logs_to_all_four_trackers_offline(tmp_path):
     assert not [r for r in records if r["phase"] == "tracker_dropped"]
     want = expected_series(records)
     assert set(want["rl/entropy"]) == {1, 2, 3} and set(want["sft/loss"]) == {1, 2, 3}
-    assert set(want["eval/eval_reward"]) == {0, 3} and set(want["rl/eval_reward"]) == {2}  # mid-run eval: in the RL record
+    # mid-run eval: in the RL record
+    assert set(want["eval/eval_reward"]) == {0, 3} and set(want["rl/eval_reward"]) == {2}
     tb, tb_config = read_tensorboard(run_dir)
     assert_same(tb, want, rel=1e-6)
     assert "| trackers.loggers | [\"jsonl\", \"tensorboard\", \"wandb\", \"mlflow\"] |" in tb_config

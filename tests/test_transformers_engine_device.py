@@ -284,7 +284,8 @@ def test_cuda_host_tensors_are_copied_in_and_sleep_frees_the_gpu(tiny_model_path
     assert max_gap(reference, [r]) < 3 * bfloat16_gaps(engine.model, reference, [r])[1]
     new = perturbed(engine, 6)
     engine.weights.swap_weights(readonly_views(new), version=1)  # host views: copied to the device, then swapped
-    assert all(v.device == engine.device and torch.equal(v.cpu(), new[k]) for k, v in engine.weights.named_parameters().items())
+    assert all(v.device == engine.device and torch.equal(v.cpu(), new[k])
+               for k, v in engine.weights.named_parameters().items())
     assert not engine.weights.borrowed()
     weights_bytes = sum(v.numel() * v.element_size() for v in new.values())
 

@@ -191,7 +191,8 @@ BAD_REWARDS = [
                                     r"too many positional arguments"),
     ("reward.fn=myreward:no_number", r"reward.fn='myreward:no_number' returned str 'yes' on the probe row: expected a "
                                      r"float, or a dict"),
-    ("reward.fn=myreward:no_reward_key", r"reward.fn='myreward:no_reward_key' returned dict .* mapping without 'reward'"),
+    ("reward.fn=myreward:no_reward_key",
+     r"reward.fn='myreward:no_reward_key' returned dict .* mapping without 'reward'"),
     ("reward.fn=myreward:raises", r"reward.fn='myreward:raises' raised KeyError: 'missing' on the probe \(the first "
                                   r"training row's columns \['answer', 'demo'\], completion ''\)"),
     ("data.prompt_column=question", r"first row: no column 'question' \(data.prompt_column\) to take the prompt from; "
@@ -268,7 +269,8 @@ def test_python_objects_that_cannot_work_fail_before_ray_naming_the_keyword(tmp_
     run = [f"trainer.run_dir={tmp_path}"]
     cases = [
         (dict(reward_fn=lambda prompt, completion: 0.0, train_dataset=rows),
-         r"reward_fn \(<lambda>\): cannot be called as fn\(prompt, completion, prompt_ids, completion_ids, \*\*columns\)"),
+         r"reward_fn \(<lambda>\): cannot be called as fn\(prompt, completion, prompt_ids, completion_ids, "
+         r"\*\*columns\)"),
         (dict(reward_fn=grade, train_dataset=Dataset.from_list([{"prompt": "1+1=", "answer": "2"}])),
          r"train_dataset, row 1: no column 'messages' \(data.prompt_column\) to take the prompt from; the columns are "
          r"\['answer', 'prompt'\]"),
@@ -308,7 +310,8 @@ def test_every_built_in_tasks_worker_part_pickles_small_and_scores_as_on_the_dri
     train_rows, _ = arithmetic_rows()
     inputs = JobInputs.of(job(), reward_fn=capped, train_dataset=train_rows)
     configs = {"arithmetic": (job(), None), "prompts": (job(), inputs),
-               "reasoning_gym": (job("task=reasoning_gym", "data.reasoning_gym.train_size=50", "data.eval_size=5"), None)}
+               "reasoning_gym": (job("task=reasoning_gym", "data.reasoning_gym.train_size=50", "data.eval_size=5"),
+                                 None)}
     for name in ("gsm8k", "math", "ifeval"):
         configs[name] = (job(f"task={name}", f"data.path={FIXTURES / f'{name}.jsonl'}", "data.eval_size=1"), None)
     for name, (cfg, given) in configs.items():
@@ -335,9 +338,10 @@ def test_a_worker_part_too_big_to_inline_fails_naming_the_task_and_what_to_do():
         return float(completion in table)
 
     rows = Dataset.from_list([{"messages": [{"role": "user", "content": "hi"}]}])
-    with pytest.raises(ValueError, match=r"env worker: constructor argument 0 \(task 'big' without its rows: reward fn, "
-                                         r"env class, SFT target\) pickles to \d+ bytes, >= 102400 .* keep large data .* "
-                                         r"out of the reward's closure and attributes: load it inside the reward from a path"):
+    with pytest.raises(ValueError, match=r"env worker: constructor argument 0 \(task 'big' without its rows: "
+                                         r"reward fn, env class, SFT target\) pickles to \d+ bytes, >= 102400 .* "
+                                         r"keep large data .* out of the reward's closure and attributes: load it "
+                                         r"inside the reward from a path"):
         worker_part(Task("big", rows, rows, lookup))
 
 

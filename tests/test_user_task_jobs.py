@@ -66,7 +66,8 @@ def assert_learned(summary, steps: int) -> None:
     assert all("tagged" in r and "right" in r for r in rl)
     before, after = summary["eval_before"], summary["eval_after"]
     first, last = (statistics.fmean(r["reward"] for r in part) for part in (rl[:15], rl[-15:]))
-    print(f"held-out reward {before['eval_reward']:.3f} -> {after['eval_reward']:.3f}, tagged {before['eval_tagged']:.2f}"
+    print(f"held-out reward {before['eval_reward']:.3f} -> {after['eval_reward']:.3f}, "
+          f"tagged {before['eval_tagged']:.2f}"
           f" -> {after['eval_tagged']:.2f}, right {before['eval_right']:.2f} -> {after['eval_right']:.2f}; training "
           f"reward {first:.3f} -> {last:.3f}; {summary['wall_seconds']} s")
     assert_greedy_gain(before["eval_tagged"], after["eval_tagged"], n=round(after["eval_n"]), what=HELD_OUT)

@@ -47,7 +47,8 @@ def test_update_loads_behind_generation_and_swaps_between_steps(tiny_model_path,
     from rayllm_rl.inference.vllm.engine import VLLMEngine, VLLMOptions
 
     loop = LoopThread()
-    engine = VLLMEngine(tiny_model_path, seed=0, options=VLLMOptions(kv_cache_mb=64, double_buffer_weights=double_buffer))
+    engine = VLLMEngine(tiny_model_path, seed=0,
+                        options=VLLMOptions(kv_cache_mb=64, double_buffer_weights=double_buffer))
     try:
         loop.run(engine.start())
         prompt = chat_ids(tokenizer, "What is 3+4?")
@@ -67,8 +68,8 @@ def test_update_loads_behind_generation_and_swaps_between_steps(tiny_model_path,
                 send.start()
                 # The bytes arrive (and, double-buffered, are loaded into the shadow) while vLLM serves requests.
                 loop.run(engine.weights.rpc("rayllm_begin_receive", 60.0, None))
-                during = [asyncio.run_coroutine_threadsafe(engine.agenerate(LLMRequest(input_ids=prompt, sampling=LONG)),
-                                                           loop.loop) for _ in range(4)]
+                during = [asyncio.run_coroutine_threadsafe(
+                    engine.agenerate(LLMRequest(input_ids=prompt, sampling=LONG)), loop.loop) for _ in range(4)]
                 deadline = time.monotonic() + 120
                 while not (state := loop.run(engine.weights.rpc("rayllm_receive_state")))["done"]:
                     assert time.monotonic() < deadline, "the receive did not finish"
@@ -84,7 +85,8 @@ def test_update_loads_behind_generation_and_swaps_between_steps(tiny_model_path,
                 assert before.output_tokens == old_tokens  # the live model still holds version - 1
 
                 if double_buffer:  # as receive_weights applies it: one swap inside the pause
-                    apply = engine.weights.apply(version, lambda: engine.weights.rpc("rayllm_swap_shadow", version), reload=False)
+                    apply = engine.weights.apply(version, lambda: engine.weights.rpc("rayllm_swap_shadow", version),
+                                                 reload=False)
                 else:  # vLLM's update lifecycle: layerwise reload around load_weights
                     apply = engine.weights.apply(version, lambda: engine.weights.update_request(version))
                 stall = loop.run(apply)

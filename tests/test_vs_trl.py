@@ -25,7 +25,8 @@ Numerical Algorithms, section 3.1), so two evaluations differ by at most 2 * R *
 reduction in the step: the vocabulary softmax (384), the MLP width (384) or a weight gradient's sum over the
 batch's padded positions (TRL's 16 rows x 41 = 656 here); scale is each parameter tensor's largest gradient entry
 for the gradient, and the largest per-token |A| * max(ratio, 1 + eps) for the loss. So 2 * 656 * 2^-24 = 7.8e-5 of
-the scale here; the two actually differ by under 2e-6 of it (docs/performance.md, "Issue V: our GRPO step against TRL's").
+the scale here; the two actually differ by under 2e-6 of it (docs/performance.md, "Issue V: our GRPO step against
+TRL's").
 trl is a dev dependency: without it these tests fail (an error at the `trl_grpo` fixture), they are not skipped.
 
 TRL has no decoupled PPO, so `test_decoupled_ppo_loss_and_every_gradient_equal_the_formula` checks our
@@ -119,7 +120,8 @@ def perturb(model: torch.nn.Module, seed: int = 1) -> None:
 
 
 def trl_step(trl_grpo, tmp_path, model_path, batch, loss_type: str, stale: bool):
-    """TRL's loss and gradients (`compute_loss`, backward) and the inputs its `_generate_and_score_completions` built."""
+    """TRL's loss and gradients (`compute_loss`, backward) and the inputs its `_generate_and_score_completions`
+    built."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
 

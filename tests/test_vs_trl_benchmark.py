@@ -134,7 +134,8 @@ def test_the_table_refuses_other_machines_other_days_unrecorded_and_contended_ru
     assert vs_trl_table.load_runs([a, g], None, tasks={"other"}) == ({}, [], [])
 
 
-BUSY = "import time, sys\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\nprint(time.process_time())"
+BUSY = ("import time, sys\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"
+        "print(time.process_time())")
 
 
 def test_contention_counts_marked_processes_as_ours_and_the_rest_as_others(monkeypatch):

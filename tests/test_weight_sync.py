@@ -4,9 +4,9 @@ Ray collective transport (CPU backends) between two Ray actors.
 
 Peers of the gloo tests are separate processes (multiprocessing "forkserver", not Ray), and
 so is the Ray driver. Rank 0 binds its store (`listen_store`, a port the OS gives) before any peer is
-told the port, as the product does: in this process, or in a child that sends its port back. Top-level imports stay light (no transformers, no ray) because every
-child imports this module. The two slow scenarios run in the background from the first test
-on (see `_Background`), which keeps the file well under a minute on 2 cores.
+told the port, as the product does: in this process, or in a child that sends its port back. Top-level imports stay
+light (no transformers, no ray) because every child imports this module. The two slow scenarios run in the
+background from the first test on (see `_Background`), which keeps the file well under a minute on 2 cores.
 """
 from __future__ import annotations
 

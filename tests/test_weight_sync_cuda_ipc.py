@@ -217,7 +217,8 @@ def receiver(rank=1) -> CudaIpcReceiver:
     ("a reference", "handoff", r"expected a CUDA IPC sender's handoff with \['version', .*got str"),
     ({"version": 1}, "handoff", r"got \['version'\]"),
     (fake_handoff(fingerprint=0x1234), "handoff",
-     r"version 5 was sent with plan 0x1234, this receiver's is 0x[0-9a-f]+: sender and receiver must use the same metas"),
+     r"version 5 was sent with plan 0x1234, this receiver's is 0x[0-9a-f]+: "
+     r"sender and receiver must use the same metas"),
     (fake_handoff(metas=METAS[:1], fingerprint=plan_fingerprint(plan_buckets(METAS, 1 << 62))), "handoff",
      r"no export list of 2 tensors for rank 1"),
     (fake_handoff(device_uuid="GPU-2222"), "device",

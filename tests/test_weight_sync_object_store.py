@@ -27,7 +27,8 @@ def big_weights(seed: int) -> dict[str, torch.Tensor]:
     """Tensors of a few MiB, which travel in pieces (object_store.PIECE_BYTES), between small ones."""
     g = torch.Generator().manual_seed(seed)
     return {"small.a": torch.randn(3, generator=g), "big.w": torch.randn(700, 1000, generator=g),
-            "odd.bf16": torch.randn(1_048_577, generator=g).to(torch.bfloat16), "small.b": torch.randn(5, 7, generator=g),
+            "odd.bf16": torch.randn(1_048_577, generator=g).to(torch.bfloat16),
+            "small.b": torch.randn(5, 7, generator=g),
             "piece.exact": torch.randn(((1 << 20) - 64) // 4, generator=g)}
 
 
@@ -240,7 +241,8 @@ def test_a_replica_awaits_the_handoff_reference_and_times_out_naming_the_phase(t
     arg = handoff_arg(transport_info("object_store"), stuck)
     assert isinstance(arg, list) and arg[0] is stuck
     t0 = time.monotonic()
-    with pytest.raises(ray.exceptions.RayTaskError, match=r"did not publish within ray.sync_timeout_s=1s \(phase: handoff\)"):
+    with pytest.raises(ray.exceptions.RayTaskError,
+                       match=r"did not publish within ray.sync_timeout_s=1s \(phase: handoff\)"):
         ray.get(replica.receive_weights.remote(arg), timeout=60)
     assert time.monotonic() - t0 < 30
     assert ray.get(replica.version_history.remote(), timeout=30) == [0]  # nothing was swapped in

@@ -106,9 +106,9 @@ def test_a_vllm_replica_takes_a_rank_per_worker_only_where_its_workers_receive(t
     from rayllm_rl.inference.vllm.engine import VLLMEngine
 
     engine = VLLMEngine(tiny_model_path, tensor_parallel_size=2)
-    assert {t: engine.weights.receiving_processes(t) for t in TRANSPORTS} == {"object_store": 1, "ray_channel": 1, "rdt_gloo": 1,
-                                                                       "rdt_nccl": 1, "shm": 2, "gloo": 2, "nccl": 2,
-                                                                       "cuda_ipc": 2}
+    assert {t: engine.weights.receiving_processes(t) for t in TRANSPORTS} == {
+        "object_store": 1, "ray_channel": 1, "rdt_gloo": 1, "rdt_nccl": 1, "shm": 2, "gloo": 2, "nccl": 2,
+        "cuda_ipc": 2}
     assert {TransformersEngine(tiny_model_path).weights.receiving_processes(t) for t in TRANSPORTS} == {1}
 
 
@@ -248,7 +248,8 @@ def test_a_group_forms_although_the_port_it_was_asked_to_try_is_taken(transport)
         try:
             assert opened.init.port != port and opened.init.port > 0, (opened.init, port)
             target, box = Target(), {}
-            joining = in_thread(lambda: build_receiver(spec.with_init(opened.init).for_rank(1), target), box, "receiver")
+            joining = in_thread(lambda: build_receiver(spec.with_init(opened.init).for_rank(1), target), box,
+                                "receiver")
             sender = opened.finish()  # waits (<= 30 s) for the receiver to join the port rank 0 bound
             receiver = joined(joining, box, "receiver")
             receiving = in_thread(receiver.receive_and_swap, box, "got")

@@ -144,7 +144,8 @@ def test_prox_logp_method_reaches_the_losses_that_use_prox():
         _job("algo.name=grpo", "algo.prox_logp_method=loglinear")  # by type, when the config is read
     with pytest.raises(ValueError, match=r"algo\.prox_logp_method"):
         _job("algo.prox_logp_method=linear")
-    stamped = rewards_to_advantages(_rollout_batch(), _job("algo.name=ppo_decoupled", "algo.prox_logp_method=loglinear"), 3)
+    stamped = rewards_to_advantages(_rollout_batch(),
+                                    _job("algo.name=ppo_decoupled", "algo.prox_logp_method=loglinear"), 3)
     assert stamped["prox_version"].tolist() == [3] * 8  # every batch carries the version it trains from
 
 
@@ -238,7 +239,8 @@ def test_the_reference_model_takes_the_learners_token_budget_and_chunk(tiny_mode
 
     cfg = _job("trainer.backend=local", "optim.max_tokens_per_micro_batch=777", "optim.logprob_chunk_size=33",
                "algo.kl_coef=0.1", "data.eval_size=8").validate()
-    backend = LocalBackend(make_plan(cfg.validate()), tiny_model_path, build_task(cfg), AutoTokenizer.from_pretrained(tiny_model_path))
+    backend = LocalBackend(make_plan(cfg.validate()), tiny_model_path, build_task(cfg),
+                           AutoTokenizer.from_pretrained(tiny_model_path))
     try:
         backend.start_frozen(None)
         reference = backend.frozen["reference"]
@@ -263,7 +265,8 @@ def test_engine_options_reach_the_local_backends_engine(tiny_model_path):
 
     cfg = _job("trainer.backend=local", "inference.options.max_batch_size=2", "inference.options.batch_wait_s=0.05",
                "data.eval_size=8").validate()
-    backend = LocalBackend(make_plan(cfg), tiny_model_path, build_task(cfg), AutoTokenizer.from_pretrained(tiny_model_path))
+    backend = LocalBackend(make_plan(cfg), tiny_model_path, build_task(cfg),
+                           AutoTokenizer.from_pretrained(tiny_model_path))
     try:
         engine = backend.engine
         assert (engine.max_batch_size, engine.batch_wait_s, engine.device.type) == (2, 0.05, "cpu")

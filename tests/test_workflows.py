@@ -93,7 +93,8 @@ def test_multi_turn_discount_counts_extra_turns(engine, tokenizer):
         calls.append(1)
         return 1.0 if len(calls) == 2 else 0.0
 
-    wf = MultiTurnWorkflow(second_try_right, tokenizer, SamplingParams(max_new_tokens=4), max_turns=5, turn_discount=0.9)
+    wf = MultiTurnWorkflow(second_try_right, tokenizer, SamplingParams(max_new_tokens=4), max_turns=5,
+                           turn_discount=0.9)
     td = asyncio.run(wf.arun_episode(engine, dict(ROW)))
     assert td["num_turns"].item() == 2.0
     assert td["rewards"].item() == pytest.approx(0.9)

@@ -74,11 +74,13 @@ def main(argv: list[str]) -> dict:
               "steps": summary["steps"], "version": summary["version"],
               "token_versions": sorted({v for r in rl for v in r["token_versions"]}),
               "generated_tokens": sum(r["gen_tokens"] for r in rl), "trajectories": sum(r["seqs"] for r in rl),
-              "completions_per_conversation": round(statistics.fmean(r["num_completions"] for r in rl), 4) if rl else None,
+              "completions_per_conversation": (round(statistics.fmean(r["num_completions"] for r in rl), 4)
+                                               if rl else None),
               "train_reward": round(statistics.fmean(r["reward"] for r in rl), 4) if rl else None,
               "held_out_reward_before": summary["eval_reward_before"],
               "held_out_reward_after": summary["eval_reward_after"],
-              "failed_episodes": summary["failed_episodes"], "reward_errors": summary["reward_failures"].get("reward_errors"),
+              "failed_episodes": summary["failed_episodes"],
+              "reward_errors": summary["reward_failures"].get("reward_errors"),
               "wall_seconds": summary["wall_seconds"], "run_dir": summary["run_dir"]}
     print(json.dumps(result))
     return result

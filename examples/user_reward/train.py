@@ -1,7 +1,8 @@
 """Your reward function on your own JSONL rows, trained from Python (rayllm_rl.train with reward_fn=).
 
     python examples/user_reward/train.py                      # small: the offline tiny model, about a minute
-    python examples/user_reward/train.py --full               # SmolLM2-135M-Instruct (`make models`), under 30 min on 2 cores
+    python examples/user_reward/train.py --full               # SmolLM2-135M-Instruct (`make models`),
+                                                              # under 30 min on 2 cores
     python examples/user_reward/train.py trainer.steps=20     # any job override after the flags wins
 
 It writes `rows.jsonl` and `held_out.jsonl` (one chat prompt in `messages` and the `answer` per line) under

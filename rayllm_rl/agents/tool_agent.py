@@ -39,7 +39,8 @@ def _make_env(tokenizer, make_tools, caller, system_prompt):
 
 class ToolAgentWorkflow(ChatEnvWorkflow):
     """`group_size` tool-using conversations per row (one episode); `make_tools()` builds fresh tool
-    transforms per conversation (e.g. `lambda: [PythonInterpreter(RemoteExecutor(service), done_when_no_code=True)]`)."""
+    transforms per conversation (e.g.
+    `lambda: [PythonInterpreter(RemoteExecutor(service), done_when_no_code=True)]`)."""
 
     def __init__(self, tokenizer, make_tools: Callable[[], Sequence[Transform]], sampling: SamplingParams, *,
                  reward_fn: Callable[..., Any] | None = None, system_prompt: str | None = None,

@@ -61,7 +61,8 @@ def sft_warm_start(cfg: GRPOJobConfig, task: Task, tokenizer, reporter,
             reporter.log({"phase": "sft", "sft_step": step, **metrics}, show=step % 50 == 0)
             tick(1)
             if cfg.sft.time_budget_s and time.perf_counter() - t0 > cfg.sft.time_budget_s:
-                cut = f"sft.time_budget_s={cfg.sft.time_budget_s:g} cut the SFT warm start at step {step} of {cfg.sft.steps}"
+                cut = (f"sft.time_budget_s={cfg.sft.time_budget_s:g} cut the SFT warm start at step {step} "
+                       f"of {cfg.sft.steps}")
                 reporter.log({"phase": "sft", "sft_step": step, "stopped": cut}, show=True)
                 break
     reset_optimizer(cfg.optim)

@@ -1,8 +1,9 @@
 """`GRPOTrainer`: TRL's front door (`GRPOTrainer(model, reward_funcs, train_dataset, ...).train()`) over `train`.
 
 It only translates: `model` is `model.path`, `reward_funcs` / `reward_weights` / the datasets / `callbacks` /
-`workflow` (AReaL's custom rollout workflow, with `workflow_kwargs`) are `train`'s objects, `args` the job config (a GRPOJobConfig, a dict of keys, or a list of `key=value`
-overrides). What runs, and every check before any actor starts, is `train`'s.
+`workflow` (AReaL's custom rollout workflow, with `workflow_kwargs`) are `train`'s objects, `args` the job config
+(a GRPOJobConfig, a dict of keys, or a list of `key=value` overrides). What runs, and every check before any actor
+starts, is `train`'s.
 """
 from __future__ import annotations
 

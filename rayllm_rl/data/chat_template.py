@@ -36,7 +36,8 @@ def has_generation_marks(tokenizer, chat_template: str | None = None) -> bool:
     return isinstance(template, str) and _GENERATION_MARK.search(template) is not None
 
 
-def assistant_spans(tokenizer, chat: list[dict], chat_template: str | None = None, **kwargs: Any) -> list[tuple[int, int]]:
+def assistant_spans(tokenizer, chat: list[dict], chat_template: str | None = None,
+                    **kwargs: Any) -> list[tuple[int, int]]:
     """Character spans [start, end) of each assistant message in `render(chat)`: from the end of the
     assistant header (what `add_generation_prompt` adds) to the end of the message's rendering, less the
     whitespace the template puts after its end-of-turn token. So a span holds the content and the

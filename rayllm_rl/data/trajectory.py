@@ -115,7 +115,8 @@ def validate_trajectory(td: TensorDict) -> None:
             raise ValueError(f"trajectory key {k!r} has shape {tuple(td[k].shape)}, input_ids has {tuple(shape)}")
     for k in SEQ_KEYS:
         if td[k].shape != shape[:1]:
-            raise ValueError(f"trajectory key {k!r} must have shape {tuple(shape[:1])} (one per sequence), got {tuple(td[k].shape)}")
+            raise ValueError(f"trajectory key {k!r} must have shape {tuple(shape[:1])} (one per sequence), "
+                             f"got {tuple(td[k].shape)}")
     if bool((td["loss_mask"] & ~td["attention_mask"]).any()):
         raise ValueError("trajectory loss_mask is 1 on a padding position")
 

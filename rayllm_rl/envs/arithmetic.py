@@ -31,7 +31,8 @@ def make_arithmetic_splits(max_operand: int = 20, eval_size: int = 128, seed: in
     random.Random(seed).shuffle(pairs)
 
     def rows(ps):
-        return [{"messages": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b), "a": a, "b": b} for a, b in ps]
+        return [{"messages": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b), "a": a, "b": b}
+                for a, b in ps]
 
     return Dataset.from_list(rows(pairs[eval_size:])), Dataset.from_list(rows(pairs[:eval_size]))
 

@@ -88,8 +88,8 @@ class DatasetChatEnv(ChatEnv):
 
     `dataset` is a `datasets.Dataset`, a source for `load_rows` (local file, save_to_disk folder,
     hub name), or None: then every reset must carry its row (`RowFedPrimer`), which is how env
-    workers run it (rows come from the driver's collector). `make_messages(row)` builds the prompt chat (default: the row's
-    `prompt_key` field, a str or a chat). `repeats` = GRPO group size. `required_fields` and
+    workers run it (rows come from the driver's collector). `make_messages(row)` builds the prompt chat
+    (default: the row's `prompt_key` field, a str or a chat). `repeats` = GRPO group size. `required_fields` and
     `check_row` (a RowCheck) are applied to every row up front, so a malformed row fails at load
     time with its file and line (or row), not mid-run. A task env sets both as class attributes.
     """

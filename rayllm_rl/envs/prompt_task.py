@@ -49,8 +49,8 @@ def check_prompt_row(column: str, sft_column: str, row: Mapping[str, Any]) -> No
     elif not (isinstance(value, list) and value and all(
             isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in value)):
-        raise ValueError(f"the prompt column {column!r} (data.prompt_column) holds {value!r:.120}: expected a string or "
-                         "a chat, a list of {'role': str, 'content': str} messages")
+        raise ValueError(f"the prompt column {column!r} (data.prompt_column) holds {value!r:.120}: expected a string "
+                         "or a chat, a list of {'role': str, 'content': str} messages")
     if sft_column and not (isinstance(row.get(sft_column), str) and row[sft_column].strip()):
         raise ValueError(f"the demonstration column {sft_column!r} (data.sft_column) is "
                          + ("missing" if sft_column not in row else f"{row[sft_column]!r:.80}, not a non-empty string")

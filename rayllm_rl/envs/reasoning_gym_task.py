@@ -69,7 +69,8 @@ def generator_options(cfg: ReasoningGymConfig) -> dict[str, Any]:
 
         close = difflib.get_close_matches(cfg.dataset, list(DATASETS), n=5, cutoff=0.5)
         raise ValueError(f"data.reasoning_gym.dataset={cfg.dataset!r} is not a reasoning-gym generator"
-                         + (f"; close ones: {close}" if close else f"; {len(DATASETS)} exist, e.g. {sorted(DATASETS)[:8]}"))
+                         + (f"; close ones: {close}" if close
+                            else f"; {len(DATASETS)} exist, e.g. {sorted(DATASETS)[:8]}"))
     config_cls = DATASETS[cfg.dataset][1]
     hints = typing.get_type_hints(config_cls)
     valid = sorted(f.name for f in dataclasses.fields(config_cls) if f.name not in ("seed", "size"))
@@ -87,7 +88,8 @@ def generator_options(cfg: ReasoningGymConfig) -> dict[str, Any]:
         if hasattr(config, "validate"):
             config.validate()
     except (AssertionError, ValueError, TypeError) as error:
-        raise ValueError(f"data.reasoning_gym.options={out} are refused by {cfg.dataset}: {error or type(error).__name__}") from None
+        raise ValueError(f"data.reasoning_gym.options={out} are refused by {cfg.dataset}: "
+                         f"{error or type(error).__name__}") from None
     return out
 
 
@@ -167,4 +169,5 @@ def plan_rows(data_cfg: Any, inputs: Any = None) -> dict[str, Any]:
     source = f"reasoning-gym {rg.dataset} {rg.options}"
     return {"train": {"kind": "generator", "source": source,
                       "status": f"{rg.train_size} rows of seed {rg.seed}, minus the eval questions"},
-            "eval": {"kind": "generator", "source": source, "status": f"{data_cfg.eval_size} rows of seed {rg.eval_seed}"}}
+            "eval": {"kind": "generator", "source": source,
+                     "status": f"{data_cfg.eval_size} rows of seed {rg.eval_seed}"}}

@@ -123,10 +123,10 @@ def refuse_shared_prompts(train_prompts: set[str], eval_prompts: set[str], eval_
     """ValueError naming both keys and how many eval prompts (`prompt_key`s) are also training prompts, if any."""
     shared = eval_prompts & train_prompts
     if shared:
-        raise ValueError(f"{eval_key}: {len(shared)} of its {len(eval_prompts)} distinct eval prompts are also training "
-                         f"prompts ({train_key}; e.g. {sorted(shared)[0][:120]}): the evaluation would score the policy "
-                         "on prompts it trains on; take them out of one of the two, or give no eval source to hold out "
-                         "data.eval_size rows of the training rows")
+        raise ValueError(f"{eval_key}: {len(shared)} of its {len(eval_prompts)} distinct eval prompts are also "
+                         f"training prompts ({train_key}; e.g. {sorted(shared)[0][:120]}): the evaluation would score "
+                         "the policy on prompts it trains on; take them out of one of the two, or give no eval source "
+                         "to hold out data.eval_size rows of the training rows")
 
 
 def _without_eval_prompts(train, eval_, eval_key: str, train_key: str):

@@ -427,7 +427,8 @@ class RewardTransform(Transform):
         elif has_key(act, ("tokens", "full")) and has_key(act, ("tokens", "prompt")):
             full_ids = torch.as_tensor(act["tokens", "full"], dtype=torch.long).reshape(-1)
             completion_ids = full_ids[prompt_ids.numel():]
-        elif env.input_mode == "text" and has_key(act, ("text", "full")) and _text(act["text", "full"]).startswith(prompt):
+        elif (env.input_mode == "text" and has_key(act, ("text", "full"))
+              and _text(act["text", "full"]).startswith(prompt)):
             completion_ids = encode_text(tok, _text(act["text", "full"])[len(prompt):])
         else:
             completion_ids = encode_text(tok, completion)

@@ -1,10 +1,10 @@
 """The pieces of a batched decode loop (`TransformersEngine`'s): per-row sampling (`RowSampler`), the lock between
 decode steps and weight writers (`DecodeLock`), one batch's decoding state (`DecodeBatch`) and the counters.
 
-`RowSampler` samples each row with its own temperature, top-k, top-p or greedy. Its returned logprobs are those of the distribution the token was drawn from, as vLLM's
-`processed_logprobs`: log-softmax of `logits / temperature` (temperature 1 for greedy rows) over
-the kept set of top-k / top-p (vLLM's rule, `rayllm_rl.sampling_mask`), which the learner rebuilds
-when it scores the token (sampling-mask replay, docs/algorithms.md).
+`RowSampler` samples each row with its own temperature, top-k, top-p or greedy. Its returned logprobs are those
+of the distribution the token was drawn from, as vLLM's `processed_logprobs`: log-softmax of `logits / temperature`
+(temperature 1 for greedy rows) over the kept set of top-k / top-p (vLLM's rule, `rayllm_rl.sampling_mask`), which
+the learner rebuilds when it scores the token (sampling-mask replay, docs/algorithms.md).
 """
 from __future__ import annotations
 

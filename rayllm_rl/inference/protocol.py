@@ -82,7 +82,8 @@ def check_request(req: LLMRequest, max_positions: int) -> None:
         raise ValueError(f"request {req.rid}: empty input_ids")
     if not all(isinstance(t, int) for t in req.input_ids):
         bad = next(t for t in req.input_ids if not isinstance(t, int))
-        raise TypeError(f"request {req.rid}: input_ids must be a list of int token ids, found {type(bad).__name__} {bad!r}")
+        raise TypeError(f"request {req.rid}: input_ids must be a list of int token ids, "
+                        f"found {type(bad).__name__} {bad!r}")
     if req.sampling.max_new_tokens < 1:
         raise ValueError(f"request {req.rid}: max_new_tokens must be >= 1, got {req.sampling.max_new_tokens}")
     need = len(req.input_ids) + req.sampling.max_new_tokens

@@ -79,8 +79,8 @@ def check_rollout_fields(cfg: Any, inputs: Any = None) -> None:
             raise ValueError(f"rollout.max_turns={value} is read only by rollout.workflow in {sorted(builtin)} (or a "
                              f"workflow of your own taking max_turns); rollout.workflow={r.workflow} is single-turn"
                              if key == "max_turns" else
-                             f"rollout.turn_discount is read only by rollout.workflow=multi_turn (or a workflow of your "
-                             f"own taking turn_discount), not {r.workflow}")
+                             f"rollout.turn_discount is read only by rollout.workflow=multi_turn (or a workflow of "
+                             f"your own taking turn_discount), not {r.workflow}")
     if bool(r.agent) != (r.workflow == "openai_agent"):
         raise ValueError("rollout.agent='package.module:async_fn' goes with rollout.workflow=openai_agent and only "
                          f"with it (got workflow={r.workflow}, agent={r.agent!r})")
@@ -174,8 +174,8 @@ def check_local_backend(cfg: Any) -> None:
                          "engine in this process on the CPU; set trainer.backend=ray with ray.gpus_per_replica > 0")
     limits = {**({"reward.model.num_actors": (m.num_actors, 1), "reward.model.gpus_per_actor": (m.gpus_per_actor, 0)}
                  if m.path else {}),
-              **({"reward.judge.num_replicas": (j.num_replicas, 1), "reward.judge.gpus_per_replica": (j.gpus_per_replica, 0)}
-                 if j.path else {})}
+              **({"reward.judge.num_replicas": (j.num_replicas, 1),
+                  "reward.judge.gpus_per_replica": (j.gpus_per_replica, 0)} if j.path else {})}
     for key, (value, allowed) in limits.items():
         if value != allowed:
             raise ValueError(f"{key}={value} needs trainer.backend=ray: the local backend runs one in-process "

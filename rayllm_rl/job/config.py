@@ -293,7 +293,8 @@ class RayConfig:
     temp_dir: str = ""
     """Temp dir of a locally started Ray (empty = Ray's default)."""
     dashboard: bool = True
-    """A locally started Ray runs its dashboard on 127.0.0.1 behind Ray's token auth (the job prints its URL); false = none."""
+    """A locally started Ray runs its dashboard on 127.0.0.1 behind Ray's token auth (the job prints its URL);
+    false = none."""
     num_replicas: int = 1
     """Inference replica actors."""
     num_env_workers: int = 1

@@ -1,4 +1,5 @@
-"""The dry-run description of a job's plan: what `jobs/grpo.py ... --dry-run` prints, computed without starting anything.
+"""The dry-run description of a job's plan: what `jobs/grpo.py ... --dry-run` prints, computed without starting
+anything.
 
 `describe_plan(make_plan(cfg))` (or `describe_job(cfg)`) returns a JSON-able dict: the plan's decisions
 (`plan_decisions`: the engine, every actor with its Ray CPU/GPU request, torch threads, bundle and
@@ -389,7 +390,8 @@ def describe_plan(plan: JobPlan) -> dict[str, Any]:
     else:
         arch = architecture(config)
         out["model"]["architecture"] = arch
-        out["memory"] = {"learner_per_rank": learner_memory(plan, arch), "kv_cache_per_replica": kv_cache_memory(plan, arch)}
+        out["memory"] = {"learner_per_rank": learner_memory(plan, arch),
+                         "kv_cache_per_replica": kv_cache_memory(plan, arch)}
     if plan.frozen_spec(TEACHER) is not None:
         out["teacher"].update(teacher_cost(plan))
     return out
@@ -419,7 +421,8 @@ def teacher_cost(plan: JobPlan) -> dict[str, Any]:
               if cfg.optim.share_prompts else padded)
     mb_tokens = min(padded, max(seq, cfg.optim.max_tokens_per_micro_batch))
     chunk = cfg.optim.logprob_chunk_size or mb_tokens
-    parts = {"weights": arch["params"] * b, "activations": mb_tokens * (4 * arch["hidden_size"] + 2 * arch["intermediate_size"]) * b,
+    parts = {"weights": arch["params"] * b,
+             "activations": mb_tokens * (4 * arch["hidden_size"] + 2 * arch["intermediate_size"]) * b,
              "logits": min(mb_tokens, chunk) * arch["vocab_size"] * 8}
     return {"config_source": source, "params": arch["params"], "memory_bytes": {k: int(v) for k, v in parts.items()},
             "memory_total_bytes": int(sum(parts.values())),

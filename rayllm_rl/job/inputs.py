@@ -54,9 +54,11 @@ class JobInputs:
         ValueError naming both."""
         fns, labels = _reward_fns(cfg, reward_fn)
         weights = _weights(cfg, reward_weights, len(fns))
-        for obj, keyword, field in ((train_dataset, "train_dataset", "path"), (eval_dataset, "eval_dataset", "eval_path")):
+        for obj, keyword, field in ((train_dataset, "train_dataset", "path"),
+                                    (eval_dataset, "eval_dataset", "eval_path")):
             if obj is not None and getattr(cfg.data, field):
-                raise ValueError(f"{keyword}= and data.{field}={getattr(cfg.data, field)!r} both name the rows: give one")
+                raise ValueError(f"{keyword}= and data.{field}={getattr(cfg.data, field)!r} both name the rows: "
+                                 "give one")
         custom, label, python_name = _task(cfg, task)
         flow, python_flow = _workflow(cfg, workflow, workflow_kwargs)
         return cls(fns, weights, labels, train_dataset, eval_dataset, custom, label, python_name, flow, python_flow)
@@ -116,7 +118,8 @@ def _task(cfg: Any, given) -> tuple[Any, str, str]:
     if is_custom(name):
         factory = import_object(name, "task")
         if not callable(factory):
-            raise ValueError(f"task={name!r} is a {type(factory).__name__}, not a factory factory(data_cfg, seed) -> Task")
+            raise ValueError(f"task={name!r} is a {type(factory).__name__}, not a factory "
+                             "factory(data_cfg, seed) -> Task")
         return factory, f"task={name!r}", ""
     return None, "", ""
 
@@ -143,7 +146,8 @@ def _workflow(cfg: Any, given, given_kwargs: Mapping[str, Any] | None):
         kwargs, key = configured, "rollout.workflow_kwargs"
     if given is not None:
         if name != "auto" and not name.startswith(PYTHON_WORKFLOW_PREFIX):
-            raise ValueError(f"workflow= (a Python object) and rollout.workflow={name!r} both name the workflow: give one")
+            raise ValueError(f"workflow= (a Python object) and rollout.workflow={name!r} both name the workflow: "
+                             "give one")
         source, label, python_name = given, f"workflow= ({name_of(given)})", name_of(given)
     elif name.startswith(PYTHON_WORKFLOW_PREFIX):
         raise ValueError(f"rollout.workflow={name!r} names a workflow given as a Python object, and none was given "

@@ -53,8 +53,8 @@ def validate(num_replicas: int, num_learners: int, gpus_per_replica: float, gpus
         raise ValueError(f"placement timeout_s must be > 0 (got {timeout_s!r})")
     if colocated:
         if num_learners != num_replicas:
-            raise ValueError(f"ray.placement=colocated pairs learner rank i with replica i on one GPU: ray.num_learners "
-                             f"({num_learners}) must equal ray.num_replicas ({num_replicas})")
+            raise ValueError(f"ray.placement=colocated pairs learner rank i with replica i on one GPU: "
+                             f"ray.num_learners ({num_learners}) must equal ray.num_replicas ({num_replicas})")
         if replica_gpus != learner_gpus or replica_gpus not in (0.0, 1.0):
             raise ValueError(f"ray.placement=colocated shares one GPU per pair: set ray.gpus_per_replica and "
                              f"ray.gpus_per_learner both to 1 (or both to 0 on CPU); got {gpus_per_replica!r} and "

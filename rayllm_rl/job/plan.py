@@ -2,8 +2,8 @@
 
 `make_plan(cfg)` is the job's validation: it fills the presets, checks the rules no decision covers
 (`job_checks`), then decides the backend, the loss, the GPU layout and bundles, the engine and its options
-(placed, checked), the frozen models (a KL reference, a distillation teacher), every actor (name, role, GPUs, torch threads,
-bundle, restarts), the replay buffer's capacity and its batch pipeline, and the weight transport, each
+(placed, checked), the frozen models (a KL reference, a distillation teacher), every actor (name, role, GPUs, torch
+threads, bundle, restarts), the replay buffer's capacity and its batch pipeline, and the weight transport, each
 once, raising ValueError naming the key. The dry run prints it (`job/describe.py`); both backends
 build from it; the driver takes it alone; nothing below it decides these again.
 Ray-free: a plan can be made for machines this one is not.
@@ -184,8 +184,9 @@ def _needs_reference(cfg: GRPOJobConfig, loss) -> bool:
 
 def _frozen(cfg: GRPOJobConfig, loss) -> tuple:
     """The job's frozen models (`learner.frozen.FrozenSpec`), scoring as the learner scores (temperature, dtype,
-    batching; on the CPU until the layout places them): the KL reference from the policy's weights; the teacher from `teacher.path`, its prompts shared and the
-    sampling mask always replayed (the student's logprob in its KL is the sampler's)."""
+    batching; on the CPU until the layout places them): the KL reference from the policy's weights; the teacher
+    from `teacher.path`, its prompts shared and the sampling mask always replayed (the student's logprob in its KL
+    is the sampler's)."""
     from rayllm_rl.learner.frozen import FrozenSpec
 
     scoring = dict(temperature=cfg.rollout.temperature, dtype=cfg.model.dtype,
@@ -226,7 +227,8 @@ def _actors(cfg: GRPOJobConfig, layout: GpuLayout, frozen: tuple) -> tuple[Actor
         actors.append(ActorPlan("python-executor", "sandboxed code execution service", 0.0, 1))
     m, j = cfg.reward.model, cfg.reward.judge
     actors += [ActorPlan(f"reward-model-{i}", "reward model (sequence classification)", m.gpus_per_actor, t, None, 0,
-                         f"weight {m.weight:g}, batches of <= {m.batch_size}") for i in range(m.num_actors if m.path else 0)]
+                         f"weight {m.weight:g}, batches of <= {m.batch_size}")
+               for i in range(m.num_actors if m.path else 0)]
     actors += [ActorPlan(f"judge-{i}", f"judge replica ({j.engine})", j.gpus_per_replica, t, None, 0,
                          f"weight {j.weight:g}") for i in range(j.num_replicas if j.path else 0)]
     return tuple(actors)

@@ -53,7 +53,8 @@ def format_plan(plan: dict) -> str:
            f"model: {m['path']} (revision {m['revision']}), dtype {m['dtype']}; config.json: {source}",
            *_gguf_lines(m.get("gguf")),
            f"engine: {e['name']} x {e['replicas']} replica(s), tensor_parallel_size={e['tensor_parallel_size']}"
-           + ("" if e["installed_here"] else f" ({e['name']} is not installed on this machine; the job's machines need it)"),
+           + ("" if e["installed_here"]
+              else f" ({e['name']} is not installed on this machine; the job's machines need it)"),
            "rollout: {prompts_per_step} prompts x {group_size} samples per step, max_new_tokens={max_new_tokens}, "
            "max_staleness={max_staleness}".format(**plan["rollout"]) + _truncation_text(plan["rollout"]),
            "schedule: sft.steps={sft_steps}, trainer.steps={rl_steps}, optim.lr={optim_lr:g} ({optim_lr_schedule}), "
@@ -112,7 +113,8 @@ def format_plan(plan: dict) -> str:
         if "memory_total_bytes" in t:
             out.append(f"  teacher: {t['params'] / 1e9:.3f}B parameters, ~{_gib(t['memory_total_bytes'])} "
                        f"(weights {_gib(t['memory_bytes']['weights'])}); per batch one forward of "
-                       f"{t['tokens_per_batch']} tokens, {t['flops_per_batch'] / 1e12:.2f} TFLOP: {t['time_per_batch']}")
+                       f"{t['tokens_per_batch']} tokens, {t['flops_per_batch'] / 1e12:.2f} TFLOP: "
+                       f"{t['time_per_batch']}")
         elif "memory" in t:
             out.append(f"  teacher memory: {t['memory']}")
     mem = plan["memory"]
@@ -120,8 +122,8 @@ def format_plan(plan: dict) -> str:
         out.append(f"memory estimate: {mem['unknown']} (model {m['path']})")
         return "\n".join(out)
     arch = m["architecture"]
-    out.append(f"model size: {arch['params'] / 1e9:.3f}B parameters ({arch['model_type']}, {arch['num_layers']} layers, "
-               f"hidden {arch['hidden_size']}, vocabulary {arch['vocab_size']})")
+    out.append(f"model size: {arch['params'] / 1e9:.3f}B parameters ({arch['model_type']}, "
+               f"{arch['num_layers']} layers, hidden {arch['hidden_size']}, vocabulary {arch['vocab_size']})")
     lm = mem["learner_per_rank"]
     parts = ", ".join(f"{k} {_gib(v)}" for k, v in lm["bytes"].items())
     a = lm["assumed"]
@@ -130,8 +132,9 @@ def format_plan(plan: dict) -> str:
                f"(prompt ~{a['prompt_tokens']} tokens), logits of {a['logits_tokens_at_once']} tokens at once, "
                f"activation checkpointing {'on' if a['activation_checkpointing'] else 'off'}")
     kv = mem["kv_cache_per_replica"]
-    line = (f"KV cache per replica: {kv['bytes_per_token'] / 1024:.1f} KiB/token; {kv['concurrent_sequences']} sequences "
-            f"of {kv['sequence_tokens']} tokens need {_gib(kv['needed_bytes'])}; budget: {kv['budget']}")
+    line = (f"KV cache per replica: {kv['bytes_per_token'] / 1024:.1f} KiB/token; "
+            f"{kv['concurrent_sequences']} sequences of {kv['sequence_tokens']} tokens need "
+            f"{_gib(kv['needed_bytes'])}; budget: {kv['budget']}")
     if "sequences_that_fit" in kv:
         line += f" (holds {kv['sequences_that_fit']} such sequences)"
     out.append(line)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from rayllm_rl.envs.task_registry import PRESET_KEYS, TASKS, find_entry, resolve_task_name
+from rayllm_rl.envs.task_registry import PRESET_KEYS as PRESET_KEYS  # re-exported: job/checks.py imports it here
+from rayllm_rl.envs.task_registry import TASKS, find_entry, resolve_task_name
 from rayllm_rl.workflows.custom import PYTHON_WORKFLOW_PREFIX
 
 TASK_PRESETS: dict[str, dict[str, Any]] = {name: dict(entry.presets) for name, entry in TASKS.items()}
@@ -20,9 +21,9 @@ for every task. A copy of the registry's presets (`envs/task_registry.py`) as th
 reading; `resolve_presets` reads the registry itself. docs/recipes.md says why each value."""
 
 LORA_LR_PRESETS: dict[str, dict[str, Any]] = {name: dict(entry.lora_presets) for name, entry in TASKS.items()}
-"""(A copy of the registry's, as TASK_PRESETS.) With `model.lora.rank > 0`, these replace TASK_PRESETS' values: an adapter is trained at about 10x the
-full-weight learning rate (the usual LoRA rule, e.g. Thinking Machines' "LoRA Without Regret"; TRL's LoRA
-examples use 1e-5..2e-4). A value the user sets still wins (docs/lora.md)."""
+"""(A copy of the registry's, as TASK_PRESETS.) With `model.lora.rank > 0`, these replace TASK_PRESETS' values: an
+adapter is trained at about 10x the full-weight learning rate (the usual LoRA rule, e.g. Thinking Machines' "LoRA
+Without Regret"; TRL's LoRA examples use 1e-5..2e-4). A value the user sets still wins (docs/lora.md)."""
 
 
 def get_key(cfg: Any, key: str) -> Any:

@@ -153,8 +153,8 @@ def _check_lora_match(path: Path, lora) -> None:
             raise ValueError(f"{path} holds a LoRA adapter (rank {saved.rank}): resume it with model.lora.rank="
                              f"{saved.rank}, or export a full model with `python -m rayllm_rl.export_lora`")
         if (saved.rank, sorted(saved.target_modules)) != (lora.rank, sorted(lora.target_modules)):
-            raise ValueError(f"{path} holds a LoRA adapter of rank {saved.rank} on {sorted(saved.target_modules)}; this "
-                             f"job has model.lora.rank={lora.rank}, target_modules={sorted(lora.target_modules)}")
+            raise ValueError(f"{path} holds a LoRA adapter of rank {saved.rank} on {sorted(saved.target_modules)}; "
+                             f"this job has model.lora.rank={lora.rank}, target_modules={sorted(lora.target_modules)}")
     elif lora is not None:
         raise ValueError(f"{path} holds full weights, not a LoRA adapter: resume it with model.lora.rank=0")
 

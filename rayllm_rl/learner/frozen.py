@@ -97,7 +97,8 @@ class FrozenSpec:
                 raise ValueError(f"frozen model {self.name!r} starts from the policy: give policy_path and weights")
             named = weights if isinstance(weights, dict) else load_frozen_weights(weights, self.name)
         path = resolve_model_path(self.model_path or policy_path)
-        return FrozenModel(path, temperature=self.temperature, max_tokens_per_micro_batch=self.max_tokens_per_micro_batch,
+        return FrozenModel(path, temperature=self.temperature,
+                           max_tokens_per_micro_batch=self.max_tokens_per_micro_batch,
                            logprob_chunk_size=self.logprob_chunk_size, dtype=getattr(torch, self.dtype),
                            named_tensors=named, device=device, sampling_mask=self.sampling_mask,
                            share_prompts=self.share_prompts)

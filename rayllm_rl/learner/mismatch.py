@@ -37,7 +37,8 @@ def mismatch_figures(learner_logp: torch.Tensor, rollout_logp: torch.Tensor,
     r = d.exp()
     k3 = r - 1.0 - d
     q = torch.quantile(r, torch.tensor(QUANTILES, dtype=torch.float64))
-    out = {"mismatch_tokens": float(k), "mismatch_abs_logp_diff": float(d.abs().mean()), "mismatch_k3": float(k3.mean()),
+    out = {"mismatch_tokens": float(k), "mismatch_abs_logp_diff": float(d.abs().mean()),
+           "mismatch_k3": float(k3.mean()),
            "mismatch_ratio_min": float(r.min()), "mismatch_ratio_max": float(r.max()),
            **{f"mismatch_ratio_p{round(p * 100)}": float(v) for p, v in zip(QUANTILES, q)},
            "mismatch_frac_outside": float(((r < RATIO_BAND[0]) | (r > RATIO_BAND[1])).double().mean())}

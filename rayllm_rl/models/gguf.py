@@ -342,7 +342,8 @@ def gguf_file_in(directory: str, gguf_file: str = "") -> str | None:
         candidate = os.path.join(directory, gguf_file)
         if not os.path.isfile(candidate):
             found = sorted(p.name for p in Path(directory).glob("*.gguf"))
-            raise GGUFError(f"model.gguf_file={gguf_file!r} is not in {directory!r} (its .gguf files: {found or 'none'})")
+            raise GGUFError(f"model.gguf_file={gguf_file!r} is not in {directory!r} "
+                            f"(its .gguf files: {found or 'none'})")
         return candidate
     if os.path.isfile(os.path.join(directory, "config.json")):
         return None

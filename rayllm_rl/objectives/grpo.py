@@ -153,8 +153,8 @@ class GRPOLoss(Loss):
     def extra_repr(self) -> str:
         return (
             f"clip_eps_low={self.clip_eps_low}, clip_eps_high={self.clip_eps_high}, "
-            f"kl_coef={self.kl_coef}, kl_behav_coef={self.kl_behav_coef}, kl_estimator={self.kl_estimator!r}, aggregation={self.aggregation!r}, "
-            f"ratio_level={self.ratio_level!r}, clip_ratio_c={self.clip_ratio_c}"
+            f"kl_coef={self.kl_coef}, kl_behav_coef={self.kl_behav_coef}, kl_estimator={self.kl_estimator!r}, "
+            f"aggregation={self.aggregation!r}, ratio_level={self.ratio_level!r}, clip_ratio_c={self.clip_ratio_c}"
         )
 
     def per_token(
@@ -177,7 +177,8 @@ class GRPOLoss(Loss):
             per_token = torch.where(adv < 0, torch.minimum(per_token, cap), per_token)
         r = ratio.detach()
         metrics = ratio_metrics(
-            m, safe_logp, log_ratio, (adv < 0) & (r < 1.0 - self.clip_eps_low), (adv > 0) & (r > 1.0 + self.clip_eps_high)
+            m, safe_logp, log_ratio, (adv < 0) & (r < 1.0 - self.clip_eps_low),
+            (adv > 0) & (r > 1.0 + self.clip_eps_high)
         )
         if dual_capped is not None:
             metrics["clip_fraction_dual"] = float(dual_capped.sum() / m.sum().clamp_min(1))
@@ -201,7 +202,8 @@ class GRPOLoss(Loss):
             if coef <= 0:
                 continue
             if other is None:
-                raise ValueError(f"{type(self).__name__} with kl_coef > 0 needs ref_logp (reference logprobs), got None")
+                raise ValueError(f"{type(self).__name__} with kl_coef > 0 needs ref_logp (reference logprobs), "
+                                 "got None")
             kl = kl_estimate(safe_logp, torch.where(m, other.detach().to(logp.dtype), zeros), self.kl_estimator)
             metrics[name] = float(masked_mean(kl.detach(), m))
             total = coef * kl if total is None else total + coef * kl

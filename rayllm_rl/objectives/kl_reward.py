@@ -28,7 +28,8 @@ class RetrieveKL:
     def __call__(self, batch: TensorDict) -> TensorDict:
         ref = torch.as_tensor(self.ref_logprobs_fn(batch), dtype=torch.float32)
         if ref.shape != batch["logprobs"].shape:
-            raise ValueError(f"reference logprobs have shape {tuple(ref.shape)}, batch logprobs {tuple(batch['logprobs'].shape)}")
+            raise ValueError(f"reference logprobs have shape {tuple(ref.shape)}, "
+                             f"batch logprobs {tuple(batch['logprobs'].shape)}")
         mask = batch["loss_mask"].bool()
         batch["ref_logprobs"] = torch.where(mask, ref, torch.zeros_like(ref))
         kl = kl_estimate(batch["logprobs"].float(), batch["ref_logprobs"], self.estimator)

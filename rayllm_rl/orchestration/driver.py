@@ -62,9 +62,11 @@ def train(plan: JobPlan, inputs: JobInputs | None = None, *, callbacks: list | N
         # any actor starts (a miss or a GGUF transformers cannot dequantize fails here)
         model = cfg.model
         with hub_download_bars():  # a download's progress shows; no bar of the run is live yet
-            local = resolve_model_path(model.path, model.revision, model.gguf_file) if model.path else ensure_tiny_model()
+            local = (resolve_model_path(model.path, model.revision, model.gguf_file) if model.path
+                     else ensure_tiny_model())
         task, tokenizer = build_task(cfg, inputs), AutoTokenizer.from_pretrained(local)
-        for spec in plan.frozen:  # one of its own path scores the student's tokens: refused here, before any actor starts
+        # one of its own path scores the student's tokens: refused here, before any actor starts
+        for spec in plan.frozen:
             if not spec.saved:
                 with hub_download_bars():
                     check_frozen_tokenizer(model.path or local, tokenizer, spec.model_path, f"{spec.name}.path")
@@ -183,7 +185,8 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
                "max_staleness": cfg.rollout.max_staleness, "max_version_lag": max(lags, default=0),
                "mismatch": mismatch_summary(reporter.records),
                "budget_cuts": run.budget_cuts, "eval_prompts": len(task.eval),
-               "wall_seconds": round(time.perf_counter() - run.t_start, 1), "rl_seconds": round(time.perf_counter() - t_rl, 1),
+               "wall_seconds": round(time.perf_counter() - run.t_start, 1),
+               "rl_seconds": round(time.perf_counter() - t_rl, 1),
                "run_dir": str(reporter.run_dir), "checkpoint": ckpt, "eval_before": run.eval_before,
                "eval_after": eval_after, "recoveries": run.recoveries, **backend.summary_stats()}
     callbacks.train_end(summary)  # adds stopped_by and callback_errors

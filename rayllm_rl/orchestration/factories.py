@@ -30,8 +30,8 @@ def build_task(cfg: GRPOJobConfig, inputs: JobInputs | None = None) -> Task:
     else:
         task = custom_task(cfg, inputs)
     if cfg.rollout.workflow == "env" and task.env_cls is None:
-        raise ValueError(f"rollout.workflow=env needs a task with a ChatEnv; task {task.name!r} has none (Task.env_cls): "
-                         "use rollout.workflow=rlvr or multi_turn")
+        raise ValueError(f"rollout.workflow=env needs a task with a ChatEnv; task {task.name!r} has none "
+                         "(Task.env_cls): use rollout.workflow=rlvr or multi_turn")
     return task
 
 
@@ -48,9 +48,9 @@ def custom_task(cfg: GRPOJobConfig, inputs: JobInputs) -> Task:
     for part in ("train", "eval"):
         rows = getattr(made, part)
         if rows is None or MESSAGES not in rows.column_names or (part == "train" and len(rows) == 0):
-            raise ValueError(f"{inputs.task_label}: its Task.{part} must be a datasets.Dataset with a {MESSAGES!r} column "
-                             f"(each row's prompt chat){' and at least one row' if part == 'train' else ''}; got "
-                             f"{None if rows is None else f'{len(rows)} rows with columns {rows.column_names}'}")
+            raise ValueError(f"{inputs.task_label}: its Task.{part} must be a datasets.Dataset with a {MESSAGES!r} "
+                             f"column (each row's prompt chat){' and at least one row' if part == 'train' else ''}; "
+                             f"got {None if rows is None else f'{len(rows)} rows with columns {rows.column_names}'}")
     first = made.train[0]
     probe(made.reward_fn, f"{inputs.task_label}'s reward_fn", chat_text(first[MESSAGES]), first)
     return dataclasses.replace(made, train=in_memory(made.train), eval=in_memory(made.eval))

@@ -261,7 +261,8 @@ class RunReporter:
         if "eval_reward" in record:  # the curve on disk is current after every evaluation, not only at the end
             self.plot_rewards()
         if show:
-            keys = [k for k in ("phase", "step", "sft_step", "reward", "eval_reward", "loss", "nll", "collect_s", "train_s") if k in record]
+            keys = [k for k in ("phase", "step", "sft_step", "reward", "eval_reward", "loss", "nll", "collect_s",
+                                "train_s") if k in record]
             parts = [f"{k}={record[k]:.4g}" if isinstance(record[k], float) else f"{k}={record[k]}" for k in keys]
             self.say(f"[{record['time_s']:7.1f}s] " + " ".join(parts))
 
@@ -345,7 +346,8 @@ class RunReporter:
         ax.plot([r["step"] for r in rl], [r["reward"] for r in rl], label="train reward (sampled)")
         ev = [r for r in self.records if "eval_reward" in r]
         if ev:
-            ax.plot([r["step"] for r in ev], [r["eval_reward"] for r in ev], "o-", label="eval reward (greedy, held-out)")
+            ax.plot([r["step"] for r in ev], [r["eval_reward"] for r in ev], "o-",
+                    label="eval reward (greedy, held-out)")
         ax.set_xlabel("step")
         ax.set_ylabel("reward")
         ax.legend()

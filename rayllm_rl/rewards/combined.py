@@ -55,7 +55,8 @@ class CombinedReward:
         """Declared when the rule declares its own; else the workflow learns them from the first result."""
 
     @classmethod
-    def from_config(cls, cfg: RewardConfig, rule_fn: Callable[..., Any], scorers: Mapping[str, Any]) -> "CombinedReward":
+    def from_config(cls, cfg: RewardConfig, rule_fn: Callable[..., Any],
+                    scorers: Mapping[str, Any]) -> "CombinedReward":
         """The combination `cfg` asks for over the backend's `scorers` ({"model": ..., "judge": ...})."""
         missing = [name for name in cfg.parts() if name not in scorers]
         if missing:

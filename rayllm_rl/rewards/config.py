@@ -126,9 +126,11 @@ class RewardConfig:
     def check(self, environment: bool = True) -> None:
         """Cross-field checks, each error naming its key; `environment` False skips what depends on this
         machine (the judge engine's package installed)."""
-        for name, section, default in (("model", self.model, RewardModelConfig()), ("judge", self.judge, JudgeConfig())):
+        for name, section, default in (("model", self.model, RewardModelConfig()),
+                                       ("judge", self.judge, JudgeConfig())):
             if not section.path:
-                changed = [f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(default, f.name)]
+                changed = [f.name for f in dataclasses.fields(section)
+                           if getattr(section, f.name) != getattr(default, f.name)]
                 if changed:
                     raise ValueError(f"reward.{name}.{changed[0]} is read only when reward.{name}.path is set "
                                      f"(reward.{name} is off)")
@@ -205,7 +207,8 @@ def check_template(template: str) -> tuple[str, ...]:
     try:
         names = tuple(name for _, name, _, _ in string.Formatter().parse(template) if name is not None)
     except ValueError as exc:
-        raise ValueError(f"reward.judge.template does not parse as a format string ({exc}): {template!r:.120}") from None
+        raise ValueError(f"reward.judge.template does not parse as a format string ({exc}): "
+                         f"{template!r:.120}") from None
     bad = [n for n in names if not n.isidentifier()]
     if bad:
         raise ValueError(f"reward.judge.template uses {{{bad[0]}}}: fields must be names ({', '.join(TEMPLATE_FIELDS)} "

@@ -53,7 +53,8 @@ def normalize_instruction_ids(instruction_id_list: Any) -> list[str]:
         try:
             ids = json.loads(ids)
         except ValueError as err:
-            raise ValueError(f"IFEval field 'instruction_id_list' is not a JSON list: {instruction_id_list!r:.120}") from err
+            raise ValueError("IFEval field 'instruction_id_list' is not a JSON list: "
+                             f"{instruction_id_list!r:.120}") from err
     if isinstance(ids, (str, bytes, Mapping)) or (not isinstance(ids, Sequence) and not hasattr(ids, "tolist")):
         raise ValueError(f"IFEval field 'instruction_id_list' must be a list of ids, got {instruction_id_list!r:.120}")
     ids = list(ids.tolist() if hasattr(ids, "tolist") else ids)

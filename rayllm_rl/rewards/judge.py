@@ -41,13 +41,15 @@ class ScoreParser:
     def __call__(self, text: str) -> float:
         match = self.pattern.search(text)
         if match is None:
-            raise JudgeParseError(f"no {'score' if self.kind == 'regex' else 'yes/no'} in the judge's text {text!r:.200}")
+            raise JudgeParseError(f"no {'score' if self.kind == 'regex' else 'yes/no'} in the judge's text "
+                                  f"{text!r:.200}")
         if self.kind == "yes_no":
             return 1.0 if match.group(1).lower() == "yes" else 0.0
         try:
             value = float(match.group(1))
         except (TypeError, ValueError):
-            raise JudgeParseError(f"the judge's score {match.group(1)!r} is not a number (text {text!r:.200})") from None
+            raise JudgeParseError(f"the judge's score {match.group(1)!r} is not a number "
+                                  f"(text {text!r:.200})") from None
         if not self.min_score <= value <= self.max_score:  # NaN fails too
             raise JudgeParseError(f"the judge's score {value:g} is outside [{self.min_score:g}, {self.max_score:g}] "
                                   f"(text {text!r:.200})")

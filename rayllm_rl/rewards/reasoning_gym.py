@@ -96,7 +96,8 @@ class ReasoningGymReward:
                  **row: Any) -> dict[str, float]:
         for key in ("rg_seed", "rg_size", "rg_index"):
             if key not in row:
-                raise ValueError(f"reasoning-gym reward needs the row's {key!r} field (rows made by task=reasoning_gym)")
+                raise ValueError(f"reasoning-gym reward needs the row's {key!r} field "
+                                 "(rows made by task=reasoning_gym)")
         return self.score(completions, self.entry(row["rg_seed"], row["rg_size"], row["rg_index"], row.get("question")))
 
     def __repr__(self) -> str:

@@ -108,7 +108,8 @@ class PythonInterpreter(Transform):
                 past.append(code)
             nxt["python_history"] = NonTensorData(past)
             body = "\n".join(parts)
-            self.env.add_messages(nxt, {"role": self.tool_role, "content": f"<tool_response>\n{body}\n</tool_response>"})
+            self.env.add_messages(nxt, {"role": self.tool_role,
+                                        "content": f"<tool_response>\n{body}\n</tool_response>"})
         return td_next
 
     def __repr__(self) -> str:

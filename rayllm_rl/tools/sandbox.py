@@ -14,11 +14,11 @@ Protections (``SandboxResult.isolation`` records which were active for the run):
   PID namespace (everything dies with the run, and with the host: a SIGKILLed host takes the launcher and the
   namespace's init down through PDEATHSIG, and the kernel then kills and reaps every process of the run; a private
   /proc shows only the run), mount namespace with private size-capped tmpfs over /tmp, /var/tmp, /dev/shm, the
-  workdir a copy of the staged inputs at /tmp/work inside that tmpfs (writes never reach the host disk) and every other mount read-only (/ and any volume), plus a
-  per-run unique unprivileged uid/gid (runs cannot read each other's or root's private files or signal host
-  processes, and RLIMIT_NPROC, which counts per uid, contains fork bombs). Code never runs as root: if the
-  private uid cannot be used (e.g. the interpreter is not reachable for it and no mount namespace can expose it)
-  the run fails with exit code 126 and the reason.
+  workdir a copy of the staged inputs at /tmp/work inside that tmpfs (writes never reach the host disk) and every
+  other mount read-only (/ and any volume), plus a per-run unique unprivileged uid/gid (runs cannot read each
+  other's or root's private files or signal host processes, and RLIMIT_NPROC, which counts per uid, contains fork
+  bombs). Code never runs as root: if the private uid cannot be used (e.g. the interpreter is not reachable for it
+  and no mount namespace can expose it) the run fails with exit code 126 and the reason.
 * fallbacks: without a network namespace and with ``network=False`` a Python audit hook refuses non-AF_UNIX
   sockets and DNS (weaker: ctypes, subprocess or C extensions bypass it); without a PID namespace leftovers are
   killed by process group and, with a private uid, by uid (``kill(-1)`` as that uid), and reaped by the launcher

@@ -68,7 +68,8 @@ function tokenSpan(s, i, colour) {
   span.textContent = s.tokens[i];
   const v = s.versions[i], l = s.lag[i], d = s.mismatch[i];
   span.dataset.version = v; span.dataset.lag = l === null ? '' : l;
-  span.style.background = colour === 'mismatch' ? mismatchColour(d) : colour === 'version' ? versionColour(v) : lagColour(l);
+  span.style.background = colour === 'mismatch' ? mismatchColour(d)
+    : colour === 'version' ? versionColour(v) : lagColour(l);
   span.title = `version ${v}` + (l === null ? '' : ` · lag ${l}`) + (d === null ? ' · not trained' : ` · Δlogp ${d}`);
   return span;
 }
@@ -87,7 +88,8 @@ function render() {
     const figs = DATA.steps[rec.step];
     if (figs) {
       const f = document.createElement('div'); f.className = 'figures';
-      f.textContent = Object.entries(figs).map(([k, v]) => `${k} ${typeof v === 'number' ? +v.toPrecision(4) : v}`).join(' · ');
+      f.textContent = Object.entries(figs)
+        .map(([k, v]) => `${k} ${typeof v === 'number' ? +v.toPrecision(4) : v}`).join(' · ');
       box.appendChild(f);
     }
     for (const s of kept) {
@@ -95,7 +97,8 @@ function render() {
       d.dataset.reward = s.reward; d.dataset.maxLag = maxLag(s);
       const head = document.createElement('div');
       const comps = Object.entries(s.components).map(([k, v]) => `${k} ${+v.toPrecision(4)}`).join(', ');
-      head.textContent = `reward ${s.reward}` + (comps ? ` (${comps})` : '') + ` · trained from version ${s.trained_from}` +
+      head.textContent = `reward ${s.reward}` + (comps ? ` (${comps})` : '') +
+        ` · trained from version ${s.trained_from}` +
         ` · max lag ${maxLag(s)}` + (s.cut_tokens ? ` · ${s.cut_tokens} more tokens not kept` : '');
       const p = document.createElement('div'); p.className = 'prompt'; p.textContent = s.prompt;
       const c = document.createElement('div'); c.className = 'completion';
@@ -112,10 +115,14 @@ function render() {
     : colour === 'version' ? [['one hue per policy version', versionColour(1)], ['prompt / not sampled', '#eeeeee']]
     : [['lag 0', LAG_COLOURS[0]], ['lag 1', LAG_COLOURS[1]], ['lag 2', LAG_COLOURS[2]], ['lag 3+', LAG_COLOURS[3]],
        ['not sampled', '#eeeeee']];
-  for (const [t, bg] of items) { const s = document.createElement('span'); s.textContent = t; s.style.background = bg; legend.appendChild(s); }
+  for (const [t, bg] of items) {
+    const s = document.createElement('span'); s.textContent = t; s.style.background = bg; legend.appendChild(s);
+  }
 }
 readHash();
-for (const id of ['min_reward', 'max_reward', 'lag', 'from_step', 'to_step', 'color']) el(id).addEventListener('input', render);
+for (const id of ['min_reward', 'max_reward', 'lag', 'from_step', 'to_step', 'color']) {
+  el(id).addEventListener('input', render);
+}
 window.addEventListener('hashchange', () => { readHash(); render(); });
 render();
 """

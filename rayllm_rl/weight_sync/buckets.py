@@ -13,7 +13,8 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-__all__ = ["TensorMeta", "metadata_of", "metas_to_spec", "metas_from_spec", "plan_buckets", "plan_fingerprint", "bucket_numel", "pack", "unpack_into"]
+__all__ = ["TensorMeta", "metadata_of", "metas_to_spec", "metas_from_spec", "plan_buckets", "plan_fingerprint",
+           "bucket_numel", "pack", "unpack_into"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +138,8 @@ def pack(bucket: Sequence[TensorMeta], tensors: Mapping[str, torch.Tensor], *, o
         flat = torch.empty(n, dtype=dtype, device=dev)
     else:
         if out.dim() != 1 or out.dtype != dtype or out.numel() < n:
-            raise ValueError(f"pack: out buffer is {tuple(out.shape)}/{out.dtype}, need 1-D {dtype} with >= {n} elements")
+            raise ValueError(f"pack: out buffer is {tuple(out.shape)}/{out.dtype}, "
+                             f"need 1-D {dtype} with >= {n} elements")
         flat = out[:n]
     off = 0
     with torch.no_grad():

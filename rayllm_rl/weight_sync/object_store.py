@@ -210,7 +210,8 @@ class ObjectStoreReceiver(HeldReceiver):
                 raise plan.error(phase, f"version {handoff.version}: {type(exc).__name__}: {exc}") from exc
             pieces = self._pieces[i]
             if len(arrays) != sum(pieces):
-                raise plan.error(phase, f"{len(arrays)} buffers fetched for {len(bucket)} tensors, {sum(pieces)} planned")
+                raise plan.error(phase, f"{len(arrays)} buffers fetched for {len(bucket)} tensors, "
+                                        f"{sum(pieces)} planned")
             copied += tensors_of_buffers(arrays, bucket, pieces, self._dtypes, named)
         self.copied_bytes = copied
         return self._hold(handoff.version, named, t0, n)

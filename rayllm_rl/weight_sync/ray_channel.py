@@ -142,7 +142,8 @@ class ChannelReceiver(HeldReceiver):
     def __init__(self, target: Any, metas: Sequence[TensorMeta], timeout_s: float, rank: int, channels: Sequence):
         self._ep = _ChannelPlan(metas, timeout_s, rank)
         if len(channels) != 2:
-            raise ValueError(f"weight sync over ray channels: expected learner rank 0's 2 channels, got {len(channels)}")
+            raise ValueError("weight sync over ray channels: expected learner rank 0's 2 channels, "
+                             f"got {len(channels)}")
         self._dtypes = target_dtypes(target, self._ep.metas, "ChannelReceiver")
         self.target = target
         self.channels = list(channels)
@@ -174,9 +175,9 @@ class ChannelReceiver(HeldReceiver):
         self._reads += 1
         version, fingerprint, arrays = value
         if fingerprint != plan.fingerprint or len(arrays) != sum(plan.pieces):
-            raise plan.error(phase, f"version {version} was written with plan {fingerprint:#x} ({len(arrays)} buffers), "
-                                    f"this receiver's is {plan.fingerprint:#x} ({sum(plan.pieces)} buffers): sender "
-                                    "and receiver must use the same metas")
+            raise plan.error(phase, f"version {version} was written with plan {fingerprint:#x} "
+                                    f"({len(arrays)} buffers), this receiver's is {plan.fingerprint:#x} "
+                                    f"({sum(plan.pieces)} buffers): sender and receiver must use the same metas")
         named: dict[str, torch.Tensor] = {}
         self.copied_bytes = tensors_of_buffers(arrays, plan.order, plan.pieces, self._dtypes, named)
         return self._hold(version, named, t0, 1)

@@ -187,11 +187,11 @@ def plan_transport(requested: str, *, learner_gpus: bool, replica_gpus: bool, le
         raise ValueError(f"ray.sync_transport={requested} needs GPUs on both sides: ray.gpus_per_learner > 0 and "
                          "ray.gpus_per_replica > 0")
     if info.device_local and not colocated:
-        raise ValueError(f"ray.sync_transport={requested} hands the weights over on the GPU the learner and the replica "
-                         "share: it needs ray.placement=colocated (with GPUs of their own use nccl, or auto)")
+        raise ValueError(f"ray.sync_transport={requested} hands the weights over on the GPU the learner and the "
+                         "replica share: it needs ray.placement=colocated (with GPUs of their own use nccl, or auto)")
     if info.device_local and learner_ranks > 1:
-        raise ValueError(f"ray.sync_transport={requested} with ray.num_learners={learner_ranks}: replica i shares GPU i "
-                         "with learner rank i, but only learner rank 0 sends, on GPU 0; use auto (object_store) "
+        raise ValueError(f"ray.sync_transport={requested} with ray.num_learners={learner_ranks}: replica i shares "
+                         "GPU i with learner rank i, but only learner rank 0 sends, on GPU 0; use auto (object_store) "
                          "or ray.num_learners=1")
     if info.single_learner_rank and learner_ranks > 1:
         raise ValueError(f"ray.sync_transport={requested} initialises the learner's torch.distributed for Ray's "
@@ -204,8 +204,9 @@ def make_spec(transport: str, metas: Sequence, *, receivers: int, timeout_s: flo
               host: str = "", port: int = 0, readers: Sequence[tuple[Any, str]] = ()) -> SyncSpec:
     """The spec of one setup with `receivers` receiving processes (ranks 1..receivers); `bucket_bytes`
     0 is the transport's own default (`TransportInfo.default_bucket_mb`). `host`: learner rank 0's address,
-    for a group transport; `port`: one its store tries first (0: the OS picks when rank 0 opens its end). `readers`: (actor handle, node id) of each receiving process, for a
-    transport whose sender makes what they read (ray_channel)."""
+    for a group transport; `port`: one its store tries first (0: the OS picks when rank 0 opens its end).
+    `readers`: (actor handle, node id) of each receiving process, for a transport whose sender makes what they read
+    (ray_channel)."""
     info = transport_info(transport)
     if bucket_bytes < 0:
         raise ValueError(f"weight sync: bucket_bytes must be >= 0 (0 = the transport's default), got {bucket_bytes}")

@@ -2,10 +2,10 @@
 
 The learner (`ShmWeightSender`, rank 0 of a `StatelessGlooGroup`) writes every weight into one of two
 shared-memory segments (`shm_segments.plan_layout`), broadcasts a small header, and each receiver swaps its
-engine onto zero-copy read-only views of that segment (the engine's sink: `engine.weights.swap_weights`) and acknowledges; the next
-sync writes the other segment, which no replica reads by then. The protocol, why the sender never writes
-memory a replica is reading, and what a failed sync leaves are in docs/weight-sync.md ("The `shm` double
-buffer"). POSIX only: `/dev/shm` must hold two copies of the weights (the sender reserves both at once).
+engine onto zero-copy read-only views of that segment (the engine's sink: `engine.weights.swap_weights`) and
+acknowledges; the next sync writes the other segment, which no replica reads by then. The protocol, why the sender
+never writes memory a replica is reading, and what a failed sync leaves are in docs/weight-sync.md ("The `shm`
+double buffer"). POSIX only: `/dev/shm` must hold two copies of the weights (the sender reserves both at once).
 """
 from __future__ import annotations
 

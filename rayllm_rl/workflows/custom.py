@@ -88,8 +88,8 @@ class CustomWorkflow:
         kind, label = kind_of(self.source), self.label or self.name
         contract = "async def arun_episode(self, engine, data) -> TensorDict"
         if kind == "other":
-            raise TypeError(f"{label} is a {type(self.source).__name__}: expected a class or factory returning a workflow "
-                            f"(an object with {contract}), or such an object")
+            raise TypeError(f"{label} is a {type(self.source).__name__}: expected a class or factory returning a "
+                            f"workflow (an object with {contract}), or such an object")
         if kind in ("class", "instance") and not has_async_arun_episode(self.source):
             raise TypeError(f"{label}: {self.name} has no {contract} (AReaL's rollout contract)")
         if kind == "instance":
@@ -111,7 +111,8 @@ class CustomWorkflow:
             required = p.default is inspect.Parameter.empty
             if required and (p.kind is p.POSITIONAL_ONLY or pname not in given):
                 raise ValueError(f"{label}: its parameter {pname!r} has no default and is none of the keywords the job "
-                                 f"passes ({', '.join(JOB_KEYWORDS)}); give it a default or set it in {self.kwargs_key}")
+                                 f"passes ({', '.join(JOB_KEYWORDS)}); give it a default "
+                                 f"or set it in {self.kwargs_key}")
 
     def build(self, offered: Mapping[str, Any]) -> Any:
         """The workflow: the instance itself, or the class / factory called with the `offered` job keywords it

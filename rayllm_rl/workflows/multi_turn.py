@@ -56,7 +56,8 @@ class MultiTurnWorkflow(RolloutWorkflow):
 
     async def arun_episode(self, engine: InferenceEngine, data: Mapping[str, Any]) -> TensorDict:
         row = row_fields(data)
-        prompt_ids = list(data.get("prompt_ids") or tokenize_prompt(self.tokenizer, row_messages(data, self.prompt_key)))
+        prompt_ids = list(data.get("prompt_ids")
+                          or tokenize_prompt(self.tokenizer, row_messages(data, self.prompt_key)))
         group_id = int(data.get("group_id", random.getrandbits(62)))
         rid = f"mt{group_id}-{random.getrandbits(32)}"
         traj = TrajectoryBuilder()

@@ -27,9 +27,11 @@ def row_messages(row: Mapping[str, Any], prompt_key: str = "messages") -> list[d
     value = row[prompt_key]
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
-    if isinstance(value, list) and value and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in value):
+    if (isinstance(value, list) and value
+            and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in value)):
         return [dict(m) for m in value]
-    raise ValueError(f"dataset row field {prompt_key!r} must be a string or a list of {{role, content}} messages, got {value!r:.120}")
+    raise ValueError(f"dataset row field {prompt_key!r} must be a string or a list of {{role, content}} messages, "
+                     f"got {value!r:.120}")
 
 
 def tokenize_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:

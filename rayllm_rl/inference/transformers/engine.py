@@ -277,7 +277,8 @@ class TransformersEngine:
         if not self._run_batch(state):
             asleep = self.turns.sleeping
             raise RuntimeError(f"generate_batch: the engine is {'asleep' if asleep else 'paused'}: "
-                               f"{'turns.wake_up()' if asleep else 'turns.resume()'} first, or use agenerate, which waits")
+                               f"{'turns.wake_up()' if asleep else 'turns.resume()'} first, "
+                               "or use agenerate, which waits")
         return self._finish_batch(state)
 
     def generate(self, requests: list[LLMRequest]) -> list[LLMResponse]:

@@ -45,9 +45,9 @@ class TransformersWeights:
     def _check_writable(self, what: str) -> None:
         """A weight update needs the weights on the device (called under the lock)."""
         if self.offload_level:
-            raise RuntimeError(f"{what}: the engine's weights are asleep (sleep(level={self.offload_level})): call turns."
-                               "wake_up(['weights']) before a weight sync (colocated order: sleep -> train -> "
-                               "wake_up(['weights']) -> hand-over -> wake_up(['kv_cache']))")
+            raise RuntimeError(f"{what}: the engine's weights are asleep (sleep(level={self.offload_level})): "
+                               "call turns.wake_up(['weights']) before a weight sync (colocated order: sleep -> train "
+                               "-> wake_up(['weights']) -> hand-over -> wake_up(['kv_cache']))")
 
     # ---------------------------------------------------------------- direct updates
     def load_weights_sync(self, named_tensors: Mapping[str, torch.Tensor], version: int | None = None) -> int:
@@ -59,13 +59,15 @@ class TransformersWeights:
         targets = {**self.params, **self.buffers}
         unknown = [k for k in named_tensors if k not in targets]
         if unknown:
-            raise KeyError(f"load_weights: unknown parameter names {unknown[:5]} (model has e.g. {list(self.params)[:3]})")
+            raise KeyError(f"load_weights: unknown parameter names {unknown[:5]} "
+                           f"(model has e.g. {list(self.params)[:3]})")
         with self.lock.writer(), torch.no_grad():
             self._check_writable("load_weights")
             for name, tensor in named_tensors.items():
                 dst = targets[name]
                 if dst.shape != tensor.shape:
-                    raise ValueError(f"load_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+                    raise ValueError(f"load_weights: {name} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(dst.shape)}")
                 if name in self._borrowed:
                     dst.data = tensor.detach().to(device=dst.device, dtype=dst.dtype, copy=True)
                     self._borrowed.discard(name)

@@ -10,7 +10,8 @@ scores the token (sampling-mask replay, `rayllm_rl.sampling_mask`, docs/algorith
 Weights live in vLLM's worker process (vllm/worker.py), and a LoRA policy's adapter in vLLM's one LoRA
 slot (vllm/lora.py): how an update gets there is the weight sink's (vllm/weights.py).
 
-Only this module, `vllm/weights.py`, `vllm/worker.py` and `vllm/lora.py` import vllm, and only when a vLLM engine is built.
+Only this module, `vllm/weights.py`, `vllm/worker.py` and `vllm/lora.py` import vllm, and only when a vLLM engine
+is built.
 """
 from __future__ import annotations
 
@@ -207,7 +208,8 @@ class VLLMEngine:
         tokens = list(comp.token_ids)
         logprobs = [float(lp[t].logprob) for lp, t in zip(comp.logprobs or [], tokens)]
         if len(logprobs) != len(tokens):
-            raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(tokens)} tokens (request {request.rid})")
+            raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(tokens)} tokens "
+                               f"(request {request.rid})")
         versions = _expand_versions(comp.weight_versions, len(tokens))
         reason = comp.finish_reason if comp.finish_reason in ("stop", "length") else "abort"
         self.stats["requests"] += 1

@@ -97,7 +97,8 @@ def fitting_length(config, options: VLLMOptions, dtype: str) -> int:
     c = config.get_text_config()
     heads = int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
     head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
-    per_token = 2 * int(c.num_hidden_layers) * heads * head_dim * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    per_token = (2 * int(c.num_hidden_layers) * heads * head_dim
+                 * torch.empty((), dtype=getattr(torch, dtype)).element_size())
     fits = int(KV_USABLE * (int(options.kv_cache_mb) << 20) // per_token) // KV_BLOCK * KV_BLOCK
     return max(KV_BLOCK, min(positions, fits))
 
@@ -156,7 +157,8 @@ class VLLMJobSide:
         if gpus_per_replica > 0:
             out["weights_bytes_per_gpu"] = int(weights_bytes)
             out["budget"] = (f"gpu_memory_utilization={options.gpu_memory_utilization:g} of each of the replica's "
-                             f"{gpus_per_replica:g} GPU(s), minus {weights_bytes / (1 << 30):.2f} GiB of weights per GPU")
+                             f"{gpus_per_replica:g} GPU(s), minus {weights_bytes / (1 << 30):.2f} GiB of weights "
+                             "per GPU")
         else:
             out["weights_bytes"] = int(weights_bytes)
             out["budget_bytes"] = options.kv_cache_mb << 20

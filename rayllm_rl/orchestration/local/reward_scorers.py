@@ -23,7 +23,8 @@ class LoopThreadEngine:
         self.loop.call(engine.start(), start_timeout_s, f"starting {name}")
 
     async def agenerate(self, request):
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.engine.agenerate(request), self.loop.loop))
+        return await asyncio.wrap_future(
+            asyncio.run_coroutine_threadsafe(self.engine.agenerate(request), self.loop.loop))
 
     def close(self) -> None:
         self.loop.close(self.engine.aclose())

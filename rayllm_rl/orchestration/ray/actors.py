@@ -1,8 +1,9 @@
 """Ray actor shells: each a thin `@ray.remote` class over a plain, Ray-free component.
 
 Names on the dashboard: `inference-<i>`, `env-<i>`, `learner-<rank>`, `collector`, `replay-buffer`,
-the frozen models (`FrozenActor`: `reference` only with a reference-KL term, `teacher` only with `teacher.path`); `collector` and
-`replay-buffer` are in rollout_actors.py, `reward-model-<i>` and `judge-<i>` (with `reward.*`) in reward_actors.py.
+the frozen models (`FrozenActor`: `reference` only with a reference-KL term, `teacher` only with `teacher.path`);
+`collector` and `replay-buffer` are in rollout_actors.py, `reward-model-<i>` and `judge-<i>` (with `reward.*`) in
+reward_actors.py.
 
 Every actor process starts with `ACTOR_ENV_VARS` (no HF progress bars: Ray forwards actor output to
 the driver's console). A restartable actor (env worker, inference replica, teacher) takes only small
@@ -162,8 +163,8 @@ class InferenceReplica(ActorProcess):
             try:
                 published = await asyncio.wait_for(published[0], timeout)
             except asyncio.TimeoutError as exc:
-                raise TimeoutError(f"weight sync: learner rank 0 did not publish within ray.sync_timeout_s={timeout:g}s "
-                                   "(phase: handoff)") from exc
+                raise TimeoutError("weight sync: learner rank 0 did not publish within "
+                                   f"ray.sync_timeout_s={timeout:g}s (phase: handoff)") from exc
         out = await self.engine.weights.receive_weights(None if published is None else published["handoff"])
         self._turn("weights received")
         self.versions_held.append(int(out["version"]))

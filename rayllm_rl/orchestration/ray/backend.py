@@ -229,7 +229,8 @@ class RayBackend:
             self.frozen[spec.name] = FrozenActor.options(**options).remote(spec, self.model_path, weights,
                                                                           self.cfg.ray.threads_per_actor)
             if gathered:  # the other ranks' copies: waited for, not fetched
-                done, _ = ray.wait(gathered, num_returns=len(gathered), timeout=self.cluster.timeout_s, fetch_local=False)
+                done, _ = ray.wait(gathered, num_returns=len(gathered), timeout=self.cluster.timeout_s,
+                                   fetch_local=False)
                 if len(done) < len(gathered):
                     raise TimeoutError(f"the learners' weights for the frozen model {spec.name!r} were not gathered "
                                        f"in {self.cluster.timeout_s:g}s")

@@ -139,8 +139,8 @@ def check_inlined(role: str, args: tuple, names: tuple[str, ...] = (), hint: str
         if size >= INLINE_LIMIT_BYTES:
             what = named if i < len(names) else f"{i} ({type(arg).__name__})"
             raise ValueError(f"{role}: constructor argument {what} pickles to {size} bytes, >= {INLINE_LIMIT_BYTES} "
-                             f"(Ray's max_direct_call_object_size): Ray would keep it in the object store and a restart "
-                             f"of this actor would fail once it is released; "
+                             f"(Ray's max_direct_call_object_size): Ray would keep it in the object store and a "
+                             f"restart of this actor would fail once it is released; "
                              f"{hint or 'pass a path or a name the actor looks up instead'}")
 
 
@@ -175,7 +175,8 @@ def build_cluster(plan: JobPlan, model_path: str, task, workflow_factory) -> Clu
     rc, call_timeout_s = cfg.ray, cfg.trainer.call_timeout_s
     placement = plan_placement(plan.layout, rc.sync_timeout_s, replica_labels=rc.replica_node_labels,
                                learner_labels=rc.learner_node_labels, env_worker_labels=rc.env_worker_node_labels)
-    cluster = Cluster(ReplicaGroup([], call_timeout_s, "inference replicas", rc.engine_start_timeout_s), ActorGroup([], call_timeout_s, "env workers"),
+    cluster = Cluster(ReplicaGroup([], call_timeout_s, "inference replicas", rc.engine_start_timeout_s),
+                      ActorGroup([], call_timeout_s, "env workers"),
                       LearnerGroup([], call_timeout_s, "learner ranks"), None, None, call_timeout_s, rc.sync_timeout_s,
                       placement=placement)
     try:

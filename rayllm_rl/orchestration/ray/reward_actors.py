@@ -63,10 +63,10 @@ class RewardModelActor(ActorProcess):
 
 def start_reward_actors(plan: JobPlan, timeout_s: float | None = None,
                         into: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Create the reward-model and judge actors the job's `reward.*` asks for, from the plan's specs, and wait until each has its model
-    (at most `timeout_s`, default `trainer.call_timeout_s`, for all); {} when both are off. A timeout (e.g.
-    GPUs the cluster does not have) or a failed start kills them, frees their names and raises, naming the
-    key. `into`: a dict each actor is recorded in as soon as it exists (returned)."""
+    """Create the reward-model and judge actors the job's `reward.*` asks for, from the plan's specs, and wait until
+    each has its model (at most `timeout_s`, default `trainer.call_timeout_s`, for all); {} when both are off. A
+    timeout (e.g. GPUs the cluster does not have) or a failed start kills them, frees their names and raises, naming
+    the key. `into`: a dict each actor is recorded in as soon as it exists (returned)."""
     rc = plan.config.ray
     common = {"namespace": rc.namespace, "max_restarts": rc.replica_restarts, "num_cpus": 0}
     actors: dict[str, Any] = {} if into is None else into
@@ -102,7 +102,8 @@ def _create(plan: JobPlan, actors: dict[str, Any], common: dict[str, Any], timeo
             name = f"judge-{i}"
             actors[name] = InferenceReplica.options(name=name, num_gpus=j.gpus_per_replica, **common).remote(
                 plan.judge_spec(i), rc.threads_per_actor, frozen=True)
-            waits[name] = (actors[name].ready.remote(), "reward.judge", j.path, f"gpus_per_replica={j.gpus_per_replica:g}")
+            waits[name] = (actors[name].ready.remote(), "reward.judge", j.path,
+                           f"gpus_per_replica={j.gpus_per_replica:g}")
     _wait_started(waits, cfg.trainer.call_timeout_s if timeout_s is None else timeout_s)
 
 
@@ -117,8 +118,8 @@ def _wait_started(waits: dict[str, tuple], timeout_s: float) -> None:
             raise TimeoutError(
                 f"{name} did not start within trainer.call_timeout_s={timeout_s:g}s (raise it if this machine needs "
                 f"longer; {key}.path={path!r}, {key}.{gpus}; the cluster has "
-                f"GPU={ray.cluster_resources().get('GPU', 0):g} in total, GPU={ray.available_resources().get('GPU', 0):g} "
-                "free)") from None
+                f"GPU={ray.cluster_resources().get('GPU', 0):g} in total, "
+                f"GPU={ray.available_resources().get('GPU', 0):g} free)") from None
         except ray.exceptions.RayError as exc:
             raise RuntimeError(f"{name} failed to start ({key}.path={path!r}): {exc}") from exc
 
@@ -160,7 +161,8 @@ def ray_reward_scorers(cfg: GRPOJobConfig) -> dict[str, Any]:
 
         router = ReplicaRouter([ray.get_actor(f"judge-{i}", namespace=ns) for i in range(r.judge.num_replicas)],
                                timeout_s=r.judge.timeout_s)
-        scorers["judge"] = Judge.from_config(r.judge, router, AutoTokenizer.from_pretrained(resolve_model_path(r.judge.path)))
+        scorers["judge"] = Judge.from_config(r.judge, router,
+                                             AutoTokenizer.from_pretrained(resolve_model_path(r.judge.path)))
     return scorers
 
 

@@ -107,8 +107,8 @@ async def score_with_restarts(scorer, batch, timeout_s: float, name: str = "froz
 
 @ray_actor
 class RayLLMCollector(ActorProcess):
-    """`collector`, the actor shell of `LLMCollector`: admits episodes under the staleness bound and spreads them over the env workers,
-    which put them straight into the buffer; a collector loop that dies fails the buffer's waiters."""
+    """`collector`, the actor shell of `LLMCollector`: admits episodes under the staleness bound and spreads them over
+    the env workers, which put them straight into the buffer; a collector loop that dies fails the buffer's waiters."""
 
     def __init__(self, spec, dataset, env_workers: list, buffer, episode_timeout_s: float = 600.0,
                  max_episode_attempts: int = 3):
