@@ -64,9 +64,15 @@ browser:
 
 PYTEST := $(PYW) -m pytest
 
-# --durations: the 25 slowest tests close every run's log, so a suite that grows past its 25 minutes says where
+# --durations: the 25 slowest tests close every run's log, so a suite that grows past its 25 minutes says where.
+# -n: pytest-xdist workers, one test file at a time each (--dist loadfile: a module's fixtures, its Ray session
+# among them, live in one worker): as many as the machine has idle cores when the suite starts, up to 2
+# (tests/idle_workers.py); a core already busy leaves one (-n 0: the suite in this process, as before).
+# PYTEST_WORKERS=N sets it.
+PYTEST_WORKERS ?= auto
 test: $(STAMP) $(SMOLLM2) browser
-	$(PYTEST) -q tests --durations=25 $(PYTEST_ARGS)
+	$(PYTEST) -q tests --durations=25 -n "$$($(PY) tests/idle_workers.py $(PYTEST_WORKERS))" --dist loadfile \
+	  $(PYTEST_ARGS)
 
 # The quick subset while developing: no vLLM engines, no Ray clusters, nothing marked slow.
 test-fast: $(STAMP) $(SMOLLM2)

@@ -43,8 +43,14 @@ engine core that shuts down) before it counts as left behind. A test that leaks 
 
 
 def start_session() -> str:
-    """Mark this pytest process, so the guard can tell its processes from anybody else's."""
-    return os.environ.setdefault(SESSION_VAR, uuid.uuid4().hex)
+    """Mark this pytest process, so the guard can tell its processes from anybody else's. An xdist worker
+    (`make test` runs two) gets a mark of its own: the other worker's processes and segments are another
+    session's, as a second pytest's on the machine would be (a pytest a test starts keeps its worker's mark)."""
+    mark = os.environ.setdefault(SESSION_VAR, uuid.uuid4().hex)
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and not mark.endswith(f"-{worker}"):
+        mark = os.environ[SESSION_VAR] = f"{mark}-{worker}"
+    return mark
 
 
 def _ray_initialized() -> bool:
