@@ -145,3 +145,30 @@ def test_the_learner_threads_come_from_the_backend_that_runs_the_learner():
     local = make_plan(load_config(GRPOJobConfig, ["trainer.backend=local", "ray.threads_per_actor=3",
                                                   "trainer.num_threads=2"]).validate(environment=False))
     assert local.learner_threads == 2
+
+
+def test_the_role_list_starts_every_actor_once_in_its_phase_with_its_spec(tmp_path):
+    """`JobPlan.roles()`: every actor the dry run lists, once, in start order (reward services, replicas, buffer, env
+    workers, learners, collector, frozen models), each with the spec it is built from; `only` keeps some kinds."""
+    from rayllm_rl.models.tiny import ensure_tiny_model
+
+    rm = ensure_tiny_model()  # any local model directory: the plan only names it
+    plan = make_plan(load_config(GRPOJobConfig, [
+        "ray.num_replicas=2", "ray.num_env_workers=2", "algo.kl_coef=0.1", f"reward.model.path={rm}",
+        "rollout.workflow=python_tool"]).validate())
+    roles = plan.roles("/models/policy")
+    assert sorted(r.name for r in roles) == sorted(a.name for a in plan.actors)
+    assert [r.name for r in roles] == ["reward-model-0", "inference-0", "inference-1", "replay-buffer", "env-0",
+                                       "env-1", "learner-0", "collector", "reference", "python-executor"]
+    assert [r.phase for r in roles] == ["services"] + ["roles"] * 7 + ["frozen", "on demand"]
+    assert [r.name for r in plan.roles(phase="frozen")] == ["reference"]
+    replicas = [r.spec for r in roles if r.kind == "replica"]
+    assert [(s.model_path, s.seed) for s in replicas] == [("/models/policy", 0), ("/models/policy", 1)]
+    assert {r.kind: type(r.spec).__name__ for r in roles if r.spec is not None} == {
+        "reward-model": "RewardModelSpec", "replica": "EngineSpec", "buffer": "BufferSpec",
+        "learner": "LearnerSpec", "collector": "CollectorSpec", "frozen": "FrozenSpec"}
+    assert roles[0].spec.path == rm and roles[-2].spec == plan.frozen_spec("reference")
+    assert [r.name for r in plan.only("learner", "replica").roles()] == ["inference-0", "inference-1", "learner-0"]
+    assert plan.names("replica") == ["inference-0", "inference-1"] and plan.names("buffer") == ["replay-buffer"]
+    with pytest.raises(ValueError, match=r"unknown role kinds \['learners'\]; the kinds are"):
+        plan.only("learners")

@@ -71,20 +71,16 @@ SYNC_JOB = ("ray.num_replicas=2", "rollout.max_staleness=1", "ray.namespace=rayl
 
 @pytest.fixture(scope="class")
 def sync_cluster(local_ray, tmp_path_factory):
-    """One job's actors (2 replicas) for every transport: each test forms its transport's group afresh on them,
-    as a replica restart does (`rejoin_sync_group`), instead of starting a cluster of its own."""
-    import functools
-
+    """One job's learner and replicas (2) for every transport, a plan of those roles alone (`JobPlan.only`): each
+    test forms its transport's group afresh on them, as a replica restart does (`rejoin_sync_group`), instead of
+    starting a cluster of its own."""
     from rayllm_rl.models.tiny import ensure_tiny_model
-    from rayllm_rl.orchestration.factories import build_task
-    from rayllm_rl.orchestration.ray.backend import make_workflow
     from rayllm_rl.orchestration.ray.cluster import build_cluster
 
     cfg = small_cfg(tmp_path_factory.mktemp("sync"), *SYNC_JOB, f"ray.sync_transport={SYNC_TRANSPORTS[0]}")
     path = ensure_tiny_model()
-    plan = make_plan(cfg.validate())
-    task = build_task(cfg)
-    cluster = build_cluster(plan, path, task, functools.partial(make_workflow, cfg, path, task.worker_part()))
+    plan = make_plan(cfg.validate()).only("learner", "replica")
+    cluster = build_cluster(plan, path)  # no rollout roles: no task, no workflow
     try:
         yield SimpleNamespace(cluster=cluster, plan=plan, path=path, versions=iter(range(1, 100)))
     finally:
@@ -108,7 +104,7 @@ class TestSync:
         if cluster.transport is None or cluster.transport.name != transport:
             rejoin_sync_group(cluster, plan, [])
         assert cluster.transport.name == transport
-        assert list(cluster.roles()) == [a.name for a in plan.actors]  # the actors the dry run lists, by name
+        assert list(cluster.roles()) == [r.name for r in sync_cluster.plan.roles()]  # its plan's roles, by name
         # Perturb the learner with one SFT step, then sync the next version to both replicas.
         tok = AutoTokenizer.from_pretrained(path)
         batch = make_sft_batch(tok, [[{"role": "user", "content": "1+1="},
@@ -125,6 +121,33 @@ class TestSync:
         named = cluster.get(cluster.learners[0].policy_weights.remote())
         assert sum(t.numel() for t in named.values()) * 4 <= stats["sync_bytes"]
         assert isinstance(named[next(iter(named))], torch.Tensor)
+
+    def test_a_plan_of_learners_and_replicas_alone_is_driven_from_python(self, sync_cluster):
+        """What a user's own loop builds on (Tinker's primitives): the roles of `only("learner", "replica")` start
+        and nothing else does; a train step on the learner, a sync, then a sample from a replica generated at that
+        version, with the learner's weights."""
+        from transformers import AutoTokenizer
+
+        from rayllm_rl.data.sft import make_sft_batch
+        from rayllm_rl.inference.protocol import LLMRequest, SamplingParams
+        from rayllm_rl.objectives import SFTLoss
+
+        cluster, plan = sync_cluster.cluster, sync_cluster.plan
+        assert [r.kind for r in plan.roles()] == ["replica", "replica", "learner"]
+        assert set(cluster.kinds.values()) == {"replica", "learner"}
+        assert cluster.buffer is None and cluster.collector is None and len(cluster.env_workers) == 0
+        tok = AutoTokenizer.from_pretrained(sync_cluster.path)
+        batch = make_sft_batch(tok, [[{"role": "user", "content": "2+2="},
+                                      {"role": "assistant", "content": "<answer>4</answer>"}]])
+        metrics = cluster.learners.train_step(batch, SFTLoss())[0]
+        assert metrics["loss"] > 0 and not metrics.get("skipped_nonfinite_steps")
+        version = next(sync_cluster.versions)
+        cluster.sync_weights(version)
+        prompt = tok("3+4=")["input_ids"]
+        request = LLMRequest(prompt, SamplingParams(max_new_tokens=5, temperature=1.0))
+        out = cluster.get(cluster.replicas[1].agenerate.remote(request))
+        assert len(out.output_tokens) > 0 and out.output_versions == [version] * len(out.output_tokens)
+        assert cluster.replicas.checksums() == cluster.learners.checksums() * 2
 
 
 def test_a_jobs_own_ray_gives_the_actors_their_environment_in_its_job_env(local_ray):

@@ -31,6 +31,15 @@ BUFFER, COLLECTOR, REFERENCE, TEACHER = "replay-buffer", "collector", "reference
 """The dashboard names of the job's actors (`{}`: the replica, rank or worker index)."""
 
 
+KINDS = ("reward-model", "judge", "replica", "buffer", "env", "learner", "collector", "frozen", "tool")
+"""The kinds of role, in the order a job starts them (`JobPlan.roles`): the reward services first (env workers look
+them up by name when they start), the frozen models once the learners hold the policy (`PHASES`)."""
+PHASES = {"reward-model": "services", "judge": "services", "frozen": "frozen", "tool": "on demand"}
+"""When a kind starts: "services" (before the rest, each waited for), "roles" (every kind not named here), "frozen"
+(`Backend.start_frozen`: from the learners' weights or a checkpoint), "on demand" (by the first env worker that
+needs it)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ActorPlan:
     """One actor the Ray backend creates."""
@@ -44,11 +53,36 @@ class ActorPlan:
     restarts: int = 0
     """Ray's `max_restarts` for it."""
     note: str = ""
+    kind: str = ""
+    """One of `KINDS`: what builds it."""
+    index: int = 0
+    """Its place among the actors of its kind (the replica's index, the learner's rank)."""
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "role": self.role, "num_cpus": 0, "num_gpus": self.num_gpus,
                 "torch_threads": self.threads, "bundle": self.bundle, "max_restarts": self.restarts,
                 **({"note": self.note} if self.note else {})}
+
+
+@dataclasses.dataclass(frozen=True)
+class Role:
+    """One entry of a job's role list (`JobPlan.roles`): what is built, from what, where and when."""
+
+    name: str
+    """Its dashboard name (the Ray actor's name)."""
+    kind: str
+    """One of `KINDS`."""
+    spec: Any
+    """What it is built from (`EngineSpec`, `LearnerSpec`, `BufferSpec`, `CollectorSpec`, `FrozenSpec`,
+    `RewardModelSpec`), or None where the backend brings it (an env worker's workflow, the tool service)."""
+    actor: ActorPlan
+    """Its placement: GPUs, torch threads, bundle, restarts."""
+    phase: str
+    """When it starts (`PHASES`)."""
+
+    @property
+    def index(self) -> int:
+        return self.actor.index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +144,31 @@ class JobPlan:
     def backend_class(self) -> type:
         module, name = BACKENDS[self.backend].split(":")
         return getattr(importlib.import_module(module), name)
+
+    def roles(self, model_path: str = "", phase: str | None = None) -> tuple[Role, ...]:
+        """The job's roles in the order they start (`KINDS`), each with its spec (`model_path`: the policy's,
+        resolved where the job runs); with `phase`, those of that phase only. Empty in process (`in_process`:
+        the local backend builds the same specs itself)."""
+        specs = {"replica": lambda a: self.engine_spec(model_path, a.index), "learner": lambda a: self.learner_spec(
+            model_path), "buffer": lambda a: self.buffer_spec(), "collector": lambda a: self.collector_spec(),
+            "frozen": lambda a: self.frozen_spec(a.name), "reward-model": lambda a: self.reward_model_spec(),
+            "judge": lambda a: self.judge_spec(a.index)}
+        ordered = sorted(self.actors, key=lambda a: KINDS.index(a.kind))
+        roles = (Role(a.name, a.kind, specs[a.kind](a) if a.kind in specs else None, a, PHASES.get(a.kind, "roles"))
+                 for a in ordered)
+        return tuple(r for r in roles if phase is None or r.phase == phase)
+
+    def names(self, kind: str) -> list[str]:
+        """The names of the roles of `kind`, in index order (the env workers find the replicas and the buffer by
+        them)."""
+        return [a.name for a in sorted(self.actors, key=lambda a: a.index) if a.kind == kind]
+
+    def only(self, *kinds: str) -> "JobPlan":
+        """This plan with the roles of `kinds` alone: a job of learners and replicas (`only("learner", "replica")`)
+        that a user's own loop drives from Python, with nothing collecting rollouts."""
+        if unknown := set(kinds) - set(KINDS):
+            raise ValueError(f"unknown role kinds {sorted(unknown)}; the kinds are {list(KINDS)}")
+        return dataclasses.replace(self, actors=tuple(a for a in self.actors if a.kind in kinds))
 
     def actor(self, name: str) -> ActorPlan:
         found = [a for a in self.actors if a.name == name]
@@ -205,32 +264,35 @@ def _frozen(cfg: GRPOJobConfig, loss) -> tuple:
 
 
 def _actors(cfg: GRPOJobConfig, layout: GpuLayout, frozen: tuple) -> tuple[ActorPlan, ...]:
-    """Every actor of the Ray backend: replicas, learner ranks, env workers, buffer, collector, and the
-    frozen models, tool and reward services the config asks for."""
+    """Every actor of the Ray backend, as the dry run lists them: replicas, learner ranks, env workers, buffer,
+    collector, and the frozen models, tool and reward services the config asks for."""
     rc, t, pg = cfg.ray, cfg.ray.threads_per_actor, layout.uses_gpus
     tp = f"tensor_parallel_size={rc.tensor_parallel_size}" if rc.tensor_parallel_size > 1 else ""
     actors = [ActorPlan(REPLICA.format(i), f"inference replica ({cfg.inference.engine})", layout.replica_asks, t,
-                        i if pg else None, rc.replica_restarts, tp) for i in range(layout.num_replicas)]
+                        i if pg else None, rc.replica_restarts, tp, kind="replica", index=i)
+              for i in range(layout.num_replicas)]
     actors += [ActorPlan(LEARNER.format(r), "FSDP learner rank", layout.learner_asks, t,
                          layout.learner_bundle(r) if pg else None, 0,
                          f"shares its GPU with {REPLICA.format(r)}; offloaded while it generates"
-                         if layout.colocated else "")
+                         if layout.colocated else "", kind="learner", index=r)
                for r in range(layout.num_learners)]
     actors += [ActorPlan(ENV_WORKER.format(i), "env worker (rollout workflows, rewards)", 0.0, 1, None,
-                         rc.env_worker_restarts) for i in range(rc.num_env_workers)]
-    actors += [ActorPlan(BUFFER, "replay buffer", 0.0, 1), ActorPlan(COLLECTOR, "collector", 0.0, 1)]
-    for spec in frozen:
+                         rc.env_worker_restarts, kind="env", index=i) for i in range(rc.num_env_workers)]
+    actors += [ActorPlan(BUFFER, "replay buffer", 0.0, 1, kind="buffer"),
+               ActorPlan(COLLECTOR, "collector", 0.0, 1, kind="collector")]
+    for i, spec in enumerate(frozen):
         where = f"on {LEARNER.format(0)}'s GPU, {spec.dtype}" if spec.gpu_share else f"CPU, {spec.dtype}"
         actors.append(ActorPlan(spec.name, spec.role, spec.gpu_share, t, layout.frozen_bundle(), spec.restarts,
-                                f"{spec.model_path}; {where}" if spec.model_path else where))
+                                f"{spec.model_path}; {where}" if spec.model_path else where, kind="frozen", index=i))
     if cfg.rollout.workflow == "python_tool":
-        actors.append(ActorPlan("python-executor", "sandboxed code execution service", 0.0, 1))
+        actors.append(ActorPlan("python-executor", "sandboxed code execution service", 0.0, 1, kind="tool"))
     m, j = cfg.reward.model, cfg.reward.judge
-    actors += [ActorPlan(f"reward-model-{i}", "reward model (sequence classification)", m.gpus_per_actor, t, None, 0,
-                         f"weight {m.weight:g}, batches of <= {m.batch_size}")
-               for i in range(m.num_actors if m.path else 0)]
-    actors += [ActorPlan(f"judge-{i}", f"judge replica ({j.engine})", j.gpus_per_replica, t, None, 0,
-                         f"weight {j.weight:g}") for i in range(j.num_replicas if j.path else 0)]
+    actors += [ActorPlan(f"reward-model-{i}", "reward model (sequence classification)", m.gpus_per_actor, t, None,
+                         rc.replica_restarts, f"weight {m.weight:g}, batches of <= {m.batch_size}",
+                         kind="reward-model", index=i) for i in range(m.num_actors if m.path else 0)]
+    actors += [ActorPlan(f"judge-{i}", f"judge replica ({j.engine})", j.gpus_per_replica, t, None,
+                         rc.replica_restarts, f"weight {j.weight:g}", kind="judge", index=i)
+               for i in range(j.num_replicas if j.path else 0)]
     return tuple(actors)
 
 

@@ -11,11 +11,10 @@ from typing import Any
 
 import ray
 
-from rayllm_rl.orchestration.ray.actors import FrozenActor
 from rayllm_rl.orchestration.backend import ROLE_KINDS, RoleCrashed, backend_summary
 from rayllm_rl.orchestration.fault_ledger import FaultLedger
 from rayllm_rl.orchestration.ray.cluster import (
-    FAILED_START_CLOSE_S, Cluster, build_cluster, check_inlined, wait_names_free,
+    FAILED_START_CLOSE_S, Cluster, build_cluster, check_inlined, start_frozen,
 )
 from rayllm_rl.orchestration.ray.session import init_ray, session_for_job
 from rayllm_rl.hub import resolve_model_path
@@ -25,7 +24,9 @@ from rayllm_rl.job.config import GRPOJobConfig
 from rayllm_rl.job.plan import JobPlan
 from rayllm_rl.orchestration.ray.liveness import Liveness
 from rayllm_rl.orchestration.ray.router import ReplicaRouter
-from rayllm_rl.orchestration.ray.reward_actors import ray_reward_scorers, reward_service_stats
+from rayllm_rl.orchestration.ray.reward_actors import (
+    env_worker_reward_counters, ray_reward_scorers, reward_service_stats,
+)
 from rayllm_rl.orchestration.ray.tool_services import ray_python_tools
 from rayllm_rl.workflows.custom import CustomWorkflow
 from rayllm_rl.workflows.evaluation import evaluate_greedy
@@ -106,18 +107,15 @@ class RayBackend:
         try:
             self._metrics = RayMetrics()
         except BaseException:
-            self._teardown(close_timeout_s=FAILED_START_CLOSE_S)
+            self.cluster.shutdown(close_timeout_s=FAILED_START_CLOSE_S, namespace=self.cfg.ray.namespace)
             raise
 
     def _build(self) -> None:
         cfg, worker_task = self.cfg, worker_part(self.task)
         self.cluster: Cluster = build_cluster(self.plan, self.model_path, self.task, functools.partial(
             make_workflow, cfg, self.model_path, worker_task, self.workflow))
-        self.frozen: dict[str, Any] = {}
-        """The frozen models' actors started so far (`start_frozen`), by dashboard name: watched with the cluster's
-        roles, killed with them."""
         self._pending_version = None  # the last version told the collector, awaited at the next one
-        self.live = Liveness(self.cluster, self.plan, self.faults, lambda: dict(self.frozen))
+        self.live = Liveness(self.cluster, self.plan, self.faults)
         """Dead roles and restarted replicas, checked while the driver waits (`live.every_s`)."""
 
     def recover(self, crash: RoleCrashed) -> None:
@@ -127,26 +125,14 @@ class RayBackend:
         except ray.exceptions.RayError:  # the collector itself is gone: its unreported events went with it
             pass
         self.faults.rolled_back(crash.roles)
-        self._teardown(close_timeout_s=5)
+        self.cluster.shutdown(close_timeout_s=5, namespace=self.cfg.ray.namespace)  # the names free for the next
         self._build()
-
-    def _teardown(self, close_timeout_s: float) -> None:
-        """Kill every actor of the job and wait until their names are free: a rollback, or the next
-        job in this Ray session, starts actors under the same names."""
-        ns = self.cfg.ray.namespace
-        for handle in self.frozen.values():
-            ray.kill(handle, no_restart=True)
-        wait_names_free(list(self.frozen), ns)
-        self.frozen = {}
-        self.cluster.shutdown(close_timeout_s=close_timeout_s, namespace=ns)
 
     def _take_fault_events(self, timeout_s: float | None = None, note_pids: bool = True) -> None:
         """Fold the collector's fault events into the ledger (with `note_pids`, every env worker's process id
         asked now: a restart no episode ran into is seen too)."""
-        self.faults.record(self._get(self.cluster.collector.take_fault_events.remote(note_pids), timeout_s=timeout_s))
-
-    def _get(self, refs, timeout_s: float | None = None):
-        return self.cluster.get(refs, timeout_s)
+        c = self.cluster
+        self.faults.record(c.get(c.collector.take_fault_events.remote(note_pids), timeout_s=timeout_s))
 
     def _through_driver(self, obj):
         """Count `obj` (what the driver fetched, or is about to send) in `driver_bytes`; returns it."""
@@ -186,19 +172,14 @@ class RayBackend:
 
         out = self.cluster.turns.hand_over(sync)  # colocated: the replicas' weights wake first
         self.live.synced = version
-        self._tell_collector(version)
-        return self._through_driver(out)
-
-    def _tell_collector(self, version: int) -> None:
-        """The collector's policy version, pipelined: the previous call is awaited (bounded) and this one is
-        left in flight."""
-        if self._pending_version is not None:
-            self._get(self._pending_version)
+        if self._pending_version is not None:  # the collector's version, pipelined: the previous call is awaited
+            self.cluster.get(self._pending_version)  # (bounded) and this one left in flight
         self._pending_version = self.cluster.collector.set_version.remote(version)
+        return self._through_driver(out)
 
     @_crash_aware
     def start_collector(self) -> None:
-        self._get(self.cluster.collector.start.remote())
+        self.cluster.get(self.cluster.collector.start.remote())
 
     @_crash_aware
     def next_batch(self, n_episodes: int, version: int):
@@ -207,34 +188,14 @@ class RayBackend:
         while waiting: a dead role ends the wait, and a restarted replica gets the current weights
         (it serves nothing until then, so with one replica the batch would never fill)."""
         c = self.cluster
-        batch, meta = c.buffer.take_batch.remote(n_episodes, version, c.timeout_s, self.frozen)
+        batch, meta = c.buffer.take_batch.remote(n_episodes, version, c.timeout_s, c.frozen)
         meta = self.live.await_live(meta, f"batch of {n_episodes} episodes at version {version}")
         return batch, self._through_driver(meta)
 
     @_crash_aware
     def start_frozen(self, checkpoint: str | None) -> None:
-        """An actor for each of the plan's frozen models, named as the model. One loaded from its own path gets only
-        small inlined arguments (Ray re-runs its constructor on a restart); one started from the policy gets
-        `checkpoint`, or learner rank 0's gathered weights by reference (every rank joins the gather; no rank's
-        tensors come to the driver). Each is waited for, so a failure names the model here, not at its first batch."""
-        for spec in self.plan.frozen:
-            gathered, weights = [], None
-            if spec.saved:
-                gathered = [] if checkpoint else self.cluster.learners.policy_weights()
-                weights = checkpoint or gathered[0]
-            else:
-                check_inlined(spec.name, (spec, self.model_path))
-            options = dict(name=spec.name, namespace=self.cfg.ray.namespace, max_restarts=spec.restarts,
-                           **self.cluster.placement.frozen_options)
-            self.frozen[spec.name] = FrozenActor.options(**options).remote(spec, self.model_path, weights,
-                                                                          self.cfg.ray.threads_per_actor)
-            if gathered:  # the other ranks' copies: waited for, not fetched
-                done, _ = ray.wait(gathered, num_returns=len(gathered), timeout=self.cluster.timeout_s,
-                                   fetch_local=False)
-                if len(done) < len(gathered):
-                    raise TimeoutError(f"the learners' weights for the frozen model {spec.name!r} were not gathered "
-                                       f"in {self.cluster.timeout_s:g}s")
-            self._get(self.frozen[spec.name].pid.remote())
+        """The plan's frozen models, each an actor named as the model (`cluster.start_frozen`)."""
+        start_frozen(self.cluster, self.plan, self.model_path, checkpoint)
 
     @_crash_aware
     def evaluate(self, progress=None) -> dict[str, Any]:
@@ -258,7 +219,7 @@ class RayBackend:
 
     @_crash_aware
     def collector_stats(self) -> dict[str, Any]:
-        return self._through_driver(self._get(self.cluster.collector.stats.remote()))
+        return self._through_driver(self.cluster.get(self.cluster.collector.stats.remote()))
 
     @_crash_aware
     def save_checkpoint(self, path: str, step: int, version: int) -> str:
@@ -269,36 +230,27 @@ class RayBackend:
             raise RoleCrashed(dead, RuntimeError(f"found dead before the checkpoint at step {step}"))
         self._take_fault_events(note_pids=False)  # the baseline below counts every episode lost before it
         extra = {"step": step, "version": version, "collector": collector_state,
-                 "buffer": self._get(c.buffer.state_dict.remote())}
+                 "buffer": self.cluster.get(c.buffer.state_dict.remote())}
         c.learners.save_checkpoint(str(path), self.model_path, extra)
         for spec in self.plan.frozen:
-            if spec.saved and spec.name in self.frozen:
-                self._get(self.frozen[spec.name].save.remote(str(path)))
-        self._get(c.collector.start.remote())
+            if spec.saved and spec.name in c.frozen:
+                self.cluster.get(c.frozen[spec.name].save.remote(str(path)))
+        self.cluster.get(c.collector.start.remote())
         self.faults.checkpoint_taken()
         return str(path)
 
     @_crash_aware
     def restore(self, path: str) -> tuple[int, int]:
         extra = self.cluster.learners.load_checkpoint(path)
-        self._get(self.cluster.collector.load_state_dict.remote(extra["collector"]))
-        self._get(self.cluster.buffer.load_state_dict.remote(extra["buffer"]))
+        self.cluster.get(self.cluster.collector.load_state_dict.remote(extra["collector"]))
+        self.cluster.get(self.cluster.buffer.load_state_dict.remote(extra["buffer"]))
         return extra["step"], extra["version"]
 
     @_crash_aware
     def drain(self) -> None:
         if self._pending_version is not None:
-            self._get(self._pending_version)
+            self.cluster.get(self._pending_version)
         self.live.await_live(self.cluster.collector.drain.remote(self.cluster.timeout_s), "collector's drain")
-
-    def _reward_counters(self) -> dict[str, int]:
-        """Reward calls, errors and timeouts summed over the env workers."""
-        total: dict[str, int] = {}
-        for stats in self.cluster.env_workers.each(lambda w: w.stats.remote()):
-            for k, v in stats.items():
-                if k.startswith("reward_"):
-                    total[k] = total.get(k, 0) + v
-        return total
 
     def summary_stats(self) -> dict[str, Any]:
         c = self.cluster
@@ -306,7 +258,8 @@ class RayBackend:
         self._take_fault_events()
         col = self.collector_stats()
         return backend_summary(failed_episodes=col["failed_episodes"], faults=self.faults,
-                               buffer=self._get(c.buffer.stats.remote()), reward_failures=self._reward_counters(),
+                               buffer=c.get(c.buffer.stats.remote()),
+                               reward_failures=env_worker_reward_counters(c.env_workers),
                                versions_held=c.replicas.versions_held(),
                                transport=None if c.transport is None else c.transport.name,
                                checksums_equal=len(set(sums)) == 1,
@@ -317,6 +270,6 @@ class RayBackend:
 
     def shutdown(self) -> None:
         try:
-            self._teardown(close_timeout_s=60.0)
+            self.cluster.shutdown(close_timeout_s=60.0, namespace=self.cfg.ray.namespace)
         except TimeoutError as exc:  # the run is over and recorded; a slow name release only warns
             log.warning("shutdown: %s", exc)

@@ -10,10 +10,10 @@ from typing import Any
 
 import ray
 
-from rayllm_rl.orchestration.ray.actors import EnvWorker, InferenceReplica, LearnerWorker
+from rayllm_rl.orchestration.ray.actors import EnvWorker, FrozenActor, InferenceReplica, LearnerWorker
 from rayllm_rl.loop_thread import run_bounded
 from rayllm_rl.orchestration.factories import build_episode_filter
-from rayllm_rl.job.plan import BUFFER, COLLECTOR, ENV_WORKER, LEARNER, REPLICA, JobPlan
+from rayllm_rl.job.plan import JobPlan
 from rayllm_rl.orchestration.ray.groups import ActorGroup, LearnerGroup, ReplicaGroup, get_within, wait_names_free
 from rayllm_rl.orchestration.ray.placement import Placement, plan_placement
 from rayllm_rl.orchestration.ray.reward_actors import start_reward_actors
@@ -22,17 +22,22 @@ from rayllm_rl.orchestration.ray.turns import make_turns
 
 log = logging.getLogger(__name__)
 
+SERVICE_KINDS = ("reward-model", "judge")
+"""Roles whose death costs scores (0 and a counter each), never a rollback: not watched by `dead_roles`."""
+
+
 @dataclasses.dataclass
 class Cluster:
-    """Handles of one job's actors."""
+    """One job's actors: a name -> handle map in the order they started (`handles`), each of a kind of
+    `job.plan.KINDS` (`kinds`). The learner ranks, replicas and env workers are group views over it; liveness,
+    teardown and the summary iterate it."""
 
-    replicas: ReplicaGroup
-    env_workers: ActorGroup
-    learners: LearnerGroup
-    buffer: Any
-    collector: Any
     timeout_s: float
     sync_timeout_s: float
+    start_timeout_s: float
+    """The replicas' engines' start bound (`ray.engine_start_timeout_s`)."""
+    handles: dict[str, Any] = dataclasses.field(default_factory=dict)
+    kinds: dict[str, str] = dataclasses.field(default_factory=dict)
     transport: Any = None
     """The weight sync's `TransportInfo`, which the plan picked for the actors' nodes (set when the sync forms)."""
     collective_group: Any = None
@@ -42,27 +47,63 @@ class Cluster:
     """Each replica's process id when the weight-sync group last formed (a restart changes it)."""
     turns: Any = None
     """How generation and training share the hardware (turns.py: separate, or colocated turns)."""
-    services: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """The `reward.*` actors by name (`reward-model-<i>`, `judge-<i>`): shut down with the job, but not roles
-    whose death rolls it back (a dead one costs scores, 0 and a counter each)."""
+
+    def add(self, role, handle) -> None:
+        """Record `role`'s actor (as soon as it exists: a failed start shuts down what is recorded)."""
+        self.handles[role.name], self.kinds[role.name] = handle, role.kind
+
+    def of(self, *kinds: str) -> dict[str, Any]:
+        """The actors of `kinds`, by name, in start order (a kind's own actors: in index order)."""
+        return {name: h for name, h in self.handles.items() if self.kinds[name] in kinds}
+
+    def one(self, kind: str) -> Any:
+        """The actor of a kind the job has one of (the buffer, the collector), or None."""
+        return next(iter(self.of(kind).values()), None)
+
+    @property
+    def replicas(self) -> ReplicaGroup:
+        return ReplicaGroup(list(self.of("replica").values()), self.timeout_s, "inference replicas",
+                            self.start_timeout_s)
+
+    @property
+    def learners(self) -> LearnerGroup:
+        return LearnerGroup(list(self.of("learner").values()), self.timeout_s, "learner ranks")
+
+    @property
+    def env_workers(self) -> ActorGroup:
+        return ActorGroup(list(self.of("env").values()), self.timeout_s, "env workers")
+
+    @property
+    def buffer(self) -> Any:
+        return self.one("buffer")
+
+    @property
+    def collector(self) -> Any:
+        return self.one("collector")
+
+    @property
+    def frozen(self) -> dict[str, Any]:
+        """The frozen models' actors started so far (`start_frozen`), by name."""
+        return self.of("frozen")
+
+    @property
+    def services(self) -> dict[str, Any]:
+        """The `reward.*` actors by name (`reward-model-<i>`, `judge-<i>`): shut down with the job, but not roles
+        whose death rolls it back."""
+        return self.of(*SERVICE_KINDS)
 
     def get(self, refs, timeout_s: float | None = None):
         """ray.get with the job's timeout: a hang becomes a GetTimeoutError naming the wait."""
         return ray.get(refs, timeout=timeout_s or self.timeout_s)
 
     def roles(self) -> dict[str, Any]:
-        """Every actor of the job by its dashboard name (those started so far, while the job starts)."""
-        named = {REPLICA.format(i): r for i, r in enumerate(self.replicas)}
-        named.update({LEARNER.format(i): l for i, l in enumerate(self.learners)})
-        named.update({ENV_WORKER.format(i): w for i, w in enumerate(self.env_workers)})
-        named.update({BUFFER: self.buffer, COLLECTOR: self.collector})
-        return {name: handle for name, handle in named.items() if handle is not None}
+        """Every actor whose death rolls the job back, by its dashboard name (those started so far)."""
+        return {name: h for name, h in self.handles.items() if self.kinds[name] not in SERVICE_KINDS}
 
-    def dead_roles(self, extra: dict[str, Any] | None = None, timeout_s: float = 10.0) -> list[str]:
-        """Names of the actors (the job's, and `extra` by name) whose process is gone for good; a busy
-        actor that does not answer in time, or one Ray is restarting, is not dead."""
-        roles = {**self.roles(), **(extra or {})}
-        refs = {name: h.__ray_ready__.remote() for name, h in roles.items()}
+    def dead_roles(self, timeout_s: float = 10.0) -> list[str]:
+        """Names of the roles whose process is gone for good; a busy actor that does not answer in time, or one
+        Ray is restarting, is not dead."""
+        refs = {name: h.__ray_ready__.remote() for name, h in self.roles().items()}
         dead, deadline = [], time.monotonic() + timeout_s  # one bound for all pings, not one each
         for name, ref in refs.items():
             try:
@@ -92,16 +133,16 @@ class Cluster:
         """Close sync groups, shared segments and engine cores, kill every actor; with `namespace`,
         also wait until their names are free again (so the job can be rebuilt under the same names)."""
         try:  # unlink shared segments, close sync groups and vLLM engine cores before the processes go
-            self.get(self.learners.close_refs() + self.replicas.close_refs()
-                     + [a.close.remote() for a in self.services.values()], timeout_s=close_timeout_s)
+            closing = self.of("learner", "replica", *SERVICE_KINDS).values()
+            self.get([a.close.remote() for a in closing], timeout_s=close_timeout_s)
         except Exception as exc:  # noqa: BLE001 - shutting down anyway
             log.info("closing the job's actors before killing them: %s", exc)
         leave_collective_group(self, timeout_s=close_timeout_s)
-        names = list(self.roles()) + list(self.services)
-        for a in [*self.roles().values(), *self.services.values()]:
+        for a in self.handles.values():
             ray.kill(a, no_restart=True)
         if self.placement is not None:
             self.placement.remove()
+        names, self.handles, self.kinds = list(self.handles), {}, {}
         if namespace is not None:
             wait_names_free(names, namespace)
 
@@ -166,21 +207,19 @@ FAILED_START_CLOSE_S = 30.0
 it kills them: an actor still busy starting does not answer, and the error is what the caller waits for."""
 
 
-def build_cluster(plan: JobPlan, model_path: str, task, workflow_factory) -> Cluster:
-    """Reserve the plan's GPUs and start its actors, in the order a restart-safe job needs: placement
-    group, reward services, replicas, buffer, env workers, learners, collector; then the learners' setup
-    and the weight-sync group. A start that fails at any stage shuts down what it started (each actor closed,
-    bounded, then killed; the placement group removed; the names freed), then raises its own error."""
-    cfg = plan.config
-    rc, call_timeout_s = cfg.ray, cfg.trainer.call_timeout_s
+def build_cluster(plan: JobPlan, model_path: str, task=None, workflow_factory=None) -> Cluster:
+    """Reserve the plan's GPUs and start its roles (`JobPlan.roles`) in their order: placement group, reward
+    services, replicas, buffer, env workers, learners, collector; then the learners' setup and the weight-sync
+    group. A start that fails at any stage shuts down what it started (each actor closed, bounded, then killed;
+    the placement group removed; the names freed), then raises its own error. `task` and `workflow_factory`: the
+    rollout roles' (None for a plan of learners and replicas alone, `JobPlan.only`)."""
+    rc, call_timeout_s = plan.config.ray, plan.config.trainer.call_timeout_s
     placement = plan_placement(plan.layout, rc.sync_timeout_s, replica_labels=rc.replica_node_labels,
                                learner_labels=rc.learner_node_labels, env_worker_labels=rc.env_worker_node_labels)
-    cluster = Cluster(ReplicaGroup([], call_timeout_s, "inference replicas", rc.engine_start_timeout_s),
-                      ActorGroup([], call_timeout_s, "env workers"),
-                      LearnerGroup([], call_timeout_s, "learner ranks"), None, None, call_timeout_s, rc.sync_timeout_s,
-                      placement=placement)
+    cluster = Cluster(call_timeout_s, rc.sync_timeout_s, rc.engine_start_timeout_s, placement=placement)
     try:
-        start_roles(cluster, plan, model_path, task, workflow_factory)
+        start_reward_actors(plan, into=cluster)  # env workers look them up by name when they start
+        start_roles(cluster, plan, model_path, RoleContext(plan, task, workflow_factory))
     except BaseException:
         try:
             cluster.shutdown(close_timeout_s=FAILED_START_CLOSE_S, namespace=rc.namespace)
@@ -190,51 +229,108 @@ def build_cluster(plan: JobPlan, model_path: str, task, workflow_factory) -> Clu
     return cluster
 
 
-def start_roles(cluster: Cluster, plan: JobPlan, model_path: str, task, workflow_factory) -> None:
-    """Start every actor of `plan` into `cluster` (each recorded as soon as it exists, so a failure at any
-    point leaves the cluster knowing what to shut down), then set the learners up and form the weight sync."""
-    cfg = plan.config
-    rc, call_timeout_s = cfg.ray, cfg.trainer.call_timeout_s
-    placement = cluster.placement
-    start_reward_actors(plan, into=cluster.services)  # env workers look them up by name when they start
-    ns = rc.namespace  # every named actor lives here: `ray.get_actor("env-0", namespace=...)` from any driver
-    replica_names = [REPLICA.format(i) for i in range(plan.replicas)]
-    # A replica Ray restarts refuses requests until the driver re-forms the sync group and sends it the
-    # current weights (RayBackend.sync_weights).
-    replica_args = [(plan.engine_spec(model_path, i), plan.actor(name).threads) for i, name in enumerate(replica_names)]
-    check_inlined("inference replica", replica_args[0])
-    for i, name in enumerate(replica_names):
-        cluster.replicas.handles.append(InferenceReplica.options(
-            name=name, namespace=ns, max_restarts=plan.actor(name).restarts,
-            **placement.replica_options[i]).remote(*replica_args[i]))
-    cluster.buffer = ReplayBufferActor.options(name=BUFFER, namespace=ns, max_concurrency=1000,
-                                               **placement.driver_node_options).remote(
-        plan.buffer_spec(), plan.batch_pipeline)
-    # An env worker holds no state a restart loses: Ray restarts a dead one, and the collector runs
-    # the episodes it had in flight again (the buffer stores each episode id once). Its constructor
-    # takes names, not handles, and small inlined arguments only, so a restart never depends on an
-    # object-store argument the driver may have dropped.
-    env_args = (workflow_factory, replica_names, BUFFER, ns, build_episode_filter(cfg), call_timeout_s, 1)
-    check_inlined("env worker", env_args, names=("workflow factory: the job config and the task's worker part",))
-    for name in (ENV_WORKER.format(i) for i in range(rc.num_env_workers)):
-        cluster.env_workers.handles.append(EnvWorker.options(
-            name=name, namespace=ns, max_concurrency=1000, max_restarts=plan.actor(name).restarts,
-            **placement.env_worker_options).remote(*env_args))
-    for r in range(plan.learner_ranks):
-        cluster.learners.handles.append(LearnerWorker.options(
-            name=LEARNER.format(r), namespace=ns, **placement.learner_options[r]).remote(
-            r, plan.learner_ranks, plan.actor(LEARNER.format(r)).threads))
-    cluster.collector = RayLLMCollector.options(name=COLLECTOR, namespace=ns, max_concurrency=1000,
-                                                **placement.driver_node_options).remote(
-        plan.collector_spec(), task.train, list(cluster.env_workers), cluster.buffer, call_timeout_s)
-    cluster.buffer.set_collector.remote(cluster.collector)
-    cluster.turns = make_turns(plan.colocated, cluster)
+@dataclasses.dataclass
+class RoleContext:
+    """What the starters need besides a role: the job's namespace and call timeout, its rollout task and the env
+    workers' workflow factory, the batch pipeline the buffer runs."""
 
-    host, port = cluster.learners.rendezvous()
-    cluster.learners.setup(plan.learner_spec(model_path), plan.loss, host, port)
+    plan: JobPlan
+    task: Any = None
+    workflow_factory: Any = None
+
+    def __post_init__(self):
+        self.namespace, self.timeout_s = self.plan.config.ray.namespace, self.plan.config.trainer.call_timeout_s
+        self.env_args = None
+        if any(a.kind == "env" for a in self.plan.actors):
+            # An env worker holds no state a restart loses: Ray restarts a dead one, and the collector runs the
+            # episodes it had in flight again (the buffer stores each episode id once). Its constructor takes names,
+            # not handles, and small inlined arguments only, so a restart never depends on an object-store argument
+            # the driver may have dropped.
+            self.env_args = (self.workflow_factory, self.plan.names("replica"), self.plan.names("buffer")[0],
+                             self.namespace, build_episode_filter(self.plan.config), self.timeout_s, 1)
+            check_inlined("env worker", self.env_args,
+                          names=("workflow factory: the job config and the task's worker part",))
+
+
+def _start_replica(c: Cluster, role, ctx: RoleContext):
+    # A replica Ray restarts refuses requests until the driver re-forms the sync group and sends it the current
+    # weights (RayBackend.sync_weights).
+    args = (role.spec, role.actor.threads)
+    check_inlined("inference replica", args)
+    return InferenceReplica.options(name=role.name, namespace=ctx.namespace, max_restarts=role.actor.restarts,
+                                    **c.placement.replica_options[role.index]).remote(*args)
+
+
+def _start_buffer(c: Cluster, role, ctx: RoleContext):
+    return ReplayBufferActor.options(name=role.name, namespace=ctx.namespace, max_concurrency=1000,
+                                     **c.placement.driver_node_options).remote(role.spec, ctx.plan.batch_pipeline)
+
+
+def _start_env_worker(c: Cluster, role, ctx: RoleContext):
+    return EnvWorker.options(name=role.name, namespace=ctx.namespace, max_concurrency=1000,
+                             max_restarts=role.actor.restarts, **c.placement.env_worker_options).remote(*ctx.env_args)
+
+
+def _start_learner(c: Cluster, role, ctx: RoleContext):
+    return LearnerWorker.options(name=role.name, namespace=ctx.namespace,
+                                 **c.placement.learner_options[role.index]).remote(
+        role.index, ctx.plan.learner_ranks, role.actor.threads)
+
+
+def _start_collector(c: Cluster, role, ctx: RoleContext):
+    collector = RayLLMCollector.options(name=role.name, namespace=ctx.namespace, max_concurrency=1000,
+                                        **c.placement.driver_node_options).remote(
+        role.spec, ctx.task.train, list(c.env_workers), c.buffer, ctx.timeout_s)
+    c.buffer.set_collector.remote(collector)
+    return collector
+
+
+STARTERS = {"replica": _start_replica, "buffer": _start_buffer, "env": _start_env_worker, "learner": _start_learner,
+            "collector": _start_collector}
+"""How each kind of the "roles" phase starts: the Ray layer's one table of actor classes."""
+
+
+def start_roles(cluster: Cluster, plan: JobPlan, model_path: str, ctx: RoleContext) -> None:
+    """Start the roles of the plan's "roles" phase into `cluster`, one loop in the plan's order (each recorded as
+    soon as it exists, so a failure at any point leaves the cluster knowing what to shut down), then set the
+    learners up and form the weight sync."""
+    roles = plan.roles(model_path, "roles")
+    for role in roles:
+        cluster.add(role, STARTERS[role.kind](cluster, role, ctx))
+    cluster.turns = make_turns(plan.colocated, cluster)
+    learner = next((r for r in roles if r.kind == "learner"), None)
+    if learner is not None:
+        host, port = cluster.learners.rendezvous()
+        cluster.learners.setup(learner.spec, plan.loss, host, port)
     cluster.replicas.ready()  # vLLM: engine cores up before the group forms
     cluster.replica_pids = cluster.replicas.pids()
-    form_sync_group(cluster, plan)
+    if learner is not None and cluster.replica_pids:
+        form_sync_group(cluster, plan)
+
+
+def start_frozen(cluster: Cluster, plan: JobPlan, model_path: str, checkpoint: str | None) -> None:
+    """An actor for each of the plan's frozen models (its "frozen" phase), named as the model. One loaded from its
+    own path gets only small inlined arguments (Ray re-runs its constructor on a restart); one started from the
+    policy gets `checkpoint`, or learner rank 0's gathered weights by reference (every rank joins the gather; no
+    rank's tensors come to the driver). Each is waited for, so a failure names the model here, not at its first
+    batch."""
+    for role in plan.roles(model_path, "frozen"):
+        spec, gathered, weights = role.spec, [], None
+        if spec.saved:
+            gathered = [] if checkpoint else cluster.learners.policy_weights()
+            weights = checkpoint or gathered[0]
+        else:
+            check_inlined(role.name, (spec, model_path))
+        handle = FrozenActor.options(name=role.name, namespace=plan.config.ray.namespace,
+                                     max_restarts=role.actor.restarts, **cluster.placement.frozen_options).remote(
+            spec, model_path, weights, role.actor.threads)
+        cluster.add(role, handle)
+        if gathered:  # the other ranks' copies: waited for, not fetched
+            done, _ = ray.wait(gathered, num_returns=len(gathered), timeout=cluster.timeout_s, fetch_local=False)
+            if len(done) < len(gathered):
+                raise TimeoutError(f"the learners' weights for the frozen model {role.name!r} were not gathered "
+                                   f"in {cluster.timeout_s:g}s")
+        cluster.get(handle.pid.remote())
 
 
 def form_sync_group(cluster: Cluster, plan: JobPlan) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from typing import Any, Callable
 
 import ray
 
@@ -17,11 +16,9 @@ from rayllm_rl.orchestration.ray.cluster import Cluster, rejoin_sync_group, rest
 class Liveness:
     """Dead roles and restarted replicas of one cluster, checked every `every_s` while the driver waits."""
 
-    def __init__(self, cluster: Cluster, plan: JobPlan, faults: FaultLedger,
-                 extra_roles: Callable[[], dict[str, Any] | None] = lambda: None, every_s: float = 10.0):
-        """`extra_roles()`: actors outside the cluster to watch too (name -> handle: the reference, once started);
-        `faults`: counts the replicas Ray restarted."""
-        self.cluster, self.plan, self.faults, self.extra_roles = cluster, plan, faults, extra_roles
+    def __init__(self, cluster: Cluster, plan: JobPlan, faults: FaultLedger, every_s: float = 10.0):
+        """`faults`: counts the replicas Ray restarted."""
+        self.cluster, self.plan, self.faults = cluster, plan, faults
         self.every_s = every_s
         """While waiting for a batch, a drain or an eval, check every this many seconds that no role died
         (and send the current weights to a replica Ray restarted)."""
@@ -29,7 +26,7 @@ class Liveness:
         """The version the replicas were last sent: a replica Ray restarts since gets it again."""
 
     def dead_roles(self) -> list[str]:
-        return self.cluster.dead_roles(self.extra_roles())
+        return self.cluster.dead_roles()
 
     def rejoin_restarted(self, version: int | None) -> dict[str, float] | None:
         """If Ray restarted replicas since the group formed, form the group again with the new

@@ -61,17 +61,16 @@ class RewardModelActor(ActorProcess):
         self.scorer.close()
 
 
-def start_reward_actors(plan: JobPlan, timeout_s: float | None = None,
-                        into: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Create the reward-model and judge actors the job's `reward.*` asks for, from the plan's specs, and wait until
-    each has its model (at most `timeout_s`, default `trainer.call_timeout_s`, for all); {} when both are off. A
-    timeout (e.g. GPUs the cluster does not have) or a failed start kills them, frees their names and raises, naming
-    the key. `into`: a dict each actor is recorded in as soon as it exists (returned)."""
+def start_reward_actors(plan: JobPlan, timeout_s: float | None = None, into: Any = None) -> dict[str, Any]:
+    """Create the reward-model and judge actors the job's `reward.*` asks for (the roles of the plan's "services"
+    phase, from their specs), and wait until each has its model (at most `timeout_s`, default
+    `trainer.call_timeout_s`, for all); {} when both are off. A timeout (e.g. GPUs the cluster does not have) or a
+    failed start kills them, frees their names and raises, naming the key. `into`: a `cluster.Cluster` each actor
+    is recorded in as soon as it exists."""
     rc = plan.config.ray
-    common = {"namespace": rc.namespace, "max_restarts": rc.replica_restarts, "num_cpus": 0}
-    actors: dict[str, Any] = {} if into is None else into
+    actors: dict[str, Any] = {}
     try:
-        _create(plan, actors, common, timeout_s)
+        _create(plan, actors, into, timeout_s)
     except BaseException:
         for handle in actors.values():
             ray.kill(handle, no_restart=True)
@@ -84,26 +83,33 @@ def start_reward_actors(plan: JobPlan, timeout_s: float | None = None,
     return actors
 
 
-def _create(plan: JobPlan, actors: dict[str, Any], common: dict[str, Any], timeout_s: float | None) -> None:
+def _start_reward_model(role, section, common: dict[str, Any]):
+    return RewardModelActor.options(name=role.name, num_gpus=role.actor.num_gpus, max_concurrency=1000,
+                                    **common).remote(role.spec, section.timeout_s, role.actor.threads)
+
+
+def _start_judge(role, section, common: dict[str, Any]):
+    return InferenceReplica.options(name=role.name, num_gpus=role.actor.num_gpus, **common).remote(
+        role.spec, role.actor.threads, frozen=True)
+
+
+SERVICE_STARTERS = {"reward-model": (_start_reward_model, "pid", "model", "gpus_per_actor"),
+                    "judge": (_start_judge, "ready", "judge", "gpus_per_replica")}
+"""kind -> (its starter, the call that answers once its model is loaded, its `reward.*` section, its GPU key)."""
+
+
+def _create(plan: JobPlan, actors: dict[str, Any], into: Any, timeout_s: float | None) -> None:
     cfg = plan.config
-    r, rc = cfg.reward, cfg.ray
     waits: dict[str, tuple] = {}
-    if r.model.path:
-        m = r.model
-        for i in range(m.num_actors):
-            name = f"reward-model-{i}"
-            actors[name] = RewardModelActor.options(name=name, num_gpus=m.gpus_per_actor, max_concurrency=1000,
-                                                    **common).remote(plan.reward_model_spec(), m.timeout_s,
-                                                                     rc.threads_per_actor)
-            waits[name] = (actors[name].pid.remote(), "reward.model", m.path, f"gpus_per_actor={m.gpus_per_actor:g}")
-    if r.judge.path:
-        j = r.judge
-        for i in range(j.num_replicas):
-            name = f"judge-{i}"
-            actors[name] = InferenceReplica.options(name=name, num_gpus=j.gpus_per_replica, **common).remote(
-                plan.judge_spec(i), rc.threads_per_actor, frozen=True)
-            waits[name] = (actors[name].ready.remote(), "reward.judge", j.path,
-                           f"gpus_per_replica={j.gpus_per_replica:g}")
+    for role in plan.roles(phase="services"):
+        start, answer, name, gpu_key = SERVICE_STARTERS[role.kind]
+        section = getattr(cfg.reward, name)
+        common = {"namespace": cfg.ray.namespace, "max_restarts": role.actor.restarts, "num_cpus": 0}
+        actors[role.name] = handle = start(role, section, common)
+        if into is not None:
+            into.add(role, handle)
+        waits[role.name] = (getattr(handle, answer).remote(), f"reward.{name}", section.path,
+                            f"{gpu_key}={getattr(section, gpu_key):g}")
     _wait_started(waits, cfg.trainer.call_timeout_s if timeout_s is None else timeout_s)
 
 
@@ -170,3 +176,13 @@ def reward_service_stats(services: Mapping[str, Any], timeout_s: float) -> dict[
     """{`reward-model-<i>`: its forwards, sequences scored and largest batch}, for the run's summary."""
     models = {name: a for name, a in services.items() if name.startswith("reward-model-")}
     return dict(zip(models, ray.get([a.stats.remote() for a in models.values()], timeout=timeout_s)))
+
+
+def env_worker_reward_counters(env_workers) -> dict[str, int]:
+    """Reward calls, errors and timeouts summed over the env workers (`groups.ActorGroup`), for the summary."""
+    total: dict[str, int] = {}
+    for stats in env_workers.each(lambda w: w.stats.remote()):
+        for k, v in stats.items():
+            if k.startswith("reward_"):
+                total[k] = total.get(k, 0) + v
+    return total
