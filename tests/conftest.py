@@ -1,5 +1,6 @@
-"""Shared fixtures: the offline tiny model (built once per machine, loaded via from_pretrained), local Ray
-sessions that are shut down whatever happens, and the leak guard every test runs under (leak_guard.py)."""
+"""Shared fixtures: the offline tiny model (built once per machine, loaded via from_pretrained), the small job the job
+tests run (`small_job`), local Ray sessions that are shut down whatever happens, and the leak guard every test runs
+under (leak_guard.py)."""
 from __future__ import annotations
 
 import os
@@ -43,6 +44,35 @@ def _leak_guard(request):
     yield
     marker = request.node.get_closest_marker("fixture_owned")
     _check_leaks(before, request.node.nodeid, tuple(marker.args) if marker else ())
+
+
+SMALL_JOB = ("sft.steps=2", "data.eval_size=16", "data.max_operand=9", "rollout.prompts_per_step=4",
+             "rollout.group_size=4", "rollout.max_new_tokens=6", "trainer.eval_every=0", "trainer.log_every=100",
+             "trainer.call_timeout_s=120")
+"""The small job most job tests run (the values their helpers shared): the offline tiny model on sums of two digits,
+2 SFT steps, 16 samples of at most 6 tokens a step, no mid-run eval, a 2-minute call timeout. A step takes seconds on
+2 CPU cores. A test adds what it needs (trainer.steps, the backend, ...) and overrides what differs."""
+
+
+def small_job(*overrides: str, run_dir=None) -> list[str]:
+    """`SMALL_JOB`, then `trainer.run_dir=run_dir` when given, then `overrides`: one list for `load_config`, which
+    applies its items in order, so an override of a `SMALL_JOB` key wins. Written once here so the job tests do not
+    each retype the small job."""
+    return [*SMALL_JOB, *([f"trainer.run_dir={run_dir}"] if run_dir is not None else []), *overrides]
+
+
+def small_job_config(*overrides: str, run_dir=None):
+    """The `GRPOJobConfig` of `small_job(*overrides, run_dir=run_dir)` as loaded (not validated)."""
+    from rayllm_rl.config import load_config
+    from rayllm_rl.job.config import GRPOJobConfig
+
+    return load_config(GRPOJobConfig, small_job(*overrides, run_dir=run_dir))
+
+
+@pytest.fixture()
+def small_job_cfg(tmp_path):
+    """`small_job_cfg(*overrides)`: `small_job_config` running in the test's tmp_path (not validated)."""
+    return lambda *overrides: small_job_config(*overrides, run_dir=tmp_path)
 
 
 @pytest.fixture(scope="session")
