@@ -15,7 +15,7 @@ import pytest
 import leak_guard
 from budgets import ACTOR_START_S
 from ray_sessions import JOB_ENV, local_ray_session
-from rayllm_rl.config import load_config
+from conftest import small_job_config
 from rayllm_rl.job.config import GRPOJobConfig
 from start_faults import FAULT_FILE_VAR
 
@@ -60,10 +60,12 @@ def test_actors_on_a_ray_the_user_started_still_get_their_environment(notebook_r
 
 
 def job(tmp_path, *extra: str) -> GRPOJobConfig:
-    return load_config(GRPOJobConfig, [
-        "sft.steps=0", "data.eval_size=4", "data.max_operand=9", "rollout.prompts_per_step=2", "rollout.group_size=2",
-        "rollout.max_new_tokens=4", "trainer.steps=1", "trainer.eval_every=0", f"trainer.run_dir={tmp_path}",
-        "trainer.call_timeout_s=60", "ray.sync_timeout_s=30", "ray.namespace=failed-start", *extra])
+    """conftest's small job cut to one RL step of 4 short samples, no SFT, short timeouts, the default log_every (5),
+    in `tmp_path`; as loaded (not validated)."""
+    return small_job_config(
+        "sft.steps=0", "data.eval_size=4", "rollout.prompts_per_step=2", "rollout.group_size=2",
+        "rollout.max_new_tokens=4", "trainer.steps=1", "trainer.log_every=5", "trainer.call_timeout_s=60",
+        "ray.sync_timeout_s=30", "ray.namespace=failed-start", *extra, run_dir=tmp_path)
 
 
 def what_is_left(before: "leak_guard.Snapshot") -> dict[str, list]:

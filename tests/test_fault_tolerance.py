@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import ray
 
+from conftest import small_job_config
 from rayllm_rl.config import load_config
 from rayllm_rl.job.plan import make_plan
 from rayllm_rl.job.config import GRPOJobConfig
@@ -43,6 +44,14 @@ def rl_records(run_dir: Path) -> list[dict]:
 STEPS, B, NS = 8, 4, "rayllm_ft_test"
 
 
+def job_cfg(tmp_path, *extra: str, steps: int = STEPS) -> GRPOJobConfig:
+    """conftest's small job in `tmp_path`, `steps` RL steps one version stale, short timeouts and the default
+    log_every (5), validated: `run_and_kill`'s job."""
+    return small_job_config("data.eval_size=8", f"rollout.prompts_per_step={B}", f"trainer.steps={steps}",
+                            "rollout.max_staleness=1", "trainer.log_every=5", "trainer.call_timeout_s=60",
+                            "ray.sync_timeout_s=30", f"ray.namespace={NS}", *extra, run_dir=tmp_path).validate()
+
+
 def run_and_kill(tmp_path, role: str, after_step: int, *extra: str, then: tuple = (), steps: int = STEPS,
                  rollbacks: bool = True) -> dict:
     """Run a short job in a thread, SIGKILL `role`'s process once RL step `after_step` is logged. `then`: more
@@ -50,12 +59,7 @@ def run_and_kill(tmp_path, role: str, after_step: int, *extra: str, then: tuple 
     `rollbacks=False` (kills that cost no rollback), once RL step `steps` is logged."""
     from job_helpers import run_job
 
-    cfg = load_config(GRPOJobConfig, [
-        "sft.steps=2", "data.eval_size=8", "data.max_operand=9", f"rollout.prompts_per_step={B}",
-        "rollout.group_size=4", "rollout.max_new_tokens=6", f"trainer.steps={steps}", "trainer.eval_every=0",
-        "rollout.max_staleness=1", f"trainer.run_dir={tmp_path}", "trainer.call_timeout_s=60", "ray.sync_timeout_s=30",
-        f"ray.namespace={NS}", *extra,
-    ]).validate()
+    cfg = job_cfg(tmp_path, *extra, steps=steps)
     out: dict = {}
     runner = threading.Thread(target=lambda: out.update(summary=run_job(cfg)), daemon=True)
     runner.start()

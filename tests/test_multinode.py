@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import small_job_config
 from rayllm_rl.config import load_config
 from rayllm_rl.job.plan import make_plan
 from rayllm_rl.job.config import GRPOJobConfig
@@ -99,19 +100,16 @@ def nodes():
 
 
 def job_cfg(tmp_path, nodes: Nodes, ns: str, *extra: str) -> GRPOJobConfig:
-    """A short job on the cluster: the learner on the head node, the replica and env worker on an
+    """conftest's small job on the cluster: the learner on the head node, the replica and env worker on an
     inference node; weights over the object store, whichever node the replica is on."""
-    return load_config(GRPOJobConfig, [
-        "sft.steps=2", "data.eval_size=8", "data.max_operand=9", f"rollout.prompts_per_step={B}",
-        "rollout.group_size=4", "rollout.max_new_tokens=6", "trainer.eval_every=0", "trainer.log_every=100",
-        f"trainer.run_dir={tmp_path}", f"ray.address={nodes.cluster.address}", f"ray.namespace={ns}",
-        "trainer.call_timeout_s=120", "ray.sync_timeout_s=60", "ray.sync_transport=auto",
+    return small_job_config(
+        "data.eval_size=8", f"rollout.prompts_per_step={B}", f"ray.address={nodes.cluster.address}",
+        f"ray.namespace={ns}", "ray.sync_timeout_s=60", "ray.sync_transport=auto",
         "ray.learner_node_labels={rayllm-role: learner}", "ray.replica_node_labels={rayllm-role: inference}",
         "ray.env_worker_node_labels={rayllm-role: inference}",
         # the tiny model's rewards are all 0 (zero advantages, zero gradients): decoupled weight decay
         # still moves every weight by 1e-3 a step, so each sync carries new weights
-        "optim.lr=1e-3", "optim.weight_decay=1.0", "optim.warmup_steps=0", *extra,
-    ]).validate()
+        "optim.lr=1e-3", "optim.weight_decay=1.0", "optim.warmup_steps=0", *extra, run_dir=tmp_path).validate()
 
 
 def rl_records(run_dir: Path) -> list[dict]:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ray  # a core dependency: missing ray is a failure, not a skip
+from conftest import small_job_config
 from rayllm_rl.config import load_config
 from rayllm_rl.job.plan import make_plan
 from rayllm_rl.job.config import GRPOJobConfig
@@ -50,11 +51,8 @@ def local_ray():
 
 
 def small_cfg(tmp_path, *extra: str) -> GRPOJobConfig:
-    return load_config(GRPOJobConfig, [
-        "sft.steps=2", "data.eval_size=16", "data.max_operand=9", "rollout.prompts_per_step=4",
-        "rollout.group_size=4", "rollout.max_new_tokens=6", "trainer.eval_every=0", "trainer.log_every=100",
-        f"trainer.run_dir={tmp_path}", "trainer.call_timeout_s=120", "ray.sync_timeout_s=60", *extra,
-    ]).validate()
+    """conftest's small job in `tmp_path` with a 1-minute sync timeout, validated."""
+    return small_job_config("ray.sync_timeout_s=60", *extra, run_dir=tmp_path).validate()
 
 
 def rl_records(summary) -> list[dict]:

@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from rayllm_rl.config import load_config
+from conftest import small_job_config
 from rayllm_rl.job.plan import make_plan
 from rayllm_rl.job.config import GRPOJobConfig
 from budgets import VLLM_START_S
@@ -23,13 +23,10 @@ def local_ray():
 
 
 def vllm_cfg(tmp_path, *extra: str) -> GRPOJobConfig:
-    return load_config(GRPOJobConfig, [
-        "inference.engine=vllm", "inference.options.kv_cache_mb=128", "sft.steps=2", "data.eval_size=8",
-        "data.max_operand=9", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6",
-        "trainer.eval_every=0", "trainer.log_every=100", f"trainer.run_dir={tmp_path}",
-        f"trainer.call_timeout_s={VLLM_START_S}", "ray.sync_timeout_s=60",
-        *extra,
-    ]).validate()
+    """conftest's small job on vLLM in `tmp_path` (8 eval sums, a call timeout that covers vLLM's start), validated."""
+    return small_job_config("inference.engine=vllm", "inference.options.kv_cache_mb=128", "data.eval_size=8",
+                            f"trainer.call_timeout_s={VLLM_START_S}", "ray.sync_timeout_s=60", *extra,
+                            run_dir=tmp_path).validate()
 
 
 # One transport of each receive path into a vLLM replica actor: the object store (the actor fetches and stages
