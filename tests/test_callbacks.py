@@ -11,21 +11,19 @@ import pytest
 
 import callback_helpers
 from callback_helpers import Recorder
-from rayllm_rl.config import load_config
+from conftest import small_job_config
 from job_helpers import run_job
 from rayllm_rl.api import entry
 from rayllm_rl.callbacks import Callback
 from rayllm_rl.job.config import GRPOJobConfig
 from rayllm_rl.orchestration.reporting import SUMMARY_KEYS
 
-SMALL_JOB = ["sft.steps=3", "data.eval_size=16", "data.max_operand=9", "rollout.prompts_per_step=4",
-             "rollout.group_size=4", "rollout.max_new_tokens=6", "trainer.log_every=100", "trainer.call_timeout_s=120"]
-"""tests/test_one_driver.py's small job (the offline tiny model, a few seconds a step on the CPU)."""
-
 
 def job(tmp_path, *extra: str, backend: str = "local") -> GRPOJobConfig:
-    """The small job's config as loaded (not validated)."""
-    return load_config(GRPOJobConfig, [f"trainer.backend={backend}", f"trainer.run_dir={tmp_path}", *SMALL_JOB, *extra])
+    """conftest's small job in `tmp_path` with 3 SFT steps and the default eval_every (100), as tests/test_one_driver.py
+    runs it (a few seconds a step on the CPU); as loaded (not validated)."""
+    return small_job_config(f"trainer.backend={backend}", "sft.steps=3", "trainer.eval_every=100", *extra,
+                            run_dir=tmp_path)
 
 
 def logged(summary, phase: str) -> list[dict]:

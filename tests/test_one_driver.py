@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import small_job_config
 from rayllm_rl.config import load_config
 from job_helpers import run_job
 from learning_bounds import assert_advantages_every_step, assert_rises
@@ -16,11 +17,10 @@ from rayllm_rl.job.config import GRPOJobConfig
 
 
 def local_cfg(tmp_path, *extra: str) -> GRPOJobConfig:
-    return load_config(GRPOJobConfig, [
-        "trainer.backend=local", "sft.steps=3", "data.eval_size=16", "data.max_operand=9",
-        "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6", "trainer.log_every=100",
-        f"trainer.run_dir={tmp_path}", "trainer.call_timeout_s=120", *extra,
-    ]).validate()
+    """conftest's small job on the local backend in `tmp_path`, with 3 SFT steps and the default eval_every (100),
+    validated."""
+    return small_job_config("trainer.backend=local", "sft.steps=3", "trainer.eval_every=100", *extra,
+                            run_dir=tmp_path).validate()
 
 
 def rl_records(summary) -> list[dict]:

@@ -282,15 +282,12 @@ def test_a_tracker_key_of_the_trainer_section_fails_naming_its_new_key(old, new,
 
 
 @pytest.mark.slow
-def test_a_short_job_logs_to_all_four_trackers_offline(tmp_path):
+def test_a_short_job_logs_to_all_four_trackers_offline(small_job_cfg):
     from job_helpers import run_job
 
-    cfg = load_config(GRPOJobConfig, [
-        "trainer.backend=local", "sft.steps=3", "data.eval_size=16", "data.max_operand=9",
-        "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6", "trainer.log_every=100",
-        "trainer.steps=3", "trainer.eval_every=2", f"trainer.run_dir={tmp_path}",
-        "trackers.loggers=[jsonl,tensorboard,wandb,mlflow]", "trackers.mlflow_experiment=arith",
-    ]).validate()
+    cfg = small_job_cfg("trainer.backend=local", "sft.steps=3", "trainer.steps=3", "trainer.eval_every=2",
+                        "trainer.call_timeout_s=600", "trackers.loggers=[jsonl,tensorboard,wandb,mlflow]",
+                        "trackers.mlflow_experiment=arith").validate()
     summary = run_job(cfg)
     run_dir = Path(summary["run_dir"])
     records = read_jsonl(run_dir)
