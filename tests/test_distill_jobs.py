@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from job_helpers import run_job
+from conftest import small_job_config
 from rayllm_rl.config import load_config
 from rayllm_rl.job.config import GRPOJobConfig
 
@@ -25,9 +26,6 @@ if TYPE_CHECKING:
     import torch
 
 pytestmark = pytest.mark.slow
-
-SMALL = ["data.eval_size=16", "data.max_operand=9", "rollout.prompts_per_step=4", "rollout.group_size=4",
-         "rollout.max_new_tokens=8", "trainer.log_every=100", "trainer.call_timeout_s=120", "trainer.eval_every=0"]
 
 
 def rl_records(summary) -> list[dict]:
@@ -169,8 +167,8 @@ def test_local_distillation_teaches_the_untrained_student_the_teachers_answer_fo
 
 def distill_cfg(run_dir, teacher: str, *extra: str):
     """The tiny student after 3 SFT steps, distilled from `teacher` alone (no task advantage)."""
-    return load_config(GRPOJobConfig, [f"teacher.path={teacher}", f"trainer.run_dir={run_dir}", *SMALL, "sft.steps=3",
-                                       "teacher.coef=1", "teacher.task_coef=0", "optim.lr=1e-3", *extra])
+    return small_job_config(f"teacher.path={teacher}", "rollout.max_new_tokens=8", "sft.steps=3", "teacher.coef=1",
+                            "teacher.task_coef=0", "optim.lr=1e-3", *extra, run_dir=run_dir)
 
 
 def test_local_distillation_resumes_with_the_teacher_loaded_again_from_its_path(tiny_model_path, tmp_path):

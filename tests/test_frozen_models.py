@@ -18,14 +18,12 @@ import pytest
 
 from rayllm_rl.algorithm.batch_prep import BatchPipeline
 from rayllm_rl.api.entry import prepare
-from rayllm_rl.config import load_config
-from rayllm_rl.job.config import GRPOJobConfig
+from conftest import small_job_config
 from rayllm_rl.orchestration import driver
 
-SMALL = ["data.eval_size=8", "data.max_operand=9", "rollout.prompts_per_step=4", "rollout.group_size=4",
-         "rollout.max_new_tokens=8", "trainer.log_every=100", "trainer.call_timeout_s=120", "trainer.eval_every=0",
-         "sft.steps=3", "trainer.steps=3", "rollout.max_staleness=0", "trainer.max_recoveries=0",
-         "teacher.coef=1", "teacher.task_coef=0"]
+SMALL = ("data.eval_size=8", "rollout.max_new_tokens=8", "sft.steps=3", "trainer.steps=3", "rollout.max_staleness=0",
+         "trainer.max_recoveries=0", "teacher.coef=1", "teacher.task_coef=0")
+"""What these runs change of conftest's small job: 3 RL steps on-policy, distilled from the teacher alone."""
 
 SUM_ORDER_TOL = 1e-5
 """Relative: the two means of the same float32 per-token KLs, summed in another order (the teacher stage's mean
@@ -62,7 +60,7 @@ def rl_records(summary) -> list[dict]:
 
 
 def run_with_second_teacher(tmp_path, tiny_model_path, *extra: str, callbacks=None) -> list[dict]:
-    cfg = load_config(GRPOJobConfig, [f"teacher.path={tiny_model_path}", f"trainer.run_dir={tmp_path}", *SMALL, *extra])
+    cfg = small_job_config(f"teacher.path={tiny_model_path}", *SMALL, *extra, run_dir=tmp_path)
     plan, inputs = prepare(cfg)
     assert plan.frozen_names() == ("teacher",) and "teacher2" not in plan.batch_pipeline.needs()
     plan = with_second_teacher(plan)
