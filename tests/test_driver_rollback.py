@@ -33,7 +33,7 @@ class ScriptedBackend:
         self.tokenizer = tokenizer
         self.crashes, self.fault_script = crashes, faults or {}
         self.calls: dict[str, list] = {}
-        self.checkpoints: dict[str, tuple[int, int, int]] = {}
+        self.checkpoints: dict[str, dict] = {}  # path -> what save_models was given
         self.faults = FaultLedger(ROLE_KINDS)
         self.next_group = 0  # the collector's data position: a restore puts it back
         self.version = -1  # the engines' weights
@@ -90,16 +90,19 @@ class ScriptedBackend:
     def collector_stats(self):
         return {"tokens_per_s": 100.0, "failed_episodes": 0}
 
-    def save_checkpoint(self, path: str, step: int, version: int) -> str:
-        self._call("save_checkpoint", path)
-        self.checkpoints[path] = (step, version, self.next_group)
-        self.faults.checkpoint_taken()
-        return path
+    def save_models(self, path: str, extra: dict) -> None:
+        self._call("save_models", path)
+        self.checkpoints[path] = extra
 
-    def restore(self, path: str):
-        self._call("restore", path)
-        step, version, self.next_group = self.checkpoints[path]
-        return step, version
+    def load_models(self, path: str) -> dict:
+        self._call("load_models", path)
+        return self.checkpoints[path]
+
+    def role_states(self) -> dict:
+        return {"collector": {"next_group": self.next_group}, "buffer": {}}
+
+    def load_role_states(self, states: dict) -> None:
+        self.next_group = states["collector"]["next_group"]
 
     def drain(self) -> None:
         self._call("drain")
@@ -148,13 +151,14 @@ def test_a_crash_rolls_back_to_the_last_checkpoint_and_the_run_finishes(tmp_path
     assert set(summary) == SUMMARY_KEYS and summary["steps"] == 6 and summary["version"] == 6
     step_2 = str(Path(summary["run_dir"]) / "checkpoints" / "step_2")
     assert summary["recoveries"] == [{"roles": ["learner-0"], "at_step": 3, "resumed_from": step_2}]
-    assert backend.calls["recover"] == [("learner-0",)] and backend.calls["restore"] == [(step_2,)]
+    assert backend.calls["recover"] == [("learner-0",)] and backend.calls["load_models"] == [(step_2,)]
     # the learner restart is counted; the 2 episodes lost after the checkpoint are redone: re-runs, not losses
     assert summary["restarts"] == {**dict.fromkeys(ROLE_KINDS, 0), "learner": 1}
     assert summary["episodes_lost"] == 0 and summary["episodes_rerun"] == 1 + 2
     # after the restore: weights of version 2 to the engines, then versions 3..6; eval before is not redone
     assert [v for (v,) in backend.calls["sync_weights"]] == [0, 1, 2, 3, 2, 3, 4, 5, 6]
-    assert backend.count("evaluate") == 2 and backend.count("start_collector") == 2
+    # the collector starts after the first eval and after the rollback, and again after each checkpoint
+    assert backend.count("evaluate") == 2 and backend.count("start_collector") == 2 + backend.count("save_models")
     rl = [r for r in records(summary["run_dir"]) if r["phase"] == "rl"]
     assert [r["step"] for r in rl] == [1, 2, 3, 3, 4, 5, 6]  # step 3 is trained again from the checkpoint
     assert rl[2]["episode_ids"] == rl[3]["episode_ids"] == [4, 5]  # from the same data position
@@ -178,7 +182,7 @@ def test_no_recovery_allowed_fails_at_the_first_crash(tmp_path, monkeypatch):
     backend, out = run(tmp_path, monkeypatch, {("train_step", 2): ["learner-1"]}, "trainer.steps=4",
                        "trainer.max_recoveries=0")
     assert isinstance(out, RoleCrashed) and out.roles == ["learner-1"]
-    assert backend.count("recover") == 0 and backend.count("restore") == 0 and backend.count("shutdown") == 1
+    assert backend.count("recover") == 0 and backend.count("load_models") == 0 and backend.count("shutdown") == 1
 
 
 @pytest.mark.parametrize("method,overrides", [
@@ -191,13 +195,14 @@ def test_a_crash_before_the_first_checkpoint_fails_the_run(tmp_path, monkeypatch
     backend, out = run(tmp_path, monkeypatch, {(method, 1): ["inference-0"]}, "trainer.steps=3",
                        "trainer.max_recoveries=3", *overrides)
     assert isinstance(out, RoleCrashed) and out.roles == ["inference-0"]
-    assert backend.count("save_checkpoint") == 0 and backend.count("recover") == 0
+    assert backend.count("save_models") == 0 and backend.count("recover") == 0
     assert backend.count("next_batch") == 0 and backend.count("shutdown") == 1
 
 
 def test_a_callbacks_stop_holds_across_a_rollback(tmp_path, monkeypatch):
-    """A callback stops the run at step 2, before step 2's periodic checkpoint; the final drain finds the
-    collector dead, so the run rolls back to step 0's checkpoint, trains steps 1 and 2 again and stops there."""
+    """A callback stops the run at step 2, before step 2's periodic checkpoint; the final drain (the third: each
+    checkpoint drains first) finds the collector dead, so the run rolls back to step 0's checkpoint, trains steps 1
+    and 2 again and stops there."""
     from rayllm_rl.callbacks import Callback
 
     class StopAtTwo(Callback):
@@ -209,12 +214,13 @@ def test_a_callbacks_stop_holds_across_a_rollback(tmp_path, monkeypatch):
             control.should_training_stop = record["step"] == 2
 
     stopper = StopAtTwo()
-    backend, summary = run(tmp_path, monkeypatch, {("drain", 1): ["collector"]}, "trainer.steps=6",
+    backend, summary = run(tmp_path, monkeypatch, {("drain", 3): ["collector"]}, "trainer.steps=6",
                            "trainer.checkpoint_every=2", callbacks=[stopper])
     ckpts = [str(Path(summary["run_dir"]) / "checkpoints" / f"step_{n}") for n in (0, 2)]
     assert summary["steps"] == 2 and summary["version"] == 2 and stopper.seen == [1, 2, 1, 2]
     assert summary["stopped_by"] == {"callback": "StopAtTwo", "hook": "on_step_end", "step": 2, "reason": ""}
     assert summary["recoveries"] == [{"roles": ["collector"], "at_step": 2, "resumed_from": ckpts[0]}]
     # no periodic save at the step that stopped: step 2 is saved once per pass, as the final checkpoint
-    assert [p for (p,) in backend.calls["save_checkpoint"]] == [ckpts[0], ckpts[1], ckpts[1]]
-    assert [v for (v,) in backend.calls["sync_weights"]] == [0, 1, 2, 0, 1, 2] and backend.count("drain") == 2
+    assert [p for (p,) in backend.calls["save_models"]] == [ckpts[0], ckpts[1], ckpts[1]]
+    # a drain before each of the 3 checkpoints, and the final drain of each pass
+    assert [v for (v,) in backend.calls["sync_weights"]] == [0, 1, 2, 0, 1, 2] and backend.count("drain") == 3 + 2

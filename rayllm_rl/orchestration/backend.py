@@ -48,7 +48,11 @@ def backend_summary(*, failed_episodes: int, faults: Any, buffer: dict[str, Any]
 
 class Backend(Protocol):
     """Blocking calls, each bounded by the job's timeouts. Built as `Backend(plan, model_path, task,
-    tokenizer)` from the job's plan (`job.plan.JobPlan`)."""
+    tokenizer)` from the job's plan (`job.plan.JobPlan`). A checkpoint is written once, over five of them
+    (`save_checkpoint`, `restore_checkpoint` below)."""
+
+    faults: Any
+    """The run's `FaultLedger`: a rollback returns to the last checkpoint's count of lost episodes."""
 
     @staticmethod
     def session() -> Any:
@@ -93,15 +97,23 @@ class Backend(Protocol):
     def collector_stats(self) -> dict[str, Any]:
         """The collector's counters (`tokens_per_s`, `failed_episodes`, ...)."""
 
-    def save_checkpoint(self, path: str, step: int, version: int) -> str:
-        """Quiesce the collector, save learner + data order + buffer (+ the frozen models started from the policy),
-        resume collecting."""
-
-    def restore(self, path: str) -> tuple[int, int]:
-        """Load a `save_checkpoint` directory into every role; returns (step, version)."""
-
     def drain(self) -> None:
         """Stop admitting and wait for the running episodes to land in the buffer."""
+
+    def role_states(self) -> dict[str, Any]:
+        """After `drain`: the states a checkpoint keeps besides the models', by role: `collector` (its data
+        position), `buffer` (the episodes waiting). Raises RoleCrashed where a role is found dead: that
+        checkpoint would keep what its death cost."""
+
+    def load_role_states(self, states: dict[str, Any]) -> None:
+        """Put what `role_states` returned back into the collector and the buffer (other keys are ignored)."""
+
+    def save_models(self, path: str, extra: dict[str, Any]) -> None:
+        """Write the learners' weights, optimizer, counters and RNG (with `extra`, which `load_models` returns) and
+        each frozen model started from the policy (`FrozenSpec.saved`) into the directory `path`."""
+
+    def load_models(self, path: str) -> dict[str, Any]:
+        """Load a `save_models` directory into every learner rank; returns the `extra` it was saved with."""
 
     def summary_stats(self) -> dict[str, Any]:
         """The summary's backend part: buffer, failures, versions held, learner/engine checksums, and the
@@ -115,3 +127,22 @@ class Backend(Protocol):
 
     def shutdown(self) -> None:
         """Release every role (processes, shared memory, sync groups)."""
+
+
+def save_checkpoint(backend: Backend, path: str, step: int, version: int) -> str:
+    """The job's checkpoint in the directory `path`, the same on every backend: no episode is running while it is
+    taken (the collector drained, then started again), and it holds the models (learners, the frozen models
+    started from the policy), the collector's data position, the buffer's episodes, `step` and `version`.
+    A later rollback returns to it (`FaultLedger.checkpoint_taken`)."""
+    backend.drain()
+    backend.save_models(str(path), {"step": step, "version": version, **backend.role_states()})
+    backend.start_collector()
+    backend.faults.checkpoint_taken()
+    return str(path)
+
+
+def restore_checkpoint(backend: Backend, path: str) -> tuple[int, int]:
+    """Load a `save_checkpoint` directory into every role; returns its (step, version)."""
+    extra = backend.load_models(str(path))
+    backend.load_role_states(extra)
+    return extra["step"], extra["version"]

@@ -25,7 +25,7 @@ from rayllm_rl.models.tiny import ensure_tiny_model
 from rayllm_rl.learner.checkpoint import prune_checkpoints
 from rayllm_rl.learner.mismatch import mismatch_summary
 from rayllm_rl.learner.frozen import check_frozen_tokenizer
-from rayllm_rl.orchestration.backend import Backend, RoleCrashed
+from rayllm_rl.orchestration.backend import Backend, RoleCrashed, restore_checkpoint, save_checkpoint
 from rayllm_rl.callbacks import CallbackList, RunInfo
 from rayllm_rl.orchestration.factories import build_task
 from rayllm_rl.job.config import GRPOJobConfig
@@ -113,7 +113,7 @@ class RunState:
 def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run: RunState, plan: JobPlan,
          callbacks: CallbackList) -> dict:
     if cfg.resume:
-        step, version = backend.restore(cfg.resume)
+        step, version = restore_checkpoint(backend, cfg.resume)
     else:
         cut = sft_warm_start(cfg, task, backend.tokenizer, reporter, backend.train_step, backend.reset_optimizer)
         run.budget_cuts += [cut] if cut else []
@@ -126,7 +126,7 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
         reporter.log({"phase": "eval", "step": step, **run.eval_before}, show=True)
     ckpt_dir = Path(reporter.run_dir) / "checkpoints"
     if run.checkpoint is None and cfg.trainer.max_recoveries > 0:  # what a crash rolls back to (no rollbacks: none)
-        run.checkpoint = backend.save_checkpoint(str(ckpt_dir / f"step_{step}"), step, version)
+        run.checkpoint = save_checkpoint(backend, str(ckpt_dir / f"step_{step}"), step, version)
 
     backend.start_collector()
     traces = TraceWriter(reporter.run_dir, backend.tokenizer)
@@ -166,7 +166,7 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
         if callbacks.step_end(record):  # a callback stopped the run: it ends as at trainer.steps
             break
         if cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0 and step < cfg.trainer.steps:
-            run.checkpoint = backend.save_checkpoint(str(ckpt_dir / f"step_{step}"), step, version)
+            run.checkpoint = save_checkpoint(backend, str(ckpt_dir / f"step_{step}"), step, version)
             prune_checkpoints(ckpt_dir, cfg.trainer.keep_checkpoints)
         if cfg.trainer.time_budget_s and time.perf_counter() - t_rl > cfg.trainer.time_budget_s:
             run.budget_cuts.append(f"trainer.time_budget_s={cfg.trainer.time_budget_s:g} cut RL at step {step} of "
@@ -174,7 +174,7 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
             reporter.log({"phase": "stop", "step": step, "stopped": run.budget_cuts[-1]}, show=True)
             break
     progress.close()
-    ckpt = backend.save_checkpoint(str(ckpt_dir / f"step_{step}"), step, version)
+    ckpt = save_checkpoint(backend, str(ckpt_dir / f"step_{step}"), step, version)
     backend.drain()
     eval_after = evaluate(backend, reporter, callbacks, step, len(task.eval))
     reporter.log({"phase": "eval", "step": step, **eval_after}, show=True)

@@ -142,26 +142,26 @@ class LocalBackend:
                                self.cfg.rollout.max_new_tokens, progress=progress)
         return self.loop.call(coro, self.timeout_s, "greedy evaluation")
 
-    def save_checkpoint(self, path: str, step: int, version: int) -> str:
+    def role_states(self) -> dict[str, Any]:
+        return {"collector": self.loop.run(self.collector.state_dict),
+                "buffer": self.loop.run(self.buffer.buffer.state_dict)}
+
+    def load_role_states(self, states: dict[str, Any]) -> None:
+        self.loop.run(self.collector.load_state_dict, states["collector"])
+        self.loop.run(self.buffer.buffer.load_state_dict, states["buffer"])
+
+    def save_models(self, path: str, extra: dict[str, Any]) -> None:
         from rayllm_rl.learner.checkpoint import save_checkpoint
 
-        self.drain()
-        extra = {"step": step, "version": version, "collector": self.loop.run(self.collector.state_dict),
-                 "buffer": self.loop.run(self.buffer.buffer.state_dict)}
         save_checkpoint(self.learner, path, tokenizer=self.tokenizer, extra=extra)
         for spec in self.plan.frozen:
             if spec.saved and spec.name in self.frozen:
                 self.frozen[spec.name].save(path, spec.name)
-        self.start_collector()
-        return str(path)
 
-    def restore(self, path: str) -> tuple[int, int]:
+    def load_models(self, path: str) -> dict[str, Any]:
         from rayllm_rl.learner.checkpoint import load_checkpoint
 
-        extra = load_checkpoint(self.learner, path)
-        self.loop.run(self.collector.load_state_dict, extra["collector"])
-        self.loop.run(self.buffer.buffer.load_state_dict, extra["buffer"])
-        return extra["step"], extra["version"]
+        return load_checkpoint(self.learner, path)
 
     def summary_stats(self) -> dict[str, Any]:
         engine_sum = self.loop.call(self.engine.weights.weights_checksum(), 60, "engine checksum")

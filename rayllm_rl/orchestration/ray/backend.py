@@ -222,29 +222,29 @@ class RayBackend:
         return self._through_driver(self.cluster.get(self.cluster.collector.stats.remote()))
 
     @_crash_aware
-    def save_checkpoint(self, path: str, step: int, version: int) -> str:
-        c = self.cluster
-        collector_state = self.live.await_live(c.collector.drain.remote(c.timeout_s), "collector's drain")
-        dead = self.live.dead_roles()
-        if dead:  # this checkpoint would keep what the dead role cost (episodes given up): roll back instead
-            raise RoleCrashed(dead, RuntimeError(f"found dead before the checkpoint at step {step}"))
-        self._take_fault_events(note_pids=False)  # the baseline below counts every episode lost before it
-        extra = {"step": step, "version": version, "collector": collector_state,
-                 "buffer": self.cluster.get(c.buffer.state_dict.remote())}
-        c.learners.save_checkpoint(str(path), self.model_path, extra)
-        for spec in self.plan.frozen:
-            if spec.saved and spec.name in c.frozen:
-                self.cluster.get(c.frozen[spec.name].save.remote(str(path)))
-        self.cluster.get(c.collector.start.remote())
-        self.faults.checkpoint_taken()
-        return str(path)
+    def role_states(self) -> dict[str, Any]:
+        c, dead = self.cluster, self.live.dead_roles()
+        if dead:  # a checkpoint now would keep what the dead role cost (episodes given up): roll back instead
+            raise RoleCrashed(dead, RuntimeError("found dead before a checkpoint"))
+        self._take_fault_events(note_pids=False)  # the checkpoint's baseline counts every episode lost before it
+        return {"collector": c.get(c.collector.state_dict.remote()), "buffer": c.get(c.buffer.state_dict.remote())}
 
     @_crash_aware
-    def restore(self, path: str) -> tuple[int, int]:
-        extra = self.cluster.learners.load_checkpoint(path)
-        self.cluster.get(self.cluster.collector.load_state_dict.remote(extra["collector"]))
-        self.cluster.get(self.cluster.buffer.load_state_dict.remote(extra["buffer"]))
-        return extra["step"], extra["version"]
+    def load_role_states(self, states: dict[str, Any]) -> None:
+        c = self.cluster
+        c.get(c.collector.load_state_dict.remote(states["collector"]))
+        c.get(c.buffer.load_state_dict.remote(states["buffer"]))
+
+    @_crash_aware
+    def save_models(self, path: str, extra: dict[str, Any]) -> None:
+        c = self.cluster
+        c.learners.save_checkpoint(path, self.model_path, extra)
+        c.get([c.frozen[spec.name].save.remote(path) for spec in self.plan.frozen
+               if spec.saved and spec.name in c.frozen])
+
+    @_crash_aware
+    def load_models(self, path: str) -> dict[str, Any]:
+        return self.cluster.learners.load_checkpoint(path)
 
     @_crash_aware
     def drain(self) -> None:

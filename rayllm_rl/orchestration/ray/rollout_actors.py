@@ -193,8 +193,10 @@ class RayLLMCollector(ActorProcess):
     def on_dropped(self, n: int) -> None:
         self.collector.on_dropped(n)
 
-    async def drain(self, timeout_s: float) -> dict:
+    async def drain(self, timeout_s: float) -> None:
         await self.collector.drain(timeout_s)
+
+    def state_dict(self) -> dict:
         return self.collector.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
