@@ -166,6 +166,8 @@ class InferenceReplica(ActorProcess):
                 raise TimeoutError("weight sync: learner rank 0 did not publish within "
                                    f"ray.sync_timeout_s={timeout:g}s (phase: handoff)") from exc
         out = await self.engine.weights.receive_weights(None if published is None else published["handoff"])
+        if published is not None:  # rank 0's send figures: the driver cannot take a Ray Direct Transport result
+            out = {**out, "sent": published["stats"]}
         self._turn("weights received")
         self.versions_held.append(int(out["version"]))
         self.serving = True
@@ -263,7 +265,6 @@ class LearnerWorker(ActorProcess):
         self.sender = None
         self._opened = None  # learner rank 0's weight-sync end, opened and not yet finished
         self._store = None  # rank 0's FSDP rendezvous store, bound by `rendezvous` until `setup` takes it
-        self._send_stats: dict[str, float] = {}
 
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
@@ -348,19 +349,16 @@ class LearnerWorker(ActorProcess):
     def send_weights(self, version: int) -> dict[str, Any]:
         """Every rank gathers full tensors in step; rank 0 sends them. Its result carries the
         transport's handoff (references, tensors Ray moves, or None), which the driver passes to the
-        replicas; the driver reads the figures with `last_send_stats`."""
+        replicas, and the send's figures (`stats`: bytes, seconds, bytes/s), read from the same result: by the
+        driver, or, with Ray Direct Transport (whose result only the replicas can take), echoed by a replica."""
         tensors = self.learner.iter_named_tensors()
         if self.rank != 0:
             for _ in tensors:
                 pass
             return {}
         stats, handoff = self.sender.send(tensors, version)
-        self._send_stats = {"sync_bytes": stats.bytes, "sync_s": stats.seconds, "sync_bytes_per_s": stats.bytes_per_s}
-        return {"handoff": handoff}
-
-    def last_send_stats(self) -> dict[str, float]:
-        """Figures of rank 0's last send (bytes, seconds, bytes/s)."""
-        return dict(self._send_stats)
+        return {"handoff": handoff,
+                "stats": {"sync_bytes": stats.bytes, "sync_s": stats.seconds, "sync_bytes_per_s": stats.bytes_per_s}}
 
     def policy_weights(self) -> dict[str, torch.Tensor]:
         """The full weights in host memory, for a frozen model started from the policy (Ray hands it this result by

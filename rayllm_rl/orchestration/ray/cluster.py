@@ -124,9 +124,12 @@ class Cluster:
         got = self.replicas.receive_weights(handoff_arg(info, sent[0]))
         # A replica's receive ends after rank 0's send (it waits for rank 0's result or its group's ack);
         # a Ray Direct Transport result cannot be fetched here: only the replicas receive its tensors.
-        waited = got + (sent[1:] if info.tensor_transport is not None else sent)
-        replicas = self.get(waited, timeout_s=self.sync_timeout_s)[:len(got)]  # a dead replica fails at once
-        return {**self.learners.last_send_stats(), "stall_s": max(r["stall_s"] for r in replicas),
+        rdt = info.tensor_transport is not None
+        waited = got + (sent[1:] if rdt else sent)
+        done = self.get(waited, timeout_s=self.sync_timeout_s)  # a dead replica fails at once
+        replicas = done[:len(got)]
+        sent_stats = replicas[0]["sent"] if rdt else done[len(got)]["stats"]  # rank 0's result, wherever it is read
+        return {**sent_stats, "stall_s": max(r["stall_s"] for r in replicas),
                 "receive_s": max(r["receive_s"] for r in replicas)}
 
     def shutdown(self, close_timeout_s: float = 60.0, namespace: str | None = None) -> None:

@@ -111,9 +111,6 @@ class LearnerGroup(ActorGroup):
             head = head.options(tensor_transport=tensor_transport)
         return [head.remote(version)] + [l.send_weights.remote(version) for l in self.handles[1:]]
 
-    def last_send_stats(self) -> dict[str, float]:
-        return ray.get(self.handles[0].last_send_stats.remote(), timeout=self.timeout_s)
-
     def weight_metadata(self) -> tuple:
         return ray.get(self.handles[0].weight_metadata.remote(), timeout=self.timeout_s)
 
