@@ -129,15 +129,15 @@ class GRPOTISOptions(Proximal, Aggregated, KLPenalty, PPOClip):
 class SFTOptions(Aggregated):
     """Supervised fine-tuning (SFTLoss).
 
-    The job's `algo.name=sft` exposes only `aggregation` (its `SFTAlgo` derives from `Aggregated`, not from this
-    class), as before the options moved here: the other four pick TorchRL's MinorSFT and a pull toward a reference,
-    which no job has asked for; adding them to the job would be a change of its config surface of its own. The job
-    builds SFTLoss with them at these defaults (plain NLL)."""
+    The job's `algo.name=sft` exposes only `aggregation` (`SFTAlgo` derives from `Aggregated`, not from this class),
+    as it did before these options moved here: the other four (TorchRL's MinorSFT, a KL pull toward the reference)
+    were never job keys, and making them keys is a change of the config surface to make on its own. So a job's
+    SFTLoss takes them at these defaults: plain NLL."""
 
     loss_function: Literal["sft", "minor_sft"] = "sft"
     """'sft' (the NLL of the target tokens) or 'minor_sft' (TorchRL's MinorSFT, regularised toward a reference)."""
     beta: float = 0.1
-    """minor_sft's temperature on the sequence log-ratio to the reference."""
+    """minor_sft's scale of each sequence's log-ratio to the reference (x_i = beta * ...)."""
     kl_to_ref_coeff: NonNegFloat = 0.0
     """Coefficient of a k3 KL penalty to the reference (loss_function 'sft' only; 0 = off)."""
     normalize_by_seq_length: bool = True
