@@ -105,22 +105,29 @@ def test_algo_names_are_the_registered_losses_and_enums_are_checked():
         cfg.validate()
 
 
-def test_each_loss_options_class_holds_exactly_its_loss_arguments_with_the_loss_defaults():
-    """The options classes are written out by hand: they must stay the losses' keyword arguments (a test
-    reads the constructors' signatures so that the config never has to)."""
-    import inspect
+def test_each_algo_class_is_its_loss_options_class_so_the_defaults_are_the_losses():
+    """Each `algo.*` class is its loss's options class (objectives/options.py) plus `AlgoBase`, and `build_loss`
+    hands the loss an instance of that class: the defaults are written once. SFT's section keeps only
+    `aggregation` of SFTOptions (SFTOptions says why); Dr.GRPO's max_tokens=None is the generation budget."""
+    import dataclasses
 
     from rayllm_rl.objectives import LOSSES
-    from rayllm_rl.job.config import ALGOS
+    from rayllm_rl.job.config import ALGOS, AlgoBase
 
-    exposed_elsewhere = {"sft": {"loss_function", "beta", "kl_to_ref_coeff", "normalize_by_seq_length"}}
+    shared = {f.name for f in dataclasses.fields(AlgoBase)}
     for name, cls in ALGOS.items():
-        params = inspect.signature(LOSSES[name]).parameters
+        options_class = LOSSES[name].options_class
+        assert name == "sft" or issubclass(cls, options_class), name
+        own = [f.name for f in dataclasses.fields(cls) if f.name not in shared]
+        assert set(own) <= {f.name for f in dataclasses.fields(options_class)}, name
         options = cls().loss_options(max_new_tokens=7)
-        assert set(options) == set(params) - exposed_elsewhere.get(name, set()), name
-        for key, value in options.items():
-            if not (name == "dr_grpo" and key == "max_tokens"):  # rollout.max_new_tokens there
-                assert value == params[key].default, (name, key)
+        assert type(options) is options_class, name
+        for key in own:
+            if not (name == "dr_grpo" and key == "max_tokens"):
+                assert getattr(options, key) == getattr(options_class(), key), (name, key)
+    assert [f.name for f in dataclasses.fields(ALGOS["sft"]) if f.name not in shared] == ["aggregation"]
+    assert ALGOS["dr_grpo"]().loss_options(max_new_tokens=7).max_tokens == 7
+    assert ALGOS["dr_grpo"](max_tokens=5).loss_options(max_new_tokens=7).max_tokens == 5
 
 
 def test_a_tilde_key_takes_back_what_the_yaml_set_so_the_loss_can_switch(tmp_path):

@@ -1,19 +1,21 @@
 """The `algo.*` section: one options class per loss, told apart by `algo.name` (a discriminated union).
 
-Each class holds the fields every loss shares (`AlgoBase`: reward shaping, KL-in-reward, advantages)
-and only the options its loss reads, with that loss's own defaults (DAPO's clip_eps_high is 0.28). So
-`algo.name=cispo algo.kl_coef=0.1` fails when the config is read (`rayllm_rl.config` names the key and
-the losses that take it), and `build_loss` passes the options as they are: no signature is read.
+Each class is its loss's options class (`rayllm_rl.objectives.options`: only the options that loss reads, with
+its defaults, e.g. DAPO's clip-higher clip_eps_high) plus the fields every loss shares (`AlgoBase`: reward shaping,
+KL-in-reward, advantages, read outside the loss). So `algo.name=cispo algo.kl_coef=0.1` fails when the config is
+read (`rayllm_rl.config` names the key and the losses that take it), and `build_loss` hands the loss its options
+object: no default is written here, and no signature is read.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, Literal
+from typing import Literal
 
-from rayllm_rl.config import Limit, NonNegFloat, NonNegInt, PosFloat, PosInt
-from rayllm_rl.objectives import AdvantageConfig
-
-Aggregation = Literal["token-mean", "seq-mean", "seq-sum"]
+from rayllm_rl.config import NonNegFloat, NonNegInt
+from rayllm_rl.objectives import LOSSES, AdvantageConfig, make_loss, read_as
+from rayllm_rl.objectives.options import (
+    Aggregated, CISPOOptions, DAPOOptions, DecoupledPPOOptions, DrGRPOOptions, GRPOOptions, GRPOTISOptions,
+)
 
 
 @dataclasses.dataclass
@@ -34,138 +36,73 @@ class AlgoBase:
     advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
     """How rewards become advantages (group/global normalisation, RLOO)."""
 
-    def loss_options(self, max_new_tokens: int | None = None) -> dict:
-        """The keyword arguments of the loss: every field this class adds to `AlgoBase`."""
-        shared = {f.name for f in dataclasses.fields(AlgoBase)}
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in shared}
+    def loss_options(self, max_new_tokens: int | None = None):
+        """The options object of the loss `name` names (its `options_class`), from this section's fields of it;
+        a field the section does not expose (SFT's) keeps the options class's default."""
+        return read_as(LOSSES[self.name].options_class, self)
 
     def build_loss(self, max_new_tokens: int | None = None):
         """The loss `name` names, built from this class's options (`max_new_tokens`: the generation budget)."""
-        from rayllm_rl.objectives import LOSSES, make_loss
-
         if self.name not in LOSSES:
             raise ValueError(f"unknown algo.name {self.name!r}; choose one of {sorted(LOSSES)}")
         own = type(self)().name
         if self.name != own:
             raise ValueError(f"algo.name={self.name!r} was assigned on the options of algo.name={own}: pick another "
                              f"loss with algo.name=... in YAML or an override, or build ALGOS[{self.name!r}]()")
-        return make_loss(self.name, **self.loss_options(max_new_tokens))
+        return make_loss(self.name, self.loss_options(max_new_tokens))
 
 
 @dataclasses.dataclass
-class _PPOClip:
-    """The PPO ratio clip."""
-
-    clip_eps_low: NonNegFloat = 0.2
-    """Lower ratio clip: ratios below 1 - clip_eps_low are clipped."""
-    clip_eps_high: NonNegFloat = 0.2
-    """Upper ratio clip: ratios above 1 + clip_eps_high are clipped."""
-    clip_ratio_c: Annotated[float, Limit(gt=1)] | None = None
-    """Dual-clip (verl's clip_ratio_c, 3.0 there when on; None = off, must be > 1): for a negative
-    advantage the per-token loss is capped at clip_ratio_c * |A|, so tokens with ratio > clip_ratio_c
-    give no gradient."""
-
-
-@dataclasses.dataclass
-class _KLPenalty:
-    """The KL penalties inside the loss."""
-
-    kl_coef: NonNegFloat = 0.0
-    """Coefficient of the KL penalty to the reference policy (0 = off)."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator: k1, k2 or k3."""
-    kl_behav_coef: NonNegFloat = 0.0
-    """Coefficient of the KL penalty to the inference (behaviour) policy that sampled the tokens (0 = off)."""
-
-
-@dataclasses.dataclass
-class _Aggregation:
-    aggregation: Aggregation = "token-mean"
-    """Loss aggregation: token-mean, seq-mean or seq-sum."""
-
-
-@dataclasses.dataclass
-class _Proximal:
-    prox_logp_method: Literal["recompute", "loglinear"] = "recompute"
-    """How the learner gets the proximal logprobs: 'recompute' (one extra forward pass before the update) or
-    'loglinear' (AReaL's interpolation between the behaviour logprobs and the training forward by token
-    version, no extra pass; see loglinear_prox_logp)."""
-
-
-@dataclasses.dataclass
-class GRPOAlgo(_KLPenalty, _PPOClip, AlgoBase):
-    """GRPO (GRPOLoss); `ratio_level=sequence` is GSPO."""
+class GRPOAlgo(GRPOOptions, AlgoBase):
+    """`algo.name=grpo`: GRPOLoss's options (GRPOOptions) and the shared fields."""
 
     name: Literal["grpo"] = "grpo"
-    aggregation: Aggregation | None = None
-    """Loss aggregation; None = seq-mean with ratio_level=sequence, else token-mean."""
-    ratio_level: Literal["token", "sequence"] = "token"
-    """'token' or 'sequence' (GSPO's sequence-level ratio)."""
 
 
 @dataclasses.dataclass
-class DAPOAlgo(_Aggregation, _PPOClip, AlgoBase):
-    """DAPO (DAPOLoss): clip-higher, token-mean, no KL penalty."""
+class DAPOAlgo(DAPOOptions, AlgoBase):
+    """`algo.name=dapo`: DAPOLoss's options (DAPOOptions) and the shared fields."""
 
     name: Literal["dapo"] = "dapo"
-    clip_eps_high: NonNegFloat = 0.28
 
 
 @dataclasses.dataclass
-class DrGRPOAlgo(_KLPenalty, _PPOClip, AlgoBase):
-    """Dr.GRPO (DrGRPOLoss): a constant length normaliser."""
+class DrGRPOAlgo(DrGRPOOptions, AlgoBase):
+    """`algo.name=dr_grpo`: DrGRPOLoss's options (DrGRPOOptions) and the shared fields."""
 
     name: Literal["dr_grpo"] = "dr_grpo"
-    max_tokens: PosInt | None = None
-    """Dr.GRPO's constant length normaliser (None = rollout.max_new_tokens)."""
 
-    def loss_options(self, max_new_tokens: int | None = None) -> dict:
+    def loss_options(self, max_new_tokens: int | None = None) -> DrGRPOOptions:
+        """`max_tokens=None` is the generation budget, when one is known (else DrGRPOLoss's own normaliser)."""
         options = super().loss_options(max_new_tokens)
-        if options["max_tokens"] is None:
-            options["max_tokens"] = max_new_tokens
-        if options["max_tokens"] is None:  # no budget known: DrGRPOLoss's own default
-            del options["max_tokens"]
-        return options
+        return options if options.max_tokens is not None else dataclasses.replace(options, max_tokens=max_new_tokens)
 
 
 @dataclasses.dataclass
-class CISPOAlgo(_Aggregation, AlgoBase):
-    """CISPO (CISPOLoss): clipped importance weights, no PPO clip."""
+class CISPOAlgo(CISPOOptions, AlgoBase):
+    """`algo.name=cispo`: CISPOLoss's options (CISPOOptions) and the shared fields."""
 
     name: Literal["cispo"] = "cispo"
-    clip_eps_low: NonNegFloat | None = None
-    """Lower weight clip (None = no lower clip)."""
-    clip_eps_high: NonNegFloat = 0.28
-    """Upper weight clip."""
 
 
 @dataclasses.dataclass
-class PPODecoupledAlgo(_Proximal, _Aggregation, _KLPenalty, _PPOClip, AlgoBase):
-    """Decoupled PPO (DecoupledPPOLoss): the behaviour weight exp(logp_prox - logp_behav), capped or masked."""
+class PPODecoupledAlgo(DecoupledPPOOptions, AlgoBase):
+    """`algo.name=ppo_decoupled`: DecoupledPPOLoss's options (DecoupledPPOOptions) and the shared fields."""
 
     name: Literal["ppo_decoupled"] = "ppo_decoupled"
-    behav_weight_cap: PosFloat = 5.0
-    """Cap of the behaviour weight exp(logp_prox - logp_behav)."""
-    behav_weight_mode: Literal["cap", "mask"] = "cap"
-    """'cap' (truncate the weight) or 'mask' (drop tokens above the cap)."""
 
 
 @dataclasses.dataclass
-class GRPOTISAlgo(_Proximal, _Aggregation, _KLPenalty, _PPOClip, AlgoBase):
-    """GRPO with truncated importance sampling (GRPOTISLoss)."""
+class GRPOTISAlgo(GRPOTISOptions, AlgoBase):
+    """`algo.name=grpo_tis`: GRPOTISLoss's options (GRPOTISOptions) and the shared fields."""
 
     name: Literal["grpo_tis"] = "grpo_tis"
-    tis_level: Literal["token", "sequence"] = "token"
-    """Truncated importance sampling at 'token' or 'sequence' level."""
-    tis_mode: Literal["truncate", "mask"] = "truncate"
-    """'truncate' or 'mask' weights above tis_cap."""
-    tis_cap: PosFloat = 2.0
-    """Cap of the importance weight exp(logp_prox - logp_behav)."""
 
 
 @dataclasses.dataclass
-class SFTAlgo(_Aggregation, AlgoBase):
-    """Supervised fine-tuning as the RL-phase loss (SFTLoss)."""
+class SFTAlgo(Aggregated, AlgoBase):
+    """Supervised fine-tuning as the RL-phase loss (SFTLoss): only `aggregation` of `SFTOptions` is a key here, as
+    it always was (SFTOptions says why); `build_loss` gives the loss the others at their defaults."""
 
     name: Literal["sft"] = "sft"
 

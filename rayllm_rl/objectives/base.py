@@ -14,6 +14,8 @@ import dataclasses
 
 import torch
 
+from rayllm_rl.objectives.options import Aggregated, Proximal
+
 AGGREGATIONS = ("token-mean", "seq-mean", "seq-sum")
 PROX_LOGP_METHODS = ("recompute", "loglinear")
 
@@ -120,14 +122,17 @@ class Loss(torch.nn.Module):
     metric. A loss that is not per-token (SFT's minor_sft) overrides `forward` instead.
     """
 
+    options_class: type | None = None
+    """The dataclass of this loss's options (objectives/options.py), which the constructor reads: an instance, or
+    keyword overrides that build one. None for a loss built from plain arguments (the `TruncatedIS` wrapper)."""
     needs_prox_logp: bool = False
     """The learner must pass `prox_logp` (it recomputes it, or approximates it: `prox_logp_method`)."""
     needs_ref_logp: bool = False
     """The learner must pass `ref_logp` (reference-model logprobs)."""
-    prox_logp_method: str = "recompute"
+    prox_logp_method: str = Proximal.prox_logp_method
     """How the learner gets `prox_logp` when `needs_prox_logp`: 'recompute' (a forward pass with the
     pre-update weights) or 'loglinear' (`loglinear_prox_logp` from the token versions, no extra pass)."""
-    aggregation: str = "token-mean"
+    aggregation: str = Aggregated.aggregation
     """How `reduce` turns per-token losses into a scalar (`aggregate`)."""
     scores_sampled_tokens: bool = True
     """Its tokens were drawn by the rollout's sampler, so the learner replays the sampling mask when it

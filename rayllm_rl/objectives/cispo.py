@@ -1,10 +1,13 @@
 """CISPO (MiniMax-M1, 2025): clip the detached importance weight, never drop a token's gradient."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from rayllm_rl.objectives.base import AGGREGATIONS, Loss, LossTerms
 from rayllm_rl.objectives.grpo import prepare, ratio_metrics
+from rayllm_rl.objectives.options import CISPOOptions, resolve
 
 
 class CISPOLoss(Loss):
@@ -17,9 +20,9 @@ class CISPOLoss(Loss):
     Gradient per token: `-clip(r) * A / n` -- tokens whose ratio is clipped STILL contribute
     (unlike PPO-clip, which zeroes them); the clip only bounds the weight.
 
-    Defaults: `clip_eps_low=None` = no lower bound (MiniMax-M1: "we did not impose a lower bound
-    on the IS weight by setting eps_low to a large value" and tuned only eps_high);
-    `clip_eps_high=0.28` is our default, borrowed from DAPO's clip-higher value (the paper does
+    Defaults (`CISPOOptions`): `clip_eps_low=None` = no lower bound (MiniMax-M1: "we did not impose a
+    lower bound on the IS weight by setting eps_low to a large value" and tuned only eps_high);
+    `clip_eps_high` is borrowed from DAPO's clip-higher value (`CLIP_HIGHER`, 0.28; the paper does
     not fix one number for eps_high; tune it), i.e. an upper cap of 1.28 on the weight. TRL
     (`loss_type="cispo"`, whose `epsilon_high` is the cap itself) and ScaleRL cap it at 5.0:
     `clip_eps_high=4.0` reproduces that.
@@ -27,23 +30,20 @@ class CISPOLoss(Loss):
     whatever the sign of A (CISPO clips the weight, not the objective).
     """
 
-    def __init__(
-        self,
-        *,
-        clip_eps_low: float | None = None,
-        clip_eps_high: float = 0.28,
-        aggregation: str = "token-mean",
-    ) -> None:
+    options_class = CISPOOptions
+
+    def __init__(self, options: CISPOOptions | None = None, /, **overrides: Any) -> None:
         super().__init__()
-        if clip_eps_low is not None and not 0.0 <= clip_eps_low <= 1.0:
-            raise ValueError(f"clip_eps_low must be None or in [0, 1], got {clip_eps_low}")
-        if clip_eps_high < 0:
-            raise ValueError(f"clip_eps_high must be >= 0, got {clip_eps_high}")
-        if aggregation not in AGGREGATIONS:
-            raise ValueError(f"unknown aggregation {aggregation!r}; valid: {list(AGGREGATIONS)}")
-        self.clip_eps_low = None if clip_eps_low is None else float(clip_eps_low)
-        self.clip_eps_high = float(clip_eps_high)
-        self.aggregation = aggregation
+        self.options = o = resolve(self.options_class, options, overrides, type(self).__name__)
+        if o.clip_eps_low is not None and not 0.0 <= o.clip_eps_low <= 1.0:
+            raise ValueError(f"clip_eps_low must be None or in [0, 1], got {o.clip_eps_low}")
+        if o.clip_eps_high < 0:
+            raise ValueError(f"clip_eps_high must be >= 0, got {o.clip_eps_high}")
+        if o.aggregation not in AGGREGATIONS:
+            raise ValueError(f"unknown aggregation {o.aggregation!r}; valid: {list(AGGREGATIONS)}")
+        self.clip_eps_low = None if o.clip_eps_low is None else float(o.clip_eps_low)
+        self.clip_eps_high = float(o.clip_eps_high)
+        self.aggregation = o.aggregation
 
     def extra_repr(self) -> str:
         return f"clip_eps_low={self.clip_eps_low}, clip_eps_high={self.clip_eps_high}, aggregation={self.aggregation!r}"

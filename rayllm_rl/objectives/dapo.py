@@ -1,14 +1,18 @@
 """DAPO (Yu et al. 2025) and Dr.GRPO (Liu et al. 2025): PPO-clip variants of `GRPOLoss`.
 
-Both reuse GRPOLoss's per-token clipped surrogate and differ only in defaults and aggregation.
+Both reuse GRPOLoss's per-token clipped surrogate and differ only in their options (objectives/options.py:
+DAPOOptions, DrGRPOOptions) and aggregation.
 DAPO's soft overlong punishment is a reward-shaping helper, `overlong_reward_shaping`.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 from rayllm_rl.objectives.base import aggregate
 from rayllm_rl.objectives.grpo import GRPOLoss
+from rayllm_rl.objectives.options import DR_GRPO_MAX_TOKENS, DAPOOptions, DrGRPOOptions
 
 
 class DAPOLoss(GRPOLoss):
@@ -18,23 +22,13 @@ class DAPOLoss(GRPOLoss):
     Per token `-min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)`, `r = exp(logp - old)`, with the
     paper's decoupled "clip-higher" bounds eps_low=0.2, eps_high=0.28, the token-level policy
     gradient loss (aggregation "token-mean": sum over every masked token of the batch / their
-    count) and no KL penalty (DAPO removes it). Dynamic sampling (dropping groups whose rewards
+    count) and no KL penalty (DAPO removes it: `DAPOOptions` has no KL field, so GRPOLoss reads
+    the KLPenalty defaults, off). Dynamic sampling (dropping groups whose rewards
     are all equal) lives in the rollout/advantage side, overlong shaping in
     `overlong_reward_shaping`. `clip_ratio_c` is GRPOLoss's dual-clip (off by default).
     """
 
-    def __init__(
-        self,
-        *,
-        clip_eps_low: float = 0.2,
-        clip_eps_high: float = 0.28,
-        aggregation: str = "token-mean",
-        clip_ratio_c: float | None = None,
-    ) -> None:
-        super().__init__(
-            clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, kl_coef=0.0, aggregation=aggregation,
-            clip_ratio_c=clip_ratio_c,
-        )
+    options_class = DAPOOptions
 
 
 def overlong_reward_shaping(
@@ -77,21 +71,15 @@ class DrGRPOLoss(GRPOLoss):
     which is exactly the full-batch loss. `clip_ratio_c` is GRPOLoss's dual-clip (off by default).
     """
 
-    def __init__(
-        self,
-        *,
-        max_tokens: int = 1024,
-        clip_eps_low: float = 0.2,
-        clip_eps_high: float = 0.2,
-        kl_coef: float = 0.0,
-        kl_estimator: str = "k3",
-        kl_behav_coef: float = 0.0,
-        clip_ratio_c: float | None = None,
-    ) -> None:
-        super().__init__(
-            clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, kl_coef=kl_coef, kl_estimator=kl_estimator,
-            kl_behav_coef=kl_behav_coef, clip_ratio_c=clip_ratio_c,
-        )
+    options_class = DrGRPOOptions
+
+    def __init__(self, options: DrGRPOOptions | None = None, /, **overrides: Any) -> None:
+        """`max_tokens=None` (the options' default, which a job fills with the generation budget) is
+        `DR_GRPO_MAX_TOKENS`."""
+        super().__init__(options, **overrides)
+        max_tokens = self.options.max_tokens
+        if max_tokens is None:
+            max_tokens = DR_GRPO_MAX_TOKENS
         if int(max_tokens) <= 0:
             raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
         self.max_tokens = int(max_tokens)

@@ -5,9 +5,12 @@ Also home of the helpers the policy losses share: `kl_estimate` (Schulman's k1/k
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from rayllm_rl.objectives.base import AGGREGATIONS, Loss, LossTerms, masked_mean
+from rayllm_rl.objectives.options import GRPOOptions, PPOClip, read_as, resolve
 
 RATIO_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -109,45 +112,42 @@ class GRPOLoss(Loss):
     off-mask) and the ratio metrics, so wrappers (`TruncatedIS`) can reweight it before `reduce`.
     """
 
-    def __init__(
-        self,
-        *,
-        clip_eps_low: float = 0.2,
-        clip_eps_high: float = 0.2,
-        kl_coef: float = 0.0,
-        kl_estimator: str = "k3",
-        aggregation: str | None = None,
-        ratio_level: str = "token",
-        kl_behav_coef: float = 0.0,
-        clip_ratio_c: float | None = None,
-    ) -> None:
+    options_class = GRPOOptions
+
+    def __init__(self, options: PPOClip | None = None, /, **overrides: Any) -> None:
+        """`options`: a `self.options_class` (GRPOOptions here; DAPOOptions, DrGRPOOptions in the subclasses), or
+        keyword overrides that build one. Read as GRPOOptions: a field the class lacks (DAPO's KL penalty) takes
+        GRPOOptions' default."""
         super().__init__()
-        if not 0.0 <= clip_eps_low < 1.0 or clip_eps_high < 0.0:
+        self.options = resolve(self.options_class, options, overrides, type(self).__name__)
+        o = read_as(GRPOOptions, self.options)
+        if not 0.0 <= o.clip_eps_low < 1.0 or o.clip_eps_high < 0.0:
             raise ValueError(
-                f"need 0 <= clip_eps_low < 1 and clip_eps_high >= 0, got {clip_eps_low}, {clip_eps_high}"
+                f"need 0 <= clip_eps_low < 1 and clip_eps_high >= 0, got {o.clip_eps_low}, {o.clip_eps_high}"
             )
-        if kl_coef < 0:
-            raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
-        if clip_ratio_c is not None and not clip_ratio_c > 1.0:
-            raise ValueError(f"clip_ratio_c (dual-clip) must be None (off) or > 1, got {clip_ratio_c}")
-        if kl_behav_coef < 0:
-            raise ValueError(f"kl_behav_coef must be >= 0, got {kl_behav_coef}")
-        if kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"unknown kl_estimator {kl_estimator!r}; valid: {list(KL_ESTIMATORS)}")
-        if ratio_level not in RATIO_LEVELS:
-            raise ValueError(f"unknown ratio_level {ratio_level!r}; valid: {list(RATIO_LEVELS)}")
+        if o.kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, got {o.kl_coef}")
+        if o.clip_ratio_c is not None and not o.clip_ratio_c > 1.0:
+            raise ValueError(f"clip_ratio_c (dual-clip) must be None (off) or > 1, got {o.clip_ratio_c}")
+        if o.kl_behav_coef < 0:
+            raise ValueError(f"kl_behav_coef must be >= 0, got {o.kl_behav_coef}")
+        if o.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"unknown kl_estimator {o.kl_estimator!r}; valid: {list(KL_ESTIMATORS)}")
+        if o.ratio_level not in RATIO_LEVELS:
+            raise ValueError(f"unknown ratio_level {o.ratio_level!r}; valid: {list(RATIO_LEVELS)}")
+        aggregation = o.aggregation
         if aggregation is None:
-            aggregation = "seq-mean" if ratio_level == "sequence" else "token-mean"
+            aggregation = "seq-mean" if o.ratio_level == "sequence" else "token-mean"
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"unknown aggregation {aggregation!r}; valid: {list(AGGREGATIONS)}")
-        self.clip_eps_low = float(clip_eps_low)
-        self.clip_eps_high = float(clip_eps_high)
-        self.kl_coef = float(kl_coef)
-        self.kl_behav_coef = float(kl_behav_coef)
-        self.kl_estimator = kl_estimator
+        self.clip_eps_low = float(o.clip_eps_low)
+        self.clip_eps_high = float(o.clip_eps_high)
+        self.kl_coef = float(o.kl_coef)
+        self.kl_behav_coef = float(o.kl_behav_coef)
+        self.kl_estimator = o.kl_estimator
         self.aggregation = aggregation
-        self.ratio_level = ratio_level
-        self.clip_ratio_c = None if clip_ratio_c is None else float(clip_ratio_c)
+        self.ratio_level = o.ratio_level
+        self.clip_ratio_c = None if o.clip_ratio_c is None else float(o.clip_ratio_c)
         self.needs_ref_logp = self.kl_coef > 0
 
     def extra_repr(self) -> str:

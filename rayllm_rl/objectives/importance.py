@@ -1,10 +1,13 @@
 """Truncated importance sampling for the inference/training mismatch, as a `Loss` wrapper."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from rayllm_rl.objectives.base import PROX_LOGP_METHODS, Loss, LossTerms, masked_mean
 from rayllm_rl.objectives.grpo import GRPOLoss
+from rayllm_rl.objectives.options import GRPOOptions, GRPOTISOptions, read_as, resolve
 
 TIS_LEVELS = ("token", "sequence")
 TIS_MODES = ("truncate", "mask")
@@ -33,15 +36,16 @@ class TruncatedIS(Loss):
     whose raw weight > cap). `aggregation`, `reduce` and `normalizer` are the base's (so the
     learner weights micro-batches as for the base). `prox_logp_method` tells the learner how to
     get prox_logp: "recompute" (a forward pass with the pre-update weights) or "loglinear"
-    (`loglinear_prox_logp`, no extra pass).
+    (`loglinear_prox_logp`, no extra pass). The defaults of `level`, `mode`, `cap` and
+    `prox_logp_method` are GRPOTISOptions' (`tis_level`, `tis_mode`, `tis_cap`, `prox_logp_method`).
     """
 
     needs_prox_logp = True
     weight_metrics = ("tis_weight_mean", "tis_capped_fraction")
     """Metric names of the mean applied weight and of the fraction of masked tokens over the cap."""
 
-    def __init__(self, base_loss: Loss, level: str = "token", mode: str = "truncate", cap: float = 2.0,
-                 prox_logp_method: str = "recompute") -> None:
+    def __init__(self, base_loss: Loss, level: str = GRPOTISOptions.tis_level, mode: str = GRPOTISOptions.tis_mode,
+                 cap: float = GRPOTISOptions.tis_cap, prox_logp_method: str = GRPOTISOptions.prox_logp_method) -> None:
         super().__init__()
         if not (hasattr(base_loss, "per_token") and hasattr(base_loss, "reduce")):
             raise ValueError(f"{type(base_loss).__name__} does not expose per_token/reduce; TruncatedIS cannot wrap it")
@@ -62,7 +66,7 @@ class TruncatedIS(Loss):
 
     @property
     def aggregation(self) -> str:
-        return getattr(self.base, "aggregation", "token-mean")
+        return getattr(self.base, "aggregation", Loss.aggregation)
 
     def reduce(self, per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return self.base.reduce(per_token, mask)
@@ -85,9 +89,9 @@ class TruncatedIS(Loss):
         behav_logp: torch.Tensor,
         mask: torch.Tensor,
         *,
-        level: str = "token",
-        mode: str = "truncate",
-        cap: float = 2.0,
+        level: str,
+        mode: str,
+        cap: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Detached `(w, over_cap)` `[B, T]` in `prox_logp`'s dtype, 0 off-mask: the raw weight
         exp(prox - behav) (token level, or its masked per-sequence product at sequence level),
@@ -132,15 +136,20 @@ class TruncatedIS(Loss):
 
 
 class GRPOTISLoss(TruncatedIS):
-    """`TruncatedIS(GRPOLoss(...), level, mode, cap, prox_logp_method)` built from flat config
-    fields (registered as "grpo_tis"); `tis_level`, `tis_mode`, `tis_cap` are TruncatedIS's level,
-    mode and cap, the other arguments `GRPOLoss`'s."""
+    """`TruncatedIS(GRPOLoss(...), level, mode, cap, prox_logp_method)` from one options object, `GRPOTISOptions`
+    (registered as "grpo_tis"): `tis_level`, `tis_mode`, `tis_cap` are TruncatedIS's level, mode and cap, the
+    other fields, read as `GRPOOptions`, `GRPOLoss`'s. A subclass reads its own options class and says how they
+    weigh (`weighting`)."""
 
-    def __init__(self, *, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2, kl_coef: float = 0.0,
-                 kl_estimator: str = "k3", aggregation: str = "token-mean", kl_behav_coef: float = 0.0,
-                 tis_level: str = "token", tis_mode: str = "truncate", tis_cap: float = 2.0,
-                 prox_logp_method: str = "recompute", clip_ratio_c: float | None = None) -> None:
-        base = GRPOLoss(clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, kl_coef=kl_coef,
-                        kl_estimator=kl_estimator, aggregation=aggregation, kl_behav_coef=kl_behav_coef,
-                        clip_ratio_c=clip_ratio_c)
-        super().__init__(base, level=tis_level, mode=tis_mode, cap=tis_cap, prox_logp_method=prox_logp_method)
+    options_class = GRPOTISOptions
+
+    def __init__(self, options: GRPOTISOptions | None = None, /, **overrides: Any) -> None:
+        options = resolve(self.options_class, options, overrides, type(self).__name__)
+        level, mode, cap = self.weighting(options)
+        super().__init__(GRPOLoss(read_as(GRPOOptions, options)), level=level, mode=mode, cap=cap,
+                         prox_logp_method=options.prox_logp_method)
+        self.options = options
+
+    def weighting(self, options: Any) -> tuple[str, str, float]:
+        """TruncatedIS's `(level, mode, cap)` from this loss's options: here their tis_* fields."""
+        return options.tis_level, options.tis_mode, options.tis_cap

@@ -1,9 +1,12 @@
 """AReaL's decoupled PPO loss (Fu et al. 2025) and the log-linear proximal-logprob approximation."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from rayllm_rl.objectives.importance import GRPOTISLoss
+from rayllm_rl.objectives.options import DecoupledPPOOptions
 
 TIS_MODE_OF = {"cap": "truncate", "mask": "mask"}  # behav_weight_mode -> TruncatedIS mode
 BEHAV_WEIGHT_MODES = tuple(TIS_MODE_OF)
@@ -27,7 +30,7 @@ class DecoupledPPOLoss(GRPOTISLoss):
     That is `GRPOTISLoss` at token level with cap = behav_weight_cap and "cap" read as its
     "truncate" mode, so the computation is `TruncatedIS.terms`; only the names differ.
     In "mask" mode masked tokens still count in the token-mean denominator (as in AReaL, where
-    they are zeroed by the weight, not removed from the loss mask). The default mode is "cap";
+    they are zeroed by the weight, not removed from the loss mask). The default mode (DecoupledPPOOptions) is "cap";
     AReaL's `behav_imp_weight_cap` masks, so `behav_weight_mode="mask"` reproduces AReaL.
     `clip_ratio_c` is GRPOLoss's dual-clip (off by default; AReaL's `c_clip`).
     Extra metrics: `behav_weight_mean` (mean of the applied weight over masked tokens) and
@@ -36,21 +39,22 @@ class DecoupledPPOLoss(GRPOTISLoss):
     """
 
     weight_metrics = ("behav_weight_mean", "behav_weight_capped_fraction")
+    options_class = DecoupledPPOOptions
 
-    def __init__(self, *, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2, behav_weight_cap: float = 5.0,
-                 behav_weight_mode: str = "cap", kl_coef: float = 0.0, kl_estimator: str = "k3",
-                 aggregation: str = "token-mean", kl_behav_coef: float = 0.0,
-                 prox_logp_method: str = "recompute", clip_ratio_c: float | None = None) -> None:
-        if behav_weight_mode not in BEHAV_WEIGHT_MODES:
-            raise ValueError(f"unknown behav_weight_mode {behav_weight_mode!r}; valid: {list(BEHAV_WEIGHT_MODES)}")
-        if not behav_weight_cap > 0:
-            raise ValueError(f"behav_weight_cap must be > 0, got {behav_weight_cap}")
-        super().__init__(clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, kl_coef=kl_coef,
-                         kl_estimator=kl_estimator, aggregation=aggregation, kl_behav_coef=kl_behav_coef,
-                         tis_level="token", tis_mode=TIS_MODE_OF[behav_weight_mode], tis_cap=behav_weight_cap,
-                         prox_logp_method=prox_logp_method, clip_ratio_c=clip_ratio_c)
-        self.behav_weight_cap = float(behav_weight_cap)
-        self.behav_weight_mode = behav_weight_mode
+    def __init__(self, options: DecoupledPPOOptions | None = None, /, **overrides: Any) -> None:
+        super().__init__(options, **overrides)
+        self.behav_weight_cap = float(self.options.behav_weight_cap)
+        self.behav_weight_mode = self.options.behav_weight_mode
+
+    def weighting(self, options: Any) -> tuple[str, str, float]:
+        """Token level, with `behav_weight_mode` "cap" read as TruncatedIS's "truncate", at `behav_weight_cap`
+        (checked here, so that an error names these fields, not TruncatedIS's)."""
+        if options.behav_weight_mode not in BEHAV_WEIGHT_MODES:
+            raise ValueError(f"unknown behav_weight_mode {options.behav_weight_mode!r}; "
+                             f"valid: {list(BEHAV_WEIGHT_MODES)}")
+        if not options.behav_weight_cap > 0:
+            raise ValueError(f"behav_weight_cap must be > 0, got {options.behav_weight_cap}")
+        return "token", TIS_MODE_OF[options.behav_weight_mode], options.behav_weight_cap
 
     def extra_repr(self) -> str:
         return (

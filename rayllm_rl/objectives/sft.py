@@ -1,6 +1,8 @@
 """Supervised fine-tuning losses (plain NLL and TorchRL's MinorSFT) behind the common `Loss` contract."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -8,6 +10,7 @@ from rayllm_rl.objectives.base import (
     AGGREGATIONS, Loss, LossOutput, aggregate, aggregate_count, check_shapes, masked_mean,
 )
 from rayllm_rl.objectives.grpo import kl_estimate
+from rayllm_rl.objectives.options import SFTOptions, resolve
 
 SFT_FUNCTIONS = ("sft", "minor_sft")
 
@@ -15,7 +18,7 @@ SFT_FUNCTIONS = ("sft", "minor_sft")
 class SFTLoss(Loss):
     """SFT on masked target tokens; `behav_logp`, `prox_logp` and `advantages` are ignored.
 
-    sft: `aggregate(-logp, mask, aggregation)` (default token-mean; TorchRL's SFTLoss default,
+    Options: `SFTOptions`. sft: `aggregate(-logp, mask, aggregation)` (default token-mean; TorchRL's SFTLoss default,
     the mean over sequences of each sequence's mean NLL, is `aggregation="seq-mean"`).
     minor_sft (TorchRL's MinorSFT, DPO-inspired, gentler than SFT): per sequence i with |y_i|
     masked tokens,
@@ -32,31 +35,27 @@ class SFTLoss(Loss):
     scores_sampled_tokens = False
     """Demonstrations: scored under the full softmax, whatever the rollout's top-p."""
 
-    def __init__(
-        self,
-        *,
-        loss_function: str = "sft",
-        beta: float = 0.1,
-        kl_to_ref_coeff: float = 0.0,
-        aggregation: str = "token-mean",
-        normalize_by_seq_length: bool = True,
-    ) -> None:
+    options_class = SFTOptions
+
+    def __init__(self, options: SFTOptions | None = None, /, **overrides: Any) -> None:
         super().__init__()
-        if loss_function not in SFT_FUNCTIONS:
-            raise ValueError(f"unknown loss_function {loss_function!r}; valid: {list(SFT_FUNCTIONS)}")
-        if aggregation not in AGGREGATIONS:
-            raise ValueError(f"unknown aggregation {aggregation!r}; valid: {list(AGGREGATIONS)}")
-        if kl_to_ref_coeff < 0:
-            raise ValueError(f"kl_to_ref_coeff must be >= 0, got {kl_to_ref_coeff}")
-        if loss_function == "minor_sft" and kl_to_ref_coeff > 0:
+        self.options = o = resolve(self.options_class, options, overrides, type(self).__name__)
+        if o.loss_function not in SFT_FUNCTIONS:
+            raise ValueError(f"unknown loss_function {o.loss_function!r}; valid: {list(SFT_FUNCTIONS)}")
+        if o.aggregation not in AGGREGATIONS:
+            raise ValueError(f"unknown aggregation {o.aggregation!r}; valid: {list(AGGREGATIONS)}")
+        if o.kl_to_ref_coeff < 0:
+            raise ValueError(f"kl_to_ref_coeff must be >= 0, got {o.kl_to_ref_coeff}")
+        if o.loss_function == "minor_sft" and o.kl_to_ref_coeff > 0:
             raise ValueError("kl_to_ref_coeff applies to loss_function='sft' only: minor_sft already regularises "
-                             f"toward the reference (TorchRL turns the coefficient off for it), got {kl_to_ref_coeff}")
-        self.loss_function = loss_function
-        self.beta = float(beta)
-        self.kl_to_ref_coeff = float(kl_to_ref_coeff)
-        self.aggregation = aggregation
-        self.normalize_by_seq_length = bool(normalize_by_seq_length)
-        self.needs_ref_logp = loss_function == "minor_sft" or self.kl_to_ref_coeff > 0
+                             "toward the reference (TorchRL turns the coefficient off for it), "
+                             f"got {o.kl_to_ref_coeff}")
+        self.loss_function = o.loss_function
+        self.beta = float(o.beta)
+        self.kl_to_ref_coeff = float(o.kl_to_ref_coeff)
+        self.aggregation = o.aggregation
+        self.normalize_by_seq_length = bool(o.normalize_by_seq_length)
+        self.needs_ref_logp = o.loss_function == "minor_sft" or self.kl_to_ref_coeff > 0
 
     def extra_repr(self) -> str:
         return (
