@@ -38,6 +38,12 @@ def leave_everything_behind(segment_name: str):
     stray = Stray.options(name="stray", namespace="leak-guard").remote()
     assert ray.get(stray.ping.remote(), timeout=120) == 1
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    # Popen returns once exec closed its pipe, which Linux does before it writes the new command line: read at once,
+    # /proc/<pid>/cmdline can still be empty (a guard run in that gap names the process with no command)
+    deadline = time.monotonic() + 30
+    while "time.sleep(600)" not in " ".join(psutil.Process(child.pid).cmdline()):
+        assert time.monotonic() < deadline, "the child showed no command line within 30 s"
+        time.sleep(0.01)
     segment = shared_memory.SharedMemory(name=segment_name, create=True, size=4096)
     segment.close()  # the mapping goes, the segment stays until unlinked
     return child, stray
