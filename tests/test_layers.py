@@ -29,7 +29,7 @@ FLOORS: dict[str, int] = {
     # 10: the algorithm between rollout and learner (batch pipeline, SFT warm start)
     "algorithm": 10,
     # 11: the job before it runs (config, checks, plan); 12: the runtime; 13: public API; 14-15: command line
-    "job": 11, "orchestration": 12, "api": 13, "cli": 14, "__main__": 15,
+    "job": 11, "orchestration": 12, "api": 13, "tinker": 13, "cli": 14, "__main__": 15,
 }
 
 ALLOWED_CYCLE_EDGES = frozenset({
