@@ -1,5 +1,6 @@
 """Tinker's primitives on our roles: `forward_backward` / `optim_step` / `sample` /
-`save_weights_and_get_sampling_client` over the job's learners and replicas, with Tinker's own data types as the contract (docs/tinker-api.md).
+`save_weights_and_get_sampling_client` over the job's learners and replicas, with Tinker's own data types as the
+contract (docs/tinker-api.md).
 
     from rayllm_rl.tinker import TinkerService
     with TinkerService("HuggingFaceTB/SmolLM2-135M-Instruct", backend="ray") as service:

@@ -160,7 +160,7 @@ class SamplingClient:
     def _sample(self, prompt, num_samples, params, prompt_logprobs, topk, unsupported) -> tt.SampleResponse:
         asked = sorted(k for k, v in {"topk_prompt_logprobs": topk, **unsupported}.items() if v)
         if asked:
-            raise ValueError(f"sample: top-k logprobs and prompt alternatives are not implemented here (asked: {asked})")
+            raise ValueError(f"sample: top-k logprobs and prompt alternatives are not implemented here ({asked})")
         if not isinstance(params, tt.SamplingParams):
             raise TypeError(f"sampling_params must be a tinker.SamplingParams, got {type(params).__name__}")
         self.service.check_serves(self)
