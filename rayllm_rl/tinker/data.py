@@ -37,6 +37,14 @@ class VersionedSequence(tt.SampledSequence):
     sampling_mask: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
+def sampling_mask_inputs(mask: dict[str, Any]) -> dict[str, tt.TensorData]:
+    """The loss inputs that carry a sampled sequence's `sampling_mask` (`VersionedSequence.sampling_mask`) into
+    `forward_backward`: `loss_fn_inputs={..., **sampling_mask_inputs(seq.sampling_mask)}`. Tinker's `Datum`
+    takes keys it does not know as `TensorData` only."""
+    return {"sampling_top_k": tt.TensorData(data=[int(mask["top_k"])], dtype="int64"),
+            "sampling_top_p": tt.TensorData(data=[float(mask["top_p"])], dtype="float32")}
+
+
 def _vector(datum_index: int, key: str, value: tt.TensorData, length: int) -> torch.Tensor:
     array = value.to_numpy() if isinstance(value, tt.TensorData) else np.asarray(value)
     if array.ndim != 1 or array.shape[0] != length:
@@ -52,7 +60,7 @@ def _sampling_mask(data: Sequence[tt.Datum]) -> SamplingMask:
     for d in data:
         k, p = (d.loss_fn_inputs.get(key) for key in MASK_KEYS)
         found.add((int(k.to_numpy().reshape(-1)[0]) if k is not None else 0,
-                   float(p.to_numpy().reshape(-1)[0]) if p is not None else 1.0))
+                   float(f"{p.to_numpy().reshape(-1)[0]:.7g}") if p is not None else 1.0))  # float32 -> as sent
     if len(found) > 1:
         raise ValueError(f"the data carries different sampling masks {sorted(found)} (sampling_top_k, "
                          "sampling_top_p); send the data of each sampling setting in its own forward_backward")
