@@ -5,6 +5,7 @@ twin is `orchestration/local/primitives.py`; both offer the same blocking calls.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 from typing import Any, Mapping
 
@@ -12,14 +13,33 @@ import ray
 
 from rayllm_rl.inference.protocol import LLMRequest, LLMResponse
 from rayllm_rl.job.plan import JobPlan
+from rayllm_rl.orchestration.backend import ROLE_KINDS
+from rayllm_rl.orchestration.fault_ledger import FaultLedger
 from rayllm_rl.orchestration.ray.cluster import build_cluster
 from rayllm_rl.orchestration.ray.groups import get_within
+from rayllm_rl.orchestration.ray.liveness import Liveness
 from rayllm_rl.orchestration.ray.session import init_ray
+
+
+@contextlib.contextmanager
+def learner_loss_named():
+    """A learner rank that died takes the weights and optimizer state with it: say so, and how to go on."""
+    try:
+        yield
+    except ray.exceptions.RayActorError as exc:
+        raise RuntimeError(f"a learner rank died during this call, and its weights and optimizer state with it: "
+                           f"start a new service and load_state your last save_state ({type(exc).__name__})") from exc
 
 
 class RayRoles:
     """The learner ranks and the replicas as named actors. Joins RAY_ADDRESS (`ray job submit`) or starts a
-    local Ray, as a job does; a Ray it started stops with `close`."""
+    local Ray, as a job does; a Ray it started stops with `close`.
+
+    A replica that dies during a call fails that call (RuntimeError naming it); Ray restarts it (the plan's
+    `max_restarts`), and the next call re-forms the sync group with the new process and sends it the version the
+    replicas hold (`Liveness.rejoin_restarted`), so it works. A learner rank holds the only copy of the weights
+    and optimizer state, so Ray does not restart it: its death fails the call naming it, and the state comes back
+    from a `save_state` (`load_state` on a new service)."""
 
     def __init__(self, plan: JobPlan, model_path: str):
         self.started_ray = not ray.is_initialized()
@@ -32,13 +52,18 @@ class RayRoles:
             self.close()
             raise
         self._next_replica = itertools.cycle(range(len(self.cluster.replicas)))
+        self.faults = FaultLedger(ROLE_KINDS)
+        self.live = Liveness(self.cluster, plan, self.faults)
+        self._replica_failed = False
 
     # ------------------------------------------------------------------ learner
     def forward_backward(self, batch, loss, backward: bool, sampling_mask) -> tuple[Any, dict[str, float]]:
-        return self.cluster.learners.forward_backward(batch, loss, backward, sampling_mask)
+        with learner_loss_named():
+            return self.cluster.learners.forward_backward(batch, loss, backward, sampling_mask)
 
     def optim_step(self, adam: Mapping[str, float]) -> dict[str, float]:
-        return self.cluster.learners.optim_step(dict(adam))
+        with learner_loss_named():
+            return self.cluster.learners.optim_step(dict(adam))
 
     def save_state(self, path: str, extra: dict[str, Any]) -> None:
         self.cluster.learners.save_checkpoint(path, None, extra)
@@ -54,13 +79,30 @@ class RayRoles:
 
     # ------------------------------------------------------------------ weights and generation
     def sync_weights(self, version: int) -> dict[str, float]:
-        return self.cluster.sync_weights(version)
+        self._rejoin_restarted()
+        out = self.cluster.sync_weights(version)
+        self.live.synced = version
+        return out
 
     def generate(self, requests: list[LLMRequest]) -> list[LLMResponse]:
         """Each request to the next replica in turn (the samples of one prompt spread over the replicas)."""
+        self._rejoin_restarted()
         replicas = self.cluster.replicas
-        refs = [replicas[next(self._next_replica)].agenerate.remote(r) for r in requests]
-        return get_within(refs, self.timeout_s, f"inference replicas: generate {len(requests)} samples")
+        picked = [next(self._next_replica) for _ in requests]
+        refs = [replicas[i].agenerate.remote(r) for i, r in zip(picked, requests)]
+        try:
+            return get_within(refs, self.timeout_s, f"inference replicas: generate {len(requests)} samples")
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+            self._replica_failed = True
+            names = sorted({self.plan.names("replica")[i] for i in picked})
+            raise RuntimeError(f"an inference replica ({', '.join(names)}) died during this call; Ray restarts it "
+                               f"and the next call gets it the current weights: {type(exc).__name__}") from exc
+
+    def _rejoin_restarted(self) -> None:
+        """After a call a replica failed: wait for Ray's restart, re-form the sync group, resend the weights."""
+        if self._replica_failed:
+            self.live.rejoin_restarted(self.live.synced)
+            self._replica_failed = False
 
     def replica_checksums(self) -> list[float]:
         return self.cluster.replicas.checksums()
