@@ -338,3 +338,27 @@ def test_the_example_grpo_loop_learns(tmp_path):
     k = len(s["rewards"]) // 4
     assert_rises(s["rewards"][:k], s["rewards"][-k:], what="tinker loop reward")
     assert s["sequences_per_s"] > 0
+
+
+def test_a_lora_training_client_trains_and_samples_its_adapter(tiny_model_path, tmp_path):
+    """create_lora_training_client: only the adapter trains (the base weights stay), cross-entropy falls, and the
+    replica samples with the adapter the learner sent (its weights equal the learner's, merged)."""
+    pytest.importorskip("peft")
+    from rayllm_rl.tinker import TinkerService
+
+    data = [datum([5, 6, 7], [8, 9, 10], weights=[1.0, 1.0, 1.0])]
+    with TinkerService(tiny_model_path, "local", [f"trainer.run_dir={tmp_path}"]) as service:
+        t = service.create_lora_training_client(rank=4)
+        assert t.get_info().is_lora and t.get_info().lora_rank == 4
+        model = service.roles.learner.model
+        base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+        losses = []
+        for _ in range(4):
+            losses.append(t.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
+            t.optim_step(tt.AdamParams(learning_rate=5e-2))
+        sampler = t.save_weights_and_get_sampling_client()
+        assert losses[-1] < losses[0]
+        assert base and all(torch.equal(p, base[n]) for n, p in model.named_parameters() if n in base)
+        assert service.roles.replica_checksums() == [service.roles.learner_checksum()]
+        out = sampler.sample(tt.ModelInput.from_ints([5, 6, 7]), 2, tt.SamplingParams(max_tokens=4)).result()
+        assert all(s.versions == [4] * len(s.tokens) for s in out.sequences)
