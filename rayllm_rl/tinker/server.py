@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import uuid
 from pathlib import Path
 from typing import Any
 
-from packaging.version import InvalidVersion, Version
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -62,11 +62,7 @@ def sdk_version_problem(version: str | None) -> str | None:
     """Why this SDK version cannot talk to the server, or None (also for a client that does not say)."""
     if not version:
         return None
-    try:
-        ok = Version("0.38") <= Version(version) < Version("0.39")
-    except InvalidVersion:
-        ok = False
-    if ok:
+    if re.fullmatch(r"0\.38(\.\d+)?((a|b|rc|\.?post|\.?dev)\d*)*(\+[0-9A-Za-z.]+)?", version.strip()):  # PEP 440
         return None
     return (f"rayllm-rl serve speaks the wire protocol of tinker{SUPPORTED_SDK}; this client is tinker {version} "
             f"(pip install 'tinker{SUPPORTED_SDK}')")

@@ -13,7 +13,6 @@ import asyncio
 import dataclasses
 from typing import Any, Callable
 
-import pydantic
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
@@ -63,22 +62,24 @@ def refusal(status: int, message: str, endpoint: str) -> JSONResponse:
                         headers={"x-should-retry": "false"})
 
 
-async def parse(request: Request, model: type[pydantic.BaseModel]) -> Any:
-    """The JSON body as the SDK's own request type (`tinker.types.*Request`); 400 naming the field otherwise."""
+async def parse(request: Request, model: type) -> Any:
+    """The JSON body as the SDK's own request type (`tinker.types.*Request`, pydantic models); 400 naming the
+    field otherwise."""
     try:
         body = await request.json()
     except ValueError as error:
         raise Refused(400, f"the body of {request.url.path} is not JSON: {error}") from None
     try:
         return model.model_validate(body)
-    except pydantic.ValidationError as error:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in error.errors())
+    except ValueError as error:  # pydantic's ValidationError
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in error.errors()) \
+            if hasattr(error, "errors") else str(error)
         raise Refused(400, f"the body of {request.url.path} is not a {model.__name__}: {problems}") from None
 
 
 def to_json(value: Any) -> Any:
     """A result of the service as JSON: pydantic models dumped as the SDK dumps them, dataclasses as dicts."""
-    if isinstance(value, pydantic.BaseModel):
+    if hasattr(value, "model_dump"):  # a pydantic model (tinker's response types)
         return value.model_dump(mode="json", exclude_none=True)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.asdict(value)
