@@ -28,8 +28,7 @@ FLOORS: dict[str, int] = {
     "inference": 4, "rollout": 4, "workflows": 5, "rewards": 6, "envs": 7, "tools": 8, "agents": 9,
     # 10: the algorithm between rollout and learner (batch pipeline, SFT warm start)
     "algorithm": 10,
-    # 11: the job before it runs (config, checks, plan); 12: the runtime; 13: public API (api, and tinker: Tinker's
-    # primitives and the server that speaks its wire protocol); 14-15: command line
+    # 11: the job before it runs (config, checks, plan); 12: the runtime; 13: public API; 14-15: command line
     "job": 11, "orchestration": 12, "api": 13, "tinker": 13, "cli": 14, "__main__": 15,
 }
 

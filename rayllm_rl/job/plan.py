@@ -25,6 +25,10 @@ if TYPE_CHECKING:  # the plan reads the config; `GRPOJobConfig.validate()` calls
 BACKENDS = {"local": "rayllm_rl.orchestration.local.backend:LocalBackend",
             "ray": "rayllm_rl.orchestration.ray.backend:RayBackend"}
 """`trainer.backend` -> the class that runs the roles (imported only when the job starts)."""
+PRIMITIVE_HOSTS = {"local": "rayllm_rl.orchestration.local.primitives:LocalRoles",
+                   "ray": "rayllm_rl.orchestration.ray.primitives:RayRoles"}
+"""`trainer.backend` -> the class that runs a plan of learners and replicas for a loop of the user's own
+(`rayllm_rl.tinker`): blocking calls on the same role specs."""
 
 REPLICA, LEARNER, ENV_WORKER = "inference-{}", "learner-{}", "env-{}"
 BUFFER, COLLECTOR, REFERENCE, TEACHER = "replay-buffer", "collector", "reference", "teacher"
@@ -143,6 +147,11 @@ class JobPlan:
 
     def backend_class(self) -> type:
         module, name = BACKENDS[self.backend].split(":")
+        return getattr(importlib.import_module(module), name)
+
+    def primitives_class(self) -> type:
+        """What runs this plan's learners and replicas for Tinker's primitives (`PRIMITIVE_HOSTS`)."""
+        module, name = PRIMITIVE_HOSTS[self.backend].split(":")
         return getattr(importlib.import_module(module), name)
 
     def roles(self, model_path: str = "", phase: str | None = None) -> tuple[Role, ...]:

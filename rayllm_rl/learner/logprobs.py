@@ -209,32 +209,37 @@ def _head_forward(head: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tens
 
 
 def full_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                        temperature: float = 1.0, *, with_entropy: bool = False, mask: SamplingMask = SamplingMask()):
+                        temperature: float = 1.0, *, with_entropy: bool = False, mask: SamplingMask = SamplingMask(),
+                        targets: torch.Tensor | None = None):
     """The full-vocabulary path: `[B, T, V]` logits, float32 log_softmax (the learner's path before
     chunking). For models without a Linear output head or with post-processed logits
-    (`logprob_chunk_size=0`). Same outputs as `token_logprobs`, at every position."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask.long()).logits[:, :-1]
+    (`logprob_chunk_size=0`). Same outputs as `token_logprobs`, at every position (`targets`: as there)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask.long()).logits
+    logits = logits[:, :-1] if targets is None else logits
+    scored, pad = (input_ids[:, 1:], (1, 0)) if targets is None else (targets, (0, 0))
     logits = logits.to(_acc_dtype(logits.dtype))
     if temperature != 1.0:
         logits = logits / temperature
     log_probs = torch.log_softmax(logits, dim=-1)
     if mask.active:  # over each position's kept set (entropy below stays the full distribution's)
         b, t1, vocab = logits.shape
-        logp = masked_logprobs(logits.reshape(-1, vocab), input_ids[:, 1:].reshape(-1), mask).view(b, t1)
+        logp = masked_logprobs(logits.reshape(-1, vocab), scored.reshape(-1), mask).view(b, t1)
     else:
-        logp = log_probs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    logp = torch.nn.functional.pad(logp, (1, 0), value=0.0)
+        logp = log_probs.gather(-1, scored.unsqueeze(-1)).squeeze(-1)
+    logp = torch.nn.functional.pad(logp, pad, value=0.0)
     if not with_entropy:
         return logp
     with torch.no_grad():  # chunked over positions: one [B, chunk, V] temporary at a time
         ent = torch.cat([-(lp.exp() * lp).sum(-1) for lp in log_probs.split(ENTROPY_CHUNK, dim=1)], dim=1)
-    return logp, torch.nn.functional.pad(ent, (1, 0), value=0.0)
+    return logp, torch.nn.functional.pad(ent, pad, value=0.0)
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    temperature: float = 1.0, *, with_entropy: bool = False, positions: torch.Tensor | None = None,
-                   chunk_size: int = DEFAULT_CHUNK, mask: SamplingMask = SamplingMask()):
-    """Token-aligned log pi(x_t | x_<t) `[B, T]` for right-padded input; column 0 is 0.
+                   chunk_size: int = DEFAULT_CHUNK, mask: SamplingMask = SamplingMask(),
+                   targets: torch.Tensor | None = None):
+    """Token-aligned log pi(x_t | x_<t) `[B, T]` for right-padded input; column 0 is 0. With `targets` `[B, T]`
+    (Tinker's datum: any token scored at any position), column t is log pi(targets_t | x_<=t) instead, unshifted.
 
     Only the tokens in `positions` (`[B, T]` bool; default `attention_mask`) are computed, chunk
     by chunk through the LM head; the others are 0 (the losses read logp on their mask only).
@@ -245,24 +250,28 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     """
     head = linear_head(model) if chunk_size > 0 else None
     if head is None:
-        out = full_token_logprobs(model, input_ids, attention_mask, temperature, with_entropy=with_entropy, mask=mask)
+        out = full_token_logprobs(model, input_ids, attention_mask, temperature, with_entropy=with_entropy, mask=mask,
+                                  targets=targets)
         keep = (attention_mask if positions is None else positions).to(torch.bool)
         return tuple(torch.where(keep, x, torch.zeros_like(x)) for x in out) if with_entropy else \
             torch.where(keep, out, torch.zeros_like(out))
     b, t = input_ids.shape
-    sel = (attention_mask if positions is None else positions).to(torch.bool)[:, 1:]  # position t-1 predicts t
-    targets = input_ids[:, 1:][sel]
+    keep = (attention_mask if positions is None else positions).to(torch.bool)
+    if targets is None:  # position t-1 predicts t
+        sel, scored, cut, pad = keep[:, 1:], input_ids[:, 1:][keep[:, 1:]], slice(0, t - 1), (1, 0)
+    else:  # position t predicts targets_t
+        sel, scored, cut, pad = keep, targets[keep], slice(0, t), (0, 0)
     side: dict[str, torch.Tensor] = {}
 
     def head_logprobs(hidden: torch.Tensor) -> torch.Tensor:
         if hidden.shape[:2] != (b, t):
             raise RuntimeError(f"{type(model).__name__} called its output head on hidden states of shape "
                                f"{tuple(hidden.shape)}, not [B, T, H] = [{b}, {t}, H]; use logprob_chunk_size=0")
-        logp, ent = chunked_head_logprobs(hidden[:, :-1][sel], head, targets, temperature, chunk_size, with_entropy,
+        logp, ent = chunked_head_logprobs(hidden[:, cut][sel], head, scored, temperature, chunk_size, with_entropy,
                                           mask)
-        zeros = hidden.new_zeros(b, t - 1, dtype=logp.dtype)
-        side["entropy"] = torch.nn.functional.pad(zeros.masked_scatter(sel, ent), (1, 0)) if with_entropy else None
-        return torch.nn.functional.pad(zeros.masked_scatter(sel, logp), (1, 0))
+        zeros = hidden.new_zeros(b, cut.stop, dtype=logp.dtype)
+        side["entropy"] = torch.nn.functional.pad(zeros.masked_scatter(sel, ent), pad) if with_entropy else None
+        return torch.nn.functional.pad(zeros.masked_scatter(sel, logp), pad)
 
     # a transformers model would otherwise build a KV cache it never reads
     extra = {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}

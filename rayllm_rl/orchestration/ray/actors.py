@@ -298,6 +298,18 @@ class LearnerWorker(ActorProcess):
         self._turn("train end")
         return {**out, "trace": self.learner.trace} if self.learner.trace else out
 
+    def forward_backward(self, batch, loss, backward: bool, sampling_mask):
+        """Tinker's step on this rank (`learner.primitives`): (logprobs [N, T], metrics); gradients accumulate."""
+        from rayllm_rl.learner import primitives
+
+        return primitives.forward_backward(self.learner, batch, loss, backward=backward, sampling_mask=sampling_mask)
+
+    def optim_step(self, adam) -> dict[str, float]:
+        """Apply the accumulated gradients with this step's Adam parameters (`learner.primitives.optim_step`)."""
+        from rayllm_rl.learner import primitives
+
+        return primitives.optim_step(self.learner, adam)
+
     def offload(self) -> int:
         """Training state off the GPU (colocated, while the replica sharing it generates); bytes moved."""
         moved = self.learner.offload()

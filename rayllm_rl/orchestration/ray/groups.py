@@ -86,6 +86,14 @@ class LearnerGroup(ActorGroup):
     def reset_optimizer(self, optim_cfg) -> None:
         self.each(lambda l: l.reset_optimizer.remote(optim_cfg))
 
+    def forward_backward(self, batch, loss, backward: bool, sampling_mask):
+        """Every rank runs its rows of `batch` (the full batch to each, as `train_step`); rank 0's
+        (logprobs [N, T], metrics), which hold every row's."""
+        return self.each(lambda l: l.forward_backward.remote(batch, loss, backward, sampling_mask))[0]
+
+    def optim_step(self, adam) -> dict[str, float]:
+        return self.each(lambda l: l.optim_step.remote(adam))[0]
+
     def save_checkpoint(self, path: str, tokenizer_path: str | None, extra: dict) -> None:
         self.each(lambda l: l.save_checkpoint.remote(path, tokenizer_path, extra))
 
