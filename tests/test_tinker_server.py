@@ -143,6 +143,8 @@ def test_rl_step_with_importance_sampling(served, trainer):
     res = sampler.sample(types.ModelInput.from_ints(PROMPT), num_samples=4, sampling_params=params).result(
         timeout=RESULT_TIMEOUT_S)
     assert len(res.sequences) == 4
+    logprobs = sampler.compute_logprobs(types.ModelInput.from_ints(PROMPT)).result(timeout=RESULT_TIMEOUT_S)
+    assert logprobs[0] is None and len(logprobs) == len(PROMPT) and all(lp < 0 for lp in logprobs[1:])
     rewards = [float(s.tokens.count(s.tokens[0])) for s in res.sequences]
     mean = sum(rewards) / len(rewards)
     data = []
@@ -163,8 +165,6 @@ def test_rl_step_with_importance_sampling(served, trainer):
     ext = httpx.get(f"{url}/api/v1/rayllm/samples/{request_id}", headers={"X-API-Key": KEY}, timeout=30).json()
     assert [len(s["versions"]) for s in ext["sequences"]] == [len(s.tokens) for s in res.sequences]
     assert set(ext["sequences"][0]["sampling_mask"]) == {"top_k", "top_p"}
-    logprobs = sampler.compute_logprobs(types.ModelInput.from_ints(PROMPT)).result(timeout=RESULT_TIMEOUT_S)
-    assert logprobs[0] is None and len(logprobs) == len(PROMPT) and all(lp < 0 for lp in logprobs[1:])
 
 
 def test_named_sampler_weights_and_the_rest_listings(served, trainer, tiny_model_path):

@@ -68,6 +68,10 @@ def main(argv: list[str]) -> int:
 
         try:
             service = TinkerService(args.model_path, backend=args.backend, overrides=list(args.overrides))
+            # the service opens its roles at the first training client; a model that cannot be found fails now
+            from rayllm_rl.hub import resolve_model_path
+
+            resolve_model_path(args.model_path, service.config.model.revision)
         except Exception as error:  # noqa: BLE001 - said in one line: the model or the roles did not open
             print(f"rayllm-rl serve: cannot serve {args.model_path}: {type(error).__name__}: {error}",
                   file=sys.stderr, flush=True)

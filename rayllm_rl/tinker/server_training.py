@@ -153,6 +153,19 @@ async def forward_backward(request: Request) -> JSONResponse:
     return _future(model.order.submit(msg.seq_id, kind, start, _fwdbwd_result), model.model_id)
 
 
+def _path_of(saved: Any) -> str:
+    """The tinker:// path a save returned: a `Save*Response` (its `path`) or the path itself."""
+    path = getattr(saved, "path", saved)
+    if not isinstance(path, str):
+        raise TypeError(f"the save returned {type(saved).__name__}, not a path")
+    return path
+
+
+def _load_state(client: Any, path: str, optimizer: bool) -> Any:
+    """Our TrainingClient's load: `load_state_with_optimizer(path)` / `load_state(path)`, as Tinker names them."""
+    return client.load_state_with_optimizer(path) if optimizer else client.load_state(path)
+
+
 def _seq(seq_id: int | None, endpoint: str) -> int:
     if seq_id is None:
         raise Refused(400, f"{endpoint} needs a seq_id (the SDK's TrainingClient sends one)")
@@ -191,7 +204,7 @@ async def save_weights(request: Request) -> JSONResponse:
         fut = model.client.save_state(name)
 
         async def wait():
-            saved = await state.settle(fut, "save_state")
+            saved = _path_of(await state.settle(fut, "save_state"))
             state.registry.add_checkpoint(saved, user_metadata=req.user_metadata, ttl_seconds=req.ttl_seconds)
             return {"path": saved, "type": "save_weights"}
         return wait
@@ -211,7 +224,7 @@ async def save_weights_for_sampler(request: Request) -> JSONResponse:
             fut = model.client.save_weights_for_sampler(name)
 
             async def wait():
-                saved = await state.settle(fut, "save_weights_for_sampler")
+                saved = _path_of(await state.settle(fut, "save_weights_for_sampler"))
                 state.registry.add_checkpoint(saved, user_metadata=req.user_metadata, ttl_seconds=req.ttl_seconds)
                 return {"path": saved, "type": "save_weights_for_sampler"}
             return wait
@@ -270,7 +283,7 @@ async def load_weights(request: Request) -> JSONResponse:
 
     async def work():
         await _open_client(state, model, None, req.user_metadata)
-        await state.settle(model.client.load_state(req.path, with_optimizer=req.optimizer), "load_state")
+        await state.settle(_load_state(model.client, req.path, req.optimizer), "load_state")
         return {"path": req.path, "model_id": model.model_id, "type": "load_weights"}
     _creation(state, model, work)
     return _future(model.create_request_id, model.model_id)
@@ -279,7 +292,7 @@ async def load_weights(request: Request) -> JSONResponse:
 def _load_into(state: State, model: Model, req: types.LoadWeightsRequest) -> JSONResponse:
     """The deprecated `TrainingClient.load_state*`: a load in turn on an existing model."""
     async def start():
-        fut = model.client.load_state(req.path, with_optimizer=req.optimizer)
+        fut = _load_state(model.client, req.path, req.optimizer)
 
         async def wait():
             await state.settle(fut, "load_state")
