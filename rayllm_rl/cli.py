@@ -204,7 +204,7 @@ def _fetch(args: list[str]) -> int:
 
 
 def _serve(args: list[str]) -> int:
-    from rayllm_rl.tinker.serve_main import main as serve_main
+    from rayllm_rl.tinker.server.main import main as serve_main
 
     return serve_main(args)
 

@@ -243,8 +243,8 @@ def _ordered(arrivals: list[int], gap_timeout_s: float = 5.0) -> tuple[list[int]
     """Submit seq_ids in `arrivals` order to a `SeqOrder`; the order they started in, and each one's outcome."""
     import asyncio
 
-    from rayllm_rl.tinker.server_futures import FutureStore
-    from rayllm_rl.tinker.server_order import SeqOrder
+    from rayllm_rl.tinker.server.futures import FutureStore
+    from rayllm_rl.tinker.server.order import SeqOrder
 
     started: list[int] = []
 

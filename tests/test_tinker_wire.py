@@ -1,4 +1,4 @@
-"""`rayllm_rl/tinker/wire.py` against the SDK's own codec (tinker 0.38): a forward_backward request encoded the
+"""`rayllm_rl/tinker/server/wire.py` against the SDK's own codec (tinker 0.38): a forward_backward request encoded the
 way the SDK's `resources/training.py` encodes it (its `request_conv.forward_backward_request_to_proto`, then zstd
 as it compresses) decodes to the same datums; our forward_backward outputs and samples decode, with the SDK's
 `response_conv`, to the numbers we encoded, and our sample extension does not disturb that decoder."""
@@ -13,7 +13,7 @@ from tinker import types
 from tinker.proto import request_conv, response_conv
 from tinker.proto import tinker_public_pb2 as pb
 
-from rayllm_rl.tinker import wire
+from rayllm_rl.tinker.server import wire
 
 
 def _sdk_body(data, loss_fn="cross_entropy", config=None, forward_only=False, seq_id=3, zstd=False):

@@ -14,7 +14,7 @@ import ray
 from rayllm_rl.orchestration.backend import ROLE_KINDS, RoleCrashed, backend_summary
 from rayllm_rl.orchestration.fault_ledger import FaultLedger
 from rayllm_rl.orchestration.ray.cluster import (
-    FAILED_START_CLOSE_S, Cluster, build_cluster, check_inlined, start_frozen,
+    FAILED_START_CLOSE_S, Cluster, Liveness, build_cluster, check_inlined, start_frozen,
 )
 from rayllm_rl.orchestration.ray.session import init_ray, session_for_job
 from rayllm_rl.hub import resolve_model_path
@@ -22,7 +22,6 @@ from rayllm_rl.envs.task import Task
 from rayllm_rl.orchestration.factories import build_workflow
 from rayllm_rl.job.config import GRPOJobConfig
 from rayllm_rl.job.plan import JobPlan
-from rayllm_rl.orchestration.ray.liveness import Liveness
 from rayllm_rl.orchestration.ray.router import ReplicaRouter
 from rayllm_rl.orchestration.ray.reward_actors import (
     env_worker_reward_counters, ray_reward_scorers, reward_service_stats,

@@ -15,9 +15,8 @@ from rayllm_rl.inference.protocol import LLMRequest, LLMResponse
 from rayllm_rl.job.plan import JobPlan
 from rayllm_rl.orchestration.backend import ROLE_KINDS
 from rayllm_rl.orchestration.fault_ledger import FaultLedger
-from rayllm_rl.orchestration.ray.cluster import build_cluster
+from rayllm_rl.orchestration.ray.cluster import Liveness, build_cluster
 from rayllm_rl.orchestration.ray.groups import get_within
-from rayllm_rl.orchestration.ray.liveness import Liveness
 from rayllm_rl.orchestration.ray.session import init_ray
 
 

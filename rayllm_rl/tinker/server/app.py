@@ -1,16 +1,16 @@
 """`rayllm-rl serve`'s ASGI app: Tinker's HTTP API in front of a TinkerService, for the unmodified SDK 0.38.
 
 `make_app(service, api_key_check=...)` builds a plain Starlette app (no Ray Serve: it runs on the driver beside the
-job's roles; `serve_main.py` runs it under uvicorn). The endpoints are every one the 0.38 SDK calls on its default
+job's roles; `main.py` runs it under uvicorn). The endpoints are every one the 0.38 SDK calls on its default
 paths (docs/tinker-server-notes.md lists them with the SDK lines they follow):
 
 * handshake and session: `client/config` (the feature flags, chosen so the SDK takes its plainest paths, see
   `CLIENT_CONFIG`), `client/dynamic_config`, `create_session`, `session_heartbeat`, `sessions/{id}/finish`,
   `telemetry` (accepted and dropped);
 * futures: `retrieve_future`, a long poll bounded by `Options.poll_s`;
-* training (`server_training.py`) and sampling (`server_sampling.py`);
+* training (`training.py`) and sampling (`sampling.py`);
 * REST: `training_runs/{id}`, its `checkpoints` and their DELETE, `weights_info`, `get_server_capabilities`,
-  `healthz` (the registry, `server_registry.py`, answers them).
+  `healthz` (the registry, `registry.py`, answers them).
 
 Anything else answers 404 with a JSON body naming the method and path; a 404 is not retried by the SDK, which
 raises it with the body in its message. Every request under /api/ except `healthz` must carry an accepted
@@ -32,9 +32,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from tinker import types
 
-from rayllm_rl.tinker import server_sampling, server_training, wire
-from rayllm_rl.tinker.server_registry import Registry, parse_path, public_checkpoint
-from rayllm_rl.tinker.server_state import (SUPPORTED_SDK, ApiKeyCheck, Options, ProtoResult, Refused, State,
+from rayllm_rl.tinker.server import sampling as server_sampling, training as server_training, wire
+from rayllm_rl.tinker.server.registry import Registry, parse_path, public_checkpoint
+from rayllm_rl.tinker.server.state import (SUPPORTED_SDK, ApiKeyCheck, Options, ProtoResult, Refused, State,
                                            accept_tml_keys, parse, refusal, to_json)
 
 logger = logging.getLogger(__name__)

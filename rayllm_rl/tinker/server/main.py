@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
     if bad:
         print(f"rayllm-rl serve: {bad} are not key.sub=value overrides", file=sys.stderr)
         return 2
-    from rayllm_rl.tinker.server_state import Options, accept_tml_keys, expect_key
+    from rayllm_rl.tinker.server.state import Options, accept_tml_keys, expect_key
 
     key = args.api_key or os.environ.get("TINKER_API_KEY")
     try:
@@ -113,7 +113,7 @@ def run(service: Any, sock: socket.socket, api_key_check, *, state_dir: str, opt
     most 5 s, then re-raises: KeyboardInterrupt here). Prints the listening line once uvicorn answers."""
     import uvicorn
 
-    from rayllm_rl.tinker.server import make_app
+    from rayllm_rl.tinker.server.app import make_app
 
     app = make_app(service, api_key_check, state_dir=state_dir, options=options)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",

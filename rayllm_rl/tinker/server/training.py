@@ -23,11 +23,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from tinker import types
 
-from rayllm_rl.tinker import wire
-from rayllm_rl.tinker.server_futures import describe
-from rayllm_rl.tinker.server_order import SeqOrder
-from rayllm_rl.tinker.server_registry import parse_path
-from rayllm_rl.tinker.server_state import Model, ProtoResult, Refused, Sampler, State, parse, to_json
+from rayllm_rl.tinker.server import wire
+from rayllm_rl.tinker.server.futures import describe
+from rayllm_rl.tinker.server.order import SeqOrder
+from rayllm_rl.tinker.server.registry import parse_path
+from rayllm_rl.tinker.server.state import Model, ProtoResult, Refused, Sampler, State, parse, to_json
 
 
 def _future(request_id: str, model_id: str | None = None) -> JSONResponse:

@@ -15,9 +15,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from tinker import types
 
-from rayllm_rl.tinker import wire
-from rayllm_rl.tinker.server_futures import error_category
-from rayllm_rl.tinker.server_state import ProtoResult, Refused, Sampler, State, parse
+from rayllm_rl.tinker.server import wire
+from rayllm_rl.tinker.server.futures import error_category
+from rayllm_rl.tinker.server.state import ProtoResult, Refused, Sampler, State, parse
 
 _UNSUPPORTED = (("topk_prompt_logprobs", "top-k prompt logprobs"), ("topk_sample_logprobs", "top-k sample logprobs"),
                 ("target_prompt_logprobs", "target prompt logprobs"), ("prompt_alt_tokens_k", "prompt alt tokens"),

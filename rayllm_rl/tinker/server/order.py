@@ -16,7 +16,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from rayllm_rl.tinker.server_futures import FutureStore
+from rayllm_rl.tinker.server.futures import FutureStore
 
 logger = logging.getLogger(__name__)
 

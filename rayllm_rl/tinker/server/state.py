@@ -16,9 +16,9 @@ from typing import Any, Callable
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from rayllm_rl.tinker.server_futures import FutureStore, settle
-from rayllm_rl.tinker.server_order import SeqOrder
-from rayllm_rl.tinker.server_registry import Registry
+from rayllm_rl.tinker.server.futures import FutureStore, settle
+from rayllm_rl.tinker.server.order import SeqOrder
+from rayllm_rl.tinker.server.registry import Registry
 
 SUPPORTED_SDK = ">=0.38,<0.39"
 """The SDK versions whose wire protocol this server speaks (read from tinker 0.38.0's source)."""
