@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -54,12 +55,18 @@ class Server:
         self.lines.put(None)
 
     def wait_listening(self) -> str:
-        try:
-            line = self.lines.get(timeout=START_TIMEOUT_S)
-        except queue.Empty:
-            raise AssertionError(f"rayllm-rl serve printed nothing in {START_TIMEOUT_S:g} s:\n{self.err()}") from None
-        assert line and line.startswith("rayllm-rl serve: listening on http://127.0.0.1:"), (line, self.err())
-        return line.rsplit(" ", 1)[1].strip()
+        """The URL of the listening line (lines before it, e.g. the Ray dashboard's under --backend ray, skipped)."""
+        deadline, seen = time.monotonic() + START_TIMEOUT_S, []
+        while True:
+            try:
+                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                raise AssertionError(f"rayllm-rl serve did not say it listens in {START_TIMEOUT_S:g} s (it printed "
+                                     f"{seen}):\n{self.err()}") from None
+            assert line is not None, (seen, self.err())
+            if line.startswith("rayllm-rl serve: listening on http://127.0.0.1:"):
+                return line.rsplit(" ", 1)[1].strip()
+            seen.append(line)
 
     def err(self) -> str:
         if not self.stderr.closed:

@@ -2,7 +2,8 @@
 
     python examples/tinker_loop/grpo.py                      # the offline tiny model, about a minute
     python examples/tinker_loop/grpo.py --backend ray        # the same loop on Ray actors
-    python examples/tinker_loop/grpo.py --full               # SmolLM2-135M-Instruct on chain_sum (`make models`)
+    python examples/tinker_loop/grpo.py --base-url http://127.0.0.1:PORT   # the unmodified tinker SDK against
+                                                             # `rayllm-rl serve MODEL` (TINKER_API_KEY=tml-...)
 
 Small: a cross-entropy warm start on sums where a quarter of the answers are in <answer> tags, then GRPO whose
 reward is half for the tags, half for the right number. Prints one JSON line per step, then a summary.
@@ -32,7 +33,7 @@ def datum(prompt: list[int], tokens: list[int], **per_token: list[float]) -> tin
 
 def main(argv: list[str]) -> dict:
     p = argparse.ArgumentParser()
-    p.add_argument("--backend", default="local"), p.add_argument("--full", action="store_true")
+    p.add_argument("--backend", default="local"), p.add_argument("--base-url", default="")
     p.add_argument("--steps", type=int, default=40), p.add_argument("--sft-steps", type=int, default=80)
     p.add_argument("--prompts", type=int, default=8), p.add_argument("--group", type=int, default=8)
     p.add_argument("--lr", type=float, default=2e-4), p.add_argument("overrides", nargs="*")
@@ -40,9 +41,13 @@ def main(argv: list[str]) -> dict:
     from rayllm_rl.models.tiny import ensure_tiny_model
     from rayllm_rl.tinker import TinkerService
 
-    model = str(ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf") if a.full else ensure_tiny_model()
-    service = TinkerService(model, a.backend, a.overrides)
-    training = service.create_training_client()
+    model = ensure_tiny_model()  # the SDK (--base-url) or the primitives in this process: one loop for both
+    service = tinker.ServiceClient(base_url=a.base_url) if a.base_url else TinkerService(model, a.backend, a.overrides)
+    with service:
+        return run(a, service.create_lora_training_client(base_model=model, rank=0).result())
+
+
+def run(a, training) -> dict:
     tok, rng = training.get_tokenizer(), random.Random(0)
     chat = lambda q: tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,  # noqa
                                              return_dict=True)["input_ids"]
@@ -55,7 +60,7 @@ def main(argv: list[str]) -> dict:
         training.optim_step(T.AdamParams(learning_rate=1e-3))
     history, t0 = [], time.time()
     for step in range(a.steps):
-        sampler = training.save_weights_and_get_sampling_client()  # weights to the replicas, pinned to a version
+        sampler = training.save_weights_and_get_sampling_client().result()  # weights to the replicas, pinned
         batch = rng.sample(rows, a.prompts)
         params = T.SamplingParams(max_tokens=10, temperature=1.0, stop=[tok.eos_token_id])
         futures = [sampler.sample(T.ModelInput.from_ints(chat(q)), a.group, params) for q, _ in batch]
@@ -71,12 +76,11 @@ def main(argv: list[str]) -> dict:
             training.forward_backward(data, "importance_sampling")
             training.optim_step(T.AdamParams(learning_rate=a.lr)).result()
         history.append(statistics.fmean(rewards))
-        print(json.dumps({"step": step + 1, "reward": history[-1], "version": sampler.version}), flush=True)
+        print(json.dumps({"step": step + 1, "reward": history[-1]}), flush=True)
     k = max(1, len(history) // 4)
-    summary = {"example": "tinker_loop", "backend": a.backend, "steps": a.steps, "rewards": history,
+    summary = {"example": "tinker_loop", "backend": a.base_url or a.backend, "steps": a.steps, "rewards": history,
                "reward_first": statistics.fmean(history[:k]), "reward_last": statistics.fmean(history[-k:]),
                "sequences_per_s": a.steps * a.prompts * a.group / (time.time() - t0)}
-    service.close()
     print(json.dumps(summary))
     return summary
 

@@ -139,6 +139,10 @@ class TrainingClient:
     def close(self) -> None:
         self._lane.close()
 
+    def result(self, timeout: float | None = None) -> "TrainingClient":
+        """The client is also the future of itself (Tinker 0.38's `create_*_training_client` return one)."""
+        return self
+
 
 class SamplingClient:
     """Samples from the replicas at the policy version it is pinned to (`version`). A "snapshot" client samples

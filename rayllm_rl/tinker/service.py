@@ -52,7 +52,10 @@ class TinkerService:
     def __init__(self, model_path: str, backend: str = "local", overrides: Sequence[str] = ()):
         self.base_model, self.backend = model_path, backend
         self._argv = [*SERVICE_DEFAULTS, f"model.path={model_path}", f"trainer.backend={backend}", *overrides]
-        self.config = plan_of(self._argv).config  # a config error fails here, before anything starts
+        plan = plan_of(self._argv)  # a config error fails here, before anything starts
+        self.config = plan.config
+        self._owns_runtime = plan.primitives_class().prepare(self.config)
+        """Whether this service started the backend's runtime (a local Ray), which its roles stop on close."""
         self.roles: Any = None
         self.training_client: TrainingClient | None = None
         self.version, self.synced = 0, None
@@ -88,7 +91,7 @@ class TinkerService:
         model_cfg = AutoConfig.from_pretrained(path)
         self.tokenizer_path, self.arch = path, (model_cfg.architectures or ["unknown"])[0]
         self.vocab_size = int(model_cfg.vocab_size)
-        self.roles = plan.primitives_class()(plan, path)
+        self.roles = plan.primitives_class()(plan, path, owns_runtime=self._owns_runtime)
         self.run_id = uuid.uuid4().hex[:12]
         self.state_root = Path(self.config.trainer.run_dir).resolve() / self.run_id
         self.training_client = TrainingClient(self, self.run_id, lora_rank)

@@ -20,7 +20,12 @@ class LocalRoles:
     """The learner in the calling thread, the engine on an event loop of its own (generation runs while the
     learner computes; a weight load lands between two decode steps, under the engine's lock)."""
 
-    def __init__(self, plan: JobPlan, model_path: str):
+    @staticmethod
+    def prepare(config) -> bool:
+        """Nothing to start before the roles (the Ray twin starts Ray here)."""
+        return False
+
+    def __init__(self, plan: JobPlan, model_path: str, owns_runtime: bool | None = None):
         self.plan, self.timeout_s = plan, plan.config.trainer.call_timeout_s
         self.model_path = resolve_model_path(model_path, plan.config.model.revision)
         self.loop, self.engine = None, None

@@ -40,9 +40,18 @@ class RayRoles:
     and optimizer state, so Ray does not restart it: its death fails the call naming it, and the state comes back
     from a `save_state` (`load_state` on a new service)."""
 
-    def __init__(self, plan: JobPlan, model_path: str):
-        self.started_ray = not ray.is_initialized()
-        init_ray(plan.config)
+    @staticmethod
+    def prepare(config) -> bool:
+        """Join or start the job's Ray now (on the caller's thread: a server does it on its main thread, before it
+        sets its own signal handlers, which Ray's start would replace); whether it started one."""
+        started = not ray.is_initialized()
+        init_ray(config)
+        return started
+
+    def __init__(self, plan: JobPlan, model_path: str, owns_runtime: bool | None = None):
+        """`owns_runtime`: stop Ray on `close` (None: if this call starts it)."""
+        started = self.prepare(plan.config)
+        self.started_ray = started if owns_runtime is None else owns_runtime
         self.plan, self.timeout_s = plan, plan.config.trainer.call_timeout_s
         self.cluster = None
         try:

@@ -45,7 +45,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    args = parser().parse_args(argv)
+    args = parser().parse_intermixed_args(argv)  # overrides may come after the flags
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         print(f"rayllm-rl serve: {bad} are not key.sub=value overrides", file=sys.stderr)
@@ -66,6 +66,7 @@ def main(argv: list[str]) -> int:
     try:
         from rayllm_rl.tinker.service import TinkerService
 
+        service = None
         try:
             service = TinkerService(args.model_path, backend=args.backend, overrides=list(args.overrides))
             # the service opens its roles at the first training client; a model that cannot be found fails now
@@ -75,7 +76,12 @@ def main(argv: list[str]) -> int:
         except Exception as error:  # noqa: BLE001 - said in one line: the model or the roles did not open
             print(f"rayllm-rl serve: cannot serve {args.model_path}: {type(error).__name__}: {error}",
                   file=sys.stderr, flush=True)
+            if service is not None:
+                close(service)  # a Ray it started
             return 1
+        # A Ray the service started (backend ray) put its own SIGTERM handler in (one that aborts the process): ours
+        # again, so SIGTERM stops the server and closes the roles.
+        signal.signal(signal.SIGTERM, _interrupt)
         try:
             run(service, sock, check, state_dir=args.state_dir,
                 options=Options(op_timeout_s=args.op_timeout, fwdbwd_max_chunk_len=args.fwdbwd_chunk_len))
