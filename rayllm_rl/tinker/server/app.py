@@ -2,7 +2,7 @@
 
 `make_app(service, api_key_check=...)` builds a plain Starlette app (no Ray Serve: it runs on the driver beside the
 job's roles; `main.py` runs it under uvicorn). The endpoints are every one the 0.38 SDK calls on its default
-paths (docs/tinker-server-notes.md lists them with the SDK lines they follow):
+paths (docs/tinker-api.md lists them with the SDK lines they follow):
 
 * handshake and session: `client/config` (the feature flags, chosen so the SDK takes its plainest paths, see
   `CLIENT_CONFIG`), `client/dynamic_config`, `create_session`, `session_heartbeat`, `sessions/{id}/finish`,
