@@ -10,7 +10,9 @@ paths (docs/tinker-api.md lists them with the SDK lines they follow):
 * futures: `retrieve_future`, a long poll bounded by `Options.poll_s`;
 * training (`training.py`) and sampling (`sampling.py`);
 * REST: `training_runs/{id}`, its `checkpoints` and their DELETE, `weights_info`, `get_server_capabilities`,
-  `healthz` (the registry, `registry.py`, answers them).
+  `healthz` (the registry, `registry.py`, answers them);
+* ours: `GET rayllm/timings`, where the server's time went (HTTP handling and encoding against the time inside
+  the service, `timings.py`).
 
 Anything else answers 404 with a JSON body naming the method and path; a 404 is not retried by the SDK, which
 raises it with the body in its message. Every request under /api/ except `healthz` must carry an accepted
@@ -36,6 +38,7 @@ from rayllm_rl.tinker.server import sampling as server_sampling, training as ser
 from rayllm_rl.tinker.server.registry import Registry, parse_path, public_checkpoint
 from rayllm_rl.tinker.server.state import (SUPPORTED_SDK, ApiKeyCheck, Options, ProtoResult, Refused, State,
                                            accept_tml_keys, parse, refusal, to_json)
+from rayllm_rl.tinker.server.timings import TimingMiddleware
 
 logger = logging.getLogger(__name__)
 
@@ -147,11 +150,14 @@ async def telemetry(request: Request) -> JSONResponse:
 async def retrieve_future(request: Request) -> Response:
     state: State = request.app.state.tinker
     req = await parse(request, types.FutureRetrieveRequest)
+    t0 = state.timings.clock()
     try:
         outcome = await state.store.wait(req.request_id, state.options.poll_s)
     except KeyError:
         raise Refused(404, f"unknown request_id {req.request_id!r}: this server did not issue it, or it finished "
                       "over 30 minutes ago (was the server restarted?)") from None
+    finally:
+        state.timings.wait("POST /api/v1/retrieve_future", state.timings.clock() - t0)
     if outcome is None:
         return JSONResponse({"type": "try_again", "request_id": req.request_id, "queue_state": "active"})
     if outcome.error is not None:
@@ -213,6 +219,12 @@ async def server_capabilities(request: Request) -> JSONResponse:
                                                "sampleable": True}]})
 
 
+async def timings(request: Request) -> JSONResponse:
+    """`GET /api/v1/rayllm/timings`: where the server's time went since it started (`timings.py`)."""
+    state: State = request.app.state.tinker
+    return JSONResponse(state.timings.snapshot())
+
+
 async def healthz(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
@@ -246,6 +258,7 @@ def make_app(service: Any, api_key_check: ApiKeyCheck = accept_tml_keys, *,
                      methods=["DELETE"]),
                Route("/api/v1/get_server_capabilities", server_capabilities, methods=["GET"]),
                Route("/api/v1/healthz", healthz, methods=["GET"]),
+               Route("/api/v1/rayllm/timings", timings, methods=["GET"]),
                Route("/{path:path}", not_implemented, methods=["GET", "POST", "PUT", "PATCH", "DELETE"])]
 
     @contextlib.asynccontextmanager
@@ -258,4 +271,4 @@ def make_app(service: Any, api_key_check: ApiKeyCheck = accept_tml_keys, *,
     app = Starlette(routes=routes, exception_handlers={Refused: _refused}, lifespan=lifespan,
                     max_body_size=wire.MAX_BODY_BYTES)
     app.state.tinker = state
-    return _Gate(app, state)
+    return _Gate(TimingMiddleware(app, state.timings), state)

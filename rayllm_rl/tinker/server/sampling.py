@@ -89,7 +89,8 @@ async def asample(request: Request) -> JSONResponse:
         extra = {"request_id": request_id, "sampling_session_id": sampler.sampler_id,
                  "model_path": sampler.model_path, "sequence_ids": sequence_ids,
                  **wire.sample_extension(response)}
-        encoded = wire.encode_sample_response(response, prompt_logprobs_last_n=last_n)
+        with state.timings.coding("encode sample"):
+            encoded = wire.encode_sample_response(response, prompt_logprobs_last_n=last_n)
         return ProtoResult(encoded, lambda: wire.sample_response_json(response, prompt_logprobs_last_n=last_n)), extra
     state.store.run(request_id, work, finish)
     return JSONResponse({"request_id": request_id, "sample_sequence_ids": sequence_ids})

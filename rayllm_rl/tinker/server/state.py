@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse
 from rayllm_rl.tinker.server.futures import FutureStore, settle
 from rayllm_rl.tinker.server.order import SeqOrder
 from rayllm_rl.tinker.server.registry import Registry
+from rayllm_rl.tinker.server.timings import Timings
 
 SUPPORTED_SDK = ">=0.38,<0.39"
 """The SDK versions whose wire protocol this server speaks (read from tinker 0.38.0's source)."""
@@ -143,6 +144,7 @@ class State:
         self.sessions: dict[str, dict] = {}
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, Sampler] = {}
+        self.timings = Timings()
 
     @property
     def base_model(self) -> str:
@@ -174,8 +176,12 @@ class State:
         return sampler
 
     async def call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """A blocking service call in a worker thread, bounded by `op_timeout_s`."""
-        return await settle(asyncio.to_thread(fn, *args, **kwargs), self.options.op_timeout_s, what)
+        """A blocking service call in a worker thread, bounded by `op_timeout_s`; timed as service time `what`."""
+        with self.timings.in_service(what):
+            return await settle(asyncio.to_thread(fn, *args, **kwargs), self.options.op_timeout_s, what)
 
     async def settle(self, value: Any, what: str) -> Any:
-        return await settle(value, self.options.op_timeout_s, what)
+        """The result of a service call that was already started (a future), bounded by `op_timeout_s`; timed as
+        service time `what` from here on."""
+        with self.timings.in_service(what):
+            return await settle(value, self.options.op_timeout_s, what)

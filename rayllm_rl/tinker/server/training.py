@@ -125,23 +125,26 @@ async def get_info(request: Request) -> JSONResponse:
     return JSONResponse(info)
 
 
-def _fwdbwd_result(out: types.ForwardBackwardOutput):
-    return ProtoResult(wire.encode_forward_backward_output(out), lambda: wire.forward_backward_output_json(out)), None
+def _fwdbwd_result(state: State, out: types.ForwardBackwardOutput):
+    with state.timings.coding("encode forward_backward"):
+        proto = wire.encode_forward_backward_output(out)
+    return ProtoResult(proto, lambda: wire.forward_backward_output_json(out)), None
 
 
 async def forward_backward(request: Request) -> JSONResponse:
     state: State = request.app.state.tinker
-    try:
-        body = wire.read_body(await request.body(), request.headers.get("content-encoding"))
-        msg = wire.parse_forward_backward(body)
-    except ValueError as error:
-        raise Refused(400, str(error)) from None
-    model = state.model(msg.model_id)
-    try:
-        call: wire.ForwardBackwardCall | None = wire.decode_forward_backward(msg)
-        bad = None
-    except ValueError as error:  # still takes its turn, so the requests after it are not held up
-        call, bad = None, error
+    raw = await request.body()
+    with state.timings.coding("decode forward_backward"):
+        try:
+            msg = wire.parse_forward_backward(wire.read_body(raw, request.headers.get("content-encoding")))
+        except ValueError as error:
+            raise Refused(400, str(error)) from None
+        model = state.model(msg.model_id)
+        try:
+            call: wire.ForwardBackwardCall | None = wire.decode_forward_backward(msg)
+            bad = None
+        except ValueError as error:  # still takes its turn, so the requests after it are not held up
+            call, bad = None, error
     kind = "forward" if msg.forward_only else "forward_backward"
 
     async def start():
@@ -150,7 +153,8 @@ async def forward_backward(request: Request) -> JSONResponse:
         fn = model.client.forward if call.forward_only else model.client.forward_backward
         fut = fn(call.data, call.loss_fn, call.loss_fn_config)
         return lambda: state.settle(fut, kind)
-    return _future(model.order.submit(msg.seq_id, kind, start, _fwdbwd_result), model.model_id)
+    return _future(model.order.submit(msg.seq_id, kind, start, lambda out: _fwdbwd_result(state, out)),
+                   model.model_id)
 
 
 def _path_of(saved: Any) -> str:
