@@ -7,9 +7,11 @@
 
 Small: a cross-entropy warm start on sums where a quarter of the answers are in <answer> tags, then GRPO whose
 reward is half for the tags, half for the right number. Prints one JSON line per step, then a summary.
+full_size.py runs the same loop on SmolLM2-135M-Instruct at the SmolLM2 recipe's settings.
 """
 import argparse, json, random, re, statistics, sys, time  # noqa: E401
 from pathlib import Path
+from types import SimpleNamespace
 
 import tinker
 from tinker import types as T
@@ -18,10 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 ANSWER = re.compile(r"<answer>\s*(-?\d+)\s*</answer>")
 
 
-def reward(text: str, answer: int) -> float:
+def reward(text: str, row: dict) -> float:
     tagged = ANSWER.findall(text)
     numbers = tagged or re.findall(r"-?\d+", text)
-    return 0.5 * bool(tagged) + 0.5 * (bool(numbers) and int(numbers[-1]) == answer)
+    return 0.5 * bool(tagged) + 0.5 * (bool(numbers) and int(numbers[-1]) == row["answer"])
 
 
 def datum(prompt: list[int], tokens: list[int], **per_token: list[float]) -> tinker.Datum:
@@ -31,56 +33,68 @@ def datum(prompt: list[int], tokens: list[int], **per_token: list[float]) -> tin
                         loss_fn_inputs={"target_tokens": full[1:], **{k: pad + v for k, v in per_token.items()}})
 
 
+def run(training, s, steps: int, prompts: int, group: int, seed: int = 0) -> dict:
+    """`s`: the setting (`tiny` below, full_size.py's): rows (each with its chat `messages`), reward(text, row),
+    demos for a warm start, sampling, the loss, Adam's parameters at each step, whether to divide by the std."""
+    tok, rng = training.get_tokenizer(), random.Random(seed)
+    chat = lambda row: tok.apply_chat_template(row["messages"], add_generation_prompt=True,  # noqa: E731
+                                               return_dict=True)["input_ids"]
+    for _ in range(s.sft_steps):  # warm start: imitate demonstrations
+        demos = [(chat(row), tok.encode(s.demo(i, row)) + [tok.eos_token_id])
+                 for i, row in enumerate(rng.sample(s.rows, 32))]
+        training.forward_backward([datum(q, d, weights=[1.0] * len(d)) for q, d in demos], "cross_entropy")
+        training.optim_step(T.AdamParams(learning_rate=1e-3))
+    history, t0 = [], time.time()
+    params = T.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, stop=[tok.eos_token_id])
+    for step in range(steps):
+        sampler = training.save_weights_and_get_sampling_client().result()  # weights to the replicas, pinned
+        batch = rng.sample(s.rows, prompts)
+        futures = [sampler.sample(T.ModelInput.from_ints(chat(row)), group, params) for row in batch]
+        data, rewards = [], []
+        for row, fut in zip(batch, futures):
+            seqs = fut.result().sequences
+            r = [s.reward(tok.decode(q.tokens, skip_special_tokens=True), row) for q in seqs]
+            rewards += r
+            mean, sd = statistics.fmean(r), statistics.pstdev(r) if s.std else 1.0
+            data += [datum(chat(row), q.tokens, logprobs=list(q.logprobs),
+                           advantages=[(ri - mean) / (sd + 1e-6)] * len(q.tokens))
+                     for q, ri in zip(seqs, r) if ri != mean]  # a uniform group teaches nothing
+        if data:
+            training.forward_backward(data, s.loss)
+            training.optim_step(s.adam(step)).result()
+        history.append(statistics.fmean(rewards))
+        print(json.dumps({"step": step + 1, "reward": history[-1]}), flush=True)
+    k = max(1, len(history) // 4)
+    return {"example": "tinker_loop", "steps": steps, "rewards": history,
+            "reward_first": statistics.fmean(history[:k]), "reward_last": statistics.fmean(history[-k:]),
+            "sequences_per_s": steps * prompts * group / (time.time() - t0)}
+
+
+def tiny(lr: float, sft_steps: int = 80):
+    rows = [{"messages": [{"role": "user", "content": f"{x}+{y}="}], "answer": x + y} for x in range(10)
+            for y in range(10)]
+    tagged = lambda i, row: f"<answer>{row['answer']}</answer>" if i % 4 == 0 else str(row["answer"])  # noqa: E731
+    return SimpleNamespace(rows=rows, reward=reward, sft_steps=sft_steps, max_tokens=10, temperature=1.0, std=False,
+                           demo=tagged, loss="importance_sampling", adam=lambda step: T.AdamParams(learning_rate=lr))
+
+
 def main(argv: list[str]) -> dict:
     p = argparse.ArgumentParser()
     p.add_argument("--backend", default="local"), p.add_argument("--base-url", default="")
-    p.add_argument("--steps", type=int, default=40), p.add_argument("--sft-steps", type=int, default=80)
-    p.add_argument("--prompts", type=int, default=8), p.add_argument("--group", type=int, default=8)
-    p.add_argument("--lr", type=float, default=2e-4), p.add_argument("overrides", nargs="*")
+    p.add_argument("--steps", type=int, default=40), p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--group", type=int, default=8), p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--sft-steps", type=int, default=80), p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
     from rayllm_rl.models.tiny import ensure_tiny_model
     from rayllm_rl.tinker import TinkerService
 
     model = ensure_tiny_model()  # the SDK (--base-url) or the primitives in this process: one loop for both
-    service = tinker.ServiceClient(base_url=a.base_url) if a.base_url else TinkerService(model, a.backend, a.overrides)
+    service = (tinker.ServiceClient(base_url=a.base_url) if a.base_url
+               else TinkerService(model, a.backend, a.overrides))
     with service:
-        return run(a, service.create_lora_training_client(base_model=model, rank=0).result())
-
-
-def run(a, training) -> dict:
-    tok, rng = training.get_tokenizer(), random.Random(0)
-    chat = lambda q: tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,  # noqa
-                                             return_dict=True)["input_ids"]
-    rows = [(f"{x}+{y}=", x + y) for x in range(10) for y in range(10)]
-    for step in range(a.sft_steps):  # warm start: imitate demonstrations, a quarter of them tagged
-        batch = rng.sample(rows, 32)
-        demos = [(chat(q), tok.encode(f"<answer>{s}</answer>" if i % 4 == 0 else str(s)) + [tok.eos_token_id])
-                 for i, (q, s) in enumerate(batch)]
-        training.forward_backward([datum(q, d, weights=[1.0] * len(d)) for q, d in demos], "cross_entropy")
-        training.optim_step(T.AdamParams(learning_rate=1e-3))
-    history, t0 = [], time.time()
-    for step in range(a.steps):
-        sampler = training.save_weights_and_get_sampling_client().result()  # weights to the replicas, pinned
-        batch = rng.sample(rows, a.prompts)
-        params = T.SamplingParams(max_tokens=10, temperature=1.0, stop=[tok.eos_token_id])
-        futures = [sampler.sample(T.ModelInput.from_ints(chat(q)), a.group, params) for q, _ in batch]
-        data, rewards = [], []
-        for (q, answer), fut in zip(batch, futures):
-            seqs = fut.result().sequences
-            r = [reward(tok.decode(s.tokens), answer) for s in seqs]
-            rewards += r
-            mean = statistics.fmean(r)
-            data += [datum(chat(q), s.tokens, logprobs=list(s.logprobs), advantages=[ri - mean] * len(s.tokens))
-                     for s, ri in zip(seqs, r) if ri != mean]  # a uniform group teaches nothing
-        if data:
-            training.forward_backward(data, "importance_sampling")
-            training.optim_step(T.AdamParams(learning_rate=a.lr)).result()
-        history.append(statistics.fmean(rewards))
-        print(json.dumps({"step": step + 1, "reward": history[-1]}), flush=True)
-    k = max(1, len(history) // 4)
-    summary = {"example": "tinker_loop", "backend": a.base_url or a.backend, "steps": a.steps, "rewards": history,
-               "reward_first": statistics.fmean(history[:k]), "reward_last": statistics.fmean(history[-k:]),
-               "sequences_per_s": a.steps * a.prompts * a.group / (time.time() - t0)}
+        training = service.create_lora_training_client(base_model=model, rank=0).result()
+        summary = run(training, tiny(a.lr, a.sft_steps), a.steps, a.prompts, a.group)
+    summary["backend"] = a.base_url or a.backend
     print(json.dumps(summary))
     return summary
 
