@@ -12,12 +12,14 @@ sampled token carries the version that generated it, and each sequence the sampl
 """
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from tinker import types as tt
 
 from rayllm_rl.objectives.token_sum import make_token_loss
+from rayllm_rl.orchestration.backend import RoleCrashed
 from rayllm_rl.tinker.data import MASK_KEYS, to_batch, to_output, to_requests, to_response
 from rayllm_rl.tinker.futures import APIFuture, Lane
 from rayllm_rl.sampling_mask import SamplingMask
@@ -58,8 +60,18 @@ class TrainingClient:
     def _run(self, data: list[tt.Datum], loss_fn: str, config, backward: bool) -> tt.ForwardBackwardOutput:
         loss = make_token_loss(loss_fn, config)
         batch, mask = to_batch(data, self.service.vocab_size)
-        logp, metrics = self.service.roles.forward_backward(batch, loss, backward, mask)
+        with self._recovering():
+            logp, metrics = self.service.roles.forward_backward(batch, loss, backward, mask)
         return to_output(logp, batch, metrics)
+
+    @contextlib.contextmanager
+    def _recovering(self):
+        """A learner rank lost during the call: the roles are rebuilt and the last saved state restored
+        (`TinkerService.recover`) before the call fails, so the next one works."""
+        try:
+            yield
+        except RoleCrashed as crash:
+            raise self.service.recover(crash) from crash
 
     def _run_custom(self, data: list[tt.Datum], loss_fn) -> tt.ForwardBackwardOutput:
         forward = self._run(data, "cross_entropy", None, False)
@@ -91,7 +103,8 @@ class TrainingClient:
         return self._lane.submit(self._optim, params.model_dump())
 
     def _optim(self, adam: dict[str, Any]) -> tt.OptimStepResponse:
-        metrics = self.service.roles.optim_step(adam)
+        with self._recovering():
+            metrics = self.service.roles.optim_step(adam)
         if not metrics.get("skipped_nonfinite_steps"):
             self.service.version += 1
         return tt.OptimStepResponse(metrics=metrics)

@@ -61,6 +61,8 @@ class TinkerService:
         self.version, self.synced = 0, None
         """The learner's policy version (applied optimizer steps); the version the replicas hold (None: none sent
         yet, so there is nothing to sample from)."""
+        self.last_state: str | None = None
+        """The path of the last `save_state`, which a rebuild after a lost learner restores (`recover`)."""
         self._resync = False
         """A `load_state` changed the learner's weights under a version the replicas may already hold."""
         self.samplers: dict[str, tuple[int, str]] = {}
@@ -174,7 +176,25 @@ class TinkerService:
         path = self.tinker_path("weights", name)
         self.roles.save_state(str(self.local_path(path)), {"version": self.version, "base_model": self.base_model,
                                                           "lora_rank": self.training_client.lora_rank})
+        self.last_state = path
         return path
+
+    def recover(self, crash: BaseException) -> RuntimeError:
+        """After a learner rank died (`RoleCrashed`): every role rebuilt, the last `save_state` (weights and
+        optimizer) loaded into it, or the base weights at version 0 if there was none; returns the error the failed
+        call raises, saying so. The next call runs on the restored state."""
+        self.roles.recover(crash)
+        self.synced, self._resync = None, True
+        if self.last_state is None:
+            self.version = 0
+            where = "no save_state was made, so it restarted from the base weights at version 0"
+        else:
+            self.load_state(self.last_state, with_optimizer=True)
+            where = f"restored from your last save_state {self.last_state} (version {self.version})"
+        cause = type(crash.__cause__).__name__ if crash.__cause__ is not None else "died"
+        return RuntimeError(f"role(s) {', '.join(getattr(crash, 'roles', []))} died during this call ({cause}); "
+                            f"every role was rebuilt and {where}; save weights for sampling again before the next "
+                            "sample")
 
     def load_state(self, path: str, with_optimizer: bool) -> tt.LoadWeightsResponse:
         self._require_training()

@@ -78,6 +78,10 @@ class LocalRoles:
     def replica_checksums(self) -> list[float]:
         return [self.loop.call(self.engine.weights.weights_checksum(), self.timeout_s, "the engine's checksum")]
 
+    def recover(self, crash) -> None:
+        """Nothing to rebuild: in one process a crashed role is a crashed run."""
+        raise crash
+
     def close(self) -> None:
         if self.loop is not None:
             self.loop.close(self.engine.aclose() if self.engine is not None else None)

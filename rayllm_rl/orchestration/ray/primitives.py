@@ -13,7 +13,7 @@ import ray
 
 from rayllm_rl.inference.protocol import LLMRequest, LLMResponse
 from rayllm_rl.job.plan import JobPlan
-from rayllm_rl.orchestration.backend import ROLE_KINDS
+from rayllm_rl.orchestration.backend import ROLE_KINDS, RoleCrashed
 from rayllm_rl.orchestration.fault_ledger import FaultLedger
 from rayllm_rl.orchestration.ray.cluster import Liveness, build_cluster
 from rayllm_rl.orchestration.ray.groups import get_within
@@ -22,12 +22,12 @@ from rayllm_rl.orchestration.ray.session import init_ray
 
 @contextlib.contextmanager
 def learner_loss_named():
-    """A learner rank that died takes the weights and optimizer state with it: say so, and how to go on."""
+    """A learner rank that died takes the weights and optimizer state with it: `RoleCrashed` naming the learner
+    ranks, which the caller answers with `recover` (every role rebuilt) and its last saved state."""
     try:
         yield
     except ray.exceptions.RayActorError as exc:
-        raise RuntimeError(f"a learner rank died during this call, and its weights and optimizer state with it: "
-                           f"start a new service and load_state your last save_state ({type(exc).__name__})") from exc
+        raise RoleCrashed(["learner"], exc) from exc
 
 
 class RayRoles:
@@ -37,8 +37,8 @@ class RayRoles:
     A replica that dies during a call fails that call (RuntimeError naming it); Ray restarts it (the plan's
     `max_restarts`), and the next call re-forms the sync group with the new process and sends it the version the
     replicas hold (`Liveness.rejoin_restarted`), so it works. A learner rank holds the only copy of the weights
-    and optimizer state, so Ray does not restart it: its death fails the call naming it, and the state comes back
-    from a `save_state` (`load_state` on a new service)."""
+    and optimizer state, and its FSDP group dies with it: its death raises `RoleCrashed`, and `recover` rebuilds
+    every role by the one build path (as `RayBackend.recover` does), for the caller to restore its last save."""
 
     @staticmethod
     def prepare(config) -> bool:
@@ -52,7 +52,7 @@ class RayRoles:
         """`owns_runtime`: stop Ray on `close` (None: if this call starts it)."""
         started = self.prepare(plan.config)
         self.started_ray = started if owns_runtime is None else owns_runtime
-        self.plan, self.timeout_s = plan, plan.config.trainer.call_timeout_s
+        self.plan, self.timeout_s, self.model_path = plan, plan.config.trainer.call_timeout_s, model_path
         self.cluster = None
         try:
             self.cluster = build_cluster(plan, model_path)  # a failed start shuts down what it started
@@ -114,6 +114,14 @@ class RayRoles:
 
     def replica_checksums(self) -> list[float]:
         return self.cluster.replicas.checksums()
+
+    def recover(self, crash: RoleCrashed) -> None:
+        """Every role afresh after `crash` (the old ones killed, their names freed), from the base weights."""
+        self.faults.rolled_back(crash.roles)
+        self.cluster.shutdown(close_timeout_s=5, namespace=self.plan.config.ray.namespace)
+        self.cluster = build_cluster(self.plan, self.model_path)
+        self.live = Liveness(self.cluster, self.plan, self.faults)
+        self._next_replica = itertools.cycle(range(len(self.cluster.replicas)))
 
     def close(self) -> None:
         if self.cluster is not None:
