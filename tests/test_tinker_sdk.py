@@ -1,12 +1,12 @@
 """The unmodified `tinker` SDK (0.38) against our server, for what needs the server's insides or a loop of its own
 (tests/test_tinker_server.py has the endpoints, errors and resume): the server runs in this process on a local
-`TinkerService` (uvicorn on a socket bound to port 0, in a thread), so a test can read the learner's gradients;
-and `rayllm-rl serve --backend ray` in a subprocess, its roles Ray actors.
+`TinkerService` (uvicorn on a socket bound to port 0, in a thread), so a test can read the learner's gradients.
+`rayllm-rl serve --backend ray`, its roles Ray actors, is driven through the SDK from another process by
+tests/test_ray_job_submit.py (submitted as a Ray job to a local head).
 
 - forward_backward_custom (the SDK's own client-side path: a forward, the user's loss, cross_entropy with weights
   -dC/dlogp) gives the gradient `importance_sampling` gives, within a bound derived from the arithmetic;
-- examples/tinker_loop/grpo.py run unchanged through the SDK (`--base-url`): its reward rises;
-- on Ray actors: cross-entropy falls, and a sample's tokens carry the version of the save before it.
+- examples/tinker_loop/grpo.py run unchanged through the SDK (`--base-url`): its reward rises.
 """
 from __future__ import annotations
 
@@ -18,10 +18,9 @@ import pytest
 import torch
 
 tinker = pytest.importorskip("tinker")
-from tinker import types as tt  # noqa: E402
 
-from test_tinker_primitives import EPS32, datum, rl_data  # noqa: E402
-from test_tinker_server import KEY, RESULT_TIMEOUT_S, serving  # noqa: E402
+from test_tinker_primitives import EPS32, rl_data  # noqa: E402
+from test_tinker_server import KEY, RESULT_TIMEOUT_S  # noqa: E402
 
 pytestmark = pytest.mark.fixture_owned("processes")
 
@@ -99,41 +98,3 @@ def test_the_example_loop_runs_unchanged_through_the_sdk_and_learns(tiny_model_p
     k = len(s["rewards"]) // 4
     assert s["backend"] == url
     assert_rises(s["rewards"][:k], s["rewards"][-k:], what="tinker loop reward through the SDK")
-
-
-@pytest.mark.ray
-def test_serve_on_ray_actors(tiny_model_path, tmp_path):
-    """`rayllm-rl serve --backend ray`: the learner and the replica are Ray actors of a Ray the server starts (and
-    stops); cross-entropy falls over the SDK and a sample's tokens carry the version its save made."""
-    import shutil
-    import tempfile
-
-    temp = tempfile.mkdtemp(prefix="/tmp/rt-")  # short: Ray's socket paths live under it
-    with contextlib.ExitStack() as cleanup:
-        cleanup.callback(shutil.rmtree, temp, ignore_errors=True)
-        serve_and_check(tiny_model_path, tmp_path, temp)
-
-
-def serve_and_check(tiny_model_path, tmp_path, temp):
-    import httpx
-
-    with serving(tiny_model_path, tmp_path, "--backend", "ray", f"ray.temp_dir={temp}",
-                 "ray.namespace=tinker_serve_test", "ray.dashboard=false") as url:
-        with tinker.ServiceClient(base_url=url, api_key=KEY) as client:
-            training = client.create_lora_training_client(base_model=tiny_model_path, rank=0).result(
-                RESULT_TIMEOUT_S)
-            data = [datum([5, 6, 7], [8, 9, 10], weights=[1.0] * 3)]
-            losses = []
-            for _ in range(3):
-                losses.append(training.forward_backward(data, "cross_entropy").result(RESULT_TIMEOUT_S)
-                              .metrics["loss:sum"])
-                training.optim_step(tt.AdamParams(learning_rate=1e-2)).result(RESULT_TIMEOUT_S)
-            assert losses[2] < losses[1] < losses[0]
-            sampler = training.save_weights_and_get_sampling_client().result(RESULT_TIMEOUT_S)
-            future = sampler.sample(tt.ModelInput.from_ints([5, 6, 7]), 2, tt.SamplingParams(max_tokens=4))
-            out = future.result(RESULT_TIMEOUT_S)
-            assert len(out.sequences) == 2 and all(len(s.tokens) == len(s.logprobs) > 0 for s in out.sequences)
-            request_id = out.sequences[0].sequence_id.rsplit(":", 1)[0]
-            ext = httpx.get(f"{url}/api/v1/rayllm/samples/{request_id}", headers={"X-API-Key": KEY},
-                            timeout=30).json()
-            assert [s["versions"] for s in ext["sequences"]] == [[3] * len(s.tokens) for s in out.sequences]
