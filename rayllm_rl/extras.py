@@ -16,6 +16,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "math": ("math_verify", "latex2sympy2_extended"),
     "lora": ("peft",),
     "agents": ("openai",),
+    "tinker": ("tinker", "uvicorn", "starlette", "zstandard"),
 }
 """Each extra and the modules it installs (pyproject.toml's optional-dependencies; `[all]` is every one)."""
 

@@ -9,9 +9,13 @@ contract (docs/tinker-api.md).
 
 `rayllm-rl serve` puts the same service behind Tinker's wire protocol for the unmodified `tinker` SDK.
 """
-from rayllm_rl.tinker.clients import SamplingClient, TrainingClient
-from rayllm_rl.tinker.data import VersionedSequence
-from rayllm_rl.tinker.futures import APIFuture
-from rayllm_rl.tinker.service import TinkerService
+from rayllm_rl.extras import require
+
+require("rayllm_rl.tinker (Tinker's primitives, rayllm-rl serve)", "tinker")  # names the extra, not a bare ImportError
+
+from rayllm_rl.tinker.clients import SamplingClient, TrainingClient  # noqa: E402
+from rayllm_rl.tinker.data import VersionedSequence  # noqa: E402
+from rayllm_rl.tinker.futures import APIFuture  # noqa: E402
+from rayllm_rl.tinker.service import TinkerService  # noqa: E402
 
 __all__ = ["APIFuture", "SamplingClient", "TinkerService", "TrainingClient", "VersionedSequence"]
