@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import threading
 from typing import Any, Callable, Generic, TypeVar
 
 T = TypeVar("T")
@@ -42,25 +41,16 @@ class APIFuture(Generic[T]):
         return asyncio.wrap_future(self._future).__await__()
 
 
-def done_future(value: T) -> APIFuture[T]:
-    """A future that already holds `value`."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-    future.set_result(value)
-    return APIFuture(future)
-
-
 class Lane:
     """Runs submitted calls in submission order on worker threads (`workers` 1: strictly one after the other; more:
     started in order, run side by side, as samples are). `close` lets the calls already submitted finish."""
 
     def __init__(self, name: str, workers: int = 1):
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
-        self._lock = threading.Lock()
         self.name = name
 
     def submit(self, fn: Callable[..., T], *args: Any) -> APIFuture[T]:
-        with self._lock:
-            return APIFuture(self._pool.submit(fn, *args))
+        return APIFuture(self._pool.submit(fn, *args))  # the pool's queue keeps the submission order
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=False)

@@ -71,6 +71,13 @@ def sdk_version_problem(version: str | None) -> str | None:
             f"(pip install 'tinker{SUPPORTED_SDK}')")
 
 
+def refuse_unsupported_sdk(version: str | None) -> None:
+    """`Refused` (400) naming the supported range for a version a request body gives (the header is `_Gate`'s)."""
+    problem = sdk_version_problem(version)
+    if problem is not None:
+        raise Refused(400, problem)
+
+
 class _Gate:
     """ASGI middleware: the API key and SDK version of every /api/ request but healthz, checked before routing."""
 
@@ -95,9 +102,7 @@ class _Gate:
 async def client_config(request: Request) -> JSONResponse:
     state: State = request.app.state.tinker
     req = await parse(request, types.ClientConfigRequest)
-    problem = sdk_version_problem(req.sdk_version)
-    if problem is not None:
-        raise Refused(400, problem)
+    refuse_unsupported_sdk(req.sdk_version)
     return JSONResponse(CLIENT_CONFIG | {"fwdbwd_max_chunk_len": state.options.fwdbwd_max_chunk_len})
 
 
@@ -108,9 +113,7 @@ async def client_dynamic_config(request: Request) -> JSONResponse:
 async def create_session(request: Request) -> JSONResponse:
     state: State = request.app.state.tinker
     req = await parse(request, types.CreateSessionRequest)
-    problem = sdk_version_problem(req.sdk_version)
-    if problem is not None:
-        raise Refused(400, problem)
+    refuse_unsupported_sdk(req.sdk_version)
     session_id = f"sess-{uuid.uuid4().hex[:16]}"
     state.sessions[session_id] = {"sdk_version": req.sdk_version, "tags": list(req.tags), "finished": None}
     return JSONResponse({"session_id": session_id, "type": "create_session",
