@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-tinker = pytest.importorskip("tinker")  # the `tinker` extra; `make test` installs it (dev)
-from tinker import types as tt  # noqa: E402
+import tinker  # noqa: F401  (the `tinker` extra; `make test` installs it: a missing one fails, never skips)
+from tinker import types as tt
 
 from rayllm_rl.objectives.token_sum import CISPO, PPO, CrossEntropy, ImportanceSampling, make_token_loss  # noqa: E402
 from rayllm_rl.sampling_mask import SamplingMask  # noqa: E402
@@ -343,7 +343,6 @@ def test_the_example_grpo_loop_learns(tmp_path):
 def test_a_lora_training_client_trains_and_samples_its_adapter(tiny_model_path, tmp_path):
     """create_lora_training_client: only the adapter trains (the base weights stay), cross-entropy falls, and the
     replica samples with the adapter the learner sent (its weights equal the learner's, merged)."""
-    pytest.importorskip("peft")
     from rayllm_rl.tinker import TinkerService
 
     data = [datum([5, 6, 7], [8, 9, 10], weights=[1.0, 1.0, 1.0])]

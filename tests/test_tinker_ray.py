@@ -10,8 +10,7 @@ import time
 
 import pytest
 
-pytest.importorskip("tinker")
-from tinker import types as tt  # noqa: E402
+from tinker import types as tt
 
 from test_tinker_primitives import datum  # noqa: E402
 

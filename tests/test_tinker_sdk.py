@@ -15,9 +15,8 @@ import contextlib
 import threading
 
 import pytest
+import tinker
 import torch
-
-tinker = pytest.importorskip("tinker")
 
 from test_tinker_primitives import EPS32, rl_data  # noqa: E402
 from test_tinker_server import KEY, RESULT_TIMEOUT_S  # noqa: E402
