@@ -160,6 +160,40 @@ def test_gradients_accumulate_and_adam_takes_its_parameters_each_step(learner):
         optim_step(learner, {k: v for k, v in adam.items() if k != "grad_clip_norm"})
 
 
+def test_rows_of_different_lengths_with_per_token_inputs_split_into_micro_batches_as_one(learner):
+    """A call whose rows differ in length and carry per-token inputs (behaviour logprobs and advantages, weights),
+    split by the 16-token budget into micro-batches each cut to its own longest row, gives the scores and the
+    gradient of the same call in one micro-batch. (The inputs once kept the call's width while the token keys were
+    cut, and every such split call failed: a GRPO loop whose forward_backward result went unread lost those steps.)"""
+    from rayllm_rl.learner.logprobs import micro_batches
+    from rayllm_rl.learner.primitives import forward_backward
+
+    data = [datum([5, 6, 7], [8, 9], logprobs=[-1.0, -2.0], advantages=[0.5, -1.0], weights=[1.0, 0.5]),
+            datum(list(range(20, 31)), [31, 32, 33], logprobs=[-1.5, -0.5, -3.0], advantages=[1.0, 1.0, 1.0],
+                  weights=[1.0, 1.0, 2.0]),
+            datum([3, 4], [10, 11, 12], logprobs=[-2.0, -1.0, -0.5], advantages=[-0.5, 0.2, 0.3],
+                  weights=[2.0, 1.0, 1.0])]
+    batch, mask = to_batch(data, learner.model.config.vocab_size)
+    widths = {int(mb["input_ids"].shape[1]) for _, mb in micro_batches(batch, 16)}
+    assert len(widths) > 1, widths  # the budget splits the call, and cuts the micro-batches to different widths
+    budget = learner.cfg.max_tokens_per_micro_batch
+    for loss in (PPO(), ImportanceSampling(), CrossEntropy()):
+        runs = []
+        try:
+            for learner.cfg.max_tokens_per_micro_batch in (16, 4096):
+                learner.optimizer.zero_grad(set_to_none=True)
+                logp, metrics = forward_backward(learner, batch, loss, sampling_mask=mask)
+                runs.append((logp, metrics, [p.grad.clone() for p in learner.model.parameters()]))
+        finally:
+            learner.cfg.max_tokens_per_micro_batch = budget
+            learner.optimizer.zero_grad(set_to_none=True)
+        (split_lp, split_m, split_g), (one_lp, one_m, one_g) = runs
+        assert torch.allclose(split_lp, one_lp, atol=1e-5), type(loss).__name__
+        assert split_m["loss:sum"] == pytest.approx(one_m["loss:sum"], rel=1e-5, abs=1e-6)
+        for a, b in zip(split_g, one_g):  # the same per-token terms, summed over micro-batches in another order
+            assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), type(loss).__name__
+
+
 # ---------------------------------------------------------------- the clients on the local backend
 
 
@@ -292,6 +326,26 @@ def test_errors_name_the_problem(service, tiny_model_path, tmp_path):
         TinkerService(str(tmp_path / "no-such-model"), "local").create_training_client()
     with pytest.raises(ValueError, match="trainer.backend"):
         TinkerService(tiny_model_path, "kubernetes")
+
+
+def test_a_forward_backward_that_fails_on_the_learner_makes_the_next_optim_step_fail_not_step(service):
+    """A forward_backward that fails inside the learner (here: `ppo` without the behaviour logprobs it needs)
+    drops the gradients accumulated since the last step, and the next optim_step fails naming that failure with the
+    weights untouched, instead of stepping on a part of the gradient or on none; the step after works."""
+    training, roles = service.training_client, service.roles
+    ok = [datum([5, 6, 7], [8, 9], weights=[1.0, 1.0])]
+    training.forward_backward(ok, "cross_entropy").result()
+    before, version = roles.learner_checksum(), service.version
+    with pytest.raises(Exception, match="logprobs"):
+        training.forward_backward([datum([5, 6, 7], [8, 9], advantages=[1.0, -1.0])], "ppo").result()
+    assert all(p.grad is None for p in roles.learner.model.parameters())
+    with pytest.raises(RuntimeError, match="a forward_backward since the last optim_step failed .*logprobs.*no step "
+                                           "was taken"):
+        training.optim_step(tt.AdamParams(learning_rate=1e-2)).result()
+    assert roles.learner_checksum() == before and service.version == version
+    training.forward_backward(ok, "cross_entropy").result()
+    training.optim_step(tt.AdamParams(learning_rate=1e-2)).result()
+    assert roles.learner_checksum() != before and service.version == version + 1
 
 
 def test_save_state_then_a_new_service_continues_as_an_uninterrupted_run(tiny_model_path, tmp_path):

@@ -48,7 +48,8 @@ def forward_backward(learner, td: TensorDict, loss, *, backward: bool = True,
     `backward`, ADD its gradient to the parameters' (Tinker: gradients accumulate until `optim_step`). Returns the
     logprobs `[N, T]` (float32, CPU, 0 on padding) and the loss's metrics over the whole batch (`:sum` metrics
     summed over micro-batches, the others weighted by the loss's `normalizer`). `sampling_mask`: the top-k / top-p
-    the data's tokens were sampled under, replayed when a loss scores sampled tokens."""
+    the data's tokens were sampled under, replayed when a loss scores sampled tokens. A backward that fails part
+    way clears every accumulated gradient (the client then refuses the next `optim_step`: `TrainingClient`)."""
     n, width = td.batch_size[0], td["input_ids"].shape[1]
     if n == 0:
         raise ValueError("forward_backward got no datum")
@@ -82,6 +83,10 @@ def forward_backward(learner, td: TensorDict, loss, *, backward: bool = True,
                 dummy = micro_batches(td[:1], budget)[0][1]
                 for _ in range(passes - len(mbs)):
                     _score(learner, dummy, scoring).sum().mul(0.0).backward()
+    except Exception:
+        if backward:  # a part of this call's gradient may be in: drop every accumulated one, never step on a part
+            learner.optimizer.zero_grad(set_to_none=True)
+        raise
     finally:
         learner.model.train(training)
     if not backward:

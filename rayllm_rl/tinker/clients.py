@@ -36,6 +36,9 @@ class TrainingClient:
         self.service, self.run_id, self.lora_rank = service, run_id, lora_rank
         self.model_id = f"{run_id}:train:0"
         self._lane = Lane(f"tinker-train-{run_id}")
+        self._lost: str | None = None
+        """Why the gradients accumulated since the last `optim_step` were dropped (a `forward_backward` that failed
+        on the learner), so that the next `optim_step` fails instead of stepping on a part of them or on none."""
 
     # ------------------------------------------------------------------ forward / backward
     def forward(self, data: Sequence[tt.Datum], loss_fn: str,
@@ -60,8 +63,13 @@ class TrainingClient:
     def _run(self, data: list[tt.Datum], loss_fn: str, config, backward: bool) -> tt.ForwardBackwardOutput:
         loss = make_token_loss(loss_fn, config)
         batch, mask = to_batch(data, self.service.vocab_size)
-        with self._recovering():
-            logp, metrics = self.service.roles.forward_backward(batch, loss, backward, mask)
+        try:
+            with self._recovering():
+                logp, metrics = self.service.roles.forward_backward(batch, loss, backward, mask)
+        except Exception as exc:
+            if backward:
+                self._lost = f"{type(exc).__name__}: {exc}"
+            raise
         return to_output(logp, batch, metrics)
 
     @contextlib.contextmanager
@@ -103,6 +111,11 @@ class TrainingClient:
         return self._lane.submit(self._optim, params.model_dump())
 
     def _optim(self, adam: dict[str, Any]) -> tt.OptimStepResponse:
+        if self._lost is not None:
+            why, self._lost = self._lost, None
+            raise RuntimeError(f"optim_step: a forward_backward since the last optim_step failed ({why}); the "
+                               "gradients accumulated since that step were dropped and no step was taken: submit "
+                               "the data again")
         with self._recovering():
             metrics = self.service.roles.optim_step(adam)
         if not metrics.get("skipped_nonfinite_steps"):

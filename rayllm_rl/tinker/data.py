@@ -103,8 +103,11 @@ def to_batch(data: Sequence[tt.Datum], vocab_size: int) -> tuple[TensorDict, Sam
         ids[i, :len(tok)], targets[i, :len(tok)], attention[i, :len(tok)] = tok, tgt, 1
         for k, v in x.items():
             extra[k][i, :len(tok)] = v
+    # `inputs` is batched over rows only, like the token keys beside it: the learner's micro-batches cut every
+    # `[n, width]` leaf to their own longest row (`learner.logprobs.trim`), and a nested batch size of
+    # [n, width] would refuse the shorter leaves.
     batch = TensorDict({"input_ids": ids, "attention_mask": attention, "target_tokens": targets,
-                        "inputs": TensorDict(extra, batch_size=[n, width])}, batch_size=[n])
+                        "inputs": TensorDict(extra, batch_size=[n])}, batch_size=[n])
     return batch, _sampling_mask(data)
 
 
