@@ -8,8 +8,10 @@ each seed), on one backend:
 
 Each side's gain per step (the greedy held-out score, 200 questions, after N steps minus before, over N), its
 training reward per step, and its sequences per second (N x 64 over the RL seconds: the held-out evaluations are
-off the clock on both). Writes benchmarks/results/tinker_loop_vs_job/summary.json with the machine and the CPU other
-processes took during each run.
+off the clock on both). Each run is kept as benchmarks/results/tinker_loop_vs_job/<side>_seed<k>.json, with the
+machine, the commit and the CPU other processes took during it, so seeds can be run in separate sittings (a seed at
+15 steps takes ~20 minutes a pair on a 2-core machine); summary.json gathers every kept run of the same steps and
+backend.
 
     python benchmarks/tinker_loop_vs_job.py --steps 15 --seeds 0 1            # `make models` first
 """
@@ -74,14 +76,21 @@ def main(argv: list[str]) -> dict:
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--backend", choices=("local", "ray"), default="local")
+    p.add_argument("--sides", nargs="+", choices=("job", "tinker_loop"), default=["job", "tinker_loop"],
+                   help="run only these (a kept run of the other side stays in the summary)")
     a = p.parse_args(argv)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out, runs, t0 = ROOT / "runs" / "tinker_loop_vs_job", [], time.time()
-    for i, seed in enumerate(a.seeds):
-        sides = (job, loop) if i % 2 == 0 else (loop, job)
-        for side in sides:
-            runs.append(side(a.steps, seed, a.backend, out))
-            print(json.dumps({k: v for k, v in runs[-1].items() if k != "rewards"}), flush=True)
+    out, t0 = ROOT / "runs" / "tinker_loop_vs_job", time.time()
+    for seed in a.seeds:
+        order = (job, loop) if seed % 2 == 0 else (loop, job)  # the order turns with the seed
+        for side in [f for f in order if {job: "job", loop: "tinker_loop"}[f] in a.sides]:
+            r = {**side(a.steps, seed, a.backend, out), "steps": a.steps, "backend": a.backend,
+                 "machine": machine_info()}
+            (RESULTS / f"{r['side']}_seed{seed}.json").write_text(json.dumps(r, indent=1))
+            print(json.dumps({k: v for k, v in r.items() if k not in ("rewards", "machine")}), flush=True)
+    runs = sorted((json.loads(f.read_text()) for f in RESULTS.glob("*_seed*.json")),
+                  key=lambda r: (r["seed"], r["side"]))
+    runs = [r for r in runs if r["steps"] == a.steps and r["backend"] == a.backend]
 
     def of(side: str, key: str) -> list[float]:
         return [r[key] for r in runs if r["side"] == side]
@@ -90,8 +99,9 @@ def main(argv: list[str]) -> dict:
                     "mean_gain_per_step": statistics.fmean(of(side, "held_out_gain_per_step")),
                     "train_reward_mean": [statistics.fmean(r) for r in of(side, "rewards")],
                     "sequences_per_s": of(side, "sequences_per_s")} for side in ("job", "tinker_loop")}
-    summary = {"steps": a.steps, "seeds": a.seeds, "backend": a.backend, "machine": machine_info(), "runs": runs,
-               "table": table, "wall_s": round(time.time() - t0, 1)}
+    summary = {"steps": a.steps, "seeds": sorted({r["seed"] for r in runs}), "backend": a.backend,
+               "machine": machine_info(), "runs": runs,
+               "table": table, "wall_s_this_sitting": round(time.time() - t0, 1)}
     (RESULTS / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(table))
     return summary

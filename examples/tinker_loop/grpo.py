@@ -42,8 +42,8 @@ def run(training, s, steps: int, prompts: int, group: int, seed: int = 0) -> dic
     for _ in range(s.sft_steps):  # warm start: imitate demonstrations
         demos = [(chat(row), tok.encode(s.demo(i, row)) + [tok.eos_token_id])
                  for i, row in enumerate(rng.sample(s.rows, 32))]
-        training.forward_backward([datum(q, d, weights=[1.0] * len(d)) for q, d in demos], "cross_entropy")
-        training.optim_step(T.AdamParams(learning_rate=1e-3))
+        fb = training.forward_backward([datum(q, d, weights=[1.0] * len(d)) for q, d in demos], "cross_entropy")
+        fb.result(), training.optim_step(T.AdamParams(learning_rate=1e-3)).result()
     history, t0 = [], time.time()
     params = T.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, stop=[tok.eos_token_id])
     for step in range(steps):
@@ -59,9 +59,9 @@ def run(training, s, steps: int, prompts: int, group: int, seed: int = 0) -> dic
             data += [datum(chat(row), q.tokens, logprobs=list(q.logprobs),
                            advantages=[(ri - mean) / (sd + 1e-6)] * len(q.tokens))
                      for q, ri in zip(seqs, r) if ri != mean]  # a uniform group teaches nothing
-        if data:
-            training.forward_backward(data, s.loss)
-            training.optim_step(s.adam(step)).result()
+        if data:  # both submitted at once; reading each result raises a failed call's error here
+            fb, opt = training.forward_backward(data, s.loss), training.optim_step(s.adam(step))
+            fb.result(), opt.result()
         history.append(statistics.fmean(rewards))
         print(json.dumps({"step": step + 1, "reward": history[-1]}), flush=True)
     k = max(1, len(history) // 4)
