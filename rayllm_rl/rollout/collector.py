@@ -200,7 +200,7 @@ class LLMCollector:
             self.resampled += outcome.resampled
             self.last_error = outcome.error or self.last_error
             if outcome.dropped:  # its slot goes back, a new prompt refills the batch
-                self._group_lost(row, outcome.error or f"failed samples {outcome.failures}")
+                self._group_lost(outcome.error or f"failed samples {outcome.failures}")
                 return
             self.consecutive_failures = 0
             if not outcome.accepted:
@@ -213,18 +213,17 @@ class LLMCollector:
             self.failed_by_cause[cause_of(exc)] += self.group_size
             self.last_error = f"{type(exc).__name__}: {exc}"
             log.warning("episode of group %s failed: %s", row.get("group_id"), self.last_error)
-            self._group_lost(row, self.last_error)
+            self._group_lost(self.last_error)
         finally:
             self.controller.finish(1, accepted=accepted)
             self._wake.set()
 
-    def _group_lost(self, row: dict, error: str) -> None:
+    def _group_lost(self, error: str) -> None:
         """A group nothing trains on because its samples failed: counted; too many in a row end the run."""
         self.dropped_groups += 1
         self.consecutive_failures += 1
         if self.consecutive_failures >= self.max_consecutive_failures:
-            self.fatal = (f"{self.consecutive_failures} consecutive episodes failed (group {row.get('group_id')} "
-                          f"last); last error: {error}")
+            self.fatal = f"{self.consecutive_failures} consecutive episodes failed; last: {error}"
 
     # ------------------------------------------------------------------ state
     @property

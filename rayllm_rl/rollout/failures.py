@@ -13,7 +13,8 @@ a silent reward 0: a 0 inside a group moves the group's mean and std, and so eve
                 stays in the group; a sample with no tokens (its workflow raised) loses the group
 
 `run_group` runs one prompt under the policy: each attempt is bounded by `attempt_timeout_s` (cause `timeout`
-for the samples it held), an attempt that raises fails all its samples, and the result is a `GroupResult`: the
+for the samples it held), an attempt that raises fails all its samples (an episode that breaks the trajectory
+contract raises out of it: a bug, not a failure to retry), and the result is a `GroupResult`: the
 episode to store (`[n', T]`, without the `failed` key) or None, the failed samples by cause, the samples run
 again. Plain asyncio; the collector (collector.py) calls it through `run_and_store` in both backends.
 """
@@ -24,7 +25,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
-from typing import Any, ClassVar, Mapping
+from typing import ClassVar, Mapping
 
 import torch
 from tensordict import TensorDict
@@ -191,11 +192,6 @@ class GroupResult:
     """The last exception an attempt ended with."""
 
 
-async def _attempt(workflow, engine, row: dict, timeout_s: float) -> Any:
-    return check_episode(await asyncio.wait_for(workflow.arun_episode(engine, row), timeout_s),
-                         row.get("group_id"), type(workflow).__name__)
-
-
 async def run_group(workflow, engine, row: dict, rules: FailurePolicy) -> GroupResult:
     """Run the prompt `row` with `workflow` on `engine` under `rules` (see the module's docstring)."""
     policy = rules.policy()
@@ -205,11 +201,14 @@ async def run_group(workflow, engine, row: dict, rules: FailurePolicy) -> GroupR
     while True:
         run_row = row if attempt == 0 else {**row, SAMPLES_KEY: want, ATTEMPT_KEY: attempt}
         try:
-            td = await _attempt(workflow, engine, run_row, rules.attempt_timeout_s)
+            out = await asyncio.wait_for(workflow.arun_episode(engine, run_row), rules.attempt_timeout_s)
         except Exception as exc:  # noqa: BLE001 - a failed attempt is counted, the collector goes on
             a.fail_all(want, exc)
             log.warning("episode of group %s failed (%s): %s", row.get("group_id"), cause_of(exc), a.error)
         else:
+            # an episode breaking the contract is the workflow's bug, not a failed sample: it raises (ValueError
+            # naming the problem), the collector counts its group as failed and never runs it again
+            td = check_episode(out, row.get("group_id"), type(workflow).__name__)
             if td is None:
                 if attempt == 0:
                     return GroupResult(None, rejected=True)
