@@ -28,6 +28,7 @@ from rayllm_rl.rollout.failures import ON_FAILURE, POLICIES, FailurePolicy, run_
 from rayllm_rl.rollout.staleness import StalenessController
 from rayllm_rl.workflows.grouped import GroupedWorkflow
 from rayllm_rl.workflows.multi_turn import MultiTurnWorkflow
+from rayllm_rl.workflows.rewards import RewardCaller
 from rayllm_rl.workflows.rlvr import RLVRWorkflow
 from rollout_helpers import collect_batch
 
@@ -184,6 +185,24 @@ def test_a_lost_server_fails_its_request_alone(engine, tokenizer):
     wf = RLVRWorkflow(lambda *a, **k: 1.0, tokenizer, SAMPLING, group_size=4)
     td, outcome = store(wf, LosesServerOn(engine, 2), "drop")
     assert outcome.failures == {"server_lost": 1} and td["rewards"].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_a_chat_env_whose_reward_raises_marks_that_conversation_failed(engine, tokenizer):
+    """The env path: the env's RewardTransform scores through a RewardCaller; its failure reaches the trajectory
+    as the `failed` key (a component of the last step), and `drop` keeps the conversations that finished."""
+    from rayllm_rl.envs.dataset_envs import DatasetChatEnv
+    from rayllm_rl.workflows.chat_env_workflow import ChatEnvWorkflow
+
+    rows = [{"question": "What is 2+3?", "answer": "5"}]
+    caller = RewardCaller(in_order([1.0, RuntimeError("verifier crashed"), 0.0]))  # one caller, as a task shares it
+    wf = ChatEnvWorkflow(lambda: DatasetChatEnv(Dataset.from_list(rows), tokenizer, reward_fn=caller,
+                                                prompt_key="question"), SAMPLING, group_size=3)
+    td = asyncio.run(wf.arun_episode(engine, {**rows[0], "group_id": 5}))  # which conversation is 2nd: any
+    assert sorted(td["failed"].tolist()) == [0.0, 0.0, code_of("reward_raised")]
+    assert sorted(td["rewards"][td["failed"] == 0].tolist()) == [0.0, 1.0]
+    caller.reward_fn = in_order([1.0, RuntimeError("verifier crashed"), 0.0])
+    stored, outcome = store(wf, engine, "drop", row={**rows[0], "group_id": 6}, group_size=3)
+    assert outcome.failures == {"reward_raised": 1} and sorted(stored["rewards"].tolist()) == [0.0, 1.0]
 
 
 def test_an_episode_that_raises_or_hangs_fails_its_whole_group():
