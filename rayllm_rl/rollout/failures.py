@@ -9,8 +9,8 @@ a silent reward 0: a 0 inside a group moves the group's mean and std, and so eve
     drop        train on the finished samples: the group's mean/std are over them, if at least `min_finished`
                 finished (else as `drop_group`)
     drop_group  nothing of the group is trained on
-    zero        the behaviour before failures were counted: a sample whose reward failed keeps reward 0 and
-                stays in the group; a sample with no tokens (its workflow raised) loses the group
+    zero        the behaviour before failures were counted: a sample whose reward failed stays in the group with
+                the 0 its reward scored; a sample with no tokens (its workflow raised) loses the group
 
 `run_group` runs one prompt under the policy: each attempt is bounded by `attempt_timeout_s` (cause `timeout`
 for the samples it held), an attempt that raises fails all its samples (an episode that breaks the trajectory
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 ON_FAILURE = ("resample", "drop", "drop_group", "zero")
 """The values of `rollout.on_failure`; the first is the default."""
+
 
 @dataclasses.dataclass
 class Attempts:
@@ -203,6 +204,8 @@ async def run_group(workflow, engine, row: dict, rules: FailurePolicy) -> GroupR
         try:
             out = await asyncio.wait_for(workflow.arun_episode(engine, run_row), rules.attempt_timeout_s)
         except Exception as exc:  # noqa: BLE001 - a failed attempt is counted, the collector goes on
+            if isinstance(exc, TimeoutError) and not str(exc):  # asyncio's own says nothing
+                exc = TimeoutError(f"no episode within {rules.attempt_timeout_s:g}s (rollout.episode_timeout_s)")
             a.fail_all(want, exc)
             log.warning("episode of group %s failed (%s): %s", row.get("group_id"), cause_of(exc), a.error)
         else:
