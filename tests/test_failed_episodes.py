@@ -338,6 +338,7 @@ def test_a_job_whose_reward_raises_sometimes_finishes_and_records_failures_by_ca
     raised = [r.get("failed_episodes/reward_raised", 0) for r in rl]
     assert raised[-1] > 0 and raised == sorted(raised)  # totals so far, step by step
     assert summary["episode_failures"]["failed_episodes/reward_raised"] == summary["failed_episodes"] >= raised[-1]
-    assert summary["reward_failures"]["reward_errors"] == summary["failed_episodes"]
+    # the reward's own counter counts its calls, the evaluations' too (they share the user's function)
+    assert summary["reward_failures"]["reward_errors"] >= summary["failed_episodes"]
     assert all(r["seqs"] <= 4 * 4 for r in rl) and any(r["seqs"] < 4 * 4 for r in rl)  # failed rows not trained on
     assert all(torch.isfinite(torch.tensor(r["reward"])) for r in rl)
