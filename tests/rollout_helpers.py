@@ -13,11 +13,12 @@ from rayllm_rl.rollout.staleness import StalenessController
 
 
 async def collect_batch(engine, workflow, loader, n_episodes: int, *, episode_filter=None,
-                        timeout_s: float = 300.0) -> tuple[TensorDict, dict[str, Any]]:
-    """`n_episodes` episodes of `workflow` on `engine`; returns the padded batch and the collector's stats."""
+                        timeout_s: float = 300.0, failures=None) -> tuple[TensorDict, dict[str, Any]]:
+    """`n_episodes` episodes of `workflow` on `engine`; returns the padded batch and the collector's stats.
+    `failures`: the `rollout.failures.FailurePolicy` episodes run under (None: the default)."""
     buffer = AwaitableEpisodeBuffer(ReplayBuffer(n_episodes, 0))
     collector = LLMCollector(loader, lambda row: run_and_store(
-        workflow, engine, row, lambda td: buffer.put(td, timeout_s), episode_filter),
+        workflow, engine, row, lambda td: buffer.put(td, timeout_s), episode_filter, failures),
         StalenessController(n_episodes, 0))
     loop_task = asyncio.ensure_future(collector.run())
     batch_task = asyncio.ensure_future(buffer.get_batch(n_episodes, 0, timeout_s))

@@ -10,6 +10,7 @@ from pathlib import Path
 import datasets
 import pytest
 
+from rayllm_rl.data.failures import code_of
 from rayllm_rl.data.sources import check_fields, check_json_file, load_rows
 from rayllm_rl.envs.dataset_envs import GSM8KEnv, IFEvalEnv, MATHEnv
 from rayllm_rl.workflows.rewards import RewardCaller
@@ -211,11 +212,12 @@ def test_non_finite_reward_gives_zero_and_counts(value, caplog):
 
     reward.component_keys = ("reward_right",)
     caller = RewardCaller(reward)
-    assert asyncio.run(caller.score("p", "c", [], [])) == {"reward": 0.0, "reward_right": 0.0}
-    assert caller.score_sync("p", "c", [], []) == {"reward": 0.0, "reward_right": 0.0}
+    failed = {"reward": 0.0, "reward_right": 0.0, "failed": code_of("reward_nonfinite")}  # a failed sample, not a 0
+    assert asyncio.run(caller.score("p", "c", [], [])) == failed
+    assert caller.score_sync("p", "c", [], []) == failed
     assert (caller.num_nonfinite, caller.num_errors, caller.num_timeouts) == (2, 0, 0)
     assert caller.counters() == {"reward_calls": 2, "reward_errors": 0, "reward_timeouts": 0, "reward_nonfinite": 2}
-    assert "non-finite" in caplog.text and "reward set to 0" in caplog.text
+    assert "non-finite" in caplog.text and "the trajectory failed (reward_nonfinite)" in caplog.text
 
 
 def test_async_non_finite_reward_counts_too():
@@ -224,14 +226,14 @@ def test_async_non_finite_reward_counts_too():
 
     caller = RewardCaller(reward)
     assert asyncio.run(caller("p", "c", [], [])) == 0.0
-    assert caller.score_sync("p", "c", [], []) == {"reward": 0.0}
+    assert caller.score_sync("p", "c", [], []) == {"reward": 0.0, "failed": code_of("reward_nonfinite")}
     assert caller.counters()["reward_nonfinite"] == 2 and caller.num_errors == 0
 
 
 @pytest.mark.parametrize("value", [None, "0.5", "nan", b"1", [1.0], object(), {"reward": None}])
 def test_non_number_reward_gives_zero_and_counts_as_an_error(value, caplog):
     caller = RewardCaller(lambda *a, **k: value)
-    assert asyncio.run(caller.score("p", "c", [], [])) == {"reward": 0.0}
+    assert asyncio.run(caller.score("p", "c", [], [])) == {"reward": 0.0, "failed": code_of("reward_raised")}
     assert caller.counters() == {"reward_calls": 1, "reward_errors": 1, "reward_timeouts": 0, "reward_nonfinite": 0}
     assert "expected a number" in caplog.text
 

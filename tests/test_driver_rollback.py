@@ -108,7 +108,8 @@ class ScriptedBackend:
         self._call("drain")
 
     def summary_stats(self):
-        return {"failed_episodes": 0, **self.faults.summary(), "buffer": {}, "reward_failures": {},
+        return {"failed_episodes": 0, "episode_failures": {}, **self.faults.summary(), "buffer": {},
+                "reward_failures": {},
                 "replica_versions_held": [], "weight_transport": "in-process", "learner_checksums_equal_replicas": True,
                 "reward_services": {}}
 

@@ -9,6 +9,7 @@ import asyncio
 import pytest
 
 from rayllm_rl.config import load_config
+from rayllm_rl.data.failures import code_of
 from rayllm_rl.envs.arithmetic import arithmetic_reward
 from rayllm_rl.job.config import GRPOJobConfig
 from rayllm_rl.rewards.combined import CombinedReward
@@ -165,7 +166,8 @@ def test_unparseable_verdict_scores_zero_and_counts(judge_path):
         out = asyncio.run(reward.score("", "<answer>5</answer>", [], [], **ROW))
     finally:
         judge.close()
-    assert out == {"reward": 1.0, "reward_rule": 1.0, "reward_judge": 0.0, "reward_judge_failed": 1.0}
+    assert out == {"reward": 1.0, "reward_rule": 1.0, "reward_judge": 0.0, "reward_judge_failed": 1.0,
+                   "failed": code_of("reward_raised")}  # a failed sample: rollout.on_failure decides
     counters = reward.counters()
     assert counters["reward_judge_errors"] == 1 and counters["reward_judge_unparsed"] == 1
     assert counters["reward_judge_timeouts"] == 0 and counters["reward_errors"] == 0
@@ -182,5 +184,5 @@ def test_a_judge_that_hangs_times_out_to_zero(tokenizer):
     judge = Judge(StuckEngine(), tokenizer, DEFAULT_JUDGE_TEMPLATE, ScoreParser())
     reward = RewardCaller(CombinedReward(arithmetic_reward, 1.0, {"judge": (1.0, judge, 0.2)}))
     out = asyncio.run(reward.score("", "<answer>4</answer>", [], [], **ROW))
-    assert out["reward"] == 0.0 and out["reward_judge_failed"] == 1.0
+    assert out["reward"] == 0.0 and out["reward_judge_failed"] == 1.0 and out["failed"] == code_of("reward_timeout")
     assert reward.counters()["reward_judge_timeouts"] == 1 and reward.counters()["reward_judge_errors"] == 0

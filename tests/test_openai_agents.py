@@ -9,6 +9,7 @@ import torch
 
 from rayllm_rl.agents.openai_proxy import ChatCompletionsSession, openai_client, parse_tool_calls
 from rayllm_rl.agents.openai_workflow import OpenAIAgentWorkflow
+from rayllm_rl.data.failures import code_of
 
 
 def spy_engine(engine):
@@ -100,12 +101,14 @@ def test_endpoint_features_and_errors(engine, tokenizer):
     assert len(calls) == 1 and calls[0]["function"]["name"] == "add" and calls[0]["function"]["arguments"] == '{"a": 1}'
 
 
-def test_agent_failures_are_clear(engine, tokenizer):
+def test_agent_failures_are_clear(engine, tokenizer, caplog):
     async def silent(client, data):
         return 1.0
 
-    with pytest.raises(RuntimeError, match="made no chat completion"):
-        asyncio.run(OpenAIAgentWorkflow(silent, tokenizer, group_size=1).arun_episode(engine, {"q": 1}))
+    # a failed agent is a failed sample of its group (a placeholder row, cause raised), named in the warning
+    td = asyncio.run(OpenAIAgentWorkflow(silent, tokenizer, group_size=2).arun_episode(engine, {"q": 1, "group_id": 3}))
+    assert td["failed"].tolist() == [code_of("raised")] * 2 and not bool(td["loss_mask"].any())
+    assert "agent silent failed (raised): RuntimeError: agent silent made no chat completion" in caplog.text
     with pytest.raises(TypeError, match="async"):
         OpenAIAgentWorkflow(lambda c, d: 1.0, tokenizer)
 

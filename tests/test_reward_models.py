@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from rayllm_rl.config import load_config
+from rayllm_rl.data.failures import code_of
 from rayllm_rl.envs.arithmetic import arithmetic_reward
 from rayllm_rl.job.config import GRPOJobConfig
 from rayllm_rl.job.plan import make_plan
@@ -124,7 +125,10 @@ def test_a_failing_rm_scores_zero_and_counts_never_crashing(rm_path, logits_of, 
         out = asyncio.run(reward.score("", "<answer>5</answer>", [], [], **row(2, 3)))
     finally:
         scorer.close(timeout_s=3)
-    assert out == {"reward": 0.5, "reward_rule": 1.0, "reward_model": 0.0, "reward_model_failed": 1.0}
+    cause = {"reward_model_nonfinite": "reward_nonfinite", "reward_model_errors": "reward_raised",
+             "reward_model_timeouts": "reward_timeout"}[counter]  # the sample failed: rollout.on_failure decides
+    assert out == {"reward": 0.5, "reward_rule": 1.0, "reward_model": 0.0, "reward_model_failed": 1.0,
+                   "failed": code_of(cause)}
     counters = reward.counters()
     assert counters[counter] == 1 and counters["reward_model_calls"] == 1 and counters["reward_errors"] == 0
     assert sum(v for k, v in counters.items() if k.startswith("reward_model_") and k != "reward_model_calls") == 1

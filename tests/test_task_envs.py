@@ -10,6 +10,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from rayllm_rl.data.failures import code_of
 from rayllm_rl.data.sources import check_fields, load_rows, split_held_out
 from rayllm_rl.data.trajectory import concat_padded, make_trajectory
 from rayllm_rl.envs.chat_env import ChatEnv
@@ -83,7 +84,8 @@ def test_reward_caller_components_errors_and_timeouts(caplog):
 
     raises.component_keys = ("reward_right",)
     bad = RewardCaller(raises)
-    assert asyncio.run(bad.score("p", "c", [], [])) == {"reward": 0.0, "reward_right": 0.0}
+    assert asyncio.run(bad.score("p", "c", [], [])) == {"reward": 0.0, "reward_right": 0.0,
+                                                        "failed": code_of("reward_raised")}
     assert bad.num_errors == 1 and "boom" in caplog.text
 
     def slow(*a, **k):
@@ -102,9 +104,9 @@ def test_reward_caller_components_errors_and_timeouts(caplog):
     for fn in (slow, aslow):
         c = RewardCaller(fn, timeout_s=0.2)
         out, seconds = asyncio.run(timed(c))
-        assert out == {"reward": 0.0} and seconds < 2.0 and c.num_timeouts == 1
+        assert out == {"reward": 0.0, "failed": code_of("reward_timeout")} and seconds < 2.0 and c.num_timeouts == 1
         t0 = time.perf_counter()
-        assert c.score_sync("p", "c", [], []) == {"reward": 0.0}
+        assert c.score_sync("p", "c", [], []) == {"reward": 0.0, "failed": code_of("reward_timeout")}
         assert time.perf_counter() - t0 < 2.0 and c.num_timeouts == 2
     nan = RewardCaller(lambda *a, **k: float("nan"))
     assert asyncio.run(nan.score("p", "c", [], []))["reward"] == 0.0

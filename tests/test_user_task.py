@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from rayllm_rl.data.failures import code_of
 from rayllm_rl.config import load_config
 from rayllm_rl.envs.arithmetic import make_arithmetic_splits
 from rayllm_rl.orchestration.factories import build_task
@@ -173,11 +174,12 @@ def test_a_reward_that_fails_at_run_time_scores_zero_and_is_counted_per_function
         return 1.0
 
     both = UserReward([right, flaky], [1.0, 2.0], timeout_s=0.2)
-    assert asyncio.run(both("p", "c", [], [])) == {"reward": 1.0, "reward_right": 1.0, "reward_flaky": 0.0}
+    assert asyncio.run(both("p", "c", [], [])) == {"reward": 1.0, "reward_right": 1.0, "reward_flaky": 0.0,
+                                                   "failed": code_of("reward_raised")}  # one failed: the sum too
     assert both.counters() == {"reward_right_errors": 0, "reward_right_timeouts": 0, "reward_right_nonfinite": 0,
                                "reward_flaky_errors": 1, "reward_flaky_timeouts": 0, "reward_flaky_nonfinite": 0}
     alone = RewardCaller(UserReward([slow], timeout_s=0.2))  # one function: the workflow's counters
-    assert asyncio.run(alone.score("p", "c", [], [])) == {"reward": 0.0}
+    assert asyncio.run(alone.score("p", "c", [], [])) == {"reward": 0.0, "failed": code_of("reward_timeout")}
     assert alone.counters()["reward_timeouts"] == 1 and alone.timeout_s is None  # timed by its own caller
     assert UserReward([right, right, lambda *a, **k: 0.0]).names == ("right", "right_2", "lambda")
 

@@ -6,6 +6,7 @@ import asyncio
 import pytest
 from datasets import Dataset
 
+from rayllm_rl.data.failures import code_of
 from rayllm_rl.data.loader import PromptLoader
 from rayllm_rl.inference.protocol import SamplingParams
 from rollout_helpers import collect_batch
@@ -121,6 +122,7 @@ def test_raising_and_slow_rewards_give_zero_and_count(engine, tokenizer):
     wf = RLVRWorkflow(broken, tokenizer, SamplingParams(max_new_tokens=3), group_size=2)
     td = asyncio.run(wf.arun_episode(engine, dict(ROW)))
     assert td["rewards"].tolist() == [0.0, 0.0] and wf.reward.num_errors == 2
+    assert td["failed"].tolist() == [code_of("reward_raised")] * 2  # failed samples, for rollout.on_failure
 
     async def slow(*a, **k):
         await asyncio.sleep(5)
@@ -129,6 +131,7 @@ def test_raising_and_slow_rewards_give_zero_and_count(engine, tokenizer):
     wf = RLVRWorkflow(slow, tokenizer, SamplingParams(max_new_tokens=3), group_size=2, reward_timeout_s=0.05)
     td = asyncio.run(wf.arun_episode(engine, dict(ROW)))
     assert td["rewards"].tolist() == [0.0, 0.0] and wf.reward.num_timeouts == 2
+    assert td["failed"].tolist() == [code_of("reward_timeout")] * 2
 
 
 def test_collector_fills_batch_and_drops_malformed_rows(engine, tokenizer):
@@ -136,6 +139,10 @@ def test_collector_fills_batch_and_drops_malformed_rows(engine, tokenizer):
     wf = RLVRWorkflow(lambda *a, **k: 1.0, tokenizer, SamplingParams(max_new_tokens=4), group_size=2)
     batch, stats = asyncio.run(collect_batch(engine, wf, PromptLoader(Dataset.from_list(rows), shuffle=False), 3))
     assert batch.batch_size[0] == 6
-    assert stats["failed_episodes"] == 1 and "must be a string or a list" in stats["last_error"]
+    # the malformed row's group of 2 failed as a whole (cause raised) on its run and on the default policy's 2
+    # re-runs (rollout.on_failure=resample, budget 2), then was dropped; failed_episodes counts samples
+    assert (stats["failed_episodes"], stats["failed_episodes/raised"], stats["dropped_groups"]) == (6, 6, 1)
+    assert stats["resampled_episodes"] == 4
+    assert "must be a string or a list" in stats["last_error"]
     assert len(set(batch["group_id"].tolist())) == 3
     assert bool((batch["loss_mask"].sum(-1) > 0).all())

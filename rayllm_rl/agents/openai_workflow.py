@@ -11,25 +11,30 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import random
 from typing import Any, Awaitable, Callable, Mapping
 
 from tensordict import TensorDict
 
 from rayllm_rl.agents.openai_proxy import ChatCompletionsSession, openai_client
+from rayllm_rl.data.failures import COLLECTOR_KEYS, cause_of, failed_row
 from rayllm_rl.data.trajectory import concat_padded
 from rayllm_rl.inference.protocol import InferenceEngine, SamplingParams
 from rayllm_rl.workflows.base import RolloutWorkflow
 from rayllm_rl.workflows.rewards import RewardCaller
-from rayllm_rl.workflows.rlvr import row_fields
+from rayllm_rl.workflows.rlvr import row_fields, samples_of
+
+log = logging.getLogger(__name__)
 
 
 class OpenAIAgentWorkflow(RolloutWorkflow):
     """Runs `group_size` concurrent episodes of `agent_fn` per row; one trajectory per conversation.
 
-    A raising agent, or one that exceeds `episode_timeout_s`, fails its episode: the collector
-    counts it and the error names the agent. A reward function that fails gives 0 and bumps a
-    counter, as everywhere else.
+    A raising agent, or one that exceeds `episode_timeout_s`, is a failed sample (its placeholder
+    row, data/failures.py; the warning names the agent); the group's other agents go on. A reward
+    function that fails marks its trajectories failed and bumps a counter, as everywhere else;
+    `rollout.on_failure` decides what the group does.
     """
 
     def __init__(self, agent_fn: Callable[[Any, Mapping[str, Any]], Awaitable[Any]], tokenizer, *,
@@ -70,7 +75,17 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
                 raise ValueError(f"agent {self.agent_fn.__name__} returned no reward and no reward_fn is set")
         return session.trajectories(float(reward), group_id, **extra)
 
+    async def _sample(self, engine: InferenceEngine, data: Mapping[str, Any], group_id: int) -> list[TensorDict]:
+        """One agent episode's trajectories, or its placeholder failed row if the agent raised or timed out."""
+        try:
+            return await self._episode(engine, data, group_id)
+        except Exception as exc:  # noqa: BLE001 - one agent's failure is its sample's, not the group's
+            log.warning("agent %s failed (%s): %s: %s", self.agent_fn.__name__, cause_of(exc), type(exc).__name__, exc)
+            return [failed_row(group_id, cause_of(exc))]
+
     async def arun_episode(self, engine: InferenceEngine, data: Mapping[str, Any]) -> TensorDict:
         group_id = int(data.get("group_id", random.getrandbits(62)))
-        groups = await asyncio.gather(*[self._episode(engine, data, group_id) for _ in range(self.group_size)])
+        n, _ = samples_of(data, self.group_size)
+        row = {k: v for k, v in data.items() if k not in COLLECTOR_KEYS}
+        groups = await asyncio.gather(*[self._sample(engine, row, group_id) for _ in range(n)])
         return concat_padded([t for trajs in groups for t in trajs])

@@ -343,7 +343,8 @@ class RewardTransform(Transform):
     `reward_answer`, ...): the reward is added to `reward` (float32 `[1, 1]` per element, so
     `(B, 1, 1)` batched: the sparse-reward shape) and each component is written under its own
     key with the same shape, as in TorchRL's GSM8KRewardParser. A reward_fn that raises or runs
-    past `timeout_s`, or returns NaN/inf, gives 0.0, a warning and `num_errors` / `num_timeouts` /
+    past `timeout_s`, or returns NaN/inf, gives 0.0 with the `failed` key set (data/failures.py: the
+    trajectory is a failed sample), a warning and `num_errors` / `num_timeouts` /
     `num_nonfinite` += 1, never a crash (see `RewardCaller`). Done/terminated are set when `set_done` is True, or, when
     `set_done` is a callable `(completion: str) -> bool` (e.g. IFEvalScorer.done: an answer
     block is present), when it returns True.
@@ -392,8 +393,8 @@ class RewardTransform(Transform):
                 args = self._arguments(act)
             except Exception as err:  # a malformed action must not kill the rollout either
                 self.caller.num_errors += 1
-                logger.warning("RewardTransform: could not build reward arguments (%r); reward set to 0.0", err)
-                args, scores = None, self.caller.failed()
+                logger.warning("RewardTransform: could not build reward arguments (%r); the trajectory failed", err)
+                args, scores = None, self.caller.failure("reward_raised")
             else:
                 scores = self.caller.score_sync(**args)
             previous = nxt.get("reward", None)

@@ -165,6 +165,20 @@ class RolloutConfig:
 
     buffer_episodes: NonNegInt = 0
     """Replay buffer capacity in episodes, on either backend (0 = 2 * (max_staleness + 1) * prompts_per_step)."""
+    on_failure: Literal["resample", "drop", "drop_group", "zero"] = "resample"
+    """What a failed sample does (its workflow, env, tool or server raised or hung, or its reward raised, hung or
+    was not a number; counted per cause as `failed_episodes/<cause>`): 'resample' runs the prompt's missing samples
+    again (`resample_budget` times at most), then as 'drop'; 'drop' trains on the group's finished samples (its
+    mean/std over them) if at least `min_finished` finished, else drops the group; 'drop_group' drops the group;
+    'zero' keeps the failed reward's 0 in the group (the behaviour before failures were counted; it biases every
+    other sample's advantage). docs/failed-episodes.md says what each costs."""
+    resample_budget: NonNegInt | None = None
+    """on_failure=resample: re-runs of a group's failed samples before it falls back to 'drop'; None = 2."""
+    min_finished: PosInt | None = None
+    """on_failure=drop or resample: finished samples a group needs to be trained on; None = min(2, group_size)."""
+    episode_timeout_s: PosFloat | None = None
+    """One run of a prompt's samples (an attempt); past it they fail with cause 'timeout'. None = the
+    trainer's call_timeout_s."""
 
     def __post_init__(self) -> None:
         if not self.top_p <= 1.0:
@@ -172,6 +186,17 @@ class RolloutConfig:
         if not 0 <= self.keep_top_k <= self.group_size:
             raise ValueError(f"rollout.keep_top_k must be in [0, rollout.group_size={self.group_size}] "
                              f"(0 = keep every trajectory), got {self.keep_top_k}")
+        if self.resample_budget is not None and self.on_failure != "resample":
+            raise ValueError(f"rollout.resample_budget={self.resample_budget} applies to rollout.on_failure=resample "
+                             f"only, not {self.on_failure!r}")
+        if self.resample_budget == 0:
+            raise ValueError("rollout.resample_budget=0 never resamples: set rollout.on_failure=drop instead")
+        if self.min_finished is not None and self.on_failure not in ("drop", "resample"):
+            raise ValueError(f"rollout.min_finished={self.min_finished} applies to rollout.on_failure=drop or "
+                             f"resample, not {self.on_failure!r}")
+        if self.min_finished is not None and self.min_finished > self.group_size:
+            raise ValueError(f"rollout.min_finished={self.min_finished} is more than rollout.group_size="
+                             f"{self.group_size}: no group could be trained on")
 
 
 @dataclasses.dataclass

@@ -237,7 +237,18 @@ class JobPlan:
         from rayllm_rl.rollout.collector import CollectorSpec
 
         r = self.config.rollout
-        return CollectorSpec(r.prompts_per_step, r.max_staleness, self.config.trainer.seed)
+        return CollectorSpec(r.prompts_per_step, r.max_staleness, self.config.trainer.seed, r.group_size)
+
+    def failure_policy(self):
+        """What a failed sample does (`rollout.failures.FailurePolicy`, from `rollout.on_failure` and its numbers,
+        their None defaults resolved here): the env workers (or the local backend) run every prompt under it."""
+        from rayllm_rl.rollout.failures import FailurePolicy
+
+        r = self.config.rollout
+        return FailurePolicy(r.on_failure, r.group_size,
+                             r.min_finished if r.min_finished is not None else min(2, r.group_size),
+                             r.resample_budget if r.resample_budget is not None else 2,
+                             r.episode_timeout_s or self.config.trainer.call_timeout_s)
 
     def pick_transport(self, learner_node: str, replica_nodes: list[str]) -> str:
         """The transport for the nodes the actors landed on (known only once they run)."""

@@ -34,13 +34,26 @@ def versions_held_summary(held: list[int]) -> dict[str, Any]:
     return {"count": len(held), "last": held[-VERSIONS_SHOWN:], "in_order": held == sorted(held)}
 
 
-def backend_summary(*, failed_episodes: int, faults: Any, buffer: dict[str, Any], reward_failures: dict[str, Any],
+FAILURE_COUNTERS = ("failed_episodes", "dropped_groups", "resampled_episodes")
+"""The collector's failure counters a step's record and the summary carry, with `failed_episodes/<cause>`."""
+
+
+def failure_counters(col: dict[str, Any]) -> dict[str, Any]:
+    """Of the collector's stats: failed samples (total and `failed_episodes/<cause>`), groups dropped for them,
+    samples run again (rollout/failures.py), totals so far."""
+    return {k: v for k, v in col.items() if k in FAILURE_COUNTERS or k.startswith("failed_episodes/")}
+
+
+def backend_summary(*, collector: dict[str, Any], faults: Any, buffer: dict[str, Any], reward_failures: dict[str, Any],
                     versions_held: list[list[int]], transport: str | None, checksums_equal: bool,
                     reward_services: dict[str, Any]) -> dict[str, Any]:
-    """`Backend.summary_stats`: the same keys from either backend (`faults`: its `FaultLedger`;
+    """`Backend.summary_stats`: the same keys from either backend (`collector`: its stats, whose failure counters
+    the summary keeps: `failed_episodes`, and by cause in `episode_failures`; `faults`: its `FaultLedger`;
     `versions_held`: per replica, every version it generated with, which the summary holds as
     `versions_held_summary`: the summary line stays the same size however many steps the run took)."""
-    return {"failed_episodes": failed_episodes, **faults.summary(), "buffer": buffer,
+    failures = failure_counters(collector)
+    return {"failed_episodes": failures.pop("failed_episodes", 0), "episode_failures": failures,
+            **faults.summary(), "buffer": buffer,
             "reward_failures": reward_failures,
             "replica_versions_held": [versions_held_summary(h) for h in versions_held], "weight_transport": transport,
             "learner_checksums_equal_replicas": checksums_equal, "reward_services": reward_services}

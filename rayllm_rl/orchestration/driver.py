@@ -25,7 +25,8 @@ from rayllm_rl.models.tiny import ensure_tiny_model
 from rayllm_rl.learner.checkpoint import prune_checkpoints
 from rayllm_rl.learner.mismatch import mismatch_summary
 from rayllm_rl.learner.frozen import check_frozen_tokenizer
-from rayllm_rl.orchestration.backend import Backend, RoleCrashed, restore_checkpoint, save_checkpoint
+from rayllm_rl.orchestration.backend import (Backend, RoleCrashed, failure_counters, restore_checkpoint,
+                                             save_checkpoint)
 from rayllm_rl.callbacks import CallbackList, RunInfo
 from rayllm_rl.orchestration.factories import build_task
 from rayllm_rl.job.config import GRPOJobConfig
@@ -130,7 +131,7 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
 
     backend.start_collector()
     traces = TraceWriter(reporter.run_dir, backend.tokenizer)
-    t_rl, B, col = time.perf_counter(), cfg.rollout.prompts_per_step, {"tokens_per_s": None}
+    t_rl, B = time.perf_counter(), cfg.rollout.prompts_per_step
     progress = reporter.progress(total=cfg.trainer.steps, desc=f"grpo eta={cfg.rollout.max_staleness}")
     progress.update(step)
     while step < cfg.trainer.steps and not callbacks.stopped(step):
@@ -144,11 +145,10 @@ def _run(cfg: GRPOJobConfig, backend: Backend, reporter: RunReporter, task, run:
         version += 1
         sync = backend.sync_weights(version)
         step = run.step = step + 1
-        if step % cfg.trainer.log_every == 0 or step == cfg.trainer.steps:
-            col = backend.collector_stats()
+        col = backend.collector_stats()  # every step: its record counts the failed samples so far, by cause
         record = {"phase": "rl", "step": step, "version": version, **meta, "wait_s": t_wait, "train_s": t_train,
                   "sync_seconds": sync["sync_s"], "stall_s": sync["stall_s"], "tokens_per_s": col["tokens_per_s"],
-                  **train_metrics, "driver_bytes": backend.driver_bytes()}
+                  **failure_counters(col), **train_metrics, "driver_bytes": backend.driver_bytes()}
         for name in plan.frozen_names():  # each frozen model's scoring, as a share of the step (within its wait)
             if f"{name}_s" in meta:
                 record[f"{name}_share"] = meta[f"{name}_s"] / max(t_wait + t_train + sync["sync_s"], 1e-9)

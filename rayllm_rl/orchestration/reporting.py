@@ -21,8 +21,8 @@ from typing import Any, Callable, Iterator
 SUMMARY_KEYS = frozenset({
     "eval_reward_before", "eval_reward_after", "eval_reward_gain", "steps", "version", "backend", "algo",
     "max_staleness", "max_version_lag", "budget_cuts", "eval_prompts", "wall_seconds", "rl_seconds", "run_dir",
-    "checkpoint", "eval_before", "eval_after", "failed_episodes", "episodes_rerun", "episodes_lost", "restarts",
-    "recoveries", "buffer", "reward_failures", "replica_versions_held", "weight_transport",
+    "checkpoint", "eval_before", "eval_after", "failed_episodes", "episode_failures", "episodes_rerun",
+    "episodes_lost", "restarts", "recoveries", "buffer", "reward_failures", "replica_versions_held", "weight_transport",
     "learner_checksums_equal_replicas", "reward_services", "mismatch", "stopped_by", "callback_errors"})
 """The summary's keys, the same on both backends (docs/ray-orchestration.md describes each)."""
 

@@ -5,8 +5,10 @@
 `CombinedReward` is an AReaL-signature reward function, so every workflow and env takes it in place
 of the task's rule. Each part is called through its own `RewardCaller` (its own timeout and
 counters), all three at once: a part that raises, times out or returns garbage (NaN, a wrong shape,
-an unreadable verdict) scores 0, logs a warning and counts in `reward_<part>_errors` /
-`_timeouts` / `_nonfinite`, never crashing the episode. Each trajectory carries the components
+an unreadable verdict) scores 0, logs a warning, counts in `reward_<part>_errors` /
+`_timeouts` / `_nonfinite` and marks the trajectory failed (the `failed` key of data/failures.py,
+the first failed part's cause; `rollout.on_failure` decides what it does), never crashing the
+episode. Each trajectory carries the components
 `reward_rule`, `reward_model`, `reward_model_failed`, `reward_judge`, `reward_judge_failed` (those of
 the parts that are on) beside the rule's own, so each step's record logs their batch means (the
 `_failed` means are the share of that step's completions whose part failed); `counters()` adds the
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable, Mapping
 
+from rayllm_rl.data.failures import FAILED_KEY, score_failure
 from rayllm_rl.rewards.config import RewardConfig
 from rayllm_rl.workflows.rewards import RewardCaller, component_keys_of
 
@@ -77,6 +80,8 @@ class CombinedReward:
             out[f"reward_{name}"] = result["reward"]
             out[f"reward_{name}_failed"] = 1.0 - result["ok"]
             total += self.weights[name] * result["reward"]
+            if score_failure(result) and not score_failure(out):  # the rule's own failure (in `out`) comes first
+                out[FAILED_KEY] = score_failure(result)
         return {"reward": total, **out}
 
     def counters(self) -> dict[str, int]:

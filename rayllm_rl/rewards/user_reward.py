@@ -8,8 +8,9 @@ called positionally for the first four, the row's columns (all but the prompt co
 async. One function's result is the reward as it is (its components logged as the built-in ones are).
 Several are combined TRL's way (`reward_weights`): the reward is the weighted sum, and each function's own
 value is logged as the component `reward_<name>` (its components as `<name>_<component>`). Each function
-runs through its own `RewardCaller`: one that raises, hangs past its timeout or returns garbage scores 0 and
-is counted (`reward_errors`, ...; with several, `reward_<name>_errors`, ...), never crashing the episode.
+runs through its own `RewardCaller`: one that raises, hangs past its timeout or returns garbage is counted
+(`reward_errors`, ...; with several, `reward_<name>_errors`, ...) and marks the trajectory failed (the `failed` key
+of data/failures.py; `rollout.on_failure` decides what that does), never crashing the episode.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import inspect
 import re
 from typing import Any, Callable, Mapping, Sequence
 
+from rayllm_rl.data.failures import FAILED_KEY, score_failure
 from rayllm_rl.workflows.rewards import RewardCaller
 
 PROBE_COMPLETION = ""
@@ -92,8 +94,9 @@ class UserReward:
         out = {"reward": sum(w * r["reward"] for w, r in zip(self.weights, results))}
         for name, result in zip(self.names, results):
             out[f"reward_{name}"] = result["reward"]
-            out.update({f"{name}_{k}": v for k, v in result.items() if k != "reward"})
-        return out
+            out.update({f"{name}_{k}": v for k, v in result.items() if k not in ("reward", FAILED_KEY)})
+        failed = [score_failure(r) for r in results if score_failure(r)]
+        return {**out, FAILED_KEY: failed[0]} if failed else out  # one function failed: the sum is no reward
 
     def counters(self) -> dict[str, int]:
         """Failures by kind: one function's add to the workflow's `reward_errors` etc.; several are told apart as

@@ -20,11 +20,12 @@ from typing import Any, Callable, Mapping
 import torch
 from tensordict import NonTensorData, TensorDict
 
+from rayllm_rl.data.failures import guard_sample
 from rayllm_rl.data.trajectory import TrajectoryBuilder, concat_padded
 from rayllm_rl.inference.policy import LLMPolicy, response_of
 from rayllm_rl.inference.protocol import InferenceEngine, SamplingParams
 from rayllm_rl.workflows.base import RolloutWorkflow
-from rayllm_rl.workflows.rlvr import row_fields, row_messages
+from rayllm_rl.workflows.rlvr import row_fields, row_messages, samples_of
 
 _NOT_COMPONENTS = frozenset({"done", "terminated", "truncated", "reward", "step_count", "policy_version",
                              "row_index", "group_id"})
@@ -63,8 +64,10 @@ class ChatEnvWorkflow(RolloutWorkflow):
     async def arun_episode(self, engine: InferenceEngine, data: Mapping[str, Any]) -> TensorDict:
         group_id = int(data.get("group_id", random.getrandbits(62)))
         row = row_fields(data)
-        trajs = await asyncio.gather(*[
-            self._conversation(engine, row, group_id, f"env{group_id}-{i}") for i in range(self.group_size)
+        n, again = samples_of(data, self.group_size)
+        trajs = await asyncio.gather(*[  # one conversation that raises is a failed sample, the others go on
+            guard_sample(self._conversation(engine, row, group_id, f"env{group_id}{again}-{i}"), group_id,
+                         data.get("prompt_ids")) for i in range(n)
         ])
         return concat_padded(trajs)
 

@@ -4,7 +4,8 @@ A reward function has AReaL's signature `reward_fn(prompt, completions, prompt_i
 completion_ids, **row)` and returns either a number or a mapping with a "reward" entry plus named
 components (e.g. GSM8K's `reward_answer`, `reward_think`, `reward_right`, `reward_contained`,
 `success`). Components travel with the trajectory as per-sequence keys and are reported as
-metrics; only "reward" is optimised.
+metrics; only "reward" is optimised. A reward that fails is not a 0: its scores carry the
+`failed` key (data/failures.py), which marks the trajectory failed for `rollout.on_failure`.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import inspect
 import logging
 import math
 from typing import Any, Callable, Mapping
+
+from rayllm_rl.data.failures import FAILED_KEY, code_of
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +39,17 @@ class RewardCaller:
 
     A reward that raises or returns a non-number / a mapping without "reward" (`num_errors`),
     returns NaN or an infinity as its reward or a component (`num_nonfinite`), or exceeds
-    `timeout_s` (`num_timeouts`) yields reward 0.0 (components 0.0), a logged warning and an
-    increment of that counter; the episode goes on. The components returned are exactly
-    `component_keys` (from the reward function's `component_keys` attribute, else learned from
-    its first mapping result), so every trajectory of a task has the same keys; missing ones
-    read 0.0 and undeclared extras are dropped. A sync reward runs in a worker thread when
-    `in_thread` (the default) so its timeout bites; a thread cannot be killed, so CPU-bound
-    checkers that may not terminate should isolate themselves in a process (see MathVerifier).
+    `timeout_s` (`num_timeouts`) yields a *failed* score: reward 0.0 (components 0.0) plus
+    `failed` = the code of its cause (reward_raised, reward_nonfinite, reward_timeout;
+    data/failures.py), a logged warning and an increment of that counter; the episode goes on and
+    `rollout.on_failure` decides what the trajectory does (`zero` keeps the 0). A result that
+    already carries `failed` (a `UserReward` or `CombinedReward` whose part failed) keeps it.
+    The components returned are exactly `component_keys` (from the reward function's
+    `component_keys` attribute, else learned from its first mapping result), so every trajectory
+    of a task has the same keys; missing ones read 0.0 and undeclared extras are dropped. A sync
+    reward runs in a worker thread when `in_thread` (the default) so its timeout bites; a thread
+    cannot be killed, so CPU-bound checkers that may not terminate should isolate themselves in a
+    process (see MathVerifier).
     """
 
     def __init__(self, reward_fn: Callable[..., Any], timeout_s: float = 30.0, in_thread: bool = True):
@@ -68,20 +75,22 @@ class RewardCaller:
 
         ValueError if malformed (not a number, a mapping without "reward"); NonFiniteReward if the
         reward or a component is NaN or infinite."""
+        failed = 0.0
         if isinstance(value, Mapping):
             if "reward" not in value:
                 raise ValueError(f"reward function {self.name} returned a mapping without 'reward': {sorted(value)}")
             if self.component_keys is None:
-                self.component_keys = tuple(k for k in value if k != "reward")
+                self.component_keys = tuple(k for k in value if k not in ("reward", FAILED_KEY))
             out = {"reward": self._number("reward", value["reward"])}
             out.update({k: self._number(k, value.get(k, 0.0)) for k in self.component_keys})
+            failed = self._number(FAILED_KEY, value.get(FAILED_KEY, 0.0))
         else:
             out = {"reward": self._number("reward", value)}
             out.update({k: 0.0 for k in self.component_keys or ()})
         bad = {k: v for k, v in out.items() if not math.isfinite(v)}
         if bad:
             raise NonFiniteReward(f"reward function {self.name} returned non-finite {bad}")
-        return out
+        return {**out, FAILED_KEY: failed} if failed else out
 
     def _number(self, key: str, value: Any) -> float:
         """`value` as a float; ValueError naming `key` for None, a string or anything float() refuses."""
@@ -94,7 +103,12 @@ class RewardCaller:
                              f"for {key!r}; expected a number") from err
 
     def failed(self) -> dict[str, float]:
+        """Reward and components 0.0 (what a trajectory reads before its reward is known)."""
         return {"reward": 0.0, **{k: 0.0 for k in self.component_keys or ()}}
+
+    def failure(self, cause: str) -> dict[str, float]:
+        """`failed()` marked failed with `cause` (data/failures.py `CAUSES`): the trajectory is a failed sample."""
+        return {**self.failed(), FAILED_KEY: float(code_of(cause))}
 
     async def score(self, prompt: str, completions: str, prompt_ids: list[int],
                     completion_ids: list[int], **row: Any) -> dict[str, float]:
@@ -110,14 +124,11 @@ class RewardCaller:
                 value = self.reward_fn(prompt, completions, prompt_ids, completion_ids, **row)
             return self.normalize(value)
         except asyncio.TimeoutError:
-            self.num_timeouts += 1
-            log.warning("reward function %s timed out after %.1fs; reward set to 0", self.name, self.timeout_s)
+            return self._timed_out()
         except NonFiniteReward as exc:
-            self._count_nonfinite(exc)
+            return self._nonfinite(exc)
         except Exception as exc:  # noqa: BLE001 - a user reward must never crash the worker
-            self.num_errors += 1
-            log.warning("reward function %s raised %s: %s; reward set to 0", self.name, type(exc).__name__, exc)
-        return self.failed()
+            return self._raised(exc)
 
     def score_sync(self, prompt: str, completions: str, prompt_ids: list[int],
                    completion_ids: list[int], **row: Any) -> dict[str, float]:
@@ -130,20 +141,30 @@ class RewardCaller:
             fut = pool.submit(self.reward_fn, prompt, completions, prompt_ids, completion_ids, **row)
             return self.normalize(fut.result(timeout=self.timeout_s))
         except concurrent.futures.TimeoutError:
-            self.num_timeouts += 1
-            log.warning("reward function %s timed out after %.1fs; reward set to 0", self.name, self.timeout_s)
+            return self._timed_out()
         except NonFiniteReward as exc:
-            self._count_nonfinite(exc)
+            return self._nonfinite(exc)
         except Exception as exc:  # noqa: BLE001
-            self.num_errors += 1
-            log.warning("reward function %s raised %s: %s; reward set to 0", self.name, type(exc).__name__, exc)
+            return self._raised(exc)
         finally:
             pool.shutdown(wait=False)
-        return self.failed()
 
-    def _count_nonfinite(self, exc: NonFiniteReward) -> None:
+    def _timed_out(self) -> dict[str, float]:
+        self.num_timeouts += 1
+        log.warning("reward function %s timed out after %.1fs; the trajectory failed (reward_timeout)", self.name,
+                    self.timeout_s)
+        return self.failure("reward_timeout")
+
+    def _nonfinite(self, exc: NonFiniteReward) -> dict[str, float]:
         self.num_nonfinite += 1
-        log.warning("%s; reward set to 0", exc)
+        log.warning("%s; the trajectory failed (reward_nonfinite)", exc)
+        return self.failure("reward_nonfinite")
+
+    def _raised(self, exc: Exception) -> dict[str, float]:
+        self.num_errors += 1
+        log.warning("reward function %s raised %s: %s; the trajectory failed (reward_raised)", self.name,
+                    type(exc).__name__, exc)
+        return self.failure("reward_raised")
 
     async def __call__(self, prompt: str, completions: str, prompt_ids: list[int],
                        completion_ids: list[int], **row: Any) -> float:

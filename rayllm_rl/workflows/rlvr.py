@@ -7,6 +7,7 @@ from typing import Any, Callable, Mapping
 
 from tensordict import TensorDict
 
+from rayllm_rl.data.failures import ATTEMPT_KEY, COLLECTOR_KEYS, SAMPLES_KEY, cause_of, failed_row
 from rayllm_rl.data.trajectory import TrajectoryBuilder, concat_padded
 from rayllm_rl.inference.protocol import InferenceEngine, LLMRequest, SamplingParams
 from rayllm_rl.workflows.base import RolloutWorkflow
@@ -15,9 +16,18 @@ from rayllm_rl.workflows.rewards import REWARD_ARGS, RewardCaller
 
 def row_fields(data: Mapping[str, Any]) -> dict[str, Any]:
     """The dataset row's own fields (what reward functions get as `**row`): without the collector's
-    `prompt_ids` and `group_id`, and without a field named as one of the reward's positional arguments
-    (`REWARD_ARGS`: a TRL-style `prompt` column; the env path's RewardTransform drops them too)."""
-    return {k: v for k, v in data.items() if k not in ("prompt_ids", "group_id") and k not in REWARD_ARGS}
+    `prompt_ids`, `group_id` and re-run keys (`COLLECTOR_KEYS`), and without a field named as one of the
+    reward's positional arguments (`REWARD_ARGS`: a TRL-style `prompt` column; the env path's RewardTransform
+    drops them too)."""
+    return {k: v for k, v in data.items()
+            if k not in ("prompt_ids", "group_id") and k not in REWARD_ARGS and k not in COLLECTOR_KEYS}
+
+
+def samples_of(data: Mapping[str, Any], group_size: int) -> tuple[int, str]:
+    """(how many samples to run: the collector's `num_samples` when it runs a prompt's failed samples again, else
+    `group_size`; a suffix that keeps a re-run's request ids apart from the first run's)."""
+    attempt = data.get(ATTEMPT_KEY)
+    return int(data.get(SAMPLES_KEY, group_size)), f"a{int(attempt)}" if attempt else ""
 
 
 def row_messages(row: Mapping[str, Any], prompt_key: str = "messages") -> list[dict[str, str]]:
@@ -40,7 +50,8 @@ def tokenize_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
 
 
 class RLVRWorkflow(RolloutWorkflow):
-    """Group sampling: `group_size` completions per prompt, each scored by `reward_fn`."""
+    """Group sampling: `group_size` completions per prompt, each scored by `reward_fn`. A request the engine
+    fails (raises, or its server is lost) fails that sample alone: its row is a placeholder (`failed_row`)."""
 
     def __init__(
         self,
@@ -61,11 +72,14 @@ class RLVRWorkflow(RolloutWorkflow):
         messages = row_messages(data, self.prompt_key)
         prompt_ids = data.get("prompt_ids") or tokenize_prompt(self.tokenizer, messages)
         group_id = int(data.get("group_id", random.getrandbits(62)))
-        base_rid = f"g{group_id}"
-        responses = await asyncio.gather(*[
+        n, again = samples_of(data, self.group_size)
+        base_rid = f"g{group_id}{again}"
+        answered = await asyncio.gather(*[
             engine.agenerate(LLMRequest(input_ids=list(prompt_ids), sampling=self.sampling, rid=f"{base_rid}-{i}"))
-            for i in range(self.group_size)
-        ])
+            for i in range(n)
+        ], return_exceptions=True)
+        trajs = [failed_row(group_id, cause_of(r), prompt_ids) for r in answered if isinstance(r, BaseException)]
+        responses = [r for r in answered if not isinstance(r, BaseException)]
         prompt_text = self.tokenizer.decode(prompt_ids)
         row = row_fields(data)
         completions = [self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True) for resp in responses]
@@ -73,7 +87,6 @@ class RLVRWorkflow(RolloutWorkflow):
         all_scores = await asyncio.gather(*[self.reward.score(prompt_text, completion, resp.input_tokens,
                                                               resp.output_tokens, **row)
                                             for resp, completion in zip(responses, completions)])
-        trajs = []
         for resp, scores in zip(responses, all_scores):
             traj = TrajectoryBuilder()
             traj.add_prompt(resp.input_tokens)

@@ -69,6 +69,7 @@ class LocalBackend:
             self.workflow = build_workflow(cfg, task, tokenizer, make_tools=local_python_tools,
                                            reward_scorers=self.reward_scorers, custom=workflow)
             self.episode_filter = build_episode_filter(cfg)
+            self.failures = plan.failure_policy()
             self.frozen: dict[str, Any] = {}
             """The frozen models started so far (`start_frozen`), by name."""
             self.faults = FaultLedger(ROLE_KINDS)
@@ -86,7 +87,7 @@ class LocalBackend:
 
     async def _run_episode(self, row: dict):
         put = lambda td: self.buffer.put(td, self.timeout_s)  # noqa: E731
-        return await run_and_store(self.workflow, self.engine, row, put, self.episode_filter)
+        return await run_and_store(self.workflow, self.engine, row, put, self.episode_filter, self.failures)
 
     # ---------------------------------------------------------------- learner
     def train_step(self, batch, loss=None) -> dict[str, float]:
@@ -166,7 +167,7 @@ class LocalBackend:
     def summary_stats(self) -> dict[str, Any]:
         engine_sum = self.loop.call(self.engine.weights.weights_checksum(), 60, "engine checksum")
         model = self.reward_scorers.get("model")
-        return backend_summary(failed_episodes=self.collector_stats()["failed_episodes"], faults=self.faults,
+        return backend_summary(collector=self.collector_stats(), faults=self.faults,
                                buffer=self.loop.run(self.buffer.buffer.stats),
                                reward_failures=workflow_reward_counters(self.workflow),
                                versions_held=[list(self.versions_held)], transport=self.plan.transport.setting,

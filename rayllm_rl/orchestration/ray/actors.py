@@ -200,16 +200,17 @@ class EnvWorker(ActorProcess):
     straight into the replay buffer (the collector only admits work; it never carries episodes)."""
 
     def __init__(self, workflow_factory, replica_names: list[str], buffer_name: str, namespace: str,
-                 episode_filter=None, timeout_s: float = 300.0, num_threads: int = 1):
+                 episode_filter=None, timeout_s: float = 300.0, num_threads: int = 1, failures=None):
         """Names, not handles: Ray re-runs this constructor on a restart with the creation task's
         arguments, and counts an actor handle among them as an object-store reference (it logs an
         error for it at creation). `workflow_factory` is a small picklable callable that builds the
-        episode workflow here."""
+        episode workflow here; `failures`: the plan's `rollout.failures.FailurePolicy` (None: the default)."""
         torch.set_num_threads(num_threads)
         self.workflow = workflow_factory()
         self.router = ReplicaRouter([ray.get_actor(n, namespace=namespace) for n in replica_names], timeout_s=timeout_s)
         self.buffer = ray.get_actor(buffer_name, namespace=namespace)
         self.episode_filter = episode_filter
+        self.failures = failures
         self.timeout_s = timeout_s
         self.episodes = 0
 
@@ -218,7 +219,7 @@ class EnvWorker(ActorProcess):
         from rayllm_rl.rollout.collector import run_and_store
 
         self.episodes += 1
-        return await run_and_store(self.workflow, self.router, row, self._put, self.episode_filter)
+        return await run_and_store(self.workflow, self.router, row, self._put, self.episode_filter, self.failures)
 
     async def _put(self, td) -> None:
         episode_id = int(td["group_id"][0])  # the collector's id of this episode (all rows share it)

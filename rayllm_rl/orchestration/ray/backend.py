@@ -256,7 +256,7 @@ class RayBackend:
         sums = c.learners.checksums() + c.replicas.checksums()
         self._take_fault_events()
         col = self.collector_stats()
-        return backend_summary(failed_episodes=col["failed_episodes"], faults=self.faults,
+        return backend_summary(collector=col, faults=self.faults,
                                buffer=c.get(c.buffer.stats.remote()),
                                reward_failures=env_worker_reward_counters(c.env_workers),
                                versions_held=c.replicas.versions_held(),

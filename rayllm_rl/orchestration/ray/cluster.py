@@ -255,7 +255,8 @@ class RoleContext:
             # not handles, and small inlined arguments only, so a restart never depends on an object-store argument
             # the driver may have dropped.
             self.env_args = (self.workflow_factory, self.plan.names("replica"), self.plan.names("buffer")[0],
-                             self.namespace, build_episode_filter(self.plan.config), self.timeout_s, 1)
+                             self.namespace, build_episode_filter(self.plan.config), self.timeout_s, 1,
+                             self.plan.failure_policy())
             check_inlined("env worker", self.env_args,
                           names=("workflow factory: the job config and the task's worker part",))
 
@@ -288,7 +289,8 @@ def _start_learner(c: Cluster, role, ctx: RoleContext):
 def _start_collector(c: Cluster, role, ctx: RoleContext):
     collector = RayLLMCollector.options(name=role.name, namespace=ctx.namespace, max_concurrency=1000,
                                         **c.placement.driver_node_options).remote(
-        role.spec, ctx.task.train, list(c.env_workers), c.buffer, ctx.timeout_s)
+        role.spec, ctx.task.train, list(c.env_workers), c.buffer,
+        ctx.plan.failure_policy().deadline_s + ctx.timeout_s)  # every attempt, then the buffer's put
     c.buffer.set_collector.remote(collector)
     return collector
 

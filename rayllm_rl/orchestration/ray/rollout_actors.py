@@ -136,7 +136,8 @@ class RayLLMCollector(ActorProcess):
                 if isinstance(exc, ray.exceptions.RayError):
                     raise  # a timeout inside the worker, with its own message
                 raise TimeoutError(f"episode {row.get('group_id')}: env worker {i} returned nothing within "
-                                   f"{self.timeout_s:g}s (trainer.call_timeout_s)") from None
+                                   f"{self.timeout_s:g}s (every attempt at rollout.episode_timeout_s, then "
+                                   "trainer.call_timeout_s for the buffer)") from None
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
                 if attempt == self.max_episode_attempts:  # counted as failed too
                     self.fault_events.append((LOST, row.get("group_id")))
