@@ -4,7 +4,8 @@ the format about as often as the teacher, its answers spread like the training a
 chance of the right held-out sum is what it would score ignoring the question (the question-blind baseline, read
 exactly from the model: `held_out_scores`); a run stopped and resumed on the single-process backend (the teacher,
 in no checkpoint, is loaded again from its path and scores as before); on Ray a teacher actor SIGKILLed mid-run
-(Ray restarts it; no rollback, no step lost), and in the middle of a call."""
+(Ray restarts it; no rollback, no step lost; a short run: the learning is the local run's, the same loss and
+code), and in the middle of a call."""
 from __future__ import annotations
 
 import json
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from job_helpers import run_job
+from learning_bounds import assert_rises
 from conftest import small_job_config
 from rayllm_rl.config import load_config
 from rayllm_rl.job.config import GRPOJobConfig
@@ -37,6 +39,9 @@ LEARN = ["data.eval_size=32", "data.max_operand=9", "rollout.prompts_per_step=8"
          "rollout.max_new_tokens=10", "trainer.log_every=1000", "trainer.call_timeout_s=120", "trainer.eval_every=0"]
 """The learning runs' size: 32 held-out sums of two digits 0-9 (the 68 other pairs train), 32 samples a step."""
 LEARN_STEPS = 200
+KILLED_TEACHER_STEPS = 8
+"""The Ray run through a killed teacher: killed after step 3, so steps 4-8 are scored by the restarted process.
+What 200 steps teach is shown by the local run (the same loss and scorer code); here the KL only has to fall."""
 
 
 @pytest.fixture(scope="module")
@@ -244,17 +249,18 @@ def test_a_scorer_killed_while_scoring_scores_the_batch_again_once_ray_restarted
 
 
 @pytest.mark.ray
-def test_ray_distillation_teaches_the_answer_format_through_a_killed_and_restarted_teacher(local_ray, tiny_model_path,
+def test_ray_distillation_goes_on_through_a_killed_and_restarted_teacher_and_its_kl_falls(local_ray, tiny_model_path,
                                                                                          trained_teacher, tmp_path):
-    """The learning run on Ray, asynchronous (staleness 1), its teacher actor SIGKILLed after step 3: Ray restarts
-    it (a new process answers under the same name while the run goes on), it loads its path again, the batch it
-    was scoring (if any) is scored again, every step trains with its KL, no rollback, and the student learns the
-    format as on the local backend."""
+    """The distillation run on Ray, asynchronous (staleness 1), its teacher actor SIGKILLed after step 3: Ray
+    restarts it (a new process answers under the same name while the run goes on), it loads its path again, the
+    batch it was scoring (if any) is scored again, every step trains with its KL, no rollback, and the KL falls
+    (the first three steps' against the last three's, by more than their own spread: the restarted teacher scores
+    as the killed one did; the learning over 200 steps is the local test's)."""
     import ray
 
-    steps, ns = LEARN_STEPS, "rayllm_distill_test"
+    steps, ns = KILLED_TEACHER_STEPS, "rayllm_distill_test"
     cfg = learning_cfg(tmp_path, tiny_model_path, trained_teacher[0], "trainer.backend=ray", f"ray.namespace={ns}",
-                       "ray.sync_timeout_s=60", "rollout.max_staleness=1").validate()
+                       "ray.sync_timeout_s=60", "rollout.max_staleness=1", f"trainer.steps={steps}").validate()
     out: dict = {}
     runner = threading.Thread(target=lambda: out.update(summary=run_job(cfg)), daemon=True)
     runner.start()
@@ -289,4 +295,5 @@ def test_ray_distillation_teaches_the_answer_format_through_a_killed_and_restart
     records = rl_records(summary)
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     assert all(r["teacher_kl_mean"] != 0 and r["teacher_s"] > 0 for r in records)
-    assert_learned_the_format(summary, tiny_model_path, trained_teacher[1])
+    kl = [r["teacher_kl_mean"] for r in records]  # measured: 4.76, 4.91, 4.80 ... 4.36, 4.21, 4.27 (8.6 SE)
+    assert_rises([-x for x in kl[:3]], [-x for x in kl[-3:]], what=f"minus the teacher KL, first 3 -> last 3: {kl}")

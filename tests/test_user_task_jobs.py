@@ -103,7 +103,8 @@ def test_a_reward_defined_in_the_test_trains_on_the_local_backend(tmp_path):
 def test_a_reward_defined_in_the_test_reaches_the_ray_env_workers_by_value_and_trains(tmp_path):
     """The env worker gets the task's worker part in its constructor arguments: the reward is a closure of this
     test, which no worker process can import, and it scores every episode there (`reward_calls` are counted by
-    the env workers)."""
+    the env workers), its components logged each step. A short run: that the same reward teaches the same rows is
+    the local test's, and that the Ray backend learns is test_ray_pipeline's."""
     import ray
 
     from rayllm_rl import train
@@ -111,9 +112,17 @@ def test_a_reward_defined_in_the_test_reaches_the_ray_env_workers_by_value_and_t
     graded = graded_reward()
     assert "<locals>" in graded.__qualname__
     train_rows, held = arithmetic_datasets()
+    steps = 4
     with local_ray_session("test_user_task_jobs", num_cpus=2, runtime_env={"env_vars": JOB_ENV}):
-        summary = train(overrides=[*LEARNING, f"trainer.run_dir={tmp_path}", "ray.sync_timeout_s=60"],
+        summary = train(overrides=[*LEARNING, "sft.steps=10", f"trainer.steps={steps}", f"trainer.run_dir={tmp_path}",
+                                   "ray.sync_timeout_s=60"],
                         reward_fn=graded, train_dataset=train_rows, eval_dataset=held)
         assert ray.is_initialized()  # the session's Ray, left running by the job
-    assert summary["backend"] == "ray"
-    assert_learned(summary, 60)
+    assert summary["backend"] == "ray" and summary["eval_prompts"] == 30
+    rl = rl_records(summary)
+    assert len(rl) == steps and summary["failed_episodes"] == 0
+    calls = summary["reward_failures"]
+    assert calls["reward_calls"] >= steps * 8 * 8 and calls["reward_errors"] == calls["reward_timeouts"] == 0, calls
+    for r in rl:  # the closure's own components, as it computed them on the workers: reward = (tagged + right) / 2
+        assert 0 <= r["right"] <= r["tagged"] <= 1 and r["reward"] == pytest.approx((r["tagged"] + r["right"]) / 2)
+    assert set(summary["eval_after"]) >= {"eval_reward", "eval_tagged", "eval_right"}
