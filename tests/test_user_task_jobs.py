@@ -1,16 +1,15 @@
-"""Your reward and your rows train the tiny model: a reward defined inside the test (no worker could import it)
-and a `datasets.Dataset` given to `train()` / `GRPOTrainer`, on the local backend and in Ray env workers
-(shipped by value). A reward by import path: test_examples (`jobs/grpo.py`), test_ray_job_submit (on Ray)."""
+"""Your reward and your rows reach the job: a reward defined inside the test (no worker could import it) and a
+`datasets.Dataset` given to `train()` / `GRPOTrainer`, on the local backend and in Ray env workers (shipped by
+value), scoring every sample of a short run. That they teach the model: test_examples' user_reward example. A
+reward by import path: test_examples (`jobs/grpo.py`), test_ray_job_submit (on Ray)."""
 from __future__ import annotations
 
 import json
 import re
-import statistics
 from pathlib import Path
 
 import pytest
 
-from learning_bounds import assert_greedy_gain, assert_rises
 from ray_sessions import JOB_ENV, local_ray_session
 
 pytestmark = pytest.mark.slow
@@ -55,25 +54,24 @@ def rl_records(summary) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["phase"] == "rl"]
 
 
-def assert_learned(summary, steps: int) -> None:
-    """Every step ran the user's reward (its components logged); the held-out reward rose, its tagged share by more
-    items than chance flips explain (`HELD_OUT`), and the training reward by more than the run's own step-to-step
-    noise (tests/learning_bounds.py)."""
+def assert_scored_by_the_users_reward(summary, steps: int) -> None:
+    """Every step ran the user's reward on every sample, with no error, and logged its components as the closure
+    computed them: reward = (tagged + right) / 2, right <= tagged (a step's means keep both). The held-out rows were
+    scored before and after with the same reward."""
     rl = rl_records(summary)
     assert len(rl) == steps and summary["failed_episodes"] == 0
     calls = summary["reward_failures"]
     assert calls["reward_calls"] >= steps * 8 * 8 and calls["reward_errors"] == calls["reward_timeouts"] == 0, calls
-    assert all("tagged" in r and "right" in r for r in rl)
-    before, after = summary["eval_before"], summary["eval_after"]
-    first, last = (statistics.fmean(r["reward"] for r in part) for part in (rl[:15], rl[-15:]))
-    print(f"held-out reward {before['eval_reward']:.3f} -> {after['eval_reward']:.3f}, "
-          f"tagged {before['eval_tagged']:.2f}"
-          f" -> {after['eval_tagged']:.2f}, right {before['eval_right']:.2f} -> {after['eval_right']:.2f}; training "
-          f"reward {first:.3f} -> {last:.3f}; {summary['wall_seconds']} s")
-    assert_greedy_gain(before["eval_tagged"], after["eval_tagged"], n=round(after["eval_n"]), what=HELD_OUT)
-    assert after["eval_reward"] > before["eval_reward"], ("the held-out reward did not rise", before, after)
-    assert_rises([r["reward"] for r in rl[:15]], [r["reward"] for r in rl[-15:]],
-                 what="training reward, first 15 -> last 15 steps")
+    for r in rl:
+        assert 0 <= r["right"] <= r["tagged"] <= 1 and r["reward"] == pytest.approx((r["tagged"] + r["right"]) / 2)
+    assert summary["eval_prompts"] == 30
+    assert {"eval_reward", "eval_tagged", "eval_right"} <= set(summary["eval_before"]) & set(summary["eval_after"])
+
+
+SHORT = [*LEARNING, "sft.steps=10", "trainer.steps=4"]
+"""A short run of the same settings: what these tests show is the reward and the rows reaching the job (as objects,
+by value to the workers); that the same reward teaches the same rows is test_examples' user_reward example (60 SFT
+and 60 GRPO steps, `HELD_OUT`'s bounds), and that the Ray backend learns is test_ray_pipeline's."""
 
 
 def graded_reward():
@@ -89,22 +87,21 @@ def graded_reward():
 
 
 def test_a_reward_defined_in_the_test_trains_on_the_local_backend(tmp_path):
-    """TRL's front door, one process: the reward and datasets are objects; the held-out reward rises."""
+    """TRL's front door, one process: the reward and the datasets are objects (`SHORT`)."""
     from rayllm_rl import GRPOTrainer
 
     train_rows, held = arithmetic_datasets()
     summary = GRPOTrainer(reward_funcs=graded_reward(), train_dataset=train_rows, eval_dataset=held,
-                          args=[*LEARNING, "trainer.backend=local", f"trainer.run_dir={tmp_path}"]).train()
-    assert summary["eval_prompts"] == 30
-    assert_learned(summary, 60)
+                          args=[*SHORT, "trainer.backend=local", f"trainer.run_dir={tmp_path}"]).train()
+    assert summary["backend"] == "local"
+    assert_scored_by_the_users_reward(summary, 4)
 
 
 @pytest.mark.ray
 def test_a_reward_defined_in_the_test_reaches_the_ray_env_workers_by_value_and_trains(tmp_path):
     """The env worker gets the task's worker part in its constructor arguments: the reward is a closure of this
     test, which no worker process can import, and it scores every episode there (`reward_calls` are counted by
-    the env workers), its components logged each step. A short run: that the same reward teaches the same rows is
-    the local test's, and that the Ray backend learns is test_ray_pipeline's."""
+    the env workers), its components logged each step (`SHORT`)."""
     import ray
 
     from rayllm_rl import train
@@ -112,17 +109,9 @@ def test_a_reward_defined_in_the_test_reaches_the_ray_env_workers_by_value_and_t
     graded = graded_reward()
     assert "<locals>" in graded.__qualname__
     train_rows, held = arithmetic_datasets()
-    steps = 4
     with local_ray_session("test_user_task_jobs", num_cpus=2, runtime_env={"env_vars": JOB_ENV}):
-        summary = train(overrides=[*LEARNING, "sft.steps=10", f"trainer.steps={steps}", f"trainer.run_dir={tmp_path}",
-                                   "ray.sync_timeout_s=60"],
+        summary = train(overrides=[*SHORT, f"trainer.run_dir={tmp_path}", "ray.sync_timeout_s=60"],
                         reward_fn=graded, train_dataset=train_rows, eval_dataset=held)
         assert ray.is_initialized()  # the session's Ray, left running by the job
-    assert summary["backend"] == "ray" and summary["eval_prompts"] == 30
-    rl = rl_records(summary)
-    assert len(rl) == steps and summary["failed_episodes"] == 0
-    calls = summary["reward_failures"]
-    assert calls["reward_calls"] >= steps * 8 * 8 and calls["reward_errors"] == calls["reward_timeouts"] == 0, calls
-    for r in rl:  # the closure's own components, as it computed them on the workers: reward = (tagged + right) / 2
-        assert 0 <= r["right"] <= r["tagged"] <= 1 and r["reward"] == pytest.approx((r["tagged"] + r["right"]) / 2)
-    assert set(summary["eval_after"]) >= {"eval_reward", "eval_tagged", "eval_right"}
+    assert summary["backend"] == "ray"
+    assert_scored_by_the_users_reward(summary, 4)
