@@ -129,13 +129,13 @@ def held_out_scores(model_path: str) -> dict[str, float]:
             "blind": float(table.mean(0)[right].mean())}
 
 
-def learning_cfg(run_dir, student: str, teacher: str, *extra: str):
+def learning_cfg(run_dir, student: str, teacher: str, *extra: str, steps: int = LEARN_STEPS):
     """The untrained tiny `student` (random weights, no SFT: held-out 0) distilled from `teacher` alone, 2 optimizer
     steps a batch at lr 1e-3 (docs/distillation.md, "A tiny model learning from a teacher")."""
     return load_config(GRPOJobConfig, [f"model.path={student}", f"teacher.path={teacher}", f"trainer.run_dir={run_dir}",
                                        *LEARN, "sft.steps=0", "teacher.coef=1", "teacher.task_coef=0", "optim.lr=1e-3",
                                        "optim.warmup_steps=0", "optim.num_minibatches=2",
-                                       f"trainer.steps={LEARN_STEPS}", *extra])
+                                       f"trainer.steps={steps}", *extra])
 
 
 def assert_learned_the_format(summary, student: str, teacher_scores: dict) -> None:
@@ -260,7 +260,7 @@ def test_ray_distillation_goes_on_through_a_killed_and_restarted_teacher_and_its
 
     steps, ns = KILLED_TEACHER_STEPS, "rayllm_distill_test"
     cfg = learning_cfg(tmp_path, tiny_model_path, trained_teacher[0], "trainer.backend=ray", f"ray.namespace={ns}",
-                       "ray.sync_timeout_s=60", "rollout.max_staleness=1", f"trainer.steps={steps}").validate()
+                       "ray.sync_timeout_s=60", "rollout.max_staleness=1", steps=steps).validate()
     out: dict = {}
     runner = threading.Thread(target=lambda: out.update(summary=run_job(cfg)), daemon=True)
     runner.start()
@@ -295,5 +295,5 @@ def test_ray_distillation_goes_on_through_a_killed_and_restarted_teacher_and_its
     records = rl_records(summary)
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     assert all(r["teacher_kl_mean"] != 0 and r["teacher_s"] > 0 for r in records)
-    kl = [r["teacher_kl_mean"] for r in records]  # measured: 4.76, 4.91, 4.80 ... 4.36, 4.21, 4.27 (8.6 SE)
+    kl = [r["teacher_kl_mean"] for r in records]  # measured: 8.6 and 6.5 SE in two runs
     assert_rises([-x for x in kl[:3]], [-x for x in kl[-3:]], what=f"minus the teacher KL, first 3 -> last 3: {kl}")

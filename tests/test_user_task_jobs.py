@@ -14,12 +14,6 @@ from ray_sessions import JOB_ENV, local_ray_session
 
 pytestmark = pytest.mark.slow
 
-LEARNING = ["data.sft_column=demo", "sft.steps=60", "sft.batch_size=32", "sft.lr=1e-3", "rollout.prompts_per_step=8",
-            "rollout.group_size=8", "rollout.max_new_tokens=8", "trainer.steps=60", "optim.lr=2e-4",
-            "trainer.eval_every=0", "trainer.log_every=1000", "trainer.call_timeout_s=120"]
-"""A short SFT warm start on the demonstration column, then 60 GRPO steps (the learning runs of test_one_driver
-and test_ray_pipeline, on the user's rows)."""
-
 TAGGED_EVERY = 4
 """One demonstration in this many puts the answer in <answer> tags; the others give the bare number. The warm
 start so leaves a policy that tags about a third to a half of its answers, on any prompt."""
@@ -68,10 +62,13 @@ def assert_scored_by_the_users_reward(summary, steps: int) -> None:
     assert {"eval_reward", "eval_tagged", "eval_right"} <= set(summary["eval_before"]) & set(summary["eval_after"])
 
 
-SHORT = [*LEARNING, "sft.steps=10", "trainer.steps=4"]
-"""A short run of the same settings: what these tests show is the reward and the rows reaching the job (as objects,
-by value to the workers); that the same reward teaches the same rows is test_examples' user_reward example (60 SFT
-and 60 GRPO steps, `HELD_OUT`'s bounds), and that the Ray backend learns is test_ray_pipeline's."""
+SHORT = ["data.sft_column=demo", "sft.steps=10", "sft.batch_size=32", "sft.lr=1e-3", "rollout.prompts_per_step=8",
+         "rollout.group_size=8", "rollout.max_new_tokens=8", "trainer.steps=4", "optim.lr=2e-4", "trainer.eval_every=0",
+         "trainer.log_every=1000", "trainer.call_timeout_s=120"]
+"""A short warm start on the demonstration column, then 4 GRPO steps: what these tests show is the reward and the
+rows reaching the job (as objects, by value to the workers); that the same reward teaches the same rows is
+test_examples' user_reward example (60 SFT and 60 GRPO steps, `HELD_OUT`'s bounds), and that the Ray backend learns
+is test_ray_pipeline's."""
 
 
 def graded_reward():
