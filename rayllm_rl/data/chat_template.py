@@ -80,8 +80,15 @@ def next_turn_text(tokenizer, role: str, content: str, *, generation_prompt: boo
     assistant\n". Taken as the difference of two renders of a placeholder exchange, with and without the
     message, so a template's default system message (added to a chat that starts without one) never
     appears in it, as it would in a render of the lone message."""
+    return next_turns_text(tokenizer, [{"role": role, "content": content}], generation_prompt=generation_prompt)
+
+
+def next_turns_text(tokenizer, messages: Sequence[Mapping[str, str]], *, generation_prompt: bool = True) -> str:
+    """`next_turn_text` of several messages at once (e.g. the results of two tool calls): rendered together after
+    the placeholder exchange, so the template's separators between them are its own."""
     before = _render(tokenizer, _PLACEHOLDER_CHAT, False, None).rstrip()
-    after = _render(tokenizer, _PLACEHOLDER_CHAT + [{"role": role, "content": content}], generation_prompt, None)
+    chat = _PLACEHOLDER_CHAT + [{"role": m["role"], "content": m["content"]} for m in messages]
+    after = _render(tokenizer, chat, generation_prompt, None)
     if not after.startswith(before):
         raise ValueError("the chat template is not prefix-stable (adding a message re-renders earlier ones): the "
                          "next turn cannot be appended token-in/token-out")

@@ -25,6 +25,10 @@ class Task:
     """Row -> assistant demonstration text for the SFT warm start (None: no warm start)."""
     env_cls: Any = None
     """The task's DatasetChatEnv class (None: the task has no env)."""
+    workflow: Callable[..., Any] | None = None
+    """The task's own rollout workflow: a factory the job calls with the keywords it names of
+    `workflows.custom.JOB_KEYWORDS` (the OpenEnv task's, which plays its environment); `rollout.workflow=auto`
+    runs it (None: the built-in workflows)."""
 
     @functools.cached_property
     def make_env(self) -> Callable[..., Any] | None:

@@ -29,6 +29,12 @@ def build_task(cfg: GRPOJobConfig, inputs: JobInputs | None = None) -> Task:
         task = make_task(cfg.task, cfg.data, cfg.trainer.seed, inputs)
     else:
         task = custom_task(cfg, inputs)
+    if task.workflow is not None and (cfg.rollout.workflow != "auto" or inputs.workflow is not None):
+        raise ValueError(f"task {task.name!r} plays its environment with its own workflow: leave rollout.workflow=auto "
+                         f"(got {cfg.rollout.workflow!r}{' and a workflow= object' if inputs.workflow else ''})")
+    if task.workflow is not None and cfg.reward.enabled:
+        raise ValueError(f"task {task.name!r} is scored by its environment (and TRL-style reward functions): "
+                         "reward.model / reward.judge are not combined with it; turn them off")
     if cfg.rollout.workflow == "env" and task.env_cls is None:
         raise ValueError(f"rollout.workflow=env needs a task with a ChatEnv; task {task.name!r} has none "
                          "(Task.env_cls): use rollout.workflow=rlvr or multi_turn")
@@ -87,18 +93,22 @@ def build_workflow(cfg: GRPOJobConfig, task: Task, tokenizer, make_tools: Callab
                    reward_scorers: Mapping[str, Any] | None = None, custom: CustomWorkflow | None = None):
     """The rollout workflow: the user's own (`custom`, the job's `JobInputs.workflow`) built with the job's
     keywords (`workflows.custom.JOB_KEYWORDS`), else the built-in one `rollout.workflow` names ('auto': the
-    task's env if it has one). The one place that turns a workflow's name into a workflow.
+    task's own workflow if it has one, `Task.workflow`, else its env if it has one). The one place that turns a
+    workflow's name into a workflow.
 
     `make_tools()` builds one episode's tools for `python_tool`; `reward_scorers` ({"model": ..., "judge":
     ...}) score for `reward.*`; each backend hands in its own (in-process, or Ray actors), so nothing here
     asks which backend runs."""
     task = training_task(cfg, task, reward_scorers)
     r = cfg.rollout
+    offered = {"reward_fn": task.reward_fn, "tokenizer": tokenizer, "sampling": build_sampling(cfg),
+               "group_size": r.group_size, "max_turns": r.max_turns, "turn_discount": r.turn_discount,
+               "task": task.worker_part(), "config": cfg}
     if custom is not None:
-        return custom.build({"reward_fn": task.reward_fn, "tokenizer": tokenizer, "sampling": build_sampling(cfg),
-                             "group_size": r.group_size, "max_turns": r.max_turns, "turn_discount": r.turn_discount,
-                             "task": task.worker_part(), "config": cfg})
+        return custom.build(offered)
     kind = r.workflow
+    if kind == "auto" and task.workflow is not None:  # the task plays its own environment (task=openenv)
+        return CustomWorkflow(task.workflow, label=f"task {task.name!r}'s workflow").build(offered)
     if kind not in BUILTIN_WORKFLOWS:
         raise ValueError(f"rollout.workflow={kind!r} is not a built-in workflow {list(BUILTIN_WORKFLOWS)}, and no "
                          "workflow of your own was handed in (JobInputs.workflow: rollout.workflow=package.module:Name "
