@@ -14,7 +14,8 @@ from rayllm_rl.job.config import GRPOJobConfig
 def train(config: GRPOJobConfig | None = None, overrides: list[str] | None = None, *,
           callbacks: list | None = None, reward_fn: Callable[..., Any] | Sequence[Callable[..., Any]] | None = None,
           reward_weights: Sequence[float] | None = None, train_dataset: Any = None, eval_dataset: Any = None,
-          task: Any = None, workflow: Any = None, workflow_kwargs: Mapping[str, Any] | None = None) -> dict:
+          task: Any = None, workflow: Any = None, workflow_kwargs: Mapping[str, Any] | None = None,
+          environment: Any = None) -> dict:
     """Validate the config (before any actor starts), run it, return the summary.
 
     `overrides` are `key.sub=value` strings applied on top of `config` (or of the defaults).
@@ -41,11 +42,13 @@ def train(config: GRPOJobConfig | None = None, overrides: list[str] | None = Non
       factory called in each env worker with the keywords it names of `reward_fn, tokenizer, sampling,
       group_size, max_turns, turn_discount, task, config` (`workflows.custom.JOB_KEYWORDS`) plus
       `workflow_kwargs`, returning an object with `async arun_episode(engine, data) -> TensorDict`; or such an
-      object itself (pickled to each worker: keep it small). docs/extending.md has the contract.
+      object itself (pickled to each worker: keep it small). docs/extending.md has the contract;
+    - `environment`: the environment `task=openenv` plays (task unset: it is set), in place of `data.openenv.env`:
+      an OpenEnv `Environment` subclass or a TRL `environment_factory` class (docs/environments.md).
     """
     plan, inputs = prepare(config, overrides, reward_fn=reward_fn, reward_weights=reward_weights,
                            train_dataset=train_dataset, eval_dataset=eval_dataset, task=task, workflow=workflow,
-                           workflow_kwargs=workflow_kwargs)
+                           workflow_kwargs=workflow_kwargs, environment=environment)
     return run_plan(plan, inputs, callbacks=callbacks)
 
 

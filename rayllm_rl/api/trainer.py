@@ -14,7 +14,8 @@ from rayllm_rl.job.config import GRPOJobConfig
 
 class GRPOTrainer:
     """`GRPOTrainer(model=None, reward_funcs=None, train_dataset=None, eval_dataset=None, args=None,
-    reward_weights=None, callbacks=None, workflow=None, workflow_kwargs=None).train() -> summary`: the job
+    reward_weights=None, callbacks=None, workflow=None, workflow_kwargs=None, environment_factory=None).train() ->
+    summary`: the job
     `train(config, reward_fn=..., ...)` runs."""
 
     def __init__(self, model: str | None = None,
@@ -22,7 +23,8 @@ class GRPOTrainer:
                  train_dataset: Any = None, eval_dataset: Any = None,
                  args: GRPOJobConfig | Mapping[str, Any] | Sequence[str] | None = None,
                  reward_weights: Sequence[float] | None = None, callbacks: Sequence[Any] | None = None,
-                 workflow: Any = None, workflow_kwargs: Mapping[str, Any] | None = None) -> None:
+                 workflow: Any = None, workflow_kwargs: Mapping[str, Any] | None = None,
+                 environment_factory: Any = None) -> None:
         config = config_of(args)
         if model is not None:
             if not isinstance(model, str):
@@ -42,6 +44,9 @@ class GRPOTrainer:
         """Callback objects (callbacks.py), as TRL's `callbacks`."""
         self.workflow, self.workflow_kwargs = workflow, workflow_kwargs
         """A rollout workflow of your own (`train(workflow=...)`, docs/extending.md) and its keyword arguments."""
+        self.environment_factory = environment_factory
+        """TRL's `environment_factory` (a class with `reset(**row)` and tool methods; `reward_funcs` then get
+        `environments=`), or an OpenEnv Environment subclass: `train(environment=...)`, task=openenv."""
 
     def train(self) -> dict:
         """Run the job (`rayllm_rl.train`); returns its summary."""
@@ -49,7 +54,8 @@ class GRPOTrainer:
 
         return train(self.config, callbacks=self.callbacks, reward_fn=self.reward_funcs,
                      reward_weights=self.reward_weights, train_dataset=self.train_dataset,
-                     eval_dataset=self.eval_dataset, workflow=self.workflow, workflow_kwargs=self.workflow_kwargs)
+                     eval_dataset=self.eval_dataset, workflow=self.workflow, workflow_kwargs=self.workflow_kwargs,
+                     environment=self.environment_factory)
 
 
 def config_of(args: GRPOJobConfig | Mapping[str, Any] | Sequence[str] | None) -> GRPOJobConfig:

@@ -19,6 +19,9 @@ from typing import Any, Literal, Mapping
 PROMPT_TASK = "prompts"
 """The task that trains on the user's prompt rows with the user's reward (`reward.fn`, `train(reward_fn=...)`)."""
 
+OPENENV_TASK = "openenv"
+"""The task that plays an environment (`data.openenv`, `train(environment=...)`): environments/task.py."""
+
 DEFAULT_TASK = "arithmetic"
 """What `task` left unset means when no reward function is given: the CPU demo."""
 
@@ -56,6 +59,8 @@ class TaskEntry:
     """Whether the task has a ChatEnv (`rollout.workflow=env`)."""
     takes_reward: bool = False
     """Whether the user's reward functions (`reward.fn`, `reward_fn=`) are this task's reward."""
+    needs_reward: bool = True
+    """With `takes_reward`: whether the task has no reward without them (False: they add to its own)."""
     default_config: str | None = None
     """The hub config read when `data.path` names a dataset with several configs and none."""
     example_path: str = ""
@@ -95,6 +100,10 @@ TASKS: Mapping[str, TaskEntry] = MappingProxyType({
     PROMPT_TASK: TaskEntry("rayllm_rl.envs.prompt_task:make_prompt_task", _presets(512, 100), _ADAPTER_LR, 128,
                            "data.path", data_keys=("prompt_column", "system_prompt", "sft_column"), takes_reward=True,
                            example_path="rows.jsonl", plan_rows="rayllm_rl.envs.prompt_task:plan_rows"),
+    # an OpenEnv environment or a TRL environment_factory class, played in the env workers; its reward is the
+    # environment's (plus TRL-style reward functions, if given); no held-out greedy evaluation (environments.task)
+    OPENENV_TASK: TaskEntry("rayllm_rl.environments.task:make_task", _presets(128, 0), _ADAPTER_LR, 64, "generated",
+                            data_keys=("openenv",), takes_reward=True, needs_reward=False),
 })
 """Every built-in task by name (`task=<name>`)."""
 
@@ -129,13 +138,17 @@ def task_entry(name: str) -> TaskEntry:
                      + (f" (close: {close})" if close else "") + " nor an import path 'package.module:factory'")
 
 
-def resolve_task_name(task: str | None, has_reward: bool, python_task: str | None = None) -> str:
+def resolve_task_name(task: str | None, has_reward: bool, python_task: str | None = None,
+                      has_environment: bool = False) -> str:
     """`task` when set; else "python:<name>" for a task given as a Python object (`python_task` its name),
-    else `prompts` when a reward function is given (`reward.fn`, `reward_fn=`), else `arithmetic`."""
+    else `openenv` when an environment object is given (`train(environment=...)`), else `prompts` when a reward
+    function is given (`reward.fn`, `reward_fn=`), else `arithmetic`."""
     if task:
         return task
     if python_task:
         return PYTHON_TASK_PREFIX + python_task
+    if has_environment:
+        return OPENENV_TASK
     return PROMPT_TASK if has_reward else DEFAULT_TASK
 
 

@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any, ClassVar, Literal
 
 from rayllm_rl.config import NonNegFloat, NonNegInt, PosFloat, PosInt
+from rayllm_rl.environments.config import OpenEnvConfig
 from rayllm_rl.envs.reasoning_gym_task import ReasoningGymConfig
 from rayllm_rl.learner.learner import OptimConfig
 from rayllm_rl.lora import LoraOptions
@@ -113,6 +114,10 @@ class DataConfig:
     reasoning_gym: ReasoningGymConfig = dataclasses.field(default_factory=ReasoningGymConfig)
     """task=reasoning_gym only: the generator (`dataset`), its `options`, the train/eval seeds, the prompt's
     instruction and system line, and the format reward (envs/reasoning_gym_task.py, docs/tasks.md)."""
+    openenv: OpenEnvConfig = dataclasses.field(default_factory=OpenEnvConfig)
+    """task=openenv only: the environment (an OpenEnv Environment subclass or a TRL environment_factory class by
+    import path, or a running server's base_url), how replies become actions, the rows' prompt and seeds, the
+    bound of each call (environments/config.py, docs/environments.md)."""
 
 
 @dataclasses.dataclass

@@ -43,11 +43,16 @@ class JobInputs:
     imported; None = the built-in one `rollout.workflow` names."""
     python_workflow: str = ""
     """The name of a workflow given as an object: `rollout.workflow` resolves to "python:<it>"."""
+    environment: Any = None
+    """The environment of `task=openenv` given in Python (`train(environment=...)`, `GRPOTrainer(
+    environment_factory=...)`): an OpenEnv `Environment` subclass or a TRL environment class (or a factory with no
+    arguments), in place of `data.openenv.env`; None = the config's."""
 
     @classmethod
     def of(cls, cfg: Any, *, reward_fn: Callable | Sequence[Callable] | None = None,
            reward_weights: Sequence[float] | None = None, train_dataset: Any = None, eval_dataset: Any = None,
-           task: Any = None, workflow: Any = None, workflow_kwargs: Mapping[str, Any] | None = None) -> "JobInputs":
+           task: Any = None, workflow: Any = None, workflow_kwargs: Mapping[str, Any] | None = None,
+           environment: Any = None) -> "JobInputs":
         """The objects of a job whose config is `cfg` (resolved or not): the keywords of `train`, plus the
         config's import paths imported. Giving one thing both ways (e.g. `reward_fn=` and `reward.fn`, `task=`
         and `task: gsm8k`, `train_dataset=` and `data.path`, `workflow=` and `rollout.workflow=rlvr`) is a
@@ -61,7 +66,14 @@ class JobInputs:
                                  "give one")
         custom, label, python_name = _task(cfg, task)
         flow, python_flow = _workflow(cfg, workflow, workflow_kwargs)
-        return cls(fns, weights, labels, train_dataset, eval_dataset, custom, label, python_name, flow, python_flow)
+        if environment is not None and cfg.data.openenv.env:
+            raise ValueError(f"environment= and data.openenv.env={cfg.data.openenv.env!r} both name the environment: "
+                             "give one")
+        if environment is not None and not callable(environment):
+            raise ValueError(f"environment= is a {type(environment).__name__}: give the environment's class (or a "
+                             "factory with no arguments), not an instance: every episode builds its own")
+        return cls(fns, weights, labels, train_dataset, eval_dataset, custom, label, python_name, flow, python_flow,
+                   environment)
 
 
 def _reward_fns(cfg: Any, given) -> tuple[tuple[Callable, ...], tuple[str, ...]]:
