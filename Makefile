@@ -46,6 +46,24 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# OpenEnv's tests (tests/test_openenv.py) run in a venv of their own, since openenv 0.10's fastmcp 3 needs mcp<2 and
+# the `mcp` extra pins 2.3.0 (docs/environments.md): .venv-openenv sees every package of .venv (a .pth file adds its
+# site-packages after its own) and holds only openenv and what `import openenv.core` needs that .venv lacks or has at
+# another version, installed --no-deps at these pins (gradio, its web UI, is not needed).
+OE_VENV := .venv-openenv
+OE_PY := $(OE_VENV)/bin/python
+OE_STAMP := $(OE_VENV)/.installed
+OPENENV_PINS := openenv==0.10.0 fastmcp==3.4.11 fastmcp-slim==3.4.11 mcp==1.30.0 py-key-value-aio==0.4.6 \
+  authlib==1.9.10 httpx-sse==0.4.3 beartype==0.23.1 exceptiongroup==1.3.2
+
+$(OE_STAMP): $(STAMP)
+	test -x $(OE_PY) || $(PY) -m venv $(OE_VENV)
+	$(OE_PY) -c "import site, sys; open(site.getsitepackages()[0] + '/zz_rayllm_venv.pth', 'w').write('import site; site.addsitedir(%r)\\n' % sys.argv[1])" \
+	  "$$($(PY) -c 'import site; print(site.getsitepackages()[0])')"
+	env UV_LINK_MODE=copy $(VENV)/bin/uv pip install -q --no-progress --no-deps --python $(OE_PY) $(OPENENV_PINS)
+	env -u PYTHONDONTWRITEBYTECODE $(OE_PY) -c "import openenv.core, rayllm_rl, mcp; assert mcp.__file__.startswith('$(CURDIR)/$(OE_VENV)')"
+	touch $(OE_STAMP)
+
 models: $(SMOLLM2)
 
 $(SMOLLM2): | $(STAMP)
@@ -70,16 +88,18 @@ PYTEST := $(PYW) -m pytest
 # (tests/idle_workers.py); a core already busy leaves one (-n 0: the suite in this process, as before).
 # PYTEST_WORKERS=N sets it.
 PYTEST_WORKERS ?= auto
-test: $(STAMP) $(SMOLLM2) browser
+test: $(STAMP) $(OE_STAMP) $(SMOLLM2) browser
 	$(PYTEST) -q tests --durations=25 -n "$$($(PY) tests/idle_workers.py $(PYTEST_WORKERS))" --dist loadfile \
 	  $(PYTEST_ARGS)
+	env -u PYTHONDONTWRITEBYTECODE $(OE_PY) -m pytest -q tests/test_openenv.py --durations=5 $(PYTEST_ARGS)
 
 # The quick subset while developing: no vLLM engines, no Ray clusters, nothing marked slow.
-test-fast: $(STAMP) $(SMOLLM2)
+test-fast: $(STAMP) $(OE_STAMP) $(SMOLLM2)
 	$(PYTEST) -q tests -m "not slow and not vllm and not ray" $(PYTEST_ARGS)
+	env -u PYTHONDONTWRITEBYTECODE $(OE_PY) -m pytest -q tests/test_openenv.py -m "not slow and not ray" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/engine_throughput.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(OE_VENV) runs .pytest_cache

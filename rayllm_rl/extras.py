@@ -17,8 +17,14 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "lora": ("peft",),
     "agents": ("openai",),
     "tinker": ("tinker", "uvicorn", "starlette", "zstandard"),
+    "openenv": ("openenv",),
 }
-"""Each extra and the modules it installs (pyproject.toml's optional-dependencies; `[all]` is every one)."""
+"""Each extra and the modules it installs (pyproject.toml's optional-dependencies; `[all]` is every one but vllm and
+openenv, whose fastmcp needs mcp<2 where the `mcp` extra pins 2.3: docs/environments.md)."""
+
+NOT_IN_ALL = frozenset({"vllm", "openenv"})
+"""Extras `[all]` leaves out: vllm (a CPU build `make` installs, a CUDA one on GPUs) and openenv (its fastmcp needs
+mcp<2, the `mcp` extra pins 2.3: installed in a venv of its own)."""
 
 TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 """trackers.loggers names and the module each needs (jsonl needs none)."""
@@ -37,8 +43,9 @@ def require(feature: str, extra: str, modules: tuple[str, ...] = ()) -> None:
     of `extra`'s; e.g. only wandb of the trackers) is missing."""
     missing = [m for m in modules or EXTRAS[extra] if not installed(m)]
     if missing:
+        also = "" if extra in NOT_IN_ALL else " (or rayllm_rl[all])"
         raise MissingExtraError(f"{feature} needs {', '.join(missing)}, which this environment lacks: "
-                                f"pip install 'rayllm_rl[{extra}]' (or rayllm_rl[all])")
+                                f"pip install 'rayllm_rl[{extra}]'{also}")
 
 
 def check_extras(cfg: Any) -> None:
@@ -56,5 +63,7 @@ def check_extras(cfg: Any) -> None:
 
     if names_gguf(str(cfg.model.path), cfg.model.gguf_file):
         require(f"model.path={cfg.model.path} (a GGUF file, dequantized by transformers)", "gguf")
+    if cfg.task == "openenv" and cfg.data.openenv.base_url:
+        require("data.openenv.base_url (OpenEnv's client)", "openenv")
     if cfg.rollout.workflow == "openai_agent":
         require("rollout.workflow=openai_agent (agents written with the OpenAI SDK)", "agents")

