@@ -1,0 +1,434 @@
+"""task=openenv: an OpenEnv `Environment` written here and TRL's `environment_factory` form of the same game, played
+token-in/token-out by the tiny model, trained on the local backend and on Ray; and the adapter's parts without Ray
+(observation -> turn, reply -> action, reward / done, the three failure causes).
+
+Runs in .venv-openenv (openenv 0.10 cannot share .venv with the `mcp` extra: docs/environments.md); `make test`
+runs it there, and conftest.py leaves it out of a venv without openenv.
+
+The game (`CountEnv`): reset(seed) picks a digit t = seed % 10 and says "Say t."; each step's reward is
+`step_reward(answer, digit asked)`, and the next observation asks for the next digit; the episode ends after
+`STEPS` steps. The tiny model's replies are read whole as the answer (`parse_answer`, the user's action parser), so
+every episode lasts exactly `STEPS` turns and the test knows each observation the model was shown.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.types import Action, Observation, State
+
+from ray_sessions import JOB_ENV, local_ray_session
+
+STEPS = 2
+"""Steps of a CountEnv episode (its observations ask for t, then t + 1)."""
+
+
+class SayAction(Action):
+    """Say something."""
+
+    answer: str
+
+
+class SayObservation(Observation):
+    prompt: str = ""
+
+
+def ask(digit: int) -> str:
+    return f"Say {digit % 10}."
+
+
+def step_reward(answer: str, digit: int) -> float:
+    """1 for an answer holding the digit asked, else 1 / (1 + its ASCII letters): dense, so the tiny model's random
+    replies score apart (the share of a step a word costs), and computable from a trace's text."""
+    if str(digit % 10) in answer:
+        return 1.0
+    return 1.0 / (1 + sum(c.isascii() and c.isalpha() for c in answer))
+
+
+class CountEnv(Environment[SayAction, SayObservation, State]):
+    """The OpenEnv form: digits to say, one per step (see the module docstring)."""
+
+    def __init__(self):
+        super().__init__()
+        self._state = State()
+        self.target = 0
+
+    def reset(self, seed=None, episode_id=None, **kwargs) -> SayObservation:
+        self._state = State(episode_id=episode_id, step_count=0)
+        self.target = int(seed or 0) % 10
+        return SayObservation(prompt=ask(self.target))
+
+    def step(self, action: SayAction, timeout_s=None, **kwargs) -> SayObservation:
+        asked = (self.target + self._state.step_count) % 10
+        self._state.step_count += 1
+        done = self._state.step_count >= STEPS
+        return SayObservation(prompt="" if done else ask(asked + 1), reward=step_reward(action.answer, asked),
+                              done=done)
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+
+def parse_answer(text: str) -> SayAction:
+    """The user's action parser: the whole reply is the answer."""
+    return SayAction(answer=text)
+
+
+class CountToolEnv:
+    """TRL's environment_factory form of the same game: `say` is the tool, `get_reward` the environment's reward."""
+
+    def __init__(self):
+        self.target, self.said, self.reward = 0, 0, 0.0
+
+    def reset(self, **row) -> str | None:
+        self.target, self.said, self.reward = int(row["seed"]) % 10, 0, 0.0
+        return " " + ask(self.target)
+
+    def say(self, answer: str) -> str:
+        """
+        Say a digit.
+
+        Args:
+            answer: The digit to say.
+
+        Returns:
+            What to say next.
+        """
+        if self.said >= STEPS:
+            raise ValueError("Game over.")
+        self.reward += step_reward(answer, self.target + self.said)
+        self.said += 1
+        return ask(self.target + self.said)
+
+    def get_reward(self) -> float:
+        return self.reward
+
+
+def say_everything(text: str) -> list:
+    """The user's tool parser for the tiny model: every reply is one call of `say` with the reply as the answer."""
+    return [("say", {"answer": text})]
+
+
+def said_digits(environments, **kwargs) -> list[float]:
+    """A TRL-style reward function reading the environments: how many times the digit asked was said."""
+    return [float(env.reward) for env in environments]
+
+
+# ---------------------------------------------------------------------------- adapter parts, no Ray
+def cfg_of(**keys):
+    from rayllm_rl.environments.config import OpenEnvConfig
+
+    return OpenEnvConfig(**keys)
+
+
+def test_a_tool_call_becomes_the_action_and_a_bad_reply_an_invalid_action():
+    from rayllm_rl.environments.actions import InvalidAction, ReplyReader, action_class_of
+
+    reader = ReplyReader(tool_name="step")
+    assert action_class_of(CountEnv) is SayAction
+    action = reader.action('<tool_call>{"name": "step", "arguments": {"answer": "7"}}</tool_call>', SayAction)
+    assert isinstance(action, SayAction) and action.answer == "7"
+    for reply, why in (("7", "no tool call"), ('<tool_call>{"name": "jump", "arguments": {}}</tool_call>',
+                                                "unknown tool 'jump'"),
+                       ('<tool_call>{"name": "step", "arguments": {"x": 1}}</tool_call>', "SayAction refused")):
+        with pytest.raises(InvalidAction, match=why):
+            reader.action(reply, SayAction)
+    assert reader.action('<tool_call>{"name": "step", "arguments": {"answer": "1"}}</tool_call>', None) == \
+        {"answer": "1"}  # a remote environment takes the fields as a dict
+    assert ReplyReader(parse_answer).action("4 4", SayAction).answer == "4 4"
+
+
+def test_an_observation_is_the_next_turn_and_reward_and_done_come_from_it():
+    from rayllm_rl.environments.actions import ReplyReader, observation_text
+    from rayllm_rl.environments.source import resolve_source
+
+    assert observation_text(SayObservation(prompt="Say 3.", reward=1.0)) == "Say 3."
+    assert json.loads(observation_text({"a": 1, "b": "x", "done": False})) == {"a": 1, "b": "x"}
+    source = resolve_source(cfg_of(action_parser="test_openenv:parse_answer"), CountEnv)
+    assert source.form == "openenv" and source.tools == () and isinstance(source.reader, ReplyReader)
+
+    async def play():
+        session = await source.open()
+        first = await session.start({"seed": 13})
+        one = await session.act("3")
+        two = await session.act("ok 5")  # 4 was asked
+        return first, one, two, await session.env_reward()
+
+    first, one, two, total = asyncio.run(play())
+    assert first == "Say 3."
+    assert (one.messages, one.reward, one.done) == ([{"role": "user", "content": "Say 4."}], 1.0, False)
+    assert (two.messages, two.reward, two.done) == ([], pytest.approx(1 / 3), True)  # 4 was asked: 2 letters
+    assert total == pytest.approx(4 / 3)
+
+
+def test_the_tool_form_lists_the_action_as_a_tool_and_a_trl_class_its_methods():
+    from rayllm_rl.environments.source import resolve_source
+
+    tool = resolve_source(cfg_of(tool_name="say_it"), CountEnv).tools[0]["function"]
+    assert tool["name"] == "say_it" and list(tool["parameters"]["properties"]) == ["answer"]
+    trl = resolve_source(cfg_of(), CountToolEnv)
+    assert trl.form == "trl"
+    assert [t["function"]["name"] for t in trl.tools] == ["say"]
+    assert trl.tools[0]["function"]["parameters"]["properties"]["answer"]["description"] == "The digit to say."
+
+
+def test_bad_environments_fail_before_anything_starts_naming_the_problem():
+    from rayllm_rl.environments.source import resolve_source
+
+    with pytest.raises(ValueError, match="needs one environment.*none was given"):
+        resolve_source(cfg_of())
+    with pytest.raises(ValueError, match="not an instance"):
+        resolve_source(cfg_of(), CountEnv())
+
+    class Undocumented(CountToolEnv):
+        def shout(self, word: str) -> str:
+            return word
+
+    with pytest.raises(ValueError, match="Undocumented.shout is a tool.*Args:"):
+        resolve_source(cfg_of(), Undocumented)
+    with pytest.raises(ValueError, match="cannot import data.openenv.env='nope:Env'"):
+        cfg_of(env="nope:Env").check()
+
+
+class Boom(CountEnv):
+    def step(self, action, timeout_s=None, **kwargs):
+        raise RuntimeError("the simulator crashed")
+
+
+class Slow(CountEnv):
+    def step(self, action, timeout_s=None, **kwargs):
+        time.sleep(2.0)
+        return super().step(action)
+
+
+def episode_of(tiny_model_path, env, **cfg_keys):
+    """One group of 2 episodes of `env` with the real tiny engine, as the collector runs it (`run_group`, the
+    failure policy `drop`)."""
+    from transformers import AutoTokenizer
+
+    from rayllm_rl.environments.rewards import EpisodeReward
+    from rayllm_rl.environments.source import resolve_source
+    from rayllm_rl.environments.task import make_workflow
+    from rayllm_rl.envs.task import Task
+    from rayllm_rl.inference.protocol import SamplingParams
+    from rayllm_rl.inference.transformers.engine import TransformersEngine
+    from rayllm_rl.rollout.failures import FailurePolicy, run_group
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    source = resolve_source(cfg_of(action_parser="test_openenv:parse_answer", prompt="Game:", **cfg_keys), env)
+    task = Task("openenv", None, None, EpisodeReward())
+    workflow = make_workflow(tokenizer, SamplingParams(max_new_tokens=5), 2, STEPS, task, source=source)
+    engine = TransformersEngine(tiny_model_path, seed=0, device="cpu")
+
+    async def go():
+        await engine.start()
+        try:
+            return await run_group(workflow, engine, {"messages": [{"role": "user", "content": "Game:"}], "seed": 4,
+                                                      "group_id": 7}, FailurePolicy("drop", group_size=2))
+        finally:
+            await engine.aclose()
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("env, keys, cause", [(Boom, {}, "raised"), (Slow, {"call_timeout_s": 0.3}, "timeout")],
+                         ids=["raises", "times_out"])
+def test_an_environment_that_raises_or_hangs_fails_its_samples_by_cause_never_a_zero(tiny_model_path, env, keys,
+                                                                                     cause):
+    result = episode_of(tiny_model_path, env, **keys)
+    assert result.causes == {cause: 2} and result.episode is None and result.dropped
+
+
+def test_a_lost_server_fails_its_samples_as_server_lost():
+    """A `base_url` whose server is gone: OpenEnv's client cannot connect (a ConnectionError) -> `server_lost`."""
+    import socket
+
+    from rayllm_rl.data.failures import cause_of
+    from rayllm_rl.environments.source import EnvSource
+    from rayllm_rl.environments.actions import ReplyReader
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    source = EnvSource("remote", None, "gone", ReplyReader(parse_answer), base_url=f"http://127.0.0.1:{port}",
+                       timeout_s=5.0)
+
+    async def play():
+        session = await source.open()
+        await session.start({"seed": 1})
+
+    with pytest.raises(ConnectionError) as info:
+        asyncio.run(play())
+    assert cause_of(info.value) == "server_lost"
+
+
+# ---------------------------------------------------------------------------- jobs: local and Ray, both forms
+JOB = ["trainer.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=6",
+       f"rollout.max_turns={STEPS}", "sft.steps=0", "data.eval_size=0", "trainer.eval_every=0", "trainer.log_every=100",
+       "trainer.call_timeout_s=120", "data.openenv.train_size=64", "data.openenv.prompt=Play:"]
+"""2 RL steps of 2 prompts x 4 episodes of `STEPS` turns of at most 6 tokens, no warm start, no eval."""
+OPENENV = [*JOB, "task=openenv", "data.openenv.env=test_openenv:CountEnv",
+           "data.openenv.action_parser=test_openenv:parse_answer"]
+TRL = [*JOB[:4], f"rollout.max_turns={STEPS + 1}", *JOB[5:], "data.openenv.tool_parser=test_openenv:say_everything"]
+"""The TRL form given as objects (`GRPOTrainer(environment_factory=..., reward_funcs=...)`); STEPS + 1 turns: the
+third call of `say` answers {"error": "Game over."}, fed back as TRL does, and max_turns ends the episode."""
+
+
+def rl_records(summary) -> list[dict]:
+    lines = (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["phase"] == "rl"]
+
+
+def trace_samples(summary) -> list[dict]:
+    """The run's decoded trace rows (`traces.jsonl`: a few trained rows per step, token by token)."""
+    lines = (Path(summary["run_dir"]) / "traces.jsonl").read_text().splitlines()
+    return [sample for line in lines for sample in json.loads(line).get("samples", ())]
+
+
+def segments(sample) -> list[tuple[bool, str]]:
+    """A trace row's tokens after the prompt as runs of (trained, text): the engine's reply, the environment's
+    turn, the next reply, ..."""
+    out: list[tuple[bool, str]] = []
+    for tok, trained in zip(sample["tokens"], sample["trained"]):
+        if out and out[-1][0] == trained:
+            out[-1] = (trained, out[-1][1] + tok)
+        else:
+            out.append((trained, tok))
+    return out
+
+
+def replies_of(sample, tokenizer, turns: int, feedback) -> list[str]:
+    """The engine's replies in a traced row, checked token by token: the trained tokens (the engine's; at step 1 the
+    learner's logprob of each matches the engine's, the same tokens under the same weights) alternate with the
+    environment's turn, whose tokens are exactly the chat template's rendering of `feedback(k)` (what the environment
+    answered to the k-th reply) after the reply's end-of-turn token."""
+    from rayllm_rl.data.chat_template import next_turns_text
+
+    parts = segments(sample)
+    assert [trained for trained, _ in parts] == [True, False] * (turns - 1) + [True]
+    replies = []
+    for k in range(0, len(parts), 2):
+        said = parts[k][1]
+        reply = said
+        for special in (tokenizer.eos_token, "<|endoftext|>"):
+            reply = reply.replace(special, "")
+        replies.append(reply)
+        if k + 1 < len(parts):
+            closing = "" if said.endswith(tokenizer.eos_token) else tokenizer.eos_token
+            assert parts[k + 1][1] == closing + next_turns_text(tokenizer, feedback(k // 2))
+    if sample.get("trained_from") == 0:
+        gaps = [abs(m) for m in sample["mismatch"] if m is not None]
+        assert gaps and max(gaps) < 1e-3
+    return replies
+
+
+TOOLS_BLOCK = ("{% if tools %}<|im_start|>system\nTools: {% for t in tools %}{{ t.function.name }}"
+               "({{ t.function.parameters.properties | list | join(', ') }}) {% endfor %}<|im_end|>\n{% endif %}")
+"""A compact tool list at the start of the chat, as real models' templates render `tools=` (the Hermes block the
+prompt gets under a template without tools would not fit the tiny model's 512 positions with three turns)."""
+
+
+@pytest.fixture(scope="module")
+def tools_model(tiny_model_path, tmp_path_factory) -> str:
+    """The tiny model with a chat template that renders `tools=` (`TOOLS_BLOCK` before its ChatML)."""
+    import shutil
+
+    path = tmp_path_factory.mktemp("tools_model") / "model"
+    shutil.copytree(tiny_model_path, path)
+    template = path / "chat_template.jinja"
+    template.write_text(TOOLS_BLOCK + template.read_text())
+    return str(path)
+
+
+def openenv_job(tmp_path, backend: str, model: str):
+    """The OpenEnv form by import path (`data.openenv.env`, `data.openenv.action_parser`)."""
+    from rayllm_rl import train
+
+    return train(overrides=[*OPENENV, f"model.path={model}", f"trainer.backend={backend}",
+                            f"trainer.run_dir={tmp_path}"])
+
+
+def trl_job(tmp_path, backend: str, model: str):
+    """The TRL form as a TRL user writes it: the class and the reward function as objects."""
+    from rayllm_rl import GRPOTrainer
+
+    return GRPOTrainer(model, environment_factory=CountToolEnv, reward_funcs=said_digits,
+                       args=[*TRL, f"trainer.backend={backend}", f"trainer.run_dir={tmp_path}"]).train()
+
+
+def prompt_digit(sample) -> int:
+    """The digit the episode's first observation asked for, read from the traced prompt ("Say t.")."""
+    import re
+
+    return int(re.findall(r"Say (\d)\.", sample["prompt"])[-1])
+
+
+def check_rewards(summary, form: str) -> None:
+    """The TRL form's reward: `get_reward` (env_reward) plus `said_digits`, which counts the same digits; its
+    third call of `say` each episode answered {"error": "Game over."} (an invalid action, fed back)."""
+    if form != "trl":
+        return
+    for rec in rl_records(summary):
+        assert rec["reward"] == pytest.approx(2 * rec["env_reward"]) and rec["tool_calls"] == STEPS + 1
+        assert rec["invalid_actions"] == 1.0
+
+
+def check_env_job(summary, tokenizer, form: str) -> None:
+    """2 steps trained on episodes of exactly `turns` turns, none failed; each traced row's turns token by token
+    (`replies_of`), and its reward recomputed from its replies: the environment's (`step_reward` of each answer
+    against the digit asked, the first asked in the row's prompt) and, in the TRL form, `said_digits` (the same sum)
+    added to it."""
+    turns = STEPS if form == "openenv" else STEPS + 1
+    role = "user" if form == "openenv" else "tool"
+    rl = rl_records(summary)
+    assert summary["steps"] == 2 and len(rl) == 2 and summary["failed_episodes"] == 0
+    for rec in rl:
+        assert rec["num_turns"] == turns and rec["seqs"] == 2 * 4 and rec["env_done"] == float(form == "openenv")
+    samples = trace_samples(summary)
+    assert len(samples) == 2 * 4  # 4 traced rows a step (learner/trace_rows.py)
+    rewards = []
+    for sample in samples:
+        target = prompt_digit(sample)
+        replies = replies_of(sample, tokenizer, turns, lambda k: [{"role": role, "content": ask(target + k + 1)}])
+        env_reward = sum(step_reward(reply, target + k) for k, reply in enumerate(replies[:STEPS]))
+        assert sample["components"]["env_reward"] == pytest.approx(env_reward, abs=1e-5)
+        assert sample["reward"] == pytest.approx(env_reward * (2 if form == "trl" else 1), abs=1e-5)
+        rewards.append(env_reward)
+    assert len(set(rewards)) > 1  # dense: the replies scored apart
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["openenv", "trl"])
+def test_an_environment_trains_on_the_local_backend_token_by_token(form, tmp_path, tokenizer, tools_model):
+    summary = (openenv_job if form == "openenv" else trl_job)(tmp_path, "local", tools_model)
+    assert summary["backend"] == "local"
+    check_env_job(summary, tokenizer, form)
+    check_rewards(summary, form)
+
+
+@pytest.fixture(scope="module")
+def ray_runs(tmp_path_factory, tools_model):
+    """One local Ray, one job per form in it (the environment classes reach the workers through PYTHONPATH)."""
+    import os
+
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    env = {**JOB_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))}
+    with local_ray_session("test_openenv", num_cpus=2, runtime_env={"env_vars": env}):
+        yield {form: job(tmp_path_factory.mktemp(form), "ray", tools_model) for form, job in (("openenv", openenv_job),
+                                                                                             ("trl", trl_job))}
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.fixture_owned("processes", "shm segments", "named actors")
+@pytest.mark.parametrize("form", ["openenv", "trl"])
+def test_an_environment_trains_in_ray_env_workers_token_by_token(form, ray_runs, tokenizer):
+    summary = ray_runs[form]
+    assert summary["backend"] == "ray"
+    check_env_job(summary, tokenizer, form)
+    check_rewards(summary, form)
