@@ -157,9 +157,10 @@ def test_an_observation_is_the_next_turn_and_reward_and_done_come_from_it():
         first = await session.start({"seed": 13})
         one = await session.act("3")
         two = await session.act("ok 5")  # 4 was asked
-        return first, one, two, await session.env_reward()
+        return first, one, two, await session.env_reward(), await session.state()
 
-    first, one, two, total = asyncio.run(play())
+    first, one, two, total, state = asyncio.run(play())
+    assert state["step_count"] == STEPS
     assert first == "Say 3."
     assert (one.messages, one.reward, one.done) == ([{"role": "user", "content": "Say 4."}], 1.0, False)
     assert (two.messages, two.reward, two.done) == ([], pytest.approx(1 / 3), True)  # 4 was asked: 2 letters
@@ -244,26 +245,75 @@ def test_an_environment_that_raises_or_hangs_fails_its_samples_by_cause_never_a_
     assert result.causes == {cause: 2} and result.episode is None and result.dropped
 
 
-def test_a_lost_server_fails_its_samples_as_server_lost():
-    """A `base_url` whose server is gone: OpenEnv's client cannot connect (a ConnectionError) -> `server_lost`."""
+@pytest.fixture()
+def count_server():
+    """CountEnv served by OpenEnv's own `create_app` with uvicorn on 127.0.0.1 (a port of its own), in a thread:
+    `(base_url, stop)`; stopped after the test if it still runs."""
+    import threading
+
+    import uvicorn
+    from openenv.core.env_server.http_server import create_app
+
+    server = uvicorn.Server(uvicorn.Config(create_app(CountEnv, SayAction, SayObservation, env_name="count"),
+                                           host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="count-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the OpenEnv server did not start"
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+
+    def stop():
+        server.should_exit = True
+        thread.join(timeout=15)
+        assert not thread.is_alive()
+
+    yield f"http://127.0.0.1:{port}", stop
+    if thread.is_alive():
+        stop()
+
+
+def test_a_running_server_plays_through_openenvs_client_and_its_loss_is_server_lost(count_server):
+    """`base_url`: the tool's schema comes from the server's /schema, the episode runs over OpenEnv's
+    GenericEnvClient; the server going away mid-episode is `server_lost`, and a refused connection too."""
     import socket
 
     from rayllm_rl.data.failures import cause_of
-    from rayllm_rl.environments.source import EnvSource
-    from rayllm_rl.environments.actions import ReplyReader
+    from rayllm_rl.environments.source import resolve_source
+
+    base_url, stop = count_server
+    source = resolve_source(cfg_of(base_url=base_url))
+    assert source.form == "remote" and source.tools[0]["function"]["parameters"]["required"] == ["answer"]
+    call = '<tool_call>{{"name": "step", "arguments": {{"answer": "{}"}}}}</tool_call>'
+
+    async def play():
+        session = await source.open()
+        first = await session.start({"seed": 13})
+        one = await session.act(call.format(3))
+        state = await session.state()
+        stop()
+        with pytest.raises(ConnectionError) as lost:
+            await session.act(call.format(4))
+        return first, one, state, lost.value
+
+    first, one, state, lost = asyncio.run(play())
+    assert first == "Say 3." and state["step_count"] == 1
+    assert (one.messages, one.reward, one.done, one.tool_calls) == ([{"role": "tool", "content": "Say 4."}], 1.0,
+                                                                     False, 1)
+    assert cause_of(lost) == "server_lost"
 
     with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    source = EnvSource("remote", None, "gone", ReplyReader(parse_answer), base_url=f"http://127.0.0.1:{port}",
-                       timeout_s=5.0)
 
-    async def play():
-        session = await source.open()
+    async def refused():
+        session = await resolve_source(cfg_of(base_url=f"http://127.0.0.1:{port}",
+                                              action_parser="test_openenv:parse_answer")).open()
         await session.start({"seed": 1})
 
     with pytest.raises(ConnectionError) as info:
-        asyncio.run(play())
+        asyncio.run(refused())
     assert cause_of(info.value) == "server_lost"
 
 
@@ -315,7 +365,7 @@ def replies_of(sample, tokenizer, turns: int, feedback) -> list[str]:
     for k in range(0, len(parts), 2):
         said = parts[k][1]
         reply = said
-        for special in (tokenizer.eos_token, "<|endoftext|>"):
+        for special in tokenizer.all_special_tokens:  # what the environment got: decoded without special tokens
             reply = reply.replace(special, "")
         replies.append(reply)
         if k + 1 < len(parts):
@@ -389,6 +439,7 @@ def check_env_job(summary, tokenizer, form: str) -> None:
     assert summary["steps"] == 2 and len(rl) == 2 and summary["failed_episodes"] == 0
     for rec in rl:
         assert rec["num_turns"] == turns and rec["seqs"] == 2 * 4 and rec["env_done"] == float(form == "openenv")
+        assert rec.get("env_steps", STEPS) == STEPS and ("env_steps" in rec) == (form == "openenv")  # state.step_count
     samples = trace_samples(summary)
     assert len(samples) == 2 * 4  # 4 traced rows a step (learner/trace_rows.py)
     rewards = []

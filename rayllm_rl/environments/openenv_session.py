@@ -3,8 +3,9 @@ through OpenEnv's own client.
 
 The episode's contract with the workflow (`workflow.EnvWorkflow`), shared with `trl_session.ToolEnvSession`:
 `start(row) -> str | None` (the first observation), `act(reply) -> Step` (the next turns, reward, done),
-`env_reward()` (the reward the environment itself gave, here the sum of `obs.reward`), `tools` (schemas shown in
-the prompt), `env` (what TRL-style reward functions get as `environments=[...]`) and `close()`; all async.
+`env_reward()` (the reward the environment itself gave, here the sum of `obs.reward`), `state()` (its state at
+the end, {} without one), `tools` (schemas shown in the prompt), `env` (what TRL-style reward functions get as
+`environments=[...]`) and `close()`; all async.
 
 In process, `reset` / `step` run in a worker thread, or the environment's own `reset_async` / `step_async` when it
 overrides OpenEnv's defaults (which only call the sync ones). Remote, `GenericEnvClient(base_url)` (a WebSocket
@@ -83,6 +84,15 @@ class OpenEnvSession:
     async def env_reward(self) -> float:
         """The episode's return: the sum of every step's `obs.reward` (None counts 0)."""
         return self.total
+
+    async def state(self) -> dict[str, Any]:
+        """The environment's `state` (OpenEnv's `State`: `episode_id`, `step_count`, ...) as a dict, read at the
+        episode's end (in process the property, remote the client's `state()`)."""
+        if self.remote:
+            state = await self._call("state")
+        else:
+            state = await bounded(f"state of {self.label}", lambda: self.env.state, timeout_s=self.timeout_s)
+        return dict(state) if isinstance(state, dict) else state.model_dump()
 
     async def close(self) -> None:
         """Close the environment (OpenEnv's `close`; the remote client's WebSocket), within the call bound."""

@@ -106,6 +106,10 @@ class ToolEnvSession:
         value = await bounded(f"get_reward of {self.label}", fn, timeout_s=self.timeout_s)
         return float(value)
 
+    async def state(self) -> dict:
+        """{}: TRL's contract has no state (the reward functions read the instance itself)."""
+        return {}
+
     async def close(self) -> None:
         """Nothing to release: TRL's contract has no close (a public `close` method would be one of its tools), and
         the instance is dropped with the episode."""

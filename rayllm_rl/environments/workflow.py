@@ -14,10 +14,12 @@ exception: `GroupedWorkflow`'s `guard_sample` makes it a failed sample of its ca
 `server_lost`; docs/failed-episodes.md), never a reward of 0.
 
 Per-trajectory metrics: `num_turns`, `invalid_actions` (replies without a valid action, fed back), `tool_calls`,
-`env_done` (1 when the environment ended the episode, 0 when max_turns cut it), and the reward's components.
+`env_done` (1 when the environment ended the episode, 0 when max_turns cut it), `env_steps` (an OpenEnv
+environment's own `state.step_count` at the end), and the reward's components.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import random
@@ -90,9 +92,13 @@ class EnvWorkflow(RolloutWorkflow):
     async def arun_episode(self, engine: InferenceEngine, data: Mapping[str, Any]) -> TensorDict:
         session = await self.source.open()
         try:
-            return await self._play(session, engine, data)
-        finally:
-            await session.close()
+            episode = await self._play(session, engine, data)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the episode's own error is its cause, not a failed close after it
+                await session.close()
+            raise
+        await session.close()
+        return episode
 
     async def _play(self, session, engine: InferenceEngine, data: Mapping[str, Any]) -> TensorDict:
         row = row_fields(data)
@@ -125,10 +131,12 @@ class EnvWorkflow(RolloutWorkflow):
                 break
             traj.add_context(next_turn_ids(self.tokenizer, traj.input_ids, step.messages))
         env_reward = await session.env_reward()
+        state = await session.state()
+        counted = {"env_steps": float(state["step_count"])} if "step_count" in state else {}
         transcript = {"prompt": messages, "completion": completion}
         scores = await self.reward.score(self.tokenizer.decode(prompt_ids), json.dumps(completion), prompt_ids,
                                          generated, environment=session.env, env_reward=env_reward,
                                          transcript=transcript, **row)
         reward = scores.pop("reward")
         return traj.build(reward, group_id, num_turns=float(turns), invalid_actions=float(invalid),
-                          tool_calls=float(calls), env_done=float(done), **scores)
+                          tool_calls=float(calls), env_done=float(done), **counted, **scores)
