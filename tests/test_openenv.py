@@ -79,6 +79,11 @@ def parse_answer(text: str) -> SayAction:
     return SayAction(answer=text)
 
 
+def parse_to_dict(text: str) -> dict:
+    """A parser giving the action's fields (the adapter builds the Action)."""
+    return {"answer": text}
+
+
 class CountToolEnv:
     """TRL's environment_factory form of the same game: `say` is the tool, `get_reward` the environment's reward."""
 
@@ -167,6 +172,62 @@ def test_an_observation_is_the_next_turn_and_reward_and_done_come_from_it():
     assert total == pytest.approx(4 / 3)
 
 
+class AsyncCountEnv(CountEnv):
+    """CountEnv whose async twins are its own (its sync methods refuse): the adapter must await them."""
+
+    def reset(self, seed=None, episode_id=None, **kwargs):
+        raise RuntimeError("the sync reset ran")
+
+    def step(self, action, timeout_s=None, **kwargs):
+        raise RuntimeError("the sync step ran")
+
+    async def reset_async(self, seed=None, episode_id=None, **kwargs):
+        await asyncio.sleep(0)
+        return CountEnv.reset(self, seed=seed, **kwargs)
+
+    async def step_async(self, action, timeout_s=None, **kwargs):
+        await asyncio.sleep(0)
+        return CountEnv.step(self, action)
+
+
+def test_an_environments_own_async_twins_are_awaited_and_a_parsers_dict_becomes_its_action():
+    from rayllm_rl.environments.source import resolve_source
+
+    source = resolve_source(cfg_of(action_parser="test_openenv:parse_to_dict", reset_kwargs={"level": 1}),
+                            AsyncCountEnv)
+
+    async def play():
+        session = await source.open()
+        return await session.start({"seed": 2}), await session.act("2 and 3"), await session.act("xy 3")
+
+    first, one, two = asyncio.run(play())
+    assert first == "Say 2." and (one.reward, one.done) == (1.0, False) and (two.reward, two.done) == (1.0, True)
+
+
+def test_a_trl_tool_that_raises_or_is_unknown_answers_the_model_as_trl_does():
+    from rayllm_rl.environments.source import resolve_source
+
+    source = resolve_source(cfg_of(), CountToolEnv)
+    call = '<tool_call>{{"name": "{}", "arguments": {{"answer": "{}"}}}}</tool_call>'
+
+    async def play():
+        session = await source.open()
+        first = await session.start({"seed": 5, "messages": []})
+        steps = [await session.act(call.format("say", d)) for d in (5, 6)]
+        steps.append(await session.act(call.format("say", 7) + call.format("shout", 1)))
+        steps.append(await session.act("no call"))
+        return first, steps, await session.env_reward()
+
+    first, steps, reward = asyncio.run(play())
+    assert first == " Say 5." and reward == 2.0
+    assert [s.messages for s in steps[:2]] == [[{"role": "tool", "content": "Say 6."}],
+                                               [{"role": "tool", "content": "Say 7."}]]
+    assert steps[2].messages == [{"role": "tool", "content": '{"error": "Game over."}'},
+                                 {"role": "tool", "content": '{"error": "Tool shout not found."}'}]
+    assert [(s.invalid, s.tool_calls, s.done) for s in steps] == [
+        (False, 1, False), (False, 1, False), (True, 2, False), (False, 0, True)]
+
+
 def test_the_tool_form_lists_the_action_as_a_tool_and_a_trl_class_its_methods():
     from rayllm_rl.environments.source import resolve_source
 
@@ -176,6 +237,27 @@ def test_the_tool_form_lists_the_action_as_a_tool_and_a_trl_class_its_methods():
     assert trl.form == "trl"
     assert [t["function"]["name"] for t in trl.tools] == ["say"]
     assert trl.tools[0]["function"]["parameters"]["properties"]["answer"]["description"] == "The digit to say."
+
+
+def test_tools_reach_the_prompt_through_the_template_or_a_hermes_block(tokenizer, tools_model):
+    """The first observation is appended to the last user message (TRL's rule); the tools go through `tools=` when
+    the chat template renders them, else into a Hermes `<tools>` system block (the tiny model's plain ChatML)."""
+    from transformers import AutoTokenizer
+
+    from rayllm_rl.environments.source import resolve_source
+    from rayllm_rl.environments.workflow import prompt_messages
+
+    tools = list(resolve_source(cfg_of(), CountToolEnv).tools)
+    row = {"messages": [{"role": "user", "content": "Play:"}]}
+    messages, kwargs = prompt_messages(row, " Say 1.", tools, tokenizer)
+    assert kwargs == {} and messages[1] == {"role": "user", "content": "Play: Say 1."}
+    assert messages[0]["role"] == "system" and '<tools>\n{"type": "function", "function": {"name": "say"' in \
+        messages[0]["content"]
+    messages, kwargs = prompt_messages(row, " Say 1.", tools, AutoTokenizer.from_pretrained(tools_model))
+    assert kwargs == {"tools": tools} and messages == [{"role": "user", "content": "Play: Say 1."}]
+    assert prompt_messages({"messages": []}, "Say 2.", [], tokenizer)[0] == [{"role": "user", "content": "Say 2."}]
+    with pytest.raises(ValueError, match="no user turn"):
+        prompt_messages({"messages": []}, None, [], tokenizer)
 
 
 def test_bad_environments_fail_before_anything_starts_naming_the_problem():
@@ -194,6 +276,24 @@ def test_bad_environments_fail_before_anything_starts_naming_the_problem():
         resolve_source(cfg_of(), Undocumented)
     with pytest.raises(ValueError, match="cannot import data.openenv.env='nope:Env'"):
         cfg_of(env="nope:Env").check()
+
+    from types import SimpleNamespace
+
+    from rayllm_rl.environments.task import make_task
+    from rayllm_rl.job.config import DataConfig
+
+    class Silent:  # a TRL environment without get_reward, and no reward function
+        def reset(self, **row):
+            return None
+
+    with pytest.raises(ValueError, match="Silent has no get_reward\\(\\) and no reward function was given"):
+        make_task(DataConfig(eval_size=0), 0, SimpleNamespace(environment=Silent, reward_fns=(), reward_weights=()))
+    with pytest.raises(ValueError, match="data.eval_size=5: task=openenv has no held-out greedy evaluation"):
+        make_task(DataConfig(eval_size=5), 0, SimpleNamespace(environment=CountToolEnv))
+    task = make_task(DataConfig(eval_size=0, openenv=cfg_of(env="test_openenv:CountEnv", prompt="Go:", train_size=3,
+                                                            seed=7, action_parser="test_openenv:parse_answer")))
+    assert task.train.to_list() == [{"messages": [{"role": "user", "content": "Go:"}], "seed": s} for s in (7, 8, 9)]
+    assert len(task.eval) == 0 and task.workflow is not None
 
 
 class Boom(CountEnv):

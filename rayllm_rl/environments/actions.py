@@ -50,8 +50,9 @@ class ReplyReader:
         return user_tool_calls(self.tool_parser, text) if self.tool_parser else parse_tool_calls(text)
 
     def action(self, text: str, action_cls: type | None) -> Any:
-        """The OpenEnv action of reply `text`: the parser's result, or the one tool call's arguments as
-        `action_cls(**arguments)` (a dict for a remote environment, `action_cls` None). InvalidAction otherwise."""
+        """The OpenEnv action of reply `text`: the parser's result (a dict of fields becomes `action_cls(**fields)`),
+        or the one tool call's arguments as `action_cls(**arguments)`; with `action_cls` None (a remote environment)
+        the fields as a dict. InvalidAction otherwise."""
         if self.action_parser is not None:
             try:
                 action = self.action_parser(text)
@@ -59,17 +60,22 @@ class ReplyReader:
                 raise InvalidAction(f"the reply is not an action ({type(exc).__name__}: {exc})") from exc
             if action is None:
                 raise InvalidAction("the reply is not an action")
-            return action
+            return self._build(action_cls, action) if isinstance(action, dict) else action
         calls = self.tool_calls(text)
         if not calls:
             raise InvalidAction(f"no tool call: call the tool {self.tool_name!r} with the action's fields")
         call = calls[0]
         if call.error or call.name != self.tool_name:
             raise InvalidAction(call.error or f"unknown tool {call.name!r}; the tool is {self.tool_name!r}")
+        return self._build(action_cls, call.arguments)
+
+    @staticmethod
+    def _build(action_cls: type | None, fields: dict[str, Any]) -> Any:
+        """`action_cls(**fields)` (InvalidAction naming what it refused), or the fields as a dict without a class."""
         if action_cls is None:
-            return dict(call.arguments)
+            return dict(fields)
         try:
-            return action_cls(**call.arguments)
+            return action_cls(**fields)
         except Exception as exc:  # noqa: BLE001 - pydantic's ValidationError: fields the action refuses
             raise InvalidAction(f"{action_cls.__name__} refused the arguments: {exc}") from exc
 

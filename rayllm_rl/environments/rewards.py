@@ -5,7 +5,8 @@ one item per completion, `prompts`, `completions` (each the list of messages aft
 `environments` (the instances the episodes played) and every row field, and returns a list of floats (None: not
 applicable to that completion, left out of the sum). Here each episode is scored alone, so every list has one item.
 The environment's own reward (an OpenEnv episode's sum of `obs.reward`, a TRL class's `get_reward()`) is added with
-weight 1, as TRL adds `get_reward`. The workflow calls `EpisodeReward` through a `RewardCaller` (timeouts, failed
+weight 1, as TRL adds `get_reward` (an environment without a reward of its own needs a reward function: the task
+refuses it before start). The workflow calls `EpisodeReward` through a `RewardCaller` (timeouts, failed
 samples by cause, counters), with the environment and the transcript as keywords.
 """
 from __future__ import annotations
@@ -52,8 +53,5 @@ class EpisodeReward:
             out[name] = math.nan if score is None else float(score)
             if score is not None:
                 total += weight * float(score)
-        if not self.reward_funcs and env_reward is None:
-            raise ValueError("this episode has no reward: the environment has no get_reward() and no reward function "
-                             "was given (reward.fn / reward_fn=)")
         out["reward"] = total
         return {k: (0.0 if math.isnan(v) else v) for k, v in out.items()}

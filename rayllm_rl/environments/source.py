@@ -48,6 +48,8 @@ class EnvSource:
     """Tool schemas listed in the prompt (OpenAI style); () = none."""
     action_cls: Any = None
     """The OpenEnv Action class a tool call's arguments build (None: a parser makes the action, or `remote`)."""
+    owns_reward: bool = True
+    """Whether the environment gives a reward of its own (OpenEnv's `obs.reward`; a TRL class's `get_reward`)."""
     base_url: str = ""
     timeout_s: float = 60.0
     reset_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -121,7 +123,7 @@ def resolve_source(cfg: Any, given: Any = None) -> EnvSource:
     cls = type(probe)
     label = cls.__name__
     if is_openenv_environment(cls):
-        action_cls = None if action_parser else action_class_of(cls)
+        action_cls = action_class_of(cls)
         if not action_parser and action_cls is None:
             raise ValueError(f"{key}: cannot tell the Action class of {label} (no Environment[Action, ...] base and no "
                              "annotation on step's action) to read the reply's tool call; annotate step(self, action: "
@@ -140,4 +142,5 @@ def resolve_source(cfg: Any, given: Any = None) -> EnvSource:
                          "tool_parser)")
     from rayllm_rl.environments.trl_session import tool_schemas
 
-    return EnvSource("trl", factory, label, tools=tuple(tool_schemas(cls)), **common)
+    return EnvSource("trl", factory, label, tools=tuple(tool_schemas(cls)),
+                     owns_reward=callable(getattr(probe, "get_reward", None)), **common)

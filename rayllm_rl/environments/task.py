@@ -51,7 +51,7 @@ def make_task(data_cfg: Any = None, seed: int = 0, inputs: Any = None):
     cfg.check()
     source = resolve_source(cfg, getattr(inputs, "environment", None))
     reward = EpisodeReward(getattr(inputs, "reward_fns", ()) or (), getattr(inputs, "reward_weights", ()) or ())
-    if not reward.reward_funcs and source.form == "trl" and not callable(getattr(source.factory, "get_reward", None)):
+    if not reward.reward_funcs and not source.owns_reward:
         raise ValueError(f"{source.label} has no get_reward() and no reward function was given: give TRL-style "
                          "reward functions (reward.fn=package.module:fn or reward_fn=; each gets environments=[...]) "
                          "or define get_reward() on the environment")

@@ -74,29 +74,27 @@ class ToolEnvSession:
         calls = self.reader.tool_calls(reply)
         if not calls:
             return Step([], done=True)
-        messages, invalid = [], False
-        for call in calls:
-            content = await self._run(call)
-            invalid = invalid or content.startswith('{"error"')
-            messages.append({"role": "tool", "content": content})
-        return Step(messages, invalid=invalid, tool_calls=len(calls))
+        results = [await self._run(call) for call in calls]
+        return Step([{"role": "tool", "content": content} for content, _ in results],
+                    invalid=not all(ok for _, ok in results), tool_calls=len(calls))
 
-    async def _run(self, call) -> str:
-        """One call's tool message content: its result, or `{"error": ...}` when it cannot run or raises."""
+    async def _run(self, call) -> tuple[str, bool]:
+        """(one call's tool message content, whether it ran): its result, or `{"error": ...}` when it is malformed,
+        names no tool or raises."""
         import json
 
         if call.error:
-            return json.dumps({"error": call.error})
+            return json.dumps({"error": call.error}), False
         fn = self.methods.get(call.name)
         if fn is None:
-            return json.dumps({"error": f"Tool {call.name} not found."})
+            return json.dumps({"error": f"Tool {call.name} not found."}), False
         try:
             return _result_text(await bounded(f"tool {call.name} of {self.label}", fn, **call.arguments,
-                                              timeout_s=self.timeout_s))
+                                              timeout_s=self.timeout_s)), True
         except EnvCallTimeout:
             raise  # a hung tool is a failed sample, not the model's mistake
         except Exception as exc:  # noqa: BLE001 - TRL feeds a tool's exception back to the model
-            return json.dumps({"error": str(exc)})
+            return json.dumps({"error": str(exc)}), False
 
     async def env_reward(self) -> float | None:
         """`get_reward()` when the class defines it (the environment owns its reward), else None."""

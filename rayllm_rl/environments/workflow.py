@@ -20,7 +20,6 @@ environment's own `state.step_count` at the end), and the reward's components.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import random
 from typing import Any, Mapping
@@ -36,13 +35,22 @@ from rayllm_rl.workflows.rewards import RewardCaller
 from rayllm_rl.workflows.rlvr import row_fields
 
 
-@functools.lru_cache(maxsize=8)
-def _template_renders_tools(template: str) -> bool:
-    """Whether a chat template shows `tools=` (its text reads the variable); else the prompt carries them in a
-    Hermes-style system block (`system_prompt_for_tools`), as the MCP tools do."""
-    import re
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool", "description": "d",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+_RENDERS_TOOLS: dict[str, bool] = {}
+"""Chat template text -> whether it renders `tools=` (`renders_tools`)."""
 
-    return re.search(r"\btools\b", template) is not None
+
+def renders_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template shows `tools=` (a one-message chat renders differently with a tool);
+    else the prompt carries the tools in a Hermes-style system block (`system_prompt_for_tools`), as the MCP tools'."""
+    template = str(tokenizer.chat_template or "")
+    if template not in _RENDERS_TOOLS:
+        chat = [{"role": "user", "content": "x"}]
+        plain = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        _RENDERS_TOOLS[template] = plain != tokenizer.apply_chat_template(chat, tools=[_PROBE_TOOL], tokenize=False,
+                                                                           add_generation_prompt=True)
+    return _RENDERS_TOOLS[template]
 
 
 def prompt_messages(row: Mapping[str, Any], first: str | None, tools: list[dict],
@@ -61,7 +69,7 @@ def prompt_messages(row: Mapping[str, Any], first: str | None, tools: list[dict]
                          "data.openenv.prompt is empty")
     if not tools:
         return messages, {}
-    if _template_renders_tools(str(tokenizer.chat_template or "")):
+    if renders_tools(tokenizer):
         return messages, {"tools": tools}
     if messages[0]["role"] == "system":
         messages[0] = {**messages[0], "content": system_prompt_for_tools(tools, messages[0]["content"])}
