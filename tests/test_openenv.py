@@ -303,7 +303,7 @@ class Boom(CountEnv):
 
 class Slow(CountEnv):
     def step(self, action, timeout_s=None, **kwargs):
-        time.sleep(2.0)
+        time.sleep(1.0)  # past call_timeout_s=0.3: the thread ends on its own after the sample failed
         return super().step(action)
 
 
