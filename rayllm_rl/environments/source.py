@@ -47,7 +47,8 @@ class EnvSource:
     tools: tuple[dict, ...] = ()
     """Tool schemas listed in the prompt (OpenAI style); () = none."""
     action_cls: Any = None
-    """The OpenEnv Action class a tool call's arguments build (None: a parser makes the action, or `remote`)."""
+    """The OpenEnv Action class a tool call's (or a parser's dict of) fields build; None for `remote` (the fields go
+    as a dict) or when it cannot be told and a parser makes the action."""
     owns_reward: bool = True
     """Whether the environment gives a reward of its own (OpenEnv's `obs.reward`; a TRL class's `get_reward`)."""
     base_url: str = ""
