@@ -46,7 +46,8 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-# OpenEnv's tests (tests/test_openenv.py) run in a venv of their own, since openenv 0.10's fastmcp 3 needs mcp<2 and
+# OpenEnv's tests (tests/test_openenv.py) run in a venv of their own (tests/test_own_venvs.py runs them there, within
+# the suite), since openenv 0.10's fastmcp 3 needs mcp<2 and
 # the `mcp` extra pins 2.3.0 (docs/environments.md): .venv-openenv sees every package of .venv (a .pth file adds its
 # site-packages after its own) and holds only openenv and what `import openenv.core` needs that .venv lacks or has at
 # another version, installed --no-deps at these pins (gradio, its web UI, is not needed).
@@ -91,12 +92,10 @@ PYTEST_WORKERS ?= auto
 test: $(STAMP) $(OE_STAMP) $(SMOLLM2) browser
 	$(PYTEST) -q tests --durations=25 -n "$$($(PY) tests/idle_workers.py $(PYTEST_WORKERS))" --dist loadfile \
 	  $(PYTEST_ARGS)
-	env -u PYTHONDONTWRITEBYTECODE $(OE_PY) -m pytest -q tests/test_openenv.py --durations=5 $(PYTEST_ARGS)
 
 # The quick subset while developing: no vLLM engines, no Ray clusters, nothing marked slow.
 test-fast: $(STAMP) $(OE_STAMP) $(SMOLLM2)
 	$(PYTEST) -q tests -m "not slow and not vllm and not ray" $(PYTEST_ARGS)
-	env -u PYTHONDONTWRITEBYTECODE $(OE_PY) -m pytest -q tests/test_openenv.py -m "not slow and not ray" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/engine_throughput.py

@@ -80,10 +80,11 @@ def test_the_extras_here_are_pyprojects_and_all_holds_every_one_but_vllm_and_ope
 
 
 def test_the_makefile_runs_the_openenv_tests_in_their_venv_at_the_extras_pin():
-    """The pair that cannot share a venv is both tested: `make test` (and test-fast) runs tests/test_openenv.py with
-    .venv-openenv's Python, which installs the `openenv` extra's exact pin (and mcp 1.x for its fastmcp), while this
-    venv keeps the `mcp` extra's mcp 2.3; conftest.py leaves the module out where openenv is missing."""
-    from conftest import OWN_VENV_TESTS
+    """The pair that cannot share a venv is both tested: `make test` (and test-fast) builds .venv-openenv first, which
+    installs the `openenv` extra's exact pin (and mcp 1.x for its fastmcp), while this venv keeps the `mcp` extra's
+    mcp 2.3; tests/test_own_venvs.py runs tests/test_openenv.py with that venv's Python, and conftest.py leaves the
+    module out where openenv is missing."""
+    from conftest import OWN_VENV, OWN_VENV_TESTS
 
     makefile = (ROOT / "Makefile").read_text()
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -93,5 +94,6 @@ def test_the_makefile_runs_the_openenv_tests_in_their_venv_at_the_extras_pin():
     assert "mcp==2.3.0" in project["optional-dependencies"]["mcp"]
     for target in ("test", "test-fast"):
         recipe = re.search(rf"^{target}: (.*)\n((?:\t.*\n)+)", makefile, re.M)
-        assert "$(OE_STAMP)" in recipe.group(1) and "$(OE_PY) -m pytest -q tests/test_openenv.py" in recipe.group(2)
-    assert OWN_VENV_TESTS == {"test_openenv.py": "openenv"}
+        assert "$(OE_STAMP)" in recipe.group(1) and "$(PYTEST) -q tests " in recipe.group(2), recipe.group(0)
+    assert re.search(r"^OE_VENV := (.*)$", makefile, re.M).group(1) == OWN_VENV
+    assert OWN_VENV_TESTS == {"test_openenv.py": "openenv"} and (ROOT / "tests" / "test_own_venvs.py").exists()
