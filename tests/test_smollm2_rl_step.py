@@ -7,8 +7,9 @@ token at a time; vLLM with its own CPU attention kernels), the learner runs one 
 Each sum of the 30 layers rounds at float32's eps (6e-8) relative, in an order that depends on the kernel
 and the CPU's vector width; with residual norms of ~10-100 and logits up to ~30, that puts per-token
 logprob differences near 1e-5. Measured here (AVX-512): max 2.0e-5 (Transformers engine) and 4.7e-5
-(vLLM) over ~70 tokens (3 prompts x 4 samples of up to 24 tokens; now 2 x 4 of up to 16), means 2-6e-6. The bound, 1e-3, leaves 20x for other CPUs and samples, and stays
-far below what one update moves a sampled token's logprob (>0.1 here): the test checks that the update moves it
+(vLLM) over ~70 tokens (3 prompts x 4 samples of up to 24 tokens; now 2 x 4 of up to 16: 1.7e-5 and
+5.7e-5), means 2-6e-6. The bound, 1e-3, leaves 20x for other CPUs and samples, and stays far below what
+one update moves a sampled token's logprob (>0.1 here): the test checks that the update moves it
 by more than BOUND and 100x the gap it measured before the update (the rounding noise on the CPU it runs on).
 """
 from __future__ import annotations
