@@ -583,3 +583,90 @@ def test_an_environment_trains_in_ray_env_workers_token_by_token(form, ray_runs,
     assert summary["backend"] == "ray"
     check_env_job(summary, tokenizer, form)
     check_rewards(summary, form)
+
+
+# ---------------------------------------------------------------------------- examples/openenv_calculator
+CALCULATOR = Path(__file__).resolve().parents[1] / "examples" / "openenv_calculator"
+
+
+@pytest.fixture(scope="module")
+def calculator():
+    """The example's modules (its folder on sys.path, as its train.py puts it): the OpenEnv environment, the TRL
+    twin and train.py (loaded under a name of its own)."""
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(CALCULATOR))
+    import calculator_env
+    import calculator_trl
+
+    spec = importlib.util.spec_from_file_location("openenv_calculator_train", CALCULATOR / "train.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return calculator_env, calculator_trl, script
+
+
+def test_the_calculator_environment_poses_evaluates_and_scores(calculator):
+    env_mod, _, _ = calculator
+    env, act = env_mod.CalculatorEnv(), env_mod.CalculatorAction
+    first = env.reset(seed=3)
+    assert first.text == "What is 343 * 86? Use the calculator, then answer." and env.reset(seed=3).text == first.text
+    for expression, value in (("343 * 86", "29498"), ("(1 + 2) ** 3 - 7 // 2", "24"), ("7 / 2", "3.5"),
+                              ("-4", "-4")):
+        obs = env.step(act(tool="calculator", argument=expression))
+        assert (obs.text, obs.reward, obs.done) == (value, 0.0, False), expression
+    for bad, why in (("__import__('os')", "is not allowed"), ("1 +", "is not arithmetic"), ("1/0", "division by zero"),
+                     ("2 ** 999", "exponent 999 is over 100"), ("", "empty")):
+        obs = env.step(act(tool="calculator", argument=bad))
+        assert obs.text.startswith("Error: ") and why in obs.text and not obs.done, (bad, obs.text)
+    obs = env.step(act(tool="answer", argument="about 29000"))
+    assert obs.text == "Error: the answer must be a number, got 'about 29000'" and not obs.done
+    assert env.step(act(tool="answer", argument="29,498")).model_dump(include={"reward", "done"}) == \
+        {"reward": 1.0, "done": True}
+    env.reset(seed=3)
+    assert env.step(act(tool="answer", argument="29497")).model_dump(include={"reward", "done"}) == \
+        {"reward": 0.0, "done": True}
+    assert env.state.step_count == 1
+    with pytest.raises(ValueError, match="tool"):  # the Action refuses another tool: the adapter's invalid action
+        act(tool="search", argument="x")
+
+
+def test_the_calculators_trl_twin_does_the_same_as_trls_environment_factory(calculator):
+    from rayllm_rl.environments.source import resolve_source
+
+    _, trl_mod, _ = calculator
+    env = trl_mod.CalculatorToolEnv()
+    assert env.reset(seed=3, messages=[]) == "What is 343 * 86? Use the calculator, then answer."
+    assert env.calculator("343 * 86") == "29498" and env.get_reward() == 0.0
+    with pytest.raises(ValueError, match="is not allowed"):  # TRL answers the model {"error": ...}
+        env.calculator("open('x')")
+    with pytest.raises(ValueError, match="must be a number"):
+        env.answer("five")
+    assert env.answer("29498") == "Correct." and env.get_reward() == 1.0
+    with pytest.raises(ValueError, match="already given"):
+        env.answer("29498")
+    env.reset(seed=3)
+    assert env.answer("1") == "Wrong." and env.get_reward() == 0.0
+    tools = resolve_source(cfg_of(), trl_mod.CalculatorToolEnv).tools
+    assert [t["function"]["name"] for t in tools] == ["answer", "calculator"]
+
+
+def calculate_everything(text: str) -> list:
+    """A tool parser for the tiny model (which writes no tool call): every reply is a `calculator` call of it."""
+    return [("calculator", {"expression": text})]
+
+
+@pytest.mark.parametrize("form", ["openenv", "trl"])
+def test_the_calculator_example_trains_two_local_steps(calculator, form, tmp_path):
+    """The example's train.py in process at its small size, 2 steps: the OpenEnv form's replies are no tool calls
+    (invalid actions, fed back, 3 turns); the TRL form's are made calculator calls, each answered."""
+    _, _, script = calculator
+    keys = ["data.openenv.tool_parser=test_openenv:calculate_everything"] if form == "trl" else []
+    out = script.main(["--form", form, "--steps", "2", "--backend", "local", "--out", str(tmp_path), *keys])
+    assert (out["steps"], out["backend"], out["failed_episodes"], out["turns"]) == (2, "local", 0, 3.0)
+    assert out["tool_calls"] == (3.0 if form == "trl" else 0.0) and out["env_done"] == 0.0
+    rl = rl_records({"run_dir": out["run_dir"]})
+    assert len(rl) == 2 and all(r["seqs"] == 2 * 4 and r["num_turns"] >= 1 for r in rl)
+    samples = trace_samples({"run_dir": out["run_dir"]})
+    assert samples and all(s["reward"] in (0.0, 1.0) for s in samples)
+    assert all("What is " in s["prompt"] and "Tools: " in s["prompt"] for s in samples)
