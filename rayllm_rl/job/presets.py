@@ -53,14 +53,14 @@ def preset_values(cfg: Any) -> dict[str, Any]:
 def resolve_presets(cfg: Any, inputs: Any = None) -> Any:
     """A new config: `cfg` with `task` resolved (`task_registry.resolve_task_name`: left unset, `prompts` when a
     reward function is given by `reward.fn` or in `inputs` (the job's JobInputs), a task object's
-    "python:<name>", `openenv` for an environment object, else `arithmetic`) and each field it leaves None (and
-    `model.dtype=auto`) filled from `preset_values`; `rollout.workflow` left "auto" is "python:<name>" for a
-    workflow given as a Python object; a decaying `optim.lr_schedule` without `optim.decay_steps` ends at the last
+    "python:<name>", `openenv` / `verifiers` for an environment object, else `arithmetic`) and each field it leaves
+    None (and `model.dtype=auto`) filled from `preset_values`; `rollout.workflow` left "auto" is "python:<name>" for
+    a workflow given as a Python object; a decaying `optim.lr_schedule` without `optim.decay_steps` ends at the last
     RL optimizer step. Idempotent; `cfg` is not changed."""
     out = copy.deepcopy(cfg)
     out.task = resolve_task_name(cfg.task, bool(cfg.reward.fn) or bool(getattr(inputs, "reward_fns", ())),
                                  getattr(inputs, "python_task", "") or None,
-                                 getattr(inputs, "environment", None) is not None)
+                                 getattr(inputs, "environment", None))
     python_workflow = getattr(inputs, "python_workflow", "")
     if python_workflow and out.rollout.workflow == "auto":  # train(workflow=...): named in config.json and the logs
         out.rollout.workflow = PYTHON_WORKFLOW_PREFIX + python_workflow
