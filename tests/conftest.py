@@ -96,11 +96,11 @@ def engine(tiny_model_path):
     return TransformersEngine(tiny_model_path, seed=0, device="cpu")  # CPU tests, also where a GPU is seen
 
 
-OWN_VENV_TESTS = {"test_openenv.py": "openenv"}
-"""Test modules that run in a venv of their own, and the module they need: openenv 0.10 (its fastmcp 3 needs mcp<2)
-cannot share .venv with the `mcp` extra's mcp 2.3, so `make test` runs tests/test_openenv.py with .venv-openenv's
-Python (Makefile: OE_VENV; docs/environments.md). In a venv without openenv it is not collected (it imports openenv
-at its top); tests/test_extras.py checks that the Makefile runs it there."""
+OWN_VENV_TESTS = {"test_openenv.py": "openenv", "test_verifiers_env.py": "verifiers"}
+"""Test modules that run in a venv of their own, and the module they need: openenv 0.10 (its fastmcp 3) and verifiers
+0.3.1 need mcp<2, which cannot share .venv with the `mcp` extra's mcp 2.3, so `make test` runs them with
+.venv-envs's Python (Makefile: OE_VENV, OWN_VENV_TESTS; docs/environments.md). In a venv without their package they
+are not collected (they import it at their top); tests/test_extras.py checks that the Makefile runs them there."""
 
 
 def pytest_ignore_collect(collection_path, config):
