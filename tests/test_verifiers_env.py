@@ -285,8 +285,10 @@ def test_single_and_multi_turn_envs_train_on_the_local_backend(form, tmp_path, t
     from rayllm_rl import train
 
     env = single_env() if form == "single" else echo_env()
-    summary = train(overrides=[*JOB, f"model.path={tiny_model_path}", "trainer.backend=local",
+    # task unset (JOB[1:]): a verifiers Environment given sets task=verifiers
+    summary = train(overrides=[*JOB[1:], f"model.path={tiny_model_path}", "trainer.backend=local",
                                f"trainer.run_dir={tmp_path}"], environment=env)
+    assert json.loads((Path(summary["run_dir"]) / "config.json").read_text())["task"] == "verifiers"
     feedback = lambda reply: [{"role": "user", "content": f"You said {letters(reply)} letters."}]  # noqa: E731
     check_job(summary, tokenizer, 1 if form == "single" else 2, feedback, 1.0 if form == "single" else 0.0)
 
