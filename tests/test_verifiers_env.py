@@ -87,6 +87,12 @@ class BrokenEnv(vf.MultiTurnEnv):
         raise RuntimeError("the simulator crashed")
 
 
+class SlowEnv(vf.MultiTurnEnv):
+    async def env_response(self, messages, state, **kwargs):
+        await asyncio.sleep(30)  # past data.verifiers.rollout_timeout_s: cancelled with the rollout
+        return []
+
+
 def broken_reward(completion, **kwargs) -> float:
     raise ZeroDivisionError("a rubric bug")
 
@@ -126,7 +132,7 @@ def test_the_rubric_is_the_reward_and_its_functions_the_components():
 def test_bad_environments_fail_before_anything_starts_naming_the_problem():
     from rayllm_rl.environments.verifiers_config import VerifiersConfig
     from rayllm_rl.environments.verifiers_env import resolve_verifiers
-    from rayllm_rl.environments.verifiers_workflow import make_task
+    from rayllm_rl.environments.verifiers_task import make_task
     from rayllm_rl.job.config import DataConfig
 
     with pytest.raises(ValueError, match="needs one environment.*none was given"):
@@ -178,16 +184,51 @@ def episode_of(tiny_model_path, env, row: int = 0, **cfg_keys):
     return asyncio.run(go())
 
 
-@pytest.mark.parametrize("env, cause", [(lambda: vf.SingleTurnEnv(dataset=dataset(), rubric=vf.Rubric(
-    funcs=[short_reply, broken_reward])), "reward_raised"), (lambda: BrokenEnv(dataset=dataset(), max_turns=3,
-                                                                                rubric=vf.Rubric(funcs=[short_reply])),
-                                                              "raised")], ids=["rubric_raises", "env_response_raises"])
-def test_a_rubric_or_env_response_that_raises_fails_its_samples_by_cause_never_a_zero(tiny_model_path, env, cause,
-                                                                                    caplog):
-    result = episode_of(tiny_model_path, env())
+FAILING = {
+    "rubric_raises": (lambda: vf.SingleTurnEnv(dataset=dataset(), rubric=vf.Rubric(funcs=[short_reply, broken_reward])),
+                      "reward_raised", "ZeroDivisionError: a rubric bug"),
+    "env_response_raises": (lambda: BrokenEnv(dataset=dataset(), max_turns=3, rubric=vf.Rubric(funcs=[short_reply])),
+                            "raised", "RuntimeError: the simulator crashed"),
+    "rollout_times_out": (lambda: SlowEnv(dataset=dataset(), max_turns=3, rubric=vf.Rubric(funcs=[short_reply])),
+                          "timeout", "ran past data.verifiers.rollout_timeout_s=0.5s"),
+}
+
+
+@pytest.mark.parametrize("case", list(FAILING))
+def test_a_rubric_or_env_response_that_raises_or_hangs_fails_its_samples_by_cause_never_a_zero(tiny_model_path, case,
+                                                                                              caplog):
+    env, cause, said = FAILING[case]
+    result = episode_of(tiny_model_path, env(), rollout_timeout_s=0.5)
     assert result.causes == {cause: 2} and result.episode is None and result.dropped
-    said = "ZeroDivisionError: a rubric bug" if cause == "reward_raised" else "RuntimeError: the simulator crashed"
     assert caplog.text.count(said) == 2  # the warning of each failed sample names what raised
+
+
+def test_a_hermes_tool_call_from_the_proxy_is_the_call_tool_env_runs():
+    """The proxy's OpenAI `tool_calls` (from the reply's Hermes block), read by verifiers' own client, are what
+    `ToolEnv.env_response` runs; a tool parser of the user's gives the same."""
+    from openai.types.chat import ChatCompletion
+
+    from rayllm_rl.agents.openai_proxy import parse_tool_calls
+
+    text = 'Let me count. <tool_call>{"name": "count", "arguments": {"text": "zebra!"}}</tool_call>'
+    assert [c["function"] for c in parse_tool_calls(text, every_reply_calls_count)] == [
+        {"name": "count", "arguments": json.dumps({"text": text})}]
+    env = tool_env()
+
+    async def run():
+        native = ChatCompletion.model_validate({
+            "id": "c", "object": "chat.completion", "created": 0, "model": "m", "choices": [{
+                "index": 0, "finish_reason": "tool_calls",
+                "message": {"role": "assistant", "content": text, "tool_calls": parse_tool_calls(text)}}]})
+        response = await vf.OpenAIChatCompletionsClient(None).from_native_response(native)
+        state = await env.init_state(json.loads(json.dumps(ROWS[0] | {"prompt": []})), vf.OpenAIChatCompletionsClient(
+            None), "m")
+        return response.message, await env.env_response([response.message], state)
+
+    message, (tool,) = asyncio.run(run())
+    assert message.content == text and [(c.name, json.loads(c.arguments)) for c in message.tool_calls] == [
+        ("count", {"text": "zebra!"})]
+    assert tool.role == "tool" and tool.content == "5 letters" and tool.tool_call_id == message.tool_calls[0].id
 
 
 # ---------------------------------------------------------------------------- jobs

@@ -94,27 +94,3 @@ def make_workflow(tokenizer, sampling, group_size: int, task, *, source):
 
     return GroupedWorkflow(VerifiersWorkflow(source, task.reward_fn, tokenizer, sampling), group_size)
 
-
-def make_task(data_cfg: Any = None, seed: int = 0, inputs: Any = None):
-    """The registry's factory (`task=verifiers`); ValueError naming the key for what the environment or its rows
-    lack."""
-    import functools
-
-    from datasets import Dataset
-
-    from rayllm_rl.envs.task import Task, in_memory
-    from rayllm_rl.environments.verifiers_config import VerifiersConfig
-    from rayllm_rl.environments.verifiers_env import RubricReward, component_names, resolve_verifiers, rows
-
-    cfg = VerifiersConfig() if data_cfg is None else data_cfg.verifiers
-    if data_cfg is not None and data_cfg.eval_size:
-        raise ValueError(f"data.eval_size={data_cfg.eval_size}: task=verifiers has no held-out greedy evaluation (a "
-                         "rollout's reward is known once the environment has played it); set data.eval_size=0")
-    if getattr(inputs, "reward_fns", ()):
-        raise ValueError("task=verifiers scores with the environment's rubric; reward.fn / reward_fn= are not read "
-                         "(add them to the rubric: vf.Rubric(funcs=[...]))")
-    cfg.check()
-    source, env = resolve_verifiers(cfg, getattr(inputs, "environment", None))
-    train = Dataset.from_list(rows(env, cfg.train_size, source.label))
-    return Task("verifiers", in_memory(train), in_memory(train.select([])), RubricReward(component_names(env.rubric)),
-                workflow=functools.partial(make_workflow, source=source))

@@ -24,7 +24,7 @@ OPENENV_TASK = "openenv"
 
 VERIFIERS_TASK = "verifiers"
 """The task that plays a verifiers environment (`data.verifiers`, `train(environment=<a verifiers Environment>)`):
-environments/verifiers_workflow.py."""
+environments/verifiers_task.py."""
 
 DEFAULT_TASK = "arithmetic"
 """What `task` left unset means when no reward function is given: the CPU demo."""
@@ -109,8 +109,8 @@ TASKS: Mapping[str, TaskEntry] = MappingProxyType({
     OPENENV_TASK: TaskEntry("rayllm_rl.environments.task:make_task", _presets(128, 0), _ADAPTER_LR, 64, "generated",
                             data_keys=("openenv",), takes_reward=True, needs_reward=False),
     # a verifiers environment (classic API): its dataset's rows, its rollout loop over our chat-completions proxy,
-    # its rubric's reward; no held-out greedy evaluation (environments/verifiers_workflow.py)
-    VERIFIERS_TASK: TaskEntry("rayllm_rl.environments.verifiers_workflow:make_task", _presets(128, 0), _ADAPTER_LR,
+    # its rubric's reward; no held-out greedy evaluation (environments/verifiers_task.py)
+    VERIFIERS_TASK: TaskEntry("rayllm_rl.environments.verifiers_task:make_task", _presets(128, 0), _ADAPTER_LR,
                               96, "generated", data_keys=("verifiers",)),
 })
 """Every built-in task by name (`task=<name>`)."""
