@@ -46,23 +46,27 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-# OpenEnv's tests (tests/test_openenv.py) run in a venv of their own (tests/test_own_venvs.py runs them there, within
-# the suite), since openenv 0.10's fastmcp 3 needs mcp<2 and
-# the `mcp` extra pins 2.3.0 (docs/environments.md): .venv-openenv sees every package of .venv (a .pth file adds its
-# site-packages after its own) and holds only openenv and what `import openenv.core` needs that .venv lacks or has at
-# another version, installed --no-deps at these pins (gradio, its web UI, is not needed).
-OE_VENV := .venv-openenv
+# OpenEnv's and verifiers' tests (tests/test_openenv.py, tests/test_verifiers_env.py) run in a venv of their own
+# (tests/test_own_venvs.py runs them there, within the suite), since openenv 0.10's fastmcp 3 and verifiers 0.3.1 need
+# mcp<2 and the `mcp` extra pins 2.3.0 (docs/environments.md):
+# .venv-envs sees every package of .venv (a .pth file adds its site-packages after its own) and holds only openenv,
+# verifiers and what `import openenv.core` / verifiers' classic envs and client need that .venv lacks or has at another
+# version, installed --no-deps at these pins (gradio, OpenEnv's web UI, is not needed; the two share mcp 1.30).
+OE_VENV := .venv-envs
 OE_PY := $(OE_VENV)/bin/python
 OE_STAMP := $(OE_VENV)/.installed
 OPENENV_PINS := openenv==0.10.0 fastmcp==3.4.11 fastmcp-slim==3.4.11 mcp==1.30.0 py-key-value-aio==0.4.6 \
   authlib==1.9.10 httpx-sse==0.4.3 beartype==0.23.1 exceptiongroup==1.3.2
+VERIFIERS_PINS := verifiers==0.3.1 renderers==0.1.12 prime-pydantic-config==0.4.3 tenacity==9.2.1 aiolimiter==1.3.0 \
+  prime-sandboxes==0.5.1 connectrpc==0.11.1 protobuf-py==0.1.1 protobuf-py-ext==0.1.1 aiofiles==25.1.0 \
+  openai-agents==0.24.0 griffelib==2.4.1
 
 $(OE_STAMP): $(STAMP)
 	test -x $(OE_PY) || $(PY) -m venv $(OE_VENV)
 	$(OE_PY) -c "import site, sys; open(site.getsitepackages()[0] + '/zz_rayllm_venv.pth', 'w').write('import site; site.addsitedir(%r)\\n' % sys.argv[1])" \
 	  "$$($(PY) -c 'import site; print(site.getsitepackages()[0])')"
-	env UV_LINK_MODE=copy $(VENV)/bin/uv pip install -q --no-progress --no-deps --python $(OE_PY) $(OPENENV_PINS)
-	env -u PYTHONDONTWRITEBYTECODE $(OE_PY) -c "import openenv.core, rayllm_rl, mcp; assert mcp.__file__.startswith('$(CURDIR)/$(OE_VENV)')"
+	env UV_LINK_MODE=copy $(VENV)/bin/uv pip install -q --no-progress --no-deps --python $(OE_PY) $(OPENENV_PINS) $(VERIFIERS_PINS)
+	env -u PYTHONDONTWRITEBYTECODE $(OE_PY) -c "import openenv.core, rayllm_rl, mcp, verifiers as vf; vf.ToolEnv, vf.OpenAIChatCompletionsClient; assert mcp.__file__.startswith('$(CURDIR)/$(OE_VENV)')"
 	touch $(OE_STAMP)
 
 models: $(SMOLLM2)

@@ -18,13 +18,15 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "agents": ("openai",),
     "tinker": ("tinker", "uvicorn", "starlette", "zstandard"),
     "openenv": ("openenv",),
+    "verifiers": ("verifiers",),
 }
 """Each extra and the modules it installs (pyproject.toml's optional-dependencies; `[all]` is every one but vllm and
-openenv, whose fastmcp needs mcp<2 where the `mcp` extra pins 2.3: docs/environments.md)."""
+openenv and verifiers, whose fastmcp / verifiers 0.3.1 need mcp<2 where the `mcp` extra pins 2.3:
+docs/environments.md)."""
 
-NOT_IN_ALL = frozenset({"vllm", "openenv"})
-"""Extras `[all]` leaves out: vllm (a CPU build `make` installs, a CUDA one on GPUs) and openenv (its fastmcp needs
-mcp<2, the `mcp` extra pins 2.3: installed in a venv of its own)."""
+NOT_IN_ALL = frozenset({"vllm", "openenv", "verifiers"})
+"""Extras `[all]` leaves out: vllm (a CPU build `make` installs, a CUDA one on GPUs), openenv and verifiers (openenv's
+fastmcp and verifiers 0.3.1 need mcp<2, the `mcp` extra pins 2.3: installed in a venv of their own)."""
 
 TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 """trackers.loggers names and the module each needs (jsonl needs none)."""
@@ -65,5 +67,7 @@ def check_extras(cfg: Any) -> None:
         require(f"model.path={cfg.model.path} (a GGUF file, dequantized by transformers)", "gguf")
     if cfg.task == "openenv" and cfg.data.openenv.base_url:
         require("data.openenv.base_url (OpenEnv's client)", "openenv")
+    if cfg.task == "verifiers":
+        require("task=verifiers", "verifiers")
     if cfg.rollout.workflow == "openai_agent":
         require("rollout.workflow=openai_agent (agents written with the OpenAI SDK)", "agents")

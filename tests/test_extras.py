@@ -28,6 +28,7 @@ CASES = [
      "rollout.workflow=openai_agent (agents written with the OpenAI SDK) needs openai", "agents"),
     (["task=openenv", "data.openenv.base_url=http://127.0.0.1:8000"], "data.openenv.base_url (OpenEnv's client) "
      "needs openenv", "openenv"),
+    (["task=verifiers"], "task=verifiers needs verifiers", "verifiers"),
 ]
 
 
@@ -61,17 +62,19 @@ def test_a_gguf_model_names_the_gguf_extra(without_extras):
         extras.check_extras(load_config(GRPOJobConfig, [f"model.path={pinned}"]))
 
 
-def test_the_extras_here_are_pyprojects_and_all_holds_every_one_but_vllm_and_openenv():
+def test_the_extras_here_are_pyprojects_and_all_holds_every_one_but_vllm_openenv_and_verifiers():
     """extras.EXTRAS names every optional-dependency group of pyproject.toml (dev aside), `all` holds the rest
-    (vllm has a CPU build `make` installs and a CUDA one; openenv cannot share a venv with the mcp extra, so `make`
-    installs it in .venv-openenv: `test_the_makefile_runs_the_openenv_tests_in_their_venv_at_the_extras_pin`), and
+    (vllm has a CPU build `make` installs and a CUDA one; openenv and verifiers cannot share a venv with the mcp
+    extra, so `make` installs them in .venv-envs: `test_the_makefile_runs_the_own_venv_tests_there_at_the_extras_pins`),
+    and
     the core holds exactly the five packages the package needs, pyyaml, and the packages our code imports that come
     with those (named all the same: tests/test_declared_dependencies.py)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     groups = project["optional-dependencies"]
     assert set(groups) - {"dev", "all"} == set(extras.EXTRAS)
     everything = re.fullmatch(r"rayllm_rl\[(.*)\]", groups["all"][0]).group(1).split(",")
-    assert set(everything) == set(extras.EXTRAS) - extras.NOT_IN_ALL == set(extras.EXTRAS) - {"vllm", "openenv"}
+    assert set(everything) == set(extras.EXTRAS) - extras.NOT_IN_ALL == set(extras.EXTRAS) - {"vllm", "openenv",
+                                                                                              "verifiers"}
     core = {re.split(r"[\[<>=]", d)[0] for d in project["dependencies"]}
     assert core == {"torch", "transformers", "ray", "tensordict", "datasets", "pyyaml",
                     "numpy", "huggingface-hub", "safetensors", "tokenizers", "tqdm", "pyarrow", "pandas"}
@@ -79,21 +82,25 @@ def test_the_extras_here_are_pyprojects_and_all_holds_every_one_but_vllm_and_ope
         assert all(importlib.util.find_spec(m) is not None for m in modules) or extra in extras.NOT_IN_ALL, extra
 
 
-def test_the_makefile_runs_the_openenv_tests_in_their_venv_at_the_extras_pin():
-    """The pair that cannot share a venv is both tested: `make test` (and test-fast) builds .venv-openenv first, which
-    installs the `openenv` extra's exact pin (and mcp 1.x for its fastmcp), while this venv keeps the `mcp` extra's
-    mcp 2.3; tests/test_own_venvs.py runs tests/test_openenv.py with that venv's Python, and conftest.py leaves the
-    module out where openenv is missing."""
+def test_the_makefile_runs_the_own_venv_tests_there_at_the_extras_pins():
+    """The pairs that cannot share a venv are both tested: `make test` (and test-fast) builds .venv-envs first, which
+    installs the `openenv` and `verifiers` extras' exact pins (and mcp 1.x for them), while this venv keeps the `mcp`
+    extra's mcp 2.3; tests/test_own_venvs.py runs tests/test_openenv.py and tests/test_verifiers_env.py with that
+    venv's Python, and conftest.py leaves a module out where its package is missing."""
     from conftest import OWN_VENV, OWN_VENV_TESTS
 
     makefile = (ROOT / "Makefile").read_text()
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    (pin,) = project["optional-dependencies"]["openenv"]
-    pins = re.search(r"^OPENENV_PINS := ((?:.*\\\n)*.*)$", makefile, re.M).group(1).replace("\\\n", " ").split()
-    assert pin in pins and any(p.startswith("mcp==1.") for p in pins), pins
+    pins = [p for var in ("OPENENV_PINS", "VERIFIERS_PINS") for p in re.search(
+        rf"^{var} := ((?:.*\\\n)*.*)$", makefile, re.M).group(1).replace("\\\n", " ").split()]
+    for extra in ("openenv", "verifiers"):
+        (pin,) = project["optional-dependencies"][extra]
+        assert pin in pins, (extra, pins)
+    assert any(p.startswith("mcp==1.") for p in pins) and len({p.split("==")[0] for p in pins}) == len(pins), pins
     assert "mcp==2.3.0" in project["optional-dependencies"]["mcp"]
     for target in ("test", "test-fast"):
         recipe = re.search(rf"^{target}: (.*)\n((?:\t.*\n)+)", makefile, re.M)
         assert "$(OE_STAMP)" in recipe.group(1) and "$(PYTEST) -q tests " in recipe.group(2), recipe.group(0)
     assert re.search(r"^OE_VENV := (.*)$", makefile, re.M).group(1) == OWN_VENV
-    assert OWN_VENV_TESTS == {"test_openenv.py": "openenv"} and (ROOT / "tests" / "test_own_venvs.py").exists()
+    assert OWN_VENV_TESTS == {"test_openenv.py": "openenv", "test_verifiers_env.py": "verifiers"}
+    assert (ROOT / "tests" / "test_own_venvs.py").exists()

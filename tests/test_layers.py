@@ -26,10 +26,9 @@ FLOORS: dict[str, int] = {
     "learner": 3, "extras": 3, "export_lora": 3, "data": 3,
     # 4-9: engines and the rollout buffer, then workflows, rewards, envs, tools, agents
     "inference": 4, "rollout": 4, "workflows": 5, "rewards": 6, "envs": 7, "tools": 8, "agents": 9,
-    # 9: environments as tasks (OpenEnv, TRL's environment_factory): envs' Task, tools' tool-call parser, workflows
-    "environments": 9,
-    # 10: the algorithm between rollout and learner (batch pipeline, SFT warm start)
-    "algorithm": 10,
+    # 10: environments as tasks (OpenEnv, TRL's environment_factory, verifiers): envs' Task, tools' tool-call parser,
+    # workflows, the agents' OpenAI proxy; and the algorithm between rollout and learner (batch pipeline, SFT warmup)
+    "environments": 10, "algorithm": 10,
     # 11: the job before it runs (config, checks, plan); 12: the runtime; 13: public API; 14-15: command line
     "job": 11, "orchestration": 12, "api": 13, "tinker": 13, "cli": 14, "__main__": 15,
 }

@@ -2,7 +2,7 @@
 token-in/token-out by the tiny model, trained on the local backend and on Ray; and the adapter's parts without Ray
 (observation -> turn, reply -> action, reward / done, the three failure causes).
 
-Runs in .venv-openenv (openenv 0.10 cannot share .venv with the `mcp` extra: docs/environments.md); `make test`
+Runs in .venv-envs (openenv 0.10 cannot share .venv with the `mcp` extra: docs/environments.md); `make test`
 runs it there, and conftest.py leaves it out of a venv without openenv.
 
 The game (`CountEnv`): reset(seed) picks a digit t = seed % 10 and says "Say t."; each step's reward is

@@ -5,7 +5,7 @@
     python examples/openenv_calculator/train.py --full             # SmolLM2-135M-Instruct (`make models`)
     python examples/openenv_calculator/train.py --steps 50 --backend ray rollout.group_size=8  # overrides win
 
-Needs openenv for the OpenEnv form (`pip install 'rayllm_rl[openenv]'`, or `.venv-openenv`); the TRL form needs
+Needs openenv for the OpenEnv form (`pip install 'rayllm_rl[openenv]'`, or `.venv-envs`); the TRL form needs
 none. Prints one JSON line last: steps, the reward over the first and last steps, turns and tool calls per episode,
 invalid actions, and how often the environment ended the episode (an answer) rather than `rollout.max_turns`.
 """

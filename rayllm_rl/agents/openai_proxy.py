@@ -17,7 +17,7 @@ import dataclasses
 import json
 import time
 import uuid
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from rayllm_rl.data.trajectory import TrajectoryBuilder
 from rayllm_rl.data.chat_template import chat_suffix, decode_tokens, encode_text
@@ -60,19 +60,23 @@ def _norm(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def parse_tool_calls(text: str) -> list[dict[str, Any]]:
-    """Hermes/Qwen `<tool_call>{"name", "arguments"}</tool_call>` blocks as OpenAI tool_calls (the
-    MCP transform's parser; malformed calls are left out, their text stays in the content)."""
+def parse_tool_calls(text: str, tool_parser: Callable[[str], Any] | None = None) -> list[dict[str, Any]]:
+    """The reply's tool calls as OpenAI tool_calls: Hermes/Qwen `<tool_call>{"name", "arguments"}</tool_call>`
+    blocks (the MCP transform's parser; malformed calls are left out, their text stays in the content), or what
+    `tool_parser(text)` finds, `[(name, arguments dict), ...]` (a model with another call format)."""
+    calls = ([(c.name, c.arguments) for c in parse_hermes_tool_calls(text) if c.error is None]
+             if tool_parser is None else list(tool_parser(text)))
     return [{"id": f"call_{i}_{uuid.uuid4().hex[:8]}", "type": "function",
-             "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
-            for i, c in enumerate(c for c in parse_hermes_tool_calls(text) if c.error is None)]
+             "function": {"name": name, "arguments": json.dumps(arguments)}}
+            for i, (name, arguments) in enumerate(calls)]
 
 
 class ChatCompletionsSession:
     """Serves chat completions from `engine` for one episode and records every completion."""
 
     def __init__(self, engine: InferenceEngine, tokenizer, *, default_max_tokens: int = 256,
-                 model_name: str = "rayllm-policy", rid: str | None = None, sampling: SamplingParams | None = None):
+                 model_name: str = "rayllm-policy", rid: str | None = None, sampling: SamplingParams | None = None,
+                 tool_parser: Callable[[str], Any] | None = None):
         self.engine = engine
         self.sampling = sampling
         """The job's rollout temperature / top_p / top_k: a request leaving one out gets the job's, and one
@@ -82,6 +86,8 @@ class ChatCompletionsSession:
         self.model_name = model_name
         self.rid = rid or uuid.uuid4().hex
         self.records: list[CompletionRecord] = []
+        self.tool_parser = tool_parser
+        """How a reply's tool calls are found when the request offers `tools` (`parse_tool_calls`; None: Hermes)."""
 
     # ------------------------------------------------------------------ prompt tokens
     def _prompt_ids(self, messages: list[dict[str, Any]], tools: Any) -> tuple[list[int], int | None]:
@@ -134,7 +140,7 @@ class ChatCompletionsSession:
             out_ids, lps, vers, finish = self.apply_stop(resp, stops)
             text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
             reply: dict[str, Any] = {"role": "assistant", "content": text}
-            tool_calls = parse_tool_calls(text) if body.get("tools") else []
+            tool_calls = parse_tool_calls(text, self.tool_parser) if body.get("tools") else []
             if tool_calls:
                 reply["tool_calls"] = tool_calls
                 finish = "tool_calls"

@@ -44,7 +44,8 @@ def train(config: GRPOJobConfig | None = None, overrides: list[str] | None = Non
       `workflow_kwargs`, returning an object with `async arun_episode(engine, data) -> TensorDict`; or such an
       object itself (pickled to each worker: keep it small). docs/extending.md has the contract;
     - `environment`: the environment `task=openenv` plays (task unset: it is set), in place of `data.openenv.env`:
-      an OpenEnv `Environment` subclass or a TRL `environment_factory` class (docs/environments.md).
+      an OpenEnv `Environment` subclass or a TRL `environment_factory` class; or a verifiers `Environment` instance,
+      which `task=verifiers` plays, in place of `data.verifiers.env_id` (docs/environments.md).
     """
     plan, inputs = prepare(config, overrides, reward_fn=reward_fn, reward_weights=reward_weights,
                            train_dataset=train_dataset, eval_dataset=eval_dataset, task=task, workflow=workflow,

@@ -22,6 +22,10 @@ PROMPT_TASK = "prompts"
 OPENENV_TASK = "openenv"
 """The task that plays an environment (`data.openenv`, `train(environment=...)`): environments/task.py."""
 
+VERIFIERS_TASK = "verifiers"
+"""The task that plays a verifiers environment (`data.verifiers`, `train(environment=<a verifiers Environment>)`):
+environments/verifiers_task.py."""
+
 DEFAULT_TASK = "arithmetic"
 """What `task` left unset means when no reward function is given: the CPU demo."""
 
@@ -104,6 +108,10 @@ TASKS: Mapping[str, TaskEntry] = MappingProxyType({
     # environment's (plus TRL-style reward functions, if given); no held-out greedy evaluation (environments.task)
     OPENENV_TASK: TaskEntry("rayllm_rl.environments.task:make_task", _presets(128, 0), _ADAPTER_LR, 64, "generated",
                             data_keys=("openenv",), takes_reward=True, needs_reward=False),
+    # a verifiers environment (classic API): its dataset's rows, its rollout loop over our chat-completions proxy,
+    # its rubric's reward; no held-out greedy evaluation (environments/verifiers_task.py)
+    VERIFIERS_TASK: TaskEntry("rayllm_rl.environments.verifiers_task:make_task", _presets(128, 0), _ADAPTER_LR,
+                              96, "generated", data_keys=("verifiers",)),
 })
 """Every built-in task by name (`task=<name>`)."""
 
@@ -139,16 +147,17 @@ def task_entry(name: str) -> TaskEntry:
 
 
 def resolve_task_name(task: str | None, has_reward: bool, python_task: str | None = None,
-                      has_environment: bool = False) -> str:
+                      environment_task: str | None = None) -> str:
     """`task` when set; else "python:<name>" for a task given as a Python object (`python_task` its name),
-    else `openenv` when an environment object is given (`train(environment=...)`), else `prompts` when a reward
-    function is given (`reward.fn`, `reward_fn=`), else `arithmetic`."""
+    else `environment_task`, the task of an environment object given (`train(environment=...)`, decided by
+    `rayllm_rl.environments.environment_task`), else `prompts`
+    when a reward function is given (`reward.fn`, `reward_fn=`), else `arithmetic`."""
     if task:
         return task
     if python_task:
         return PYTHON_TASK_PREFIX + python_task
-    if has_environment:
-        return OPENENV_TASK
+    if environment_task:
+        return environment_task
     return PROMPT_TASK if has_reward else DEFAULT_TASK
 
 

@@ -11,6 +11,7 @@ import difflib
 from typing import Any
 
 from rayllm_rl.config import check_fields
+from rayllm_rl.environments import environment_task
 from rayllm_rl.envs import task_registry
 from rayllm_rl.envs.task_registry import PROMPT_TASK, task_entry
 from rayllm_rl.callbacks import check_callback_paths
@@ -108,9 +109,10 @@ def check_task(cfg: Any, inputs: Any) -> None:
     if entry.takes_reward and entry.needs_reward and not inputs.reward_fns:
         raise ValueError(f"task={cfg.task} scores with your reward: set reward.fn=package.module:function (or pass "
                          "train(reward_fn=...))")
-    if getattr(inputs, "environment", None) is not None and cfg.task != task_registry.OPENENV_TASK:
-        raise ValueError(f"environment= is played by task={task_registry.OPENENV_TASK} (set with task unset); "
-                         f"task={cfg.task} does not read it")
+    environment = getattr(inputs, "environment", None)
+    if environment is not None and cfg.task != environment_task(environment):
+        raise ValueError(f"environment= is played by task={environment_task(environment)} (set with "
+                         f"task unset); task={cfg.task} does not read it")
     given = {"data.path": cfg.data.path, "data.eval_path": cfg.data.eval_path,
              "train_dataset=": inputs.train_dataset is not None, "eval_dataset=": inputs.eval_dataset is not None}
     refused = {"generated": ("data.path", "data.eval_path", "train_dataset=", "eval_dataset="),

@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Literal
 
 from rayllm_rl.config import NonNegFloat, NonNegInt, PosFloat, PosInt
 from rayllm_rl.environments.config import OpenEnvConfig
+from rayllm_rl.environments.verifiers_config import VerifiersConfig
 from rayllm_rl.envs.reasoning_gym_task import ReasoningGymConfig
 from rayllm_rl.learner.learner import OptimConfig
 from rayllm_rl.lora import LoraOptions
@@ -118,6 +119,9 @@ class DataConfig:
     """task=openenv only: the environment (an OpenEnv Environment subclass or a TRL environment_factory class by
     import path, or a running server's base_url), how replies become actions, the rows' prompt and seeds, the
     bound of each call (environments/config.py, docs/environments.md)."""
+    verifiers: VerifiersConfig = dataclasses.field(default_factory=VerifiersConfig)
+    """task=verifiers only: the environment's id (a module exporting `load_environment`) and its arguments, how many
+    of its dataset's rows, the bound of one rollout (environments/verifiers_config.py, docs/environments.md)."""
 
 
 @dataclasses.dataclass

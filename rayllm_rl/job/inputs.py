@@ -44,9 +44,10 @@ class JobInputs:
     python_workflow: str = ""
     """The name of a workflow given as an object: `rollout.workflow` resolves to "python:<it>"."""
     environment: Any = None
-    """The environment of `task=openenv` given in Python (`train(environment=...)`, `GRPOTrainer(
-    environment_factory=...)`): an OpenEnv `Environment` subclass or a TRL environment class (or a factory with no
-    arguments), in place of `data.openenv.env`; None = the config's."""
+    """The environment given in Python (`train(environment=...)`, `GRPOTrainer(environment_factory=...)`): for
+    `task=openenv` an OpenEnv `Environment` subclass or a TRL environment class (or a factory with no arguments), in
+    place of `data.openenv.env`; for `task=verifiers` a verifiers `Environment` instance, in place of
+    `data.verifiers.env_id`; None = the config's."""
 
     @classmethod
     def of(cls, cfg: Any, *, reward_fn: Callable | Sequence[Callable] | None = None,
@@ -69,7 +70,12 @@ class JobInputs:
         if environment is not None and cfg.data.openenv.env:
             raise ValueError(f"environment= and data.openenv.env={cfg.data.openenv.env!r} both name the environment: "
                              "give one")
-        if environment is not None and not callable(environment):
+        if environment is not None and cfg.data.verifiers.env_id:
+            raise ValueError(f"environment= and data.verifiers.env_id={cfg.data.verifiers.env_id!r} both name the "
+                             "environment: give one")
+        from rayllm_rl.environments.verifiers_env import is_verifiers_environment
+
+        if environment is not None and not callable(environment) and not is_verifiers_environment(environment):
             raise ValueError(f"environment= is a {type(environment).__name__}: give the environment's class (or a "
                              "factory with no arguments), not an instance: every episode builds its own")
         return cls(fns, weights, labels, train_dataset, eval_dataset, custom, label, python_name, flow, python_flow,

@@ -13,6 +13,7 @@ from typing import Any
 
 from rayllm_rl.envs.task_registry import PRESET_KEYS as PRESET_KEYS  # re-exported: job/checks.py imports it here
 from rayllm_rl.envs.task_registry import TASKS, find_entry, resolve_task_name
+from rayllm_rl.environments import environment_task
 from rayllm_rl.workflows.custom import PYTHON_WORKFLOW_PREFIX
 
 TASK_PRESETS: dict[str, dict[str, Any]] = {name: dict(entry.presets) for name, entry in TASKS.items()}
@@ -53,14 +54,15 @@ def preset_values(cfg: Any) -> dict[str, Any]:
 def resolve_presets(cfg: Any, inputs: Any = None) -> Any:
     """A new config: `cfg` with `task` resolved (`task_registry.resolve_task_name`: left unset, `prompts` when a
     reward function is given by `reward.fn` or in `inputs` (the job's JobInputs), a task object's
-    "python:<name>", `openenv` for an environment object, else `arithmetic`) and each field it leaves None (and
-    `model.dtype=auto`) filled from `preset_values`; `rollout.workflow` left "auto" is "python:<name>" for a
-    workflow given as a Python object; a decaying `optim.lr_schedule` without `optim.decay_steps` ends at the last
+    "python:<name>", `openenv` / `verifiers` for an environment object, else `arithmetic`) and each field it leaves
+    None (and `model.dtype=auto`) filled from `preset_values`; `rollout.workflow` left "auto" is "python:<name>" for
+    a workflow given as a Python object; a decaying `optim.lr_schedule` without `optim.decay_steps` ends at the last
     RL optimizer step. Idempotent; `cfg` is not changed."""
     out = copy.deepcopy(cfg)
+    environment = getattr(inputs, "environment", None)
     out.task = resolve_task_name(cfg.task, bool(cfg.reward.fn) or bool(getattr(inputs, "reward_fns", ())),
                                  getattr(inputs, "python_task", "") or None,
-                                 getattr(inputs, "environment", None) is not None)
+                                 environment_task(environment) if environment is not None else None)
     python_workflow = getattr(inputs, "python_workflow", "")
     if python_workflow and out.rollout.workflow == "auto":  # train(workflow=...): named in config.json and the logs
         out.rollout.workflow = PYTHON_WORKFLOW_PREFIX + python_workflow

@@ -1,0 +1,352 @@
+"""task=verifiers: verifiers environments of the classic API (verifiers 0.3.1: `ToolEnv`, `SingleTurnEnv`,
+`MultiTurnEnv`) written here, their rollouts served by the tiny model through our chat-completions proxy; the
+ToolEnv trained on the local backend and on Ray, its turns checked token by token; the SingleTurnEnv and the
+MultiTurnEnv trained on the local backend, their rewards recomputed from the replies; the failure paths (a rubric
+function and an env_response that raise) as failed samples by cause.
+
+Runs in .venv-envs (verifiers 0.3.1 needs mcp<2, which cannot share .venv with the `mcp` extra's mcp 2.3:
+docs/environments.md); `make test` runs it there, and conftest.py leaves it out of a venv without verifiers.
+
+The tiny model writes no `<tool_call>` blocks, so the ToolEnv's tool-call parser (`data.verifiers.tool_parser`,
+`every_reply_calls_count`) reads every reply as one call of the `count` tool: each episode lasts exactly `TOOL_TURNS`
+turns, and the test knows each tool result the model was shown.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import verifiers as vf
+from datasets import Dataset
+
+from ray_sessions import JOB_ENV, local_ray_session
+
+TOOL_TURNS = 2
+"""Turns of a ToolEnv episode: a call of `count`, its result, a last reply (max_turns ends it)."""
+ROWS = [{"question": f"Count the letters of {w}.", "answer": str(len(w))} for w in ("cat", "horse", "ox", "zebra")]
+
+
+def count(text: str) -> str:
+    """Count the letters of a text.
+
+    Args:
+        text: The text whose ASCII letters are counted.
+
+    Returns:
+        How many letters it has.
+    """
+    return f"{sum(c.isascii() and c.isalpha() for c in text)} letters"
+
+
+def every_reply_calls_count(text: str) -> list:
+    """The tool parser for the tiny model: every reply is one call of `count` with the reply as its text."""
+    return [("count", {"text": text})]
+
+
+def letters(text: str) -> int:
+    return sum(c.isascii() and c.isalpha() for c in text)
+
+
+def short_reply(completion, **kwargs) -> float:
+    """1 / (1 + the letters of the assistant's replies): dense, so the tiny model's random replies score apart."""
+    said = "".join(m.content or "" for m in completion if m.role == "assistant")
+    return 1.0 / (1 + letters(said))
+
+
+def says_answer(completion, answer, **kwargs) -> float:
+    """1 when the last reply holds the row's answer."""
+    return float(answer in (completion[-1].content or ""))
+
+
+def dataset() -> Dataset:
+    return Dataset.from_list(ROWS)
+
+
+def tool_env() -> vf.ToolEnv:
+    return vf.ToolEnv(dataset=dataset(), tools=[count], max_turns=TOOL_TURNS,
+                      rubric=vf.Rubric(funcs=[short_reply, says_answer], weights=[1.0, 0.5]))
+
+
+def load_environment(**kwargs) -> vf.Environment:
+    """What `data.verifiers.env_id=test_verifiers_env` loads (verifiers' `load_environment`): the ToolEnv."""
+    return tool_env()
+
+
+class EchoEnv(vf.MultiTurnEnv):
+    """A MultiTurnEnv whose env_response tells the model how many letters its reply had."""
+
+    async def env_response(self, messages, state, **kwargs):
+        return [{"role": "user", "content": f"You said {letters(messages[-1].content or '')} letters."}]
+
+
+class BrokenEnv(vf.MultiTurnEnv):
+    async def env_response(self, messages, state, **kwargs):
+        raise RuntimeError("the simulator crashed")
+
+
+class SlowEnv(vf.MultiTurnEnv):
+    async def env_response(self, messages, state, **kwargs):
+        await asyncio.sleep(30)  # past data.verifiers.rollout_timeout_s: cancelled with the rollout
+        return []
+
+
+def broken_reward(completion, **kwargs) -> float:
+    raise ZeroDivisionError("a rubric bug")
+
+
+def single_env() -> vf.SingleTurnEnv:
+    return vf.SingleTurnEnv(dataset=dataset(), system_prompt="Answer with a number.",
+                            rubric=vf.Rubric(funcs=[short_reply, says_answer]))
+
+
+def echo_env(**kwargs) -> EchoEnv:
+    return EchoEnv(dataset=dataset(), max_turns=2, rubric=vf.Rubric(funcs=[short_reply]), **kwargs)
+
+
+# ---------------------------------------------------------------------------- parts, no job
+def test_the_rubric_is_the_reward_and_its_functions_the_components():
+    from rayllm_rl.environments.verifiers_config import VerifiersConfig
+    from rayllm_rl.environments.verifiers_env import RubricReward, component_names, resolve_verifiers, rows
+
+    source, env = resolve_verifiers(VerifiersConfig(), tool_env())
+    assert component_names(env.rubric) == ("reward_short_reply", "reward_says_answer", "reward_num_turns",
+                                           "reward_total_tool_calls", "reward_count_calls")
+    (row, *_) = rows(env, 0, source.label)
+    assert row["messages"] == [{"role": "user", "content": "Count the letters of cat."}]
+    assert json.loads(row["vf_input"])["answer"] == "3" and len(rows(env, 2, source.label)) == 2
+
+    async def scored(replies):
+        state = await env.init_state(json.loads(row["vf_input"]), vf.OpenAIChatCompletionsClient(None), "m")
+        state["completion"] = [vf.AssistantMessage(content=r) for r in replies]
+        state["trajectory"] = [{} for _ in replies]
+        return await RubricReward(component_names(env.rubric))("", "", [], [], state=state, rubric=env.rubric)
+
+    out = asyncio.run(scored(["ab", "it is 3"]))
+    assert out["reward_short_reply"] == pytest.approx(1 / 7) and out["reward_says_answer"] == 1.0
+    assert out["reward"] == pytest.approx(1 / 7 + 0.5) and out["reward_num_turns"] == 2.0
+
+
+def test_bad_environments_fail_before_anything_starts_naming_the_problem():
+    from rayllm_rl.environments.verifiers_config import VerifiersConfig
+    from rayllm_rl.environments.verifiers_env import resolve_verifiers
+    from rayllm_rl.environments.verifiers_task import make_task
+    from rayllm_rl.job.config import DataConfig
+
+    with pytest.raises(ValueError, match="needs one environment.*none was given"):
+        resolve_verifiers(VerifiersConfig())
+    with pytest.raises(ValueError, match="needs one environment.*env_id and environment="):
+        resolve_verifiers(VerifiersConfig(env_id="test_verifiers_env"), tool_env())
+    with pytest.raises(ValueError, match="not a verifiers Environment"):
+        resolve_verifiers(VerifiersConfig(), object())
+    with pytest.raises(ValueError, match="no module 'no_such_env_pkg'"):
+        VerifiersConfig(env_id="org/no-such-env-pkg").check()
+    with pytest.raises(ValueError, match="score a group of rollouts"):
+        resolve_verifiers(VerifiersConfig(), vf.SingleTurnEnv(dataset=dataset(), rubric=vf.Rubric(
+            funcs=[lambda completions, **kw: [1.0] * len(completions)])))
+    with pytest.raises(ValueError, match="data.eval_size=2"):
+        make_task(DataConfig(eval_size=2))
+    handler = signal.getsignal(signal.SIGTERM)
+    source, env = resolve_verifiers(VerifiersConfig(env_id="test_verifiers_env", env_args={}))
+    assert isinstance(env, vf.ToolEnv) and source.load() is env and source.label == "test_verifiers_env"
+    assert signal.getsignal(signal.SIGTERM) is handler  # verifiers' Environment replaced it; the job's is back
+
+
+def episode_of(tiny_model_path, env, row: int = 0, **cfg_keys):
+    """One group of 2 rollouts of `env` with the real tiny engine, as the collector runs it (`run_group`, the
+    failure policy `drop`)."""
+    from transformers import AutoTokenizer
+
+    from rayllm_rl.environments.verifiers_config import VerifiersConfig
+    from rayllm_rl.environments.verifiers_env import RubricReward, component_names, resolve_verifiers, rows
+    from rayllm_rl.environments.verifiers_workflow import make_workflow
+    from rayllm_rl.envs.task import Task
+    from rayllm_rl.inference.protocol import SamplingParams
+    from rayllm_rl.inference.transformers.engine import TransformersEngine
+    from rayllm_rl.rollout.failures import FailurePolicy, run_group
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    source, env = resolve_verifiers(VerifiersConfig(**cfg_keys), env)
+    task = Task("verifiers", None, None, RubricReward(component_names(env.rubric)))
+    workflow = make_workflow(tokenizer, SamplingParams(max_new_tokens=5), 2, task, source=source)
+    engine = TransformersEngine(tiny_model_path, seed=0, device="cpu")
+
+    async def go():
+        await engine.start()
+        try:
+            return await run_group(workflow, engine, {**rows(env, 0, source.label)[row], "group_id": 7},
+                                   FailurePolicy("drop", group_size=2))
+        finally:
+            await engine.aclose()
+
+    return asyncio.run(go())
+
+
+FAILING = {
+    "rubric_raises": (lambda: vf.SingleTurnEnv(dataset=dataset(), rubric=vf.Rubric(funcs=[short_reply, broken_reward])),
+                      "reward_raised", "ZeroDivisionError: a rubric bug"),
+    "env_response_raises": (lambda: BrokenEnv(dataset=dataset(), max_turns=3, rubric=vf.Rubric(funcs=[short_reply])),
+                            "raised", "RuntimeError: the simulator crashed"),
+    "rollout_times_out": (lambda: SlowEnv(dataset=dataset(), max_turns=3, rubric=vf.Rubric(funcs=[short_reply])),
+                          "timeout", "ran past data.verifiers.rollout_timeout_s=0.5s"),
+}
+
+
+@pytest.mark.parametrize("case", list(FAILING))
+def test_a_rubric_or_env_response_that_raises_or_hangs_fails_its_samples_by_cause_never_a_zero(tiny_model_path, case,
+                                                                                              caplog):
+    env, cause, said = FAILING[case]
+    result = episode_of(tiny_model_path, env(), rollout_timeout_s=0.5)
+    assert result.causes == {cause: 2} and result.episode is None and result.dropped
+    assert caplog.text.count(said) == 2  # the warning of each failed sample names what raised
+
+
+def test_a_hermes_tool_call_from_the_proxy_is_the_call_tool_env_runs():
+    """The proxy's OpenAI `tool_calls` (from the reply's Hermes block), read by verifiers' own client, are what
+    `ToolEnv.env_response` runs; a tool parser of the user's gives the same."""
+    from openai.types.chat import ChatCompletion
+
+    from rayllm_rl.agents.openai_proxy import parse_tool_calls
+
+    text = 'Let me count. <tool_call>{"name": "count", "arguments": {"text": "zebra!"}}</tool_call>'
+    assert [c["function"] for c in parse_tool_calls(text, every_reply_calls_count)] == [
+        {"name": "count", "arguments": json.dumps({"text": text})}]
+    env = tool_env()
+
+    async def run():
+        native = ChatCompletion.model_validate({
+            "id": "c", "object": "chat.completion", "created": 0, "model": "m", "choices": [{
+                "index": 0, "finish_reason": "tool_calls",
+                "message": {"role": "assistant", "content": text, "tool_calls": parse_tool_calls(text)}}]})
+        response = await vf.OpenAIChatCompletionsClient(None).from_native_response(native)
+        state = await env.init_state(json.loads(json.dumps(ROWS[0] | {"prompt": []})), vf.OpenAIChatCompletionsClient(
+            None), "m")
+        return response.message, await env.env_response([response.message], state)
+
+    message, (tool,) = asyncio.run(run())
+    assert message.content == text and [(c.name, json.loads(c.arguments)) for c in message.tool_calls] == [
+        ("count", {"text": "zebra!"})]
+    assert tool.role == "tool" and tool.content == "5 letters" and tool.tool_call_id == message.tool_calls[0].id
+
+
+# ---------------------------------------------------------------------------- jobs
+JOB = ["task=verifiers", "trainer.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2",
+       "rollout.max_new_tokens=5", "sft.steps=0", "data.eval_size=0", "trainer.eval_every=0", "trainer.log_every=100",
+       "trainer.call_timeout_s=120", "trainer.seed=1"]
+"""2 RL steps of 2 rows x 2 rollouts of at most 5 tokens a turn, no warm start, no eval; a seed at which the tiny
+model never replies with nothing (verifiers aborts a rollout on an empty reply, EmptyModelResponseError: here a
+failed sample, cause `raised`)."""
+TOOLS = [*JOB, "data.verifiers.tool_parser=test_verifiers_env:every_reply_calls_count"]
+
+
+def rl_records(summary) -> list[dict]:
+    lines = (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["phase"] == "rl"]
+
+
+def trace_samples(summary) -> list[dict]:
+    """The run's decoded trace rows (`traces.jsonl`: a few trained rows per step, token by token)."""
+    lines = (Path(summary["run_dir"]) / "traces.jsonl").read_text().splitlines()
+    return [sample for line in lines for sample in json.loads(line).get("samples", ())]
+
+
+def replies_of(sample, tokenizer, turns: int, feedback) -> list[str]:
+    """The engine's replies in a traced row, checked token by token: the trained runs of tokens (the engine's; at
+    step 1 the learner's logprob of each matches the engine's) alternate with the environment's turn, whose tokens
+    are exactly the chat template's rendering of `feedback(reply)` after the reply's end-of-turn token."""
+    from rayllm_rl.data.chat_template import next_turns_text
+
+    parts: list[tuple[bool, str]] = []
+    for tok, trained in zip(sample["tokens"], sample["trained"]):
+        if parts and parts[-1][0] == trained:
+            parts[-1] = (trained, parts[-1][1] + tok)
+        else:
+            parts.append((trained, tok))
+    assert [trained for trained, _ in parts] == [True, False] * (turns - 1) + [True]
+    replies = []
+    for k in range(0, len(parts), 2):
+        said = parts[k][1]
+        reply = said
+        for special in tokenizer.all_special_tokens:  # what verifiers got: decoded without special tokens
+            reply = reply.replace(special, "")
+        replies.append(reply)
+        if k + 1 < len(parts):
+            closing = "" if said.endswith(tokenizer.eos_token) else tokenizer.eos_token
+            assert parts[k + 1][1] == closing + next_turns_text(tokenizer, feedback(reply))
+    if sample.get("trained_from") == 0:
+        gaps = [abs(m) for m in sample["mismatch"] if m is not None]
+        assert gaps and max(gaps) < 1e-3
+    return replies
+
+
+def answer_of(sample) -> str:
+    """The row's answer, told by the traced prompt's word."""
+    return next(r["answer"] for r in ROWS if r["question"] in sample["prompt"])
+
+
+def check_job(summary, tokenizer, turns: int, feedback, weight_answer: float) -> None:
+    """2 steps trained on rollouts of exactly `turns` turns, none failed; each traced row's turns token by token and
+    its reward recomputed from its replies: `short_reply` + `weight_answer` x `says_answer`."""
+    rl = rl_records(summary)
+    assert summary["steps"] == 2 and len(rl) == 2 and summary["failed_episodes"] == 0
+    for rec in rl:
+        assert rec["num_turns"] == turns and rec["seqs"] == 2 * 2 and rec["reward_num_turns"] == turns
+    samples = trace_samples(summary)
+    assert len(samples) >= 2
+    rewards = []
+    for sample in samples:
+        replies = replies_of(sample, tokenizer, turns, feedback)
+        short = 1.0 / (1 + letters("".join(replies)))
+        right = float(answer_of(sample) in replies[-1])
+        assert sample["components"]["reward_short_reply"] == pytest.approx(short, abs=1e-5)
+        assert sample["reward"] == pytest.approx(short + weight_answer * right, abs=1e-5)
+        rewards.append(sample["reward"])
+    assert len(set(rewards)) > 1  # dense: the replies scored apart
+
+
+def tool_feedback(reply: str) -> list[dict]:
+    return [{"role": "tool", "content": count(reply)}]
+
+
+def test_a_tool_env_trains_on_the_local_backend_token_by_token(tmp_path, tokenizer, tiny_model_path):
+    from rayllm_rl import train
+
+    summary = train(overrides=[*TOOLS, f"model.path={tiny_model_path}", "trainer.backend=local",
+                               f"trainer.run_dir={tmp_path}"], environment=tool_env())
+    assert summary["backend"] == "local"
+    check_job(summary, tokenizer, TOOL_TURNS, tool_feedback, 0.5)
+    for rec in rl_records(summary):
+        assert rec["reward_total_tool_calls"] == TOOL_TURNS and rec["reward_count_calls"] == TOOL_TURNS
+
+
+@pytest.mark.parametrize("form", ["single", "multi"])
+def test_single_and_multi_turn_envs_train_on_the_local_backend(form, tmp_path, tokenizer, tiny_model_path):
+    from rayllm_rl import train
+
+    env = single_env() if form == "single" else echo_env()
+    # task unset (JOB[1:]): a verifiers Environment given sets task=verifiers
+    summary = train(overrides=[*JOB[1:], f"model.path={tiny_model_path}", "trainer.backend=local",
+                               f"trainer.run_dir={tmp_path}"], environment=env)
+    assert json.loads((Path(summary["run_dir"]) / "config.json").read_text())["task"] == "verifiers"
+    feedback = lambda reply: [{"role": "user", "content": f"You said {letters(reply)} letters."}]  # noqa: E731
+    check_job(summary, tokenizer, 1 if form == "single" else 2, feedback, 1.0 if form == "single" else 0.0)
+
+
+@pytest.mark.ray
+@pytest.mark.fixture_owned("processes", "shm segments", "named actors")
+def test_a_tool_env_by_id_trains_in_ray_env_workers_token_by_token(tmp_path, tokenizer, tiny_model_path):
+    """One local Ray; the environment loaded by id in the env workers (`load_environment` of this module, which
+    reaches them through PYTHONPATH)."""
+    import os
+
+    from rayllm_rl import train
+
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    env = {**JOB_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))}
+    with local_ray_session("test_verifiers_env", num_cpus=2, runtime_env={"env_vars": env}):
+        summary = train(overrides=[*TOOLS, "data.verifiers.env_id=test_verifiers_env", f"model.path={tiny_model_path}",
+                                   "trainer.backend=ray", f"trainer.run_dir={tmp_path}"])
+    assert summary["backend"] == "ray"
+    check_job(summary, tokenizer, TOOL_TURNS, tool_feedback, 0.5)
