@@ -243,8 +243,8 @@ def test_math_verifier_equivalence(verifier, gold, pred, expected):
 @pytest.mark.slow
 def test_math_reward_fn(verifier, math_rows):
     fn = MathRewardFn(verifier)
-    assert set(MathRewardFn.component_keys) == {"reward_right", "reward_format", "success", "timeout"}
-    full = {"reward": 1.0, "reward_right": 1.0, "reward_format": 1.0, "success": 1.0, "timeout": 0.0}
+    assert set(MathRewardFn.component_keys) == {"reward_right", "reward_format", "success"}
+    full = {"reward": 1.0, "reward_right": 1.0, "reward_format": 1.0, "success": 1.0}
     for row in math_rows:  # the reference solution itself scores 1 (boxed fallback)
         assert asyncio.run(fn("p", row["solution"], [], [], **row)) == full
     half = {"problem": "p", "answer": r"\frac{1}{2}"}
@@ -252,9 +252,9 @@ def test_math_reward_fn(verifier, math_rows):
     # the last <answer> block wins over an earlier \boxed{}
     assert asyncio.run(fn("p", r"\boxed{0.5} <answer>1/3</answer>", [], [], **half))["reward"] == 0.0
     wrong = asyncio.run(fn("p", r"so \boxed{\frac{1}{3}}", [], [], **half))
-    assert wrong == {"reward": 0.0, "reward_right": 0.0, "reward_format": 1.0, "success": 0.0, "timeout": 0.0}
+    assert wrong == {"reward": 0.0, "reward_right": 0.0, "reward_format": 1.0, "success": 0.0}
     missing = asyncio.run(fn("p", "I think it is one half", [], [], **half))
-    assert missing == {"reward": 0.0, "reward_right": 0.0, "reward_format": 0.0, "success": 0.0, "timeout": 0.0}
+    assert missing == {"reward": 0.0, "reward_right": 0.0, "reward_format": 0.0, "success": 0.0}
     assert asyncio.run(fn("p", "<answer>  </answer>", [], [], **half))["reward_format"] == 0.0
     out = asyncio.run(RewardCaller(fn).score("p", "<answer>1/2</answer>", [], [], **half))
     assert out == full
@@ -321,16 +321,26 @@ def test_verifier_survives_a_killed_worker_and_bad_config():
 
 
 @pytest.mark.slow
-def test_math_reward_fn_timeout_logged(caplog):
+def test_a_math_check_past_its_timeout_is_a_failed_sample_not_a_zero(caplog):
+    """A check the verifier kills is not a wrong answer: MathRewardFn raises TimeoutError, and the RewardCaller makes
+    the sample a failed one of cause reward_timeout (rollout.on_failure decides), logged and counted."""
+    from rayllm_rl.data.failures import FAILED_KEY, code_of
+    from rayllm_rl.workflows.rewards import RewardCaller
+
     fn = MathRewardFn(MathVerifier(check_fn=SLEEPER), timeout_s=1.0)
+    caller = RewardCaller(fn)
     try:
         fn.verifier.start()
-        with caplog.at_level(logging.WARNING, logger="rayllm_rl.rewards.math_answer"):
-            out = asyncio.run(fn("p", "<answer>1</answer>", [], [], problem="p", answer="__sleep__"))
-        assert out == {"reward": 0.0, "reward_right": 0.0, "reward_format": 1.0, "success": 0.0, "timeout": 1.0}
-        assert any("timed out" in r.getMessage() for r in caplog.records)
-        ok = asyncio.run(fn("p", "<answer>1</answer>", [], [], problem="p", answer="1"))
-        assert ok["reward"] == 1.0 and ok["timeout"] == 0.0
+        with pytest.raises(TimeoutError, match=r"math-verify's check ran past 1\.0s \(gold=__sleep__, pred=1\)"):
+            asyncio.run(fn("p", "<answer>1</answer>", [], [], problem="p", answer="__sleep__"))
+        with caplog.at_level(logging.WARNING, logger="rayllm_rl.workflows.rewards"):
+            out = asyncio.run(caller.score("p", "<answer>1</answer>", [], [], problem="p", answer="__sleep__"))
+        assert out == {"reward": 0.0, "reward_right": 0.0, "reward_format": 0.0, "success": 0.0,
+                       FAILED_KEY: float(code_of("reward_timeout"))}
+        assert any("timed out (math-verify's check ran past 1.0s" in r.getMessage() for r in caplog.records)
+        assert caller.num_timeouts == 1 and fn.verifier.num_timeouts == 2
+        ok = asyncio.run(caller.score("p", "<answer>1</answer>", [], [], problem="p", answer="1"))
+        assert ok == {"reward": 1.0, "reward_right": 1.0, "reward_format": 1.0, "success": 1.0}
     finally:
         fn.close()
 
@@ -339,6 +349,7 @@ def test_math_reward_fn_timeout_logged(caplog):
 def test_math_reward_queued_behind_slow_checks_is_still_scored():
     """The verifier runs checks in turn; a correct answer waiting behind two checks that run into the
     verifier's own timeout is scored 1, not cut off by an outer timeout that counts the queue."""
+    from rayllm_rl.data.failures import FAILED_KEY, code_of
     from rayllm_rl.workflows.rewards import RewardCaller
 
     fn = MathRewardFn(MathVerifier(check_fn=SLEEPER), timeout_s=1.0)
@@ -355,9 +366,9 @@ def test_math_reward_queued_behind_slow_checks_is_still_scored():
             return await asyncio.gather(*slow, right_after_slow())
 
         *slow, right = asyncio.run(three())
-        assert right["reward"] == 1.0 and right["timeout"] == 0.0
-        assert all(s["reward"] == 0.0 and s["timeout"] == 1.0 for s in slow)
-        assert caller.num_timeouts == 0 and fn.verifier.num_timeouts == 2
+        assert right == {"reward": 1.0, "reward_right": 1.0, "reward_format": 1.0, "success": 1.0}
+        assert all(s[FAILED_KEY] == code_of("reward_timeout") for s in slow)  # the verifier's bound, not the caller's
+        assert caller.num_timeouts == 2 and fn.verifier.num_timeouts == 2
     finally:
         fn.close()
 

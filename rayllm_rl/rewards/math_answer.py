@@ -353,18 +353,18 @@ class MathVerifier:
 class MathRewardFn:
     """MATH reward (async, AReaL signature): 1.0 if the completion's answer equals the reference.
 
-    It bounds its own time (`bounds_own_time`): the verifier kills a check after `timeout_s` and
-    scores it 0 with `timeout` = 1, so a RewardCaller does not add an outer timeout, which would
+    It bounds its own time (`bounds_own_time`): the verifier kills a check after `timeout_s` and this
+    raises `TimeoutError`, which the RewardCaller makes a failed sample of cause `reward_timeout`
+    (docs/failed-episodes.md), never a reward of 0. The caller adds no outer timeout, which would
     also count the time a check waits behind others for the verifier's worker.
 
     The prediction is the last non-empty `<answer>` block, else the last `\\boxed{}` of the
     completion; the reference comes from `math_reference_answer(row)`. Returns
-    {"reward", "reward_right", "reward_format", "success", "timeout"}: reward_format is 1.0 when
-    an answer was found, timeout is 1.0 (reward 0, logged warning) when the check ran past
-    `timeout_s`. `verifier` defaults to a private MathVerifier started on first use.
+    {"reward", "reward_right", "reward_format", "success"}: reward_format is 1.0 when an answer
+    was found. `verifier` defaults to a private MathVerifier started on first use.
     """
 
-    component_keys = ("reward_right", "reward_format", "success", "timeout")
+    component_keys = ("reward_right", "reward_format", "success")
     bounds_own_time = True
 
     def __init__(self, verifier: MathVerifier | None = None, timeout_s: float = 10.0) -> None:
@@ -385,16 +385,15 @@ class MathRewardFn:
                        **row: Any) -> dict[str, float]:
         gold = math_reference_answer(row)
         pred = self.extract_prediction(completions)
-        out = {"reward": 0.0, "reward_right": 0.0, "reward_format": 0.0, "success": 0.0, "timeout": 0.0}
+        out = {"reward": 0.0, "reward_right": 0.0, "reward_format": 0.0, "success": 0.0}
         if pred is None:
             return out
         out["reward_format"] = 1.0
         verdict = await self.verifier.acheck(gold, pred, self.timeout_s)
-        if verdict is None:
-            out["timeout"] = 1.0
-            log.warning("MathRewardFn: verification timed out after %.1fs (gold=%.80r pred=%.80r); reward 0",
-                        self.timeout_s, gold, pred)
-        elif verdict:
+        if verdict is None:  # not a wrong answer: unknown, so the sample fails (reward_timeout)
+            raise TimeoutError(f"math-verify's check ran past {self.timeout_s:.1f}s (gold={gold:.80}, "
+                               f"pred={pred:.80})")
+        if verdict:
             out.update(reward=1.0, reward_right=1.0, success=1.0)
         return out
 

@@ -39,7 +39,8 @@ class RewardCaller:
 
     A reward that raises or returns a non-number / a mapping without "reward" (`num_errors`),
     returns NaN or an infinity as its reward or a component (`num_nonfinite`), or exceeds
-    `timeout_s` (`num_timeouts`) yields a *failed* score: reward 0.0 (components 0.0) plus
+    `timeout_s` or raises `TimeoutError` (the bound of a function that keeps its own, `bounds_own_time`:
+    `num_timeouts`) yields a *failed* score: reward 0.0 (components 0.0) plus
     `failed` = the code of its cause (reward_raised, reward_nonfinite, reward_timeout;
     data/failures.py), a logged warning and an increment of that counter; the episode goes on and
     `rollout.on_failure` decides what the trajectory does (`zero` keeps the 0). A result that
@@ -123,8 +124,8 @@ class RewardCaller:
             else:
                 value = self.reward_fn(prompt, completions, prompt_ids, completion_ids, **row)
             return self.normalize(value)
-        except asyncio.TimeoutError:
-            return self._timed_out()
+        except asyncio.TimeoutError as exc:  # our bound, or one the reward function keeps itself (it raises)
+            return self._timed_out(exc)
         except NonFiniteReward as exc:
             return self._nonfinite(exc)
         except Exception as exc:  # noqa: BLE001 - a user reward must never crash the worker
@@ -140,8 +141,8 @@ class RewardCaller:
         try:
             fut = pool.submit(self.reward_fn, prompt, completions, prompt_ids, completion_ids, **row)
             return self.normalize(fut.result(timeout=self.timeout_s))
-        except concurrent.futures.TimeoutError:
-            return self._timed_out()
+        except concurrent.futures.TimeoutError as exc:
+            return self._timed_out(exc)
         except NonFiniteReward as exc:
             return self._nonfinite(exc)
         except Exception as exc:  # noqa: BLE001
@@ -149,10 +150,12 @@ class RewardCaller:
         finally:
             pool.shutdown(wait=False)
 
-    def _timed_out(self) -> dict[str, float]:
+    def _timed_out(self, exc: BaseException) -> dict[str, float]:
+        """A failed score of cause `reward_timeout`: our bound ran out (`exc` says nothing), or the reward function's
+        own did (it raised `TimeoutError` saying which, e.g. MathRewardFn's math-verify check)."""
         self.num_timeouts += 1
-        log.warning("reward function %s timed out after %.1fs; the trajectory failed (reward_timeout)", self.name,
-                    self.timeout_s)
+        bound = str(exc) or f"after {self.timeout_s:.1f}s"
+        log.warning("reward function %s timed out (%s); the trajectory failed (reward_timeout)", self.name, bound)
         return self.failure("reward_timeout")
 
     def _nonfinite(self, exc: NonFiniteReward) -> dict[str, float]:
