@@ -49,8 +49,8 @@ def validated(overrides, **objects):
     (["rollout.workflow=workflow_helpers:SyncEpisode"], {}, r"SyncEpisode has no async def arun_episode"),
     (["rollout.workflow=workflow_helpers:NeedsPath"], {},
      r"its parameter 'data_dir' has no default and is none of the keywords the job passes \(reward_fn, tokenizer, "
-     r"sampling, group_size, max_turns, turn_discount, task, config\); give it a default or set it in "
-     r"rollout.workflow_kwargs"),
+     r"sampling, group_size, max_turns, turn_discount, sample_timeout_s, task, config\); give it a default or set it "
+     r"in rollout.workflow_kwargs"),
     (["rollout.workflow=workflow_helpers:Sized", "rollout.workflow_kwargs.bonsu=1"], {},
      r"rollout.workflow_kwargs sets \['bonsu'\], which rollout.workflow='workflow_helpers:Sized' does not take"),
     (["rollout.workflow=workflow_helpers:Sized", "rollout.workflow_kwargs.group_size=2"], {},

@@ -181,6 +181,24 @@ def test_a_sample_that_raises_or_hangs_fails_alone(engine, tokenizer):
     assert outcome.failures == {"raised": 1, "timeout": 1} and td["rewards"].tolist() == [1.0, 1.0]
 
 
+def test_the_multi_turn_workflow_of_a_job_bounds_each_sample_by_rollout_sample_timeout_s(engine, tokenizer):
+    """`rollout.workflow=multi_turn` with `rollout.sample_timeout_s`: the job's workflow fails the one sample that
+    hangs (cause `timeout`) and trains on the others; without it only the attempt's bound applies."""
+    from rayllm_rl.orchestration.factories import build_task, build_workflow
+
+    cfg = cfg_of("task=arithmetic", "data.eval_size=1", "rollout.workflow=multi_turn", "rollout.group_size=4",
+                 "rollout.max_turns=2", "rollout.max_new_tokens=4", "rollout.sample_timeout_s=6")
+    task = build_task(cfg)
+    workflow = build_workflow(cfg, task, tokenizer)
+    assert isinstance(workflow, GroupedWorkflow) and workflow.timeout_s == 6.0
+    assert build_workflow(cfg_of("task=arithmetic", "rollout.workflow=multi_turn"), task, tokenizer).timeout_s is None
+    row = {**task.train[0], "group_id": 7}
+    asyncio.run(workflow.workflow.arun_episode(engine, row))  # warm: the samples that finish do so well within it
+    workflow.workflow = FailsOn(workflow.workflow, hang_on={3})  # the job's own agent, its third sample hanging
+    td, outcome = store(workflow, engine, "drop", row=row)
+    assert outcome.failures == {"timeout": 1} and td["rewards"].shape[0] == 3
+
+
 def test_a_lost_server_fails_its_request_alone(engine, tokenizer):
     wf = RLVRWorkflow(lambda *a, **k: 1.0, tokenizer, SAMPLING, group_size=4)
     td, outcome = store(wf, LosesServerOn(engine, 2), "drop")
@@ -294,6 +312,8 @@ def test_the_policies_are_the_configs_values_and_resample_is_the_default():
     (["rollout.resample_budget=0"], r"rollout.resample_budget=0 never resamples: set rollout.on_failure=drop"),
     (["rollout.on_failure=zero", "rollout.min_finished=2"], r"rollout.min_finished=2 applies to .*not 'zero'"),
     (["rollout.group_size=4", "rollout.min_finished=5"], r"rollout.min_finished=5 is more than rollout.group_size=4"),
+    (["rollout.episode_timeout_s=30", "rollout.sample_timeout_s=30"],
+     r"rollout.sample_timeout_s=30 must be under rollout.episode_timeout_s=30"),
 ])
 def test_bad_failure_settings_fail_at_config_time(overrides, message):
     with pytest.raises((ConfigError, ValueError), match=message):

@@ -26,13 +26,15 @@ def rows(cfg: Any) -> list[dict[str, Any]]:
     return [{"messages": chat, "seed": cfg.seed + i} for i in range(cfg.train_size)]
 
 
-def make_workflow(tokenizer, sampling, group_size: int, max_turns: int, task, *, source):
+def make_workflow(tokenizer, sampling, group_size: int, max_turns: int, task, sample_timeout_s=None, *, source):
     """The task's rollout workflow (built in each env worker with the job's keywords, `factories.build_workflow`):
-    `group_size` independent episodes of the row, one `group_id`; each sample that fails fails alone."""
+    `group_size` independent episodes of the row, one `group_id`; each sample that fails (or runs past
+    `rollout.sample_timeout_s`) fails alone."""
     from rayllm_rl.environments.workflow import EnvWorkflow
     from rayllm_rl.workflows.grouped import GroupedWorkflow
 
-    return GroupedWorkflow(EnvWorkflow(source, task.reward_fn, tokenizer, sampling, max_turns=max_turns), group_size)
+    return GroupedWorkflow(EnvWorkflow(source, task.reward_fn, tokenizer, sampling, max_turns=max_turns), group_size,
+                           timeout_s=sample_timeout_s)
 
 
 def make_task(data_cfg: Any = None, seed: int = 0, inputs: Any = None):

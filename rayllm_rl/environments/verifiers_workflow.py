@@ -86,11 +86,13 @@ class VerifiersWorkflow(RolloutWorkflow):
         return trajectories[0]
 
 
-def make_workflow(tokenizer, sampling, group_size: int, task, *, source):
+def make_workflow(tokenizer, sampling, group_size: int, task, sample_timeout_s=None, *, source):
     """The task's rollout workflow (built in each env worker with the job's keywords, `factories.build_workflow`):
-    `group_size` independent rollouts of the row, one `group_id`; each sample that fails fails alone. The
+    `group_size` independent rollouts of the row, one `group_id`; each sample that fails (or runs past
+    `rollout.sample_timeout_s`) fails alone. The
     environment's own `max_turns` bounds its turns (`rollout.max_turns` is not read)."""
     from rayllm_rl.workflows.grouped import GroupedWorkflow
 
-    return GroupedWorkflow(VerifiersWorkflow(source, task.reward_fn, tokenizer, sampling), group_size)
+    return GroupedWorkflow(VerifiersWorkflow(source, task.reward_fn, tokenizer, sampling), group_size,
+                           timeout_s=sample_timeout_s)
 

@@ -188,6 +188,10 @@ class RolloutConfig:
     episode_timeout_s: PosFloat | None = None
     """One run of a prompt's samples (an attempt); past it they fail with cause 'timeout'. None = the
     trainer's call_timeout_s."""
+    sample_timeout_s: PosFloat | None = None
+    """One sample of a workflow whose samples run independently (multi_turn, task=openenv, task=verifiers); past
+    it that sample alone fails with cause 'timeout' and the group's others go on. None = only the attempt's
+    bound (`episode_timeout_s`), which fails every sample still running."""
 
     def __post_init__(self) -> None:
         if not self.top_p <= 1.0:
@@ -195,6 +199,11 @@ class RolloutConfig:
         if not 0 <= self.keep_top_k <= self.group_size:
             raise ValueError(f"rollout.keep_top_k must be in [0, rollout.group_size={self.group_size}] "
                              f"(0 = keep every trajectory), got {self.keep_top_k}")
+        if (self.sample_timeout_s is not None and self.episode_timeout_s is not None
+                and self.sample_timeout_s >= self.episode_timeout_s):
+            raise ValueError(f"rollout.sample_timeout_s={self.sample_timeout_s:g} must be under rollout."
+                             f"episode_timeout_s={self.episode_timeout_s:g} (the attempt's bound, which fails every "
+                             "sample still running, would always come first)")
         if self.resample_budget is not None and self.on_failure != "resample":
             raise ValueError(f"rollout.resample_budget={self.resample_budget} applies to rollout.on_failure=resample "
                              f"only, not {self.on_failure!r}")

@@ -103,6 +103,7 @@ def build_workflow(cfg: GRPOJobConfig, task: Task, tokenizer, make_tools: Callab
     r = cfg.rollout
     offered = {"reward_fn": task.reward_fn, "tokenizer": tokenizer, "sampling": build_sampling(cfg),
                "group_size": r.group_size, "max_turns": r.max_turns, "turn_discount": r.turn_discount,
+               "sample_timeout_s": r.sample_timeout_s,
                "task": task.worker_part(), "config": cfg}
     if custom is not None:
         return custom.build(offered)
@@ -141,7 +142,7 @@ def build_workflow(cfg: GRPOJobConfig, task: Task, tokenizer, make_tools: Callab
 
         agent = MultiTurnWorkflow(task.reward_fn, tokenizer, build_sampling(cfg), max_turns=max(r.max_turns, 1),
                                   turn_discount=r.turn_discount)
-        return GroupedWorkflow(agent, r.group_size)
+        return GroupedWorkflow(agent, r.group_size, timeout_s=r.sample_timeout_s)
     return RLVRWorkflow(task.reward_fn, tokenizer, build_sampling(cfg), group_size=r.group_size)
 
 

@@ -24,6 +24,8 @@ JOB_KEYWORDS: Mapping[str, str] = {
     "group_size": "rollout.group_size (int): trajectories per prompt, GRPO's group",
     "max_turns": "rollout.max_turns (int)",
     "turn_discount": "rollout.turn_discount (float)",
+    "sample_timeout_s": "rollout.sample_timeout_s (float or None): one sample's bound, for a workflow whose samples "
+                        "run independently (e.g. through GroupedWorkflow(timeout_s=...))",
     "task": "the job's Task without its rows (Task.worker_part: name, reward_fn, sft_target, env_cls)",
     "config": "the job's validated GRPOJobConfig",
 }
