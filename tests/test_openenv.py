@@ -562,6 +562,48 @@ def test_an_environment_trains_on_the_local_backend_token_by_token(form, tmp_pat
     check_rewards(summary, form)
 
 
+class Flaky(CountEnv):
+    """CountEnv whose every 3rd instance's step raises and every 4th's hangs past `data.openenv.call_timeout_s`
+    (instances count in this process: the local backend's)."""
+
+    made = 0
+
+    def __init__(self):
+        super().__init__()
+        Flaky.made += 1
+        self.nth = Flaky.made
+
+    def step(self, action, timeout_s=None, **kwargs):
+        if self.nth % 3 == 0:
+            raise RuntimeError("the simulator crashed")
+        if self.nth % 4 == 0:
+            time.sleep(1.0)  # past call_timeout_s=0.3; the thread ends on its own after the sample failed
+        return super().step(action)
+
+
+@pytest.mark.slow
+def test_a_job_whose_environment_raises_or_hangs_finishes_training_on_the_finished_episodes(tmp_path, tools_model):
+    """The local backend, 2 steps, `rollout.on_failure=drop`: episodes whose environment raised or hung are failed
+    samples counted by cause; each step trains on its groups' finished episodes only (4-8 of 2 x 4, at least
+    `min_finished`=2 a group, a group with fewer dropped and replaced), every one of them scored by the environment
+    (its step reward is never 0, so a failure scored 0 would show), and the run ends."""
+    from rayllm_rl import train
+
+    Flaky.made = 0
+    summary = train(overrides=[*JOB, "task=openenv", "data.openenv.env=test_openenv:Flaky",
+                               "data.openenv.action_parser=test_openenv:parse_answer",
+                               "data.openenv.call_timeout_s=0.3", "rollout.on_failure=drop", f"model.path={tools_model}",
+                               "trainer.backend=local", f"trainer.run_dir={tmp_path}"])
+    rl = rl_records(summary)
+    assert summary["steps"] == 2 and len(rl) == 2
+    failures = summary["episode_failures"]
+    assert failures["failed_episodes/raised"] > 0 and failures["failed_episodes/timeout"] > 0
+    assert summary["failed_episodes"] == failures["failed_episodes/raised"] + failures["failed_episodes/timeout"]
+    assert all(4 <= rec["seqs"] <= 8 for rec in rl) and sum(rec["seqs"] for rec in rl) < 16, [r["seqs"] for r in rl]
+    samples = trace_samples(summary)
+    assert samples and all(sample["reward"] > 0 for sample in samples)
+
+
 @pytest.fixture(scope="module")
 def ray_runs(tmp_path_factory, tools_model):
     """One local Ray, one job per form in it (the environment classes reach the workers through PYTHONPATH)."""
