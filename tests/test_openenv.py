@@ -592,8 +592,8 @@ def test_a_job_whose_environment_raises_or_hangs_finishes_training_on_the_finish
     Flaky.made = 0
     summary = train(overrides=[*JOB, "task=openenv", "data.openenv.env=test_openenv:Flaky",
                                "data.openenv.action_parser=test_openenv:parse_answer",
-                               "data.openenv.call_timeout_s=0.3", "rollout.on_failure=drop", f"model.path={tools_model}",
-                               "trainer.backend=local", f"trainer.run_dir={tmp_path}"])
+                               "data.openenv.call_timeout_s=0.3", "rollout.on_failure=drop",
+                               f"model.path={tools_model}", "trainer.backend=local", f"trainer.run_dir={tmp_path}"])
     rl = rl_records(summary)
     assert summary["steps"] == 2 and len(rl) == 2
     failures = summary["episode_failures"]
