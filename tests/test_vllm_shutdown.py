@@ -157,7 +157,8 @@ def _start_queue_holder(name: str):
     return worker
 
 
-def test_segments_a_killed_worker_left_are_unlinked_and_live_ones_kept(tmp_path):
+@pytest.mark.parametrize("prefix", ["psm_", "vllm_dist_"])  # a queue's segment; a TP worker's all-reduce buffer
+def test_segments_a_killed_worker_left_are_unlinked_and_live_ones_kept(tmp_path, prefix):
     """The sweep after an engine's stop: a segment made since the engine started whose maker was killed (so
     nobody maps it, and its resource tracker died with it) goes; one a live process maps, and one that existed
     before the engine started, stay."""
@@ -169,7 +170,7 @@ def test_segments_a_killed_worker_left_are_unlinked_and_live_ones_kept(tmp_path)
     older.close()
     before = shm_segments()
     live = shared_memory.SharedMemory(create=True, size=4096)  # made since, still mapped here
-    orphan_name = f"psm_t{os.getpid()}"
+    orphan_name = f"{prefix}t{os.getpid()}"
     worker = _start_queue_holder(orphan_name)
     try:
         worker.kill()

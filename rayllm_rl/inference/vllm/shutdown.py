@@ -8,7 +8,8 @@ the tree is not killed and the client's sockets are not closed, and a second `sh
 (its finalizer is already detached). `stop_async_llm` finishes both jobs itself.
 
 A worker vLLM had to kill (on a busy machine its exit can outlast vLLM's wait) leaves its message queue's
-segment (`/dev/shm/psm_*`) to Python's resource tracker, which unlinks it only when the process that started
+segment (`/dev/shm/psm_*`; a tensor-parallel one its all-reduce buffer too, `vllm_dist_*`) to Python's resource
+tracker (or to nobody), which unlinks it only when the process that started
 the tracker exits: a replica actor killed by Ray takes its tracker with it, a long-lived process keeps the
 segment until it ends. `unlink_orphaned_segments` removes the ones that appeared since the engine started and
 that no live process maps any more; `stop_async_llm` returns only once the killed processes have exited (vLLM
@@ -128,14 +129,18 @@ def stop_async_llm(llm: Any, reap_timeout_s: float = REAP_TIMEOUT_S, started: li
             log.error("vLLM's engine processes %s outlived SIGKILL by %.0f s", [p.pid for p in left], reap_timeout_s)
 
 
-SEGMENT_PREFIX = "psm_"
-"""Python's `shared_memory` names: vLLM's message queues between the engine core and its workers."""
+SEGMENT_PREFIXES = ("psm_", "vllm_dist_")
+"""Segments a stopped engine's killed processes can leave: Python's `shared_memory` names (vLLM's message queues
+between the engine core and its workers), and vLLM-CPU's tensor-parallel all-reduce buffers
+(`<VLLM_DIST_IDENT>-<group>-[ranks]-cpushm_<rank>`, VLLM_DIST_IDENT being `vllm_dist_<hex>`:
+vllm/distributed/device_communicators/cpu_communicator.py), 4 MB a rank, which a TP worker killed before its
+communicator's destructor leaves in /dev/shm (found after a `make test` run, 2026-12-07)."""
 
 
 def shm_segments(directory: str = "/dev/shm") -> set[str]:
     """Names of the shared-memory segments a vLLM engine's queues may use, now."""
     try:
-        return {n for n in os.listdir(directory) if n.startswith(SEGMENT_PREFIX)}
+        return {n for n in os.listdir(directory) if n.startswith(SEGMENT_PREFIXES)}
     except FileNotFoundError:
         return set()
 
