@@ -435,9 +435,13 @@ def test_the_verifiers_calculator_example_trains_two_local_steps(vf_calculator, 
                        "data.verifiers.tool_parser=test_verifiers_env:calculate_everything"])
     assert (out["steps"], out["backend"], out["failed_episodes"], out["turns"], out["tool_calls"]) == (
         2, "local", 0, 3.0, 3.0)
-    assert out["reward"] == [out["correct"]] * 2 and 0.0 <= out["correct"] <= 1.0
     rl = rl_records({"run_dir": out["run_dir"]})
     assert len(rl) == 2 and all(r["seqs"] == 2 * 4 and r["reward_calculator_calls"] == 3.0 for r in rl)
+    # the reward is correct_answer alone (weight 1; the ToolEnv's metrics weigh 0), in [0, 1]
+    assert all(r["reward"] == r["reward_correct_answer"] and 0.0 <= r["reward"] <= 1.0 for r in rl)
+    first, last = rl[0]["reward"], rl[1]["reward"]
+    assert out["reward"] == pytest.approx([first, last], abs=1e-4)
+    assert out["correct"] == pytest.approx((first + last) / 2, abs=1e-4)
 
     def feedback(reply: str) -> list[dict]:
         try:
