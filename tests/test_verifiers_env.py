@@ -2,7 +2,8 @@
 `MultiTurnEnv`) written here, their rollouts served by the tiny model through our chat-completions proxy; the
 ToolEnv trained on the local backend and on Ray, its turns checked token by token; the SingleTurnEnv and the
 MultiTurnEnv trained on the local backend, their rewards recomputed from the replies; the failure paths (a rubric
-function and an env_response that raise) as failed samples by cause.
+function and an env_response that raise) as failed samples by cause; examples/verifiers_calculator (its environment
+and its train.py at the small size).
 
 Runs in .venv-envs (verifiers 0.3.1 needs mcp<2, which cannot share .venv with the `mcp` extra's mcp 2.3:
 docs/environments.md); `make test` runs it there, and conftest.py leaves it out of a venv without verifiers.
@@ -252,10 +253,12 @@ def trace_samples(summary) -> list[dict]:
     return [sample for line in lines for sample in json.loads(line).get("samples", ())]
 
 
-def replies_of(sample, tokenizer, turns: int, feedback) -> list[str]:
+def replies_of(sample, tokenizer, turns: int, feedback, lossy: bool = False) -> list[str]:
     """The engine's replies in a traced row, checked token by token: the trained runs of tokens (the engine's; at
     step 1 the learner's logprob of each matches the engine's) alternate with the environment's turn, whose tokens
-    are exactly the chat template's rendering of `feedback(reply)` after the reply's end-of-turn token."""
+    are exactly the chat template's rendering of `feedback(reply)` after the reply's end-of-turn token. `lossy`: the
+    feedback quotes the reply, whose bytes of a split character the trace (decoded a token at a time) and verifiers
+    (decoded whole) show as different runs of U+FFFD, so those are left out of the comparison."""
     from rayllm_rl.data.chat_template import next_turns_text
 
     parts: list[tuple[bool, str]] = []
@@ -274,7 +277,11 @@ def replies_of(sample, tokenizer, turns: int, feedback) -> list[str]:
         replies.append(reply)
         if k + 1 < len(parts):
             closing = "" if said.endswith(tokenizer.eos_token) else tokenizer.eos_token
-            assert parts[k + 1][1] == closing + next_turns_text(tokenizer, feedback(reply))
+            expected = closing + next_turns_text(tokenizer, feedback(reply))
+            if lossy:
+                assert parts[k + 1][1].replace("\ufffd", "") == expected.replace("\ufffd", "")
+            else:
+                assert parts[k + 1][1] == expected
     if sample.get("trained_from") == 0:
         gaps = [abs(m) for m in sample["mismatch"] if m is not None]
         assert gaps and max(gaps) < 1e-3
@@ -350,3 +357,104 @@ def test_a_tool_env_by_id_trains_in_ray_env_workers_token_by_token(tmp_path, tok
                                    "trainer.backend=ray", f"trainer.run_dir={tmp_path}"])
     assert summary["backend"] == "ray"
     check_job(summary, tokenizer, TOOL_TURNS, tool_feedback, 0.5)
+
+
+# ---------------------------------------------------------------------------- examples/verifiers_calculator
+VF_CALCULATOR = Path(__file__).resolve().parents[1] / "examples" / "verifiers_calculator"
+
+
+@pytest.fixture(scope="module")
+def vf_calculator():
+    """The example's environment module (its folder on sys.path, as its train.py puts it, so that
+    `data.verifiers.env_id=calculator_env` loads it) and train.py (loaded under a name of its own)."""
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(VF_CALCULATOR))
+    import calculator_env
+
+    spec = importlib.util.spec_from_file_location("verifiers_calculator_train", VF_CALCULATOR / "train.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return calculator_env, script
+
+
+def test_the_verifiers_calculator_poses_evaluates_and_scores_through_verifiers(vf_calculator):
+    from rayllm_rl.environments.verifiers_config import VerifiersConfig
+    from rayllm_rl.environments.verifiers_env import resolve_verifiers
+
+    mod, _ = vf_calculator
+    env = mod.load_environment(num_questions=3, seed=3, max_turns=2)
+    assert isinstance(env, vf.ToolEnv) and env.max_turns == 2 and len(env.get_dataset()) == 3
+    row = env.get_dataset()[0]
+    assert (row["question"], row["answer"]) == ("What is 343 * 86?", "29498")
+    assert row["prompt"] == [{"role": "system", "content": mod.SYSTEM_PROMPT},
+                             {"role": "user", "content": "What is 343 * 86?"}]
+    (tool,) = env.tool_defs
+    assert tool.name == "calculator" and tool.description == "Evaluate arithmetic."
+    assert list(tool.parameters["properties"]) == ["expression"]
+    for expression, value in (("343 * 86", "29498"), ("(1 + 2) ** 3 - 7 // 2", "24"), ("7 / 2", "3.5")):
+        assert mod.calculator(expression) == value
+    with pytest.raises(ValueError, match="is not allowed"):
+        mod.calculator("__import__('os')")
+    with pytest.raises(ValueError, match="at least 1"):
+        mod.load_environment(num_questions=0)
+
+    async def run(replies, calls=()):
+        state = await env.init_state(dict(row), vf.OpenAIChatCompletionsClient(None), "m")
+        tool_calls = [vf.ToolCall(id=f"c{i}", name="calculator", arguments=json.dumps({"expression": e}))
+                      for i, e in enumerate(calls)]
+        said = [vf.AssistantMessage(content="", tool_calls=tool_calls)] if calls else []
+        results = await env.env_response(said, state) if calls else []
+        state["completion"] = [*said, *results, *(vf.AssistantMessage(content=r) for r in replies)]
+        state["trajectory"] = [{} for _ in range(len(said) + len(replies))]
+        await env.rubric.score_rollout(state)  # verifiers' own scoring: the weighted sum and the metrics
+        return [m.content for m in results], state["reward"], state["metrics"]
+
+    results, reward, metrics = asyncio.run(run(["It is 29,498."], calls=["343 * 86", "open('x')"]))
+    assert results[0] == "29498" and results[1].startswith("Error: ") and "is not allowed" in results[1]
+    assert reward == 1.0 and metrics["correct_answer"] == 1.0
+    assert (metrics["total_tool_calls"], metrics["calculator_calls"], metrics["num_turns"]) == (2.0, 2, 2.0)
+    for wrong in ("29497", "about twenty nine thousand", "29498 or 29497"):
+        assert asyncio.run(run([wrong]))[1] == 0.0, wrong
+    source, by_id = resolve_verifiers(VerifiersConfig(env_id="calculator_env", env_args={"num_questions": 2}))
+    assert isinstance(by_id, vf.ToolEnv) and len(by_id.get_dataset()) == 2 and source.label == "calculator_env"
+
+
+def calculate_everything(text: str) -> list:
+    """A tool parser for the tiny model (which writes no tool call): every reply is a `calculator` call of it."""
+    return [("calculator", {"expression": text})]
+
+
+def test_the_verifiers_calculator_example_trains_two_local_steps(vf_calculator, tmp_path, tokenizer):
+    """The example's train.py in process at its small size, 2 steps, every reply made a calculator call (so each
+    episode runs its 3 turns, each tool result the model was shown known); each traced row's turns checked token by
+    token and its reward recomputed from its last reply."""
+    mod, script = vf_calculator
+    out = script.main(["--steps", "2", "--backend", "local", "--questions", "8", "--out", str(tmp_path),
+                       "data.verifiers.tool_parser=test_verifiers_env:calculate_everything"])
+    assert (out["steps"], out["backend"], out["failed_episodes"], out["turns"], out["tool_calls"]) == (
+        2, "local", 0, 3.0, 3.0)
+    rl = rl_records({"run_dir": out["run_dir"]})
+    assert len(rl) == 2 and all(r["seqs"] == 2 * 4 and r["reward_calculator_calls"] == 3.0 for r in rl)
+    # the reward is correct_answer alone (weight 1; the ToolEnv's metrics weigh 0), in [0, 1]
+    assert all(r["reward"] == r["reward_correct_answer"] and 0.0 <= r["reward"] <= 1.0 for r in rl)
+    first, last = rl[0]["reward"], rl[1]["reward"]
+    assert out["reward"] == pytest.approx([first, last], abs=1e-4)
+    assert out["correct"] == pytest.approx((first + last) / 2, abs=1e-4)
+
+    def feedback(reply: str) -> list[dict]:
+        try:
+            result = mod.calculator(reply)
+        except ValueError as exc:
+            result = f"Error: {exc}"
+        return [{"role": "tool", "content": result}]
+
+    samples = trace_samples({"run_dir": out["run_dir"]})
+    assert samples
+    for sample in samples:
+        assert "What is " in sample["prompt"] and "Tools: calculator(expression)" in sample["prompt"]
+        replies = replies_of(sample, tokenizer, 3, feedback, lossy=True)
+        a, b = (int(x) for x in sample["prompt"].split("What is ")[1].split("?")[0].split(" * "))
+        right = mod.correct_answer([vf.AssistantMessage(content=replies[-1])], str(a * b))
+        assert sample["reward"] == sample["components"]["reward_correct_answer"] == right
