@@ -21,6 +21,7 @@ import pytest
 from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import Action, Observation, State
 
+from job_helpers import rl_records, trace_samples
 from ray_sessions import JOB_ENV, local_ray_session
 
 STEPS = 2
@@ -427,17 +428,6 @@ OPENENV = [*JOB, "task=openenv", "data.openenv.env=test_openenv:CountEnv",
 TRL = [*JOB[:4], f"rollout.max_turns={STEPS + 1}", *JOB[5:], "data.openenv.tool_parser=test_openenv:say_everything"]
 """The TRL form given as objects (`GRPOTrainer(environment_factory=..., reward_funcs=...)`); STEPS + 1 turns: the
 third call of `say` answers {"error": "Game over."}, fed back as TRL does, and max_turns ends the episode."""
-
-
-def rl_records(summary) -> list[dict]:
-    lines = (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["phase"] == "rl"]
-
-
-def trace_samples(summary) -> list[dict]:
-    """The run's decoded trace rows (`traces.jsonl`: a few trained rows per step, token by token)."""
-    lines = (Path(summary["run_dir"]) / "traces.jsonl").read_text().splitlines()
-    return [sample for line in lines for sample in json.loads(line).get("samples", ())]
 
 
 def segments(sample) -> list[tuple[bool, str]]:

@@ -23,6 +23,7 @@ import pytest
 import verifiers as vf
 from datasets import Dataset
 
+from job_helpers import rl_records, trace_samples
 from ray_sessions import JOB_ENV, local_ray_session
 
 TOOL_TURNS = 2
@@ -240,17 +241,6 @@ JOB = ["task=verifiers", "trainer.steps=2", "rollout.prompts_per_step=2", "rollo
 model never replies with nothing (verifiers aborts a rollout on an empty reply, EmptyModelResponseError: here a
 failed sample, cause `raised`)."""
 TOOLS = [*JOB, "data.verifiers.tool_parser=test_verifiers_env:every_reply_calls_count"]
-
-
-def rl_records(summary) -> list[dict]:
-    lines = (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["phase"] == "rl"]
-
-
-def trace_samples(summary) -> list[dict]:
-    """The run's decoded trace rows (`traces.jsonl`: a few trained rows per step, token by token)."""
-    lines = (Path(summary["run_dir"]) / "traces.jsonl").read_text().splitlines()
-    return [sample for line in lines for sample in json.loads(line).get("samples", ())]
 
 
 def replies_of(sample, tokenizer, turns: int, feedback, lossy: bool = False) -> list[str]:
