@@ -21,7 +21,7 @@ import pytest
 from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import Action, Observation, State
 
-from job_helpers import rl_records, trace_samples
+from job_helpers import replies_of, rl_records, trace_samples
 from ray_sessions import JOB_ENV, local_ray_session
 
 STEPS = 2
@@ -430,43 +430,6 @@ TRL = [*JOB[:4], f"rollout.max_turns={STEPS + 1}", *JOB[5:], "data.openenv.tool_
 third call of `say` answers {"error": "Game over."}, fed back as TRL does, and max_turns ends the episode."""
 
 
-def segments(sample) -> list[tuple[bool, str]]:
-    """A trace row's tokens after the prompt as runs of (trained, text): the engine's reply, the environment's
-    turn, the next reply, ..."""
-    out: list[tuple[bool, str]] = []
-    for tok, trained in zip(sample["tokens"], sample["trained"]):
-        if out and out[-1][0] == trained:
-            out[-1] = (trained, out[-1][1] + tok)
-        else:
-            out.append((trained, tok))
-    return out
-
-
-def replies_of(sample, tokenizer, turns: int, feedback) -> list[str]:
-    """The engine's replies in a traced row, checked token by token: the trained tokens (the engine's; at step 1 the
-    learner's logprob of each matches the engine's, the same tokens under the same weights) alternate with the
-    environment's turn, whose tokens are exactly the chat template's rendering of `feedback(k)` (what the environment
-    answered to the k-th reply) after the reply's end-of-turn token."""
-    from rayllm_rl.data.chat_template import next_turns_text
-
-    parts = segments(sample)
-    assert [trained for trained, _ in parts] == [True, False] * (turns - 1) + [True]
-    replies = []
-    for k in range(0, len(parts), 2):
-        said = parts[k][1]
-        reply = said
-        for special in tokenizer.all_special_tokens:  # what the environment got: decoded without special tokens
-            reply = reply.replace(special, "")
-        replies.append(reply)
-        if k + 1 < len(parts):
-            closing = "" if said.endswith(tokenizer.eos_token) else tokenizer.eos_token
-            assert parts[k + 1][1] == closing + next_turns_text(tokenizer, feedback(k // 2))
-    if sample.get("trained_from") == 0:
-        gaps = [abs(m) for m in sample["mismatch"] if m is not None]
-        assert gaps and max(gaps) < 1e-3
-    return replies
-
-
 TOOLS_BLOCK = ("{% if tools %}<|im_start|>system\nTools: {% for t in tools %}{{ t.function.name }}"
                "({{ t.function.parameters.properties | list | join(', ') }}) {% endfor %}<|im_end|>\n{% endif %}")
 """A compact tool list at the start of the chat, as real models' templates render `tools=` (the Hermes block the
@@ -535,7 +498,8 @@ def check_env_job(summary, tokenizer, form: str) -> None:
     rewards = []
     for sample in samples:
         target = prompt_digit(sample)
-        replies = replies_of(sample, tokenizer, turns, lambda k: [{"role": role, "content": ask(target + k + 1)}])
+        replies = replies_of(sample, tokenizer, turns,
+                             lambda k, _reply: [{"role": role, "content": ask(target + k + 1)}])
         env_reward = sum(step_reward(reply, target + k) for k, reply in enumerate(replies[:STEPS]))
         assert sample["components"]["env_reward"] == pytest.approx(env_reward, abs=1e-5)
         assert sample["reward"] == pytest.approx(env_reward * (2 if form == "trl" else 1), abs=1e-5)

@@ -23,7 +23,7 @@ import pytest
 import verifiers as vf
 from datasets import Dataset
 
-from job_helpers import rl_records, trace_samples
+from job_helpers import replies_of, rl_records, trace_samples
 from ray_sessions import JOB_ENV, local_ray_session
 
 TOOL_TURNS = 2
@@ -243,41 +243,6 @@ failed sample, cause `raised`)."""
 TOOLS = [*JOB, "data.verifiers.tool_parser=test_verifiers_env:every_reply_calls_count"]
 
 
-def replies_of(sample, tokenizer, turns: int, feedback, lossy: bool = False) -> list[str]:
-    """The engine's replies in a traced row, checked token by token: the trained runs of tokens (the engine's; at
-    step 1 the learner's logprob of each matches the engine's) alternate with the environment's turn, whose tokens
-    are exactly the chat template's rendering of `feedback(reply)` after the reply's end-of-turn token. `lossy`: the
-    feedback quotes the reply, whose bytes of a split character the trace (decoded a token at a time) and verifiers
-    (decoded whole) show as different runs of U+FFFD, so those are left out of the comparison."""
-    from rayllm_rl.data.chat_template import next_turns_text
-
-    parts: list[tuple[bool, str]] = []
-    for tok, trained in zip(sample["tokens"], sample["trained"]):
-        if parts and parts[-1][0] == trained:
-            parts[-1] = (trained, parts[-1][1] + tok)
-        else:
-            parts.append((trained, tok))
-    assert [trained for trained, _ in parts] == [True, False] * (turns - 1) + [True]
-    replies = []
-    for k in range(0, len(parts), 2):
-        said = parts[k][1]
-        reply = said
-        for special in tokenizer.all_special_tokens:  # what verifiers got: decoded without special tokens
-            reply = reply.replace(special, "")
-        replies.append(reply)
-        if k + 1 < len(parts):
-            closing = "" if said.endswith(tokenizer.eos_token) else tokenizer.eos_token
-            expected = closing + next_turns_text(tokenizer, feedback(reply))
-            if lossy:
-                assert parts[k + 1][1].replace("\ufffd", "") == expected.replace("\ufffd", "")
-            else:
-                assert parts[k + 1][1] == expected
-    if sample.get("trained_from") == 0:
-        gaps = [abs(m) for m in sample["mismatch"] if m is not None]
-        assert gaps and max(gaps) < 1e-3
-    return replies
-
-
 def answer_of(sample) -> str:
     """The row's answer, told by the traced prompt's word."""
     return next(r["answer"] for r in ROWS if r["question"] in sample["prompt"])
@@ -294,7 +259,7 @@ def check_job(summary, tokenizer, turns: int, feedback, weight_answer: float) ->
     assert len(samples) >= 2
     rewards = []
     for sample in samples:
-        replies = replies_of(sample, tokenizer, turns, feedback)
+        replies = replies_of(sample, tokenizer, turns, lambda _k, reply: feedback(reply))
         short = 1.0 / (1 + letters("".join(replies)))
         right = float(answer_of(sample) in replies[-1])
         assert sample["components"]["reward_short_reply"] == pytest.approx(short, abs=1e-5)
@@ -444,7 +409,7 @@ def test_the_verifiers_calculator_example_trains_two_local_steps(vf_calculator, 
     assert samples
     for sample in samples:
         assert "What is " in sample["prompt"] and "Tools: calculator(expression)" in sample["prompt"]
-        replies = replies_of(sample, tokenizer, 3, feedback, lossy=True)
+        replies = replies_of(sample, tokenizer, 3, lambda _k, reply: feedback(reply), lossy=True)
         a, b = (int(x) for x in sample["prompt"].split("What is ")[1].split("?")[0].split(" * "))
         right = mod.correct_answer([vf.AssistantMessage(content=replies[-1])], str(a * b))
         assert sample["reward"] == sample["components"]["reward_correct_answer"] == right
