@@ -26,11 +26,11 @@ from typing import Any, Mapping
 
 from tensordict import TensorDict
 
-from rayllm_rl.data.chat_template import next_turns_text
 from rayllm_rl.data.trajectory import TrajectoryBuilder
 from rayllm_rl.inference.protocol import InferenceEngine, LLMRequest, SamplingParams
 from rayllm_rl.tools.mcp_tools import system_prompt_for_tools
 from rayllm_rl.workflows.base import RolloutWorkflow
+from rayllm_rl.workflows.multi_turn import turns_suffix_ids
 from rayllm_rl.workflows.rewards import RewardCaller
 from rayllm_rl.workflows.rlvr import row_fields
 
@@ -76,12 +76,6 @@ def prompt_messages(row: Mapping[str, Any], first: str | None, tools: list[dict]
     else:
         messages.insert(0, {"role": "system", "content": system_prompt_for_tools(tools)})
     return messages, {}
-
-
-def next_turn_ids(tokenizer, last_tokens: list[int], messages: list[dict[str, str]]) -> list[int]:
-    """Tokens closing the reply (its end-of-turn token when generation stopped without it) and the new turns."""
-    closing = "" if last_tokens and last_tokens[-1] == tokenizer.eos_token_id else tokenizer.eos_token
-    return list(tokenizer.encode(closing + next_turns_text(tokenizer, messages), add_special_tokens=False))
 
 
 class EnvWorkflow(RolloutWorkflow):
@@ -137,7 +131,7 @@ class EnvWorkflow(RolloutWorkflow):
             done = step.done
             if done or turns >= self.max_turns:
                 break
-            traj.add_context(next_turn_ids(self.tokenizer, traj.input_ids, step.messages))
+            traj.add_context(turns_suffix_ids(self.tokenizer, traj.input_ids, step.messages))
         env_reward = await session.env_reward()
         state = await session.state()
         counted = {"env_steps": float(state["step_count"])} if "step_count" in state else {}

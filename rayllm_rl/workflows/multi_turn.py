@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping
 
 from tensordict import TensorDict
 
-from rayllm_rl.data.chat_template import next_turn_text
+from rayllm_rl.data.chat_template import next_turns_text
 from rayllm_rl.data.trajectory import TrajectoryBuilder
 from rayllm_rl.inference.protocol import InferenceEngine, LLMRequest, SamplingParams
 from rayllm_rl.workflows.base import RolloutWorkflow
@@ -20,12 +20,17 @@ from rayllm_rl.workflows.rewards import RewardCaller
 from rayllm_rl.workflows.rlvr import row_fields, row_messages, tokenize_prompt
 
 
-def feedback_suffix_ids(tokenizer, last_tokens: list[int], content: str, role: str = "user") -> list[int]:
-    """Tokens that close the assistant turn (if generation was cut) and open the next one."""
+def turns_suffix_ids(tokenizer, last_tokens: list[int], messages: list[dict[str, str]]) -> list[int]:
+    """Tokens that close the assistant turn (if generation was cut) and open the next: `messages` (one turn, or
+    several, e.g. the results of two tool calls), then the next assistant header."""
     closing = "" if last_tokens and last_tokens[-1] == tokenizer.eos_token_id else tokenizer.eos_token
-    # not a render of the lone message: SmolLM2's and Qwen's templates would put a default system turn before it
-    turn = next_turn_text(tokenizer, role, content)
-    return list(tokenizer.encode(closing + turn, add_special_tokens=False))
+    # not a render of the lone messages: SmolLM2's and Qwen's templates would put a default system turn before them
+    return list(tokenizer.encode(closing + next_turns_text(tokenizer, messages), add_special_tokens=False))
+
+
+def feedback_suffix_ids(tokenizer, last_tokens: list[int], content: str, role: str = "user") -> list[int]:
+    """`turns_suffix_ids` of one `role` message: the tokens that close the assistant turn and open the next one."""
+    return turns_suffix_ids(tokenizer, last_tokens, [{"role": role, "content": content}])
 
 
 class MultiTurnWorkflow(RolloutWorkflow):
