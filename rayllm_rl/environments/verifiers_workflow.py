@@ -45,6 +45,8 @@ class VerifiersWorkflow(RolloutWorkflow):
 
     def __init__(self, source, reward, tokenizer, sampling: SamplingParams) -> None:
         self.source = source
+        self.env = source.load()  # once per workflow (an env worker's): its rubric made strict
+        self.tool_parser = source.parser()
         self.reward = RewardCaller(reward)
         self.tokenizer = tokenizer
         self.sampling = sampling
@@ -52,12 +54,12 @@ class VerifiersWorkflow(RolloutWorkflow):
     async def arun_episode(self, engine: InferenceEngine, data: Mapping[str, Any]) -> TensorDict:
         import verifiers as vf
 
-        env = self.source.load()
+        env = self.env
         row = row_fields(data)
         group_id = int(data.get("group_id", random.getrandbits(62)))
         session = ChatCompletionsSession(engine, self.tokenizer, default_max_tokens=self.sampling.max_new_tokens,
                                          sampling=self.sampling, rid=f"vf{group_id}-{random.getrandbits(32)}",
-                                         tool_parser=self.source.parser())
+                                         tool_parser=self.tool_parser)
         client = openai_client(session, timeout_s=self.source.timeout_s)
         try:
             state = await asyncio.wait_for(env.rollout(json.loads(row["vf_input"]), vf.OpenAIChatCompletionsClient(
