@@ -186,21 +186,24 @@ def episode_of(tiny_model_path, env, row: int = 0, **cfg_keys):
     return asyncio.run(go())
 
 
+# (environment, cause, what the warning says, data.verifiers.rollout_timeout_s). The cases that raise get a bound far
+# past a loaded machine's rollout of the tiny model (at 0.5 s a busy CI worker timed out before the raise); the one
+# that hangs gets a short bound, reached whether its model turn is quick or slow.
 FAILING = {
     "rubric_raises": (lambda: vf.SingleTurnEnv(dataset=dataset(), rubric=vf.Rubric(funcs=[short_reply, broken_reward])),
-                      "reward_raised", "ZeroDivisionError: a rubric bug"),
+                      "reward_raised", "ZeroDivisionError: a rubric bug", 60.0),
     "env_response_raises": (lambda: BrokenEnv(dataset=dataset(), max_turns=3, rubric=vf.Rubric(funcs=[short_reply])),
-                            "raised", "RuntimeError: the simulator crashed"),
+                            "raised", "RuntimeError: the simulator crashed", 60.0),
     "rollout_times_out": (lambda: SlowEnv(dataset=dataset(), max_turns=3, rubric=vf.Rubric(funcs=[short_reply])),
-                          "timeout", "ran past data.verifiers.rollout_timeout_s=0.5s"),
+                          "timeout", "ran past data.verifiers.rollout_timeout_s=0.5s", 0.5),
 }
 
 
 @pytest.mark.parametrize("case", list(FAILING))
 def test_a_rubric_or_env_response_that_raises_or_hangs_fails_its_samples_by_cause_never_a_zero(tiny_model_path, case,
                                                                                               caplog):
-    env, cause, said = FAILING[case]
-    result = episode_of(tiny_model_path, env(), rollout_timeout_s=0.5)
+    env, cause, said, timeout_s = FAILING[case]
+    result = episode_of(tiny_model_path, env(), rollout_timeout_s=timeout_s)
     assert result.causes == {cause: 2} and result.episode is None and result.dropped
     assert caplog.text.count(said) == 2  # the warning of each failed sample names what raised
 
