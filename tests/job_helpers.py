@@ -76,3 +76,20 @@ def replies_of(sample, tokenizer, turns: int, feedback, lossy: bool = False) -> 
         gaps = [abs(m) for m in sample["mismatch"] if m is not None]
         assert gaps and max(gaps) < STEP1_LOGPROB_BOUND
     return replies
+
+
+class ScriptPolicy:
+    """A stand-in policy for the held-out evaluation of a tool environment (a fake, to reach known rewards; not a
+    model): `script(prompt text) -> replies`, of which it serves the i-th when the prompt so far holds i
+    `<tool_call>` blocks (each reply before it made one). Its replies are `ScriptedEngine`'s tokens."""
+
+    def __init__(self, tokenizer, script) -> None:
+        self.tokenizer, self.script = tokenizer, script
+
+    async def agenerate(self, request):
+        from rayllm_rl.environments.demonstrations import ScriptedEngine
+
+        text = self.tokenizer.decode(request.input_ids)
+        scripted = ScriptedEngine(self.tokenizer, self.script(text))
+        scripted.turn = text.count("<tool_call>")
+        return await scripted.agenerate(request)

@@ -21,7 +21,7 @@ import pytest
 from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import Action, Observation, State
 
-from job_helpers import replies_of, rl_records, trace_samples
+from job_helpers import ScriptPolicy, replies_of, rl_records, trace_samples
 from ray_sessions import JOB_ENV, local_ray_session
 
 STEPS = 2
@@ -289,12 +289,16 @@ def test_bad_environments_fail_before_anything_starts_naming_the_problem():
 
     with pytest.raises(ValueError, match="Silent has no get_reward\\(\\) and no reward function was given"):
         make_task(DataConfig(eval_size=0), 0, SimpleNamespace(environment=Silent, reward_fns=(), reward_weights=()))
-    with pytest.raises(ValueError, match="data.eval_size=5: task=openenv has no held-out greedy evaluation"):
-        make_task(DataConfig(eval_size=5), 0, SimpleNamespace(environment=CountToolEnv))
+    with pytest.raises(ValueError, match="cannot import data.openenv.demonstration='test_openenv:nowhere'"):
+        make_task(DataConfig(openenv=cfg_of(demonstration="test_openenv:nowhere")), 0,
+                  SimpleNamespace(environment=CountToolEnv))
     task = make_task(DataConfig(eval_size=0, openenv=cfg_of(env="test_openenv:CountEnv", prompt="Go:", train_size=3,
                                                             seed=7, action_parser="test_openenv:parse_answer")))
     assert task.train.to_list() == [{"messages": [{"role": "user", "content": "Go:"}], "seed": s} for s in (7, 8, 9)]
-    assert len(task.eval) == 0 and task.workflow is not None
+    assert len(task.eval) == 0 and task.workflow is not None and task.demonstrate is None
+    held = make_task(DataConfig(eval_size=2, openenv=cfg_of(env="test_openenv:CountEnv", prompt="Go:", train_size=3,
+                                                            seed=7, action_parser="test_openenv:parse_answer")))
+    assert [r["seed"] for r in held.eval] == [10, 11]  # after the training rows' seeds: never trained on
 
 
 class Boom(CountEnv):
@@ -666,3 +670,111 @@ def test_the_calculator_example_trains_two_local_steps(calculator, form, tmp_pat
     samples = trace_samples({"run_dir": out["run_dir"]})
     assert samples and all(s["reward"] in (0.0, 1.0) for s in samples)
     assert all("What is " in s["prompt"] and "Tools: " in s["prompt"] for s in samples)
+
+
+# ---------------------------------------------------------------------------- demonstrations and held-out episodes
+QUESTION = __import__("re").compile(r"What is \d+ \* \d+\?")
+
+
+def calculator_task(calculator, form: str, eval_size: int = 0):
+    from types import SimpleNamespace
+
+    from rayllm_rl.environments.task import make_task
+    from rayllm_rl.job.config import DataConfig
+
+    env_mod, trl_mod, _ = calculator
+    module, env = ("calculator_trl", trl_mod.CalculatorToolEnv) if form == "trl" else ("calculator_env",
+                                                                                       env_mod.CalculatorEnv)
+    data = DataConfig(eval_size=eval_size)
+    data.openenv.train_size, data.openenv.demonstration = 8, f"{module}:demonstration"
+    from arithmetic import calculated_answer
+
+    return make_task(data, 0, SimpleNamespace(environment=env, reward_fns=(calculated_answer,),
+                                              reward_weights=(0.0,))), getattr(trl_mod if form == "trl" else env_mod,
+                                                                              "demonstration")
+
+
+@pytest.mark.parametrize("form", ["openenv", "trl"])
+def test_a_demonstration_is_its_episode_played_through_the_environment_and_only_its_replies_are_trained(
+        calculator, form, tmp_path):
+    """The SFT batch of 3 rows: each row's trained tokens (loss_mask) are exactly the scripted replies' tokens, each
+    closed by the end-of-turn token; the untrained ones hold the environment's observations (the calculator's
+    product); the environment rewarded every demonstration (reward 1, its calculator computed the answer)."""
+    from transformers import AutoTokenizer
+
+    _, _, script = calculator
+    tokenizer = AutoTokenizer.from_pretrained(script.tiny_model_with_tools(tmp_path))
+    task, demonstration = calculator_task(calculator, form)
+    rows = [task.train[i] for i in range(3)]
+    batch = task.demonstrate(tokenizer, rows)
+    assert batch["input_ids"].shape[0] == 3 and float(batch["advantages"].abs().sum()) == 0.0
+    assert batch["rewards"].tolist() == [1.0] * 3 and batch["reward_calculated_answer"].tolist() == [1.0] * 3
+    for i, row in enumerate(rows):
+        ids, mask = batch["input_ids"][i].tolist(), batch["loss_mask"][i].tolist()
+        replies = demonstration(row)
+        want = [t for r in replies for t in tokenizer.encode(r, add_special_tokens=False) + [tokenizer.eos_token_id]]
+        assert [t for t, m in zip(ids, mask) if m] == want
+        _, answer = __import__("arithmetic").question(row["seed"])
+        context = tokenizer.decode([t for t, m, a in zip(ids, mask, batch["attention_mask"][i].tolist())
+                                    if a and not m])
+        assert "What is " in context and str(answer) in context  # the question and the calculator's product
+
+
+def test_a_demonstration_that_stops_short_or_is_no_list_of_replies_is_refused_naming_the_row(calculator, tmp_path):
+    from transformers import AutoTokenizer
+
+    from rayllm_rl.environments.demonstrations import demonstration_batch
+    from rayllm_rl.environments.workflow import EnvWorkflow
+    from rayllm_rl.inference.protocol import SamplingParams
+
+    env_mod, _, script = calculator
+    tokenizer = AutoTokenizer.from_pretrained(script.tiny_model_with_tools(tmp_path))
+    task, demonstration = calculator_task(calculator, "openenv")
+    source = task.workflow.keywords["source"]
+    reward = task.reward_fn
+
+    def batch(fn):
+        def workflow(n):
+            return EnvWorkflow(source, reward, tokenizer, SamplingParams(), max_turns=n + 1)
+        return demonstration_batch(workflow, fn, tokenizer, [task.train[1]])
+
+    with pytest.raises(ValueError, match=r"row 0 \(seed=1\) has 1 replies, but its episode asked for reply 2"):
+        batch(lambda row: demonstration(row)[:1])
+    with pytest.raises(ValueError, match=r"returned 'x' for row 0 \(seed=1\): expected a non-empty list"):
+        batch(lambda row: "x")
+    with pytest.raises(ValueError, match=r"raised on row 0 \(seed=1\): KeyError"):
+        batch(lambda row: {}["seed"])
+
+
+@pytest.mark.parametrize("form", ["openenv", "trl"])
+def test_the_held_out_evaluation_plays_one_greedy_episode_per_held_out_seed(calculator, form, tmp_path):
+    """`build_evaluation` for task=openenv: 6 held-out rows, seeds after the 8 training rows, each one episode of the
+    task's workflow; with a policy that plays the demonstration but answers wrong when the first factor is even,
+    eval_reward is exactly the share of odd first factors, and the calculator computed every answer."""
+    from transformers import AutoTokenizer
+
+    from rayllm_rl.job.config import GRPOJobConfig
+    from rayllm_rl.orchestration.factories import build_evaluation
+
+    _, _, script = calculator
+    tokenizer = AutoTokenizer.from_pretrained(script.tiny_model_with_tools(tmp_path))
+    task, demonstration = calculator_task(calculator, form, eval_size=6)
+    assert [r["seed"] for r in task.eval] == list(range(8, 14)) and len(task.train) == 8
+    arithmetic = __import__("arithmetic")
+    seeds = {arithmetic.question(s)[0]: s for s in range(8, 14)}
+
+    def script(text: str) -> list[str]:  # the demonstration, with a wrong answer when the first factor is even
+        seed = seeds[QUESTION.findall(text)[-1]]
+        a, right = arithmetic.operands(seed)[0], arithmetic.question(seed)[1]
+        return [r.replace(str(right), str(right + 1)) if a % 2 == 0 else r for r in demonstration({"seed": seed})]
+
+    odd = sum(arithmetic.operands(s)[0] % 2 for s in range(8, 14))
+    cfg = GRPOJobConfig()
+    cfg.task, cfg.rollout.max_turns, cfg.rollout.max_new_tokens = "openenv", 4, 64
+    ticks = []
+    out = asyncio.run(build_evaluation(cfg, task, tokenizer)(ScriptPolicy(tokenizer, script), ticks.append))
+    turns = 3.0 if form == "trl" else 2.0
+    assert out["eval_n"] == 6.0 and out["eval_failed"] == 0.0 and len(ticks) == 6
+    assert out["eval_reward"] == pytest.approx(odd / 6) and 0 < odd < 6
+    assert out["eval_reward_calculated_answer"] == 1.0 and out["eval_num_turns"] == turns
+    assert out["eval_invalid_actions"] == 0.0

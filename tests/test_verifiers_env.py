@@ -23,7 +23,7 @@ import pytest
 import verifiers as vf
 from datasets import Dataset
 
-from job_helpers import replies_of, rl_records, trace_samples
+from job_helpers import ScriptPolicy, replies_of, rl_records, trace_samples
 from ray_sessions import JOB_ENV, local_ray_session
 
 TOOL_TURNS = 2
@@ -148,8 +148,8 @@ def test_bad_environments_fail_before_anything_starts_naming_the_problem():
     with pytest.raises(ValueError, match="score a group of rollouts"):
         resolve_verifiers(VerifiersConfig(), vf.SingleTurnEnv(dataset=dataset(), rubric=vf.Rubric(
             funcs=[lambda completions, **kw: [1.0] * len(completions)])))
-    with pytest.raises(ValueError, match="data.eval_size=2"):
-        make_task(DataConfig(eval_size=2))
+    with pytest.raises(ValueError, match="data.eval_size=2 but test_verifiers_env has no eval_dataset"):
+        make_task(DataConfig(eval_size=2, verifiers=VerifiersConfig(env_id="test_verifiers_env")))
     handler = signal.getsignal(signal.SIGTERM)
     source, env = resolve_verifiers(VerifiersConfig(env_id="test_verifiers_env", env_args={}))
     assert isinstance(env, vf.ToolEnv) and source.load() is env and source.label == "test_verifiers_env"
@@ -416,3 +416,67 @@ def test_the_verifiers_calculator_example_trains_two_local_steps(vf_calculator, 
         a, b = (int(x) for x in sample["prompt"].split("What is ")[1].split("?")[0].split(" * "))
         right = mod.correct_answer([vf.AssistantMessage(content=replies[-1])], str(a * b))
         assert sample["reward"] == sample["components"]["reward_correct_answer"] == right
+
+
+def vf_calculator_task(mod, eval_size: int = 0, **env_args):
+    from types import SimpleNamespace
+
+    from rayllm_rl.environments.verifiers_task import make_task
+    from rayllm_rl.job.config import DataConfig
+
+    data = DataConfig(eval_size=eval_size)
+    data.verifiers.demonstration = "calculator_env:demonstration"
+    return make_task(data, 0, SimpleNamespace(environment=mod.load_environment(**env_args)))
+
+
+def test_a_verifiers_demonstration_is_its_rollout_through_the_proxy_and_only_its_replies_are_trained(vf_calculator,
+                                                                                                    tmp_path):
+    """The SFT batch of 3 rows of the calculator ToolEnv: each row's trained tokens are exactly the scripted replies'
+    (the tool call, then the number), each closed by the end-of-turn token; the untrained ones hold the tool's
+    result; the rubric scored every demonstration 1."""
+    from transformers import AutoTokenizer
+
+    mod, script = vf_calculator
+    tokenizer = AutoTokenizer.from_pretrained(script.tiny_model_with_tools(tmp_path))
+    task = vf_calculator_task(mod, num_questions=4, max_turns=3)
+    rows = [task.train[i] for i in range(3)]
+    batch = task.demonstrate(tokenizer, rows)
+    assert batch["input_ids"].shape[0] == 3 and batch["rewards"].tolist() == [1.0] * 3
+    for i, row in enumerate(rows):
+        vf_row = json.loads(row["vf_input"])
+        replies = mod.demonstration(vf_row)
+        ids, mask = batch["input_ids"][i].tolist(), batch["loss_mask"][i].tolist()
+        want = [t for r in replies for t in tokenizer.encode(r, add_special_tokens=False) + [tokenizer.eos_token_id]]
+        assert [t for t, m in zip(ids, mask) if m] == want
+        seen = batch["attention_mask"][i].tolist()
+        context = tokenizer.decode([t for t, m, a in zip(ids, mask, seen) if a and not m])
+        assert vf_row["question"] in context and vf_row["answer"] in context  # the question; the tool's result
+
+
+def test_the_verifiers_held_out_evaluation_plays_the_eval_dataset_one_greedy_rollout_each(vf_calculator, tmp_path):
+    """data.eval_size=5 takes the environment's eval_dataset (the seeds after its training rows'); with a policy that
+    plays the demonstration but answers wrong when the first factor is even, eval_reward is exactly the share of odd
+    first factors."""
+    from transformers import AutoTokenizer
+
+    from rayllm_rl.job.config import GRPOJobConfig
+    from rayllm_rl.orchestration.factories import build_evaluation
+
+    mod, script = vf_calculator
+    tokenizer = AutoTokenizer.from_pretrained(script.tiny_model_with_tools(tmp_path))
+    task = vf_calculator_task(mod, eval_size=5, num_questions=4, max_turns=3, eval_questions=8)
+    held = [json.loads(r["vf_input"]) for r in task.eval]
+    assert [r["question"] for r in held] == [mod.question(s)[0] for s in range(4, 9)]
+    by_question = {r["question"]: r for r in held}
+
+    def policy(text: str) -> list[str]:
+        row = next(r for q, r in by_question.items() if q in text)
+        a = int(mod.QUESTION.fullmatch(row["question"]).group(1))
+        return [r if a % 2 else r.replace(row["answer"], str(int(row["answer"]) + 1)) for r in mod.demonstration(row)]
+
+    odd = sum(int(mod.QUESTION.fullmatch(r["question"]).group(1)) % 2 for r in held)
+    cfg = GRPOJobConfig()
+    cfg.task, cfg.rollout.max_new_tokens = "verifiers", 64
+    out = asyncio.run(build_evaluation(cfg, task, tokenizer)(ScriptPolicy(tokenizer, policy)))
+    assert out["eval_n"] == 5.0 and out["eval_failed"] == 0.0 and 0 < odd < 5
+    assert out["eval_reward"] == pytest.approx(odd / 5) and out["eval_reward_calculator_calls"] == 1.0

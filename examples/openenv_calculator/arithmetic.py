@@ -6,6 +6,7 @@ model's text is never run as Python (no `eval`): anything else is a ValueError s
 from __future__ import annotations
 
 import ast
+import json
 import operator
 import random
 
@@ -16,12 +17,28 @@ MAX_EXPONENT = 100
 """Bigger powers are refused: `9 ** 9 ** 9` would take the worker's time and memory."""
 
 
-def question(seed: int | None) -> tuple[str, int]:
-    """(the question, its answer) of a seed: a three-digit times a two-digit number, which a small model cannot do
-    in its head but can with the calculator."""
+def operands(seed: int | None) -> tuple[int, int]:
+    """The seed's two factors: a three-digit and a two-digit number, which a small model cannot multiply in its head
+    but can with the calculator."""
     rng = random.Random(seed)
-    a, b = rng.randint(100, 999), rng.randint(11, 99)
+    return rng.randint(100, 999), rng.randint(11, 99)
+
+
+def question(seed: int | None) -> tuple[str, int]:
+    """(the question, its answer) of a seed."""
+    a, b = operands(seed)
     return f"What is {a} * {b}?", a * b
+
+
+def tool_call(name: str, arguments: dict) -> str:
+    """A reply that calls one tool, in the Hermes/Qwen form the job reads by default."""
+    return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
+
+
+def calculated_answer(environments, **kwargs) -> list[float]:
+    """A TRL-style reward function used as a metric (weight 0 in train.py): 1.0 when the episode's calculator
+    computed the answer (the tool called correctly), else 0.0. Both environment forms keep `calculated`."""
+    return [float(env.answer_value in env.calculated) for env in environments]
 
 
 def evaluate(expression: str) -> str:

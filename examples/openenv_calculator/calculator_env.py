@@ -16,7 +16,7 @@ from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import Action, Observation, State
 from pydantic import Field
 
-from arithmetic import as_number, evaluate, question
+from arithmetic import as_number, evaluate, operands, question, tool_call
 
 
 class CalculatorAction(Action):
@@ -36,19 +36,22 @@ class CalculatorEnv(Environment[CalculatorAction, CalculatorObservation, State])
     def __init__(self) -> None:
         super().__init__()
         self._state = State()
-        self.answer = 0
+        self.answer_value, self.calculated = 0, set()
 
     def reset(self, seed=None, episode_id=None, **kwargs) -> CalculatorObservation:
         self._state = State(episode_id=episode_id, step_count=0)
-        text, self.answer = question(seed)
+        text, self.answer_value = question(seed)
+        self.calculated = set()
         return CalculatorObservation(text=text + " Use the calculator, then answer.")
 
     def step(self, action: CalculatorAction, timeout_s=None, **kwargs) -> CalculatorObservation:
         self._state.step_count += 1
         try:
             if action.tool == "calculator":
-                return CalculatorObservation(text=evaluate(action.argument), reward=0.0)
-            right = as_number(action.argument) == self.answer
+                value = evaluate(action.argument)
+                self.calculated.add(as_number(value))
+                return CalculatorObservation(text=value, reward=0.0)
+            right = as_number(action.argument) == self.answer_value
         except ValueError as exc:
             return CalculatorObservation(text=f"Error: {exc}", reward=0.0)
         return CalculatorObservation(text="Correct." if right else "Wrong.", reward=float(right), done=True)
@@ -56,3 +59,11 @@ class CalculatorEnv(Environment[CalculatorAction, CalculatorObservation, State])
     @property
     def state(self) -> State:
         return self._state
+
+
+def demonstration(row: dict) -> list[str]:
+    """A row's solved episode, for the SFT warm start (`data.openenv.demonstration=calculator_env:demonstration`):
+    the calculator's call of the product, then the answer."""
+    a, b = operands(row.get("seed"))
+    return [tool_call("step", {"tool": "calculator", "argument": f"{a} * {b}"}),
+            tool_call("step", {"tool": "answer", "argument": str(a * b)})]

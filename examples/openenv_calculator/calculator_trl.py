@@ -8,18 +8,18 @@ tool call ends the episode.
 """
 from __future__ import annotations
 
-from arithmetic import as_number, evaluate, question
+from arithmetic import as_number, evaluate, operands, question, tool_call
 
 
 class CalculatorToolEnv:
     """One multiplication per episode; `calculator` is free, `answer` is final."""
 
     def __init__(self) -> None:
-        self.expected, self.reward, self.answered = 0, 0.0, False
+        self.answer_value, self.reward, self.answered, self.calculated = 0, 0.0, False, set()
 
     def reset(self, **row) -> str:
-        text, self.expected = question(row.get("seed"))
-        self.reward, self.answered = 0.0, False
+        text, self.answer_value = question(row.get("seed"))
+        self.reward, self.answered, self.calculated = 0.0, False, set()
         return text + " Use the calculator, then answer."
 
     def calculator(self, expression: str) -> str:
@@ -32,7 +32,9 @@ class CalculatorToolEnv:
         Returns:
             The value.
         """
-        return evaluate(expression)
+        value = evaluate(expression)
+        self.calculated.add(as_number(value))
+        return value
 
     def answer(self, value: str) -> str:
         """
@@ -46,9 +48,17 @@ class CalculatorToolEnv:
         """
         if self.answered:
             raise ValueError("the answer was already given")
-        right = as_number(value) == self.expected
+        right = as_number(value) == self.answer_value
         self.reward, self.answered = float(right), True
         return "Correct." if right else "Wrong."
 
     def get_reward(self) -> float:
         return self.reward
+
+
+def demonstration(row: dict) -> list[str]:
+    """A row's solved episode (`data.openenv.demonstration=calculator_trl:demonstration`): the calculator's call,
+    the answer's call, then a reply without a tool call, which ends a TRL environment's episode."""
+    a, b = operands(row.get("seed"))
+    return [tool_call("calculator", {"expression": f"{a} * {b}"}), tool_call("answer", {"value": str(a * b)}),
+            f"The answer is {a * b}."]

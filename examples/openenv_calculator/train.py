@@ -2,12 +2,15 @@
 
     python examples/openenv_calculator/train.py                    # small: the offline tiny model, seconds
     python examples/openenv_calculator/train.py --form trl         # the TRL environment_factory class instead
-    python examples/openenv_calculator/train.py --full             # SmolLM2-135M-Instruct (`make models`)
+    python examples/openenv_calculator/train.py --full             # SmolLM2-135M-Instruct (`make models`):
+                                                                   # SFT on demonstrations, then GRPO, evaluated
     python examples/openenv_calculator/train.py --steps 50 --backend ray rollout.group_size=8  # overrides win
 
 Needs openenv for the OpenEnv form (`pip install 'rayllm_rl[openenv]'`, or `.venv-envs`); the TRL form needs
 none. Prints one JSON line last: steps, the reward over the first and last steps, turns and tool calls per episode,
-invalid actions, and how often the environment ended the episode (an answer) rather than `rollout.max_turns`.
+invalid actions, how often the environment ended the episode (an answer) rather than `rollout.max_turns`, the share
+of episodes whose calculator computed the answer (`calculated_answer`, a 0-weight reward function: a metric), and
+the held-out evaluation (one greedy episode per held-out seed) before RL and after.
 """
 from __future__ import annotations
 
@@ -30,8 +33,12 @@ FULL = [f"model.path={SMOLLM2}", "model.dtype=float32", "rollout.prompts_per_ste
         "rollout.max_new_tokens=64", "rollout.max_turns=4", "rollout.temperature=0.7", "optim.lr=2e-5",
         "optim.warmup_steps=5", "optim.max_tokens_per_micro_batch=2048", "trainer.steps=200",
         "trainer.time_budget_s=2700", "trainer.log_every=1", "trainer.checkpoint_every=0",
-        "data.openenv.system_prompt=Solve the question with the tools: call the calculator, then give the answer."]
-"""SmolLM2-135M-Instruct at recipes/smollm2-135m_reasoning-gym_cpu.yaml's settings, up to 4 turns an episode."""
+        "data.openenv.system_prompt=Solve the question with the tools: call the calculator, then give the answer.",
+        "sft.steps=30", "sft.batch_size=8", "sft.lr=1e-4", "sft.warmup_steps=5", "data.eval_size=64",
+        "trainer.eval_every=10"]
+"""SmolLM2-135M-Instruct at recipes/smollm2-135m_reasoning-gym_cpu.yaml's settings, up to 4 turns an episode, after
+a short SFT warm start on demonstrated episodes (`demonstration` of the form's module): the model never writes a
+tool call on its own (docs/environments.md), so without it no group has a reward to compare."""
 TOOLS_LINE = ("{% if tools %}<|im_start|>system\nTools: {% for t in tools %}{{ t.function.name }}"
               "({{ t.function.parameters.properties | list | join(', ') }}) {% endfor %}<|im_end|>\n{% endif %}")
 """A one-line tool list for the tiny model's chat template: the Hermes `<tools>` block a template without tools
@@ -53,13 +60,14 @@ def tiny_model_with_tools(out: Path) -> str:
 
 
 def environment(form: str):
-    """The environment class of the form asked for (imported here: only the OpenEnv form needs openenv)."""
+    """(the environment class of the form asked for, its module's name) (imported here: only the OpenEnv form needs
+    openenv)."""
     sys.path.insert(0, str(HERE))  # arithmetic.py and the environments beside this script
     if form == "trl":
         from calculator_trl import CalculatorToolEnv
-        return CalculatorToolEnv
+        return CalculatorToolEnv, "calculator_trl"
     from calculator_env import CalculatorEnv
-    return CalculatorEnv
+    return CalculatorEnv, "calculator_env"
 
 
 def main(argv: list[str]) -> dict:
@@ -78,9 +86,13 @@ def main(argv: list[str]) -> dict:
 
     from rayllm_rl import train
 
-    preset = FULL if args.full else [f"model.path={tiny_model_with_tools(Path(args.out))}", *SMALL]
-    summary = train(overrides=[*COMMON, *preset, f"trainer.run_dir={args.out}", *flags,
-                               *args.overrides], environment=environment(args.form))
+    env, module = environment(args.form)
+    from arithmetic import calculated_answer
+
+    preset = ([*FULL, f"data.openenv.demonstration={module}:demonstration"] if args.full else
+              [f"model.path={tiny_model_with_tools(Path(args.out))}", *SMALL])
+    summary = train(overrides=[*COMMON, *preset, f"trainer.run_dir={args.out}", *flags, *args.overrides],
+                    environment=env, reward_fn=[calculated_answer], reward_weights=[0.0])
     lines = (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
     rl = [r for r in map(json.loads, lines) if r.get("phase") == "rl"]
     k = max(1, min(10, len(rl) // 3))
@@ -89,7 +101,9 @@ def main(argv: list[str]) -> dict:
               "backend": summary["backend"], "steps": summary["steps"],
               "reward": [mean("reward", rl[:k]), mean("reward", rl[-k:])], "turns": mean("num_turns", rl),
               "tool_calls": mean("tool_calls", rl), "invalid_actions": mean("invalid_actions", rl),
-              "env_done": mean("env_done", rl), "failed_episodes": summary["failed_episodes"],
+              "env_done": mean("env_done", rl), "calculated_answer": mean("reward_calculated_answer", rl),
+              "eval_before": summary["eval_before"], "eval_after": summary["eval_after"],
+              "failed_episodes": summary["failed_episodes"],
               "wall_seconds": summary["wall_seconds"], "run_dir": summary["run_dir"]}
     print(json.dumps(result))
     return result

@@ -18,10 +18,11 @@ import verifiers as vf
 from datasets import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "openenv_calculator"))  # arithmetic.py, shared
-from arithmetic import as_number, evaluate, question  # noqa: E402
+from arithmetic import as_number, evaluate, question, tool_call  # noqa: E402
 
 SYSTEM_PROMPT = "Solve the question with the calculator tool, then reply with the number alone."
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+QUESTION = re.compile(r"What is (\d+) \* (\d+)\?")
 
 
 def calculator(expression: str) -> str:
@@ -60,10 +61,19 @@ def correct_answer(completion, answer: str, **kwargs) -> float:
     return float(final_number(completion) == as_number(answer))
 
 
+def demonstration(row: dict) -> list[str]:
+    """A row's solved rollout, for the SFT warm start (`data.verifiers.demonstration=calculator_env:demonstration`;
+    `row` is the dataset's): the calculator's call of the product, then the number alone."""
+    a, b = (int(x) for x in QUESTION.fullmatch(row["question"]).groups())
+    return [tool_call("calculator", {"expression": f"{a} * {b}"}), str(a * b)]
+
+
 def load_environment(num_questions: int = 64, seed: int = 0, max_turns: int = 4,
-                     system_prompt: str = SYSTEM_PROMPT, **kwargs) -> vf.ToolEnv:
+                     system_prompt: str = SYSTEM_PROMPT, eval_questions: int = 0, **kwargs) -> vf.ToolEnv:
     """The calculator `ToolEnv`: `num_questions` multiplications from `seed`, at most `max_turns` model turns, a
-    tool error answered to the model as `Error: ...` (bad input it can correct). Other keywords go to `vf.ToolEnv`."""
-    return vf.ToolEnv(dataset=rows(num_questions, seed), tools=[calculator], max_turns=max_turns,
+    tool error answered to the model as `Error: ...` (bad input it can correct); `eval_questions` held-out ones (the
+    seeds after the training rows') as its `eval_dataset`. Other keywords go to `vf.ToolEnv`."""
+    held = rows(eval_questions, seed + num_questions) if eval_questions else None
+    return vf.ToolEnv(dataset=rows(num_questions, seed), eval_dataset=held, tools=[calculator], max_turns=max_turns,
                       system_prompt=system_prompt, error_formatter=lambda e: f"Error: {e}",
                       rubric=vf.Rubric(funcs=[correct_answer], weights=[1.0]), **kwargs)

@@ -6,7 +6,8 @@
 
 Needs verifiers 0.3.1 (`pip install 'rayllm_rl[verifiers]'` in a venv without the `mcp` extra, or `.venv-envs`).
 Prints one JSON line last: steps, the reward over the first and last steps, turns and tool calls per episode (the
-ToolEnv's own metrics), the share of right answers, and the failed episodes.
+ToolEnv's own metrics), the share of right answers, the held-out evaluation before RL and after (`--full`: 64
+questions, one greedy rollout each, after an SFT warm start on demonstrations), and the failed episodes.
 """
 from __future__ import annotations
 
@@ -30,8 +31,11 @@ aborts a rollout on an empty reply: a failed sample)."""
 FULL = [f"model.path={SMOLLM2}", "model.dtype=float32", "rollout.prompts_per_step=8", "rollout.group_size=8",
         "rollout.max_new_tokens=64", "rollout.temperature=0.7", "optim.lr=2e-5", "optim.warmup_steps=5",
         "optim.max_tokens_per_micro_batch=2048", "trainer.steps=200", "trainer.time_budget_s=2700",
-        "trainer.log_every=1", "trainer.checkpoint_every=0"]
-"""SmolLM2-135M-Instruct at recipes/smollm2-135m_reasoning-gym_cpu.yaml's settings."""
+        "trainer.log_every=1", "trainer.checkpoint_every=0", "sft.steps=6", "sft.batch_size=8", "sft.lr=1e-4",
+        "sft.warmup_steps=2", "data.verifiers.demonstration=calculator_env:demonstration", "data.eval_size=64",
+        "trainer.eval_every=10"]
+"""SmolLM2-135M-Instruct at recipes/smollm2-135m_reasoning-gym_cpu.yaml's settings, after a short SFT warm start on
+demonstrated rollouts (`calculator_env.demonstration`), evaluated on 64 held-out questions (`eval_questions`)."""
 FULL_SYSTEM_PROMPT = (
     'Solve the question with the calculator. Call it by writing <tool_call>{"name": "calculator", "arguments": '
     '{"expression": "347 * 29"}}</tool_call>, read its result, then reply with the number alone.')
@@ -71,7 +75,7 @@ def main(argv: list[str]) -> dict:
 
     env_args = {"num_questions": args.questions, "max_turns": args.max_turns or (4 if args.full else 3)}
     if args.full:
-        env_args["system_prompt"] = FULL_SYSTEM_PROMPT
+        env_args.update(system_prompt=FULL_SYSTEM_PROMPT, eval_questions=64)
     preset = FULL if args.full else [f"model.path={tiny_model_with_tools(Path(args.out))}", *SMALL]
     summary = train(overrides=[*COMMON, *preset, f"trainer.run_dir={args.out}", *flags, *args.overrides],
                     environment=load_environment(**env_args))
@@ -83,6 +87,7 @@ def main(argv: list[str]) -> dict:
               "backend": summary["backend"], "steps": summary["steps"],
               "reward": [mean("reward", rl[:k]), mean("reward", rl[-k:])], "turns": mean("num_turns", rl),
               "tool_calls": mean("reward_total_tool_calls", rl), "correct": mean("reward_correct_answer", rl),
+              "eval_before": summary["eval_before"], "eval_after": summary["eval_after"],
               "failed_episodes": summary["failed_episodes"], "wall_seconds": summary["wall_seconds"],
               "run_dir": summary["run_dir"]}
     print(json.dumps(result))

@@ -34,6 +34,16 @@ def sft_chats(task: Task, rows: list[dict]) -> list[list[dict]]:
     return [r["messages"] + [{"role": "assistant", "content": task.sft_target(r)}] for r in rows]
 
 
+def sft_batch(task: Task, tokenizer, rows: list[dict]):
+    """The SFT batch of `rows`: the task's demonstrated episodes (`Task.demonstrate`, several turns each) when it has
+    them, else one chat per row ending in `sft_target`'s reply."""
+    from rayllm_rl.data.sft import make_sft_batch
+
+    if task.demonstrate is not None:
+        return task.demonstrate(tokenizer, rows)
+    return make_sft_batch(tokenizer, sft_chats(task, rows))
+
+
 def sft_warm_start(cfg: GRPOJobConfig, task: Task, tokenizer, reporter,
                    train_step: Callable[[Any, Any], dict], reset_optimizer: Callable[[Any], Any]) -> str | None:
     """Imitate the task's demonstrations for `sft.steps` steps (or until `sft.time_budget_s`), with the
@@ -41,12 +51,11 @@ def sft_warm_start(cfg: GRPOJobConfig, task: Task, tokenizer, reporter,
     arithmetic demo, none for the other tasks. Both backends: `train_step(batch, loss) -> metrics`
     and `reset_optimizer(optim_cfg)` reach the local learner or the learner actors."""
     from rayllm_rl.data.loader import PromptLoader
-    from rayllm_rl.data.sft import make_sft_batch
     from rayllm_rl.objectives import SFTLoss
 
     if cfg.sft.steps <= 0:  # the default outside the arithmetic demo (its preset asks for 250 steps)
         return None
-    if task.sft_target is None:  # asked for, but there is nothing to imitate: say so instead of a silent no-op
+    if task.sft_target is None and task.demonstrate is None:  # nothing to imitate: say so
         note = f"sft.steps={cfg.sft.steps} but task={task.name} has no demonstrations: no SFT warm start"
         reporter.log({"phase": "sft", "skipped": note})
         logging.getLogger(__name__).warning(note)
@@ -57,7 +66,7 @@ def sft_warm_start(cfg: GRPOJobConfig, task: Task, tokenizer, reporter,
     cut = None
     with reporter.task_progress(cfg.sft.steps, "sft warm start") as tick:
         for step in range(1, cfg.sft.steps + 1):
-            metrics = train_step(make_sft_batch(tokenizer, sft_chats(task, loader.next_rows(cfg.sft.batch_size))), loss)
+            metrics = train_step(sft_batch(task, tokenizer, loader.next_rows(cfg.sft.batch_size)), loss)
             reporter.log({"phase": "sft", "sft_step": step, **metrics}, show=step % 50 == 0)
             tick(1)
             if cfg.sft.time_budget_s and time.perf_counter() - t0 > cfg.sft.time_budget_s:

@@ -42,11 +42,16 @@ class OpenEnvConfig:
     """A system message before the prompt (the tool list, if any, follows it); empty = none."""
     train_size: PosInt = 1024
     """Rows generated: each carries `seed` (`seed` + its index), handed to `reset(seed=...)` (OpenEnv) or as a
-    keyword with the row's other fields (TRL: `reset(**row)`)."""
+    keyword with the row's other fields (TRL: `reset(**row)`). The `data.eval_size` held-out rows follow them
+    (seeds `seed + train_size` on), so no held-out episode is ever trained on."""
     seed: int = 0
     """The first row's seed."""
     reset_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Extra keywords of every reset (OpenEnv's `reset(seed=, episode_id=, **kwargs)`), e.g. a difficulty."""
+    demonstration: str = ""
+    """'package.module:function' giving a row's solved episode for the SFT warm start (`sft.steps`): `fn(row) ->
+    [reply, ...]`, the text of each assistant turn in order, played through the environment
+    (`environments.demonstrations`). Empty: no demonstrations (`sft.steps` must then be 0)."""
     call_timeout_s: PosFloat = 60.0
     """One reset, step or tool call; past it the sample fails with cause `timeout` (docs/failed-episodes.md)."""
 
@@ -62,7 +67,7 @@ class OpenEnvConfig:
         if self.base_url and self.base_url.split("://", 1)[0] not in ("http", "https", "ws", "wss"):
             raise ValueError(f"data.openenv.base_url={self.base_url!r}: expected an http(s):// or ws(s):// URL of a "
                              "running OpenEnv server")
-        for key in ("env", "action_parser", "tool_parser"):
+        for key in ("env", "action_parser", "tool_parser", "demonstration"):
             path = getattr(self, key)
             if path and not callable(import_object(path, f"data.openenv.{key}")):
                 raise ValueError(f"data.openenv.{key}={path!r} is not callable")

@@ -7,9 +7,9 @@ whose `workflow` plays the environment (`make_workflow`: `group_size` episodes o
 task's reward is the episode's (`rewards.EpisodeReward`): the environment's own plus the TRL-style reward functions
 of `reward.fn` / `reward_fn=`.
 
-There is no held-out evaluation: the greedy evaluation scores one completion of a row's prompt with the task's
-reward, while an environment's prompt is only known once it is reset and its reward once it is played
-(`data.eval_size` must be 0; each step's record carries the episodes' rewards).
+The held-out rows (`data.eval_size`) are seeds after the training rows'; the job's evaluation plays them greedily
+through the same workflow, one episode each (`workflows.evaluation.evaluate_episodes`). The SFT warm start imitates
+`data.openenv.demonstration`'s scripted replies played through the environment (`environments.demonstrations`).
 """
 from __future__ import annotations
 
@@ -19,11 +19,13 @@ from typing import Any
 from rayllm_rl.environments.rewards import EpisodeReward
 
 
-def rows(cfg: Any) -> list[dict[str, Any]]:
-    """The generated rows: `{"messages": [system?, user prompt?], "seed": seed + i}` for i < train_size."""
+def rows(cfg: Any, start: int = 0, count: int | None = None) -> list[dict[str, Any]]:
+    """Generated rows: `{"messages": [system?, user prompt?], "seed": seed + i}` for `start <= i < start + count`
+    (default: the `train_size` training rows)."""
     chat = ([{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []) + (
         [{"role": "user", "content": cfg.prompt}] if cfg.prompt else [])
-    return [{"messages": chat, "seed": cfg.seed + i} for i in range(cfg.train_size)]
+    count = cfg.train_size if count is None else count
+    return [{"messages": chat, "seed": cfg.seed + i} for i in range(start, start + count)]
 
 
 def make_workflow(tokenizer, sampling, group_size: int, max_turns: int, task, sample_timeout_s=None, *, source):
@@ -37,6 +39,19 @@ def make_workflow(tokenizer, sampling, group_size: int, max_turns: int, task, sa
                            timeout_s=sample_timeout_s)
 
 
+def demonstrations(source, reward, demonstrate, tokenizer, rows_: list[dict[str, Any]]):
+    """`Task.demonstrate`: the SFT batch of `rows_`' scripted episodes, each played by the task's own `EnvWorkflow`
+    (a script of n replies may take n turns; the environment must end the episode by then)."""
+    from rayllm_rl.environments.demonstrations import demonstration_batch
+    from rayllm_rl.environments.workflow import EnvWorkflow
+    from rayllm_rl.inference.protocol import SamplingParams
+
+    def workflow(replies: int):  # one turn more than the script: a script that stops short is refused, not cut
+        return EnvWorkflow(source, reward, tokenizer, SamplingParams(), max_turns=replies + 1)
+
+    return demonstration_batch(workflow, demonstrate, tokenizer, rows_)
+
+
 def make_task(data_cfg: Any = None, seed: int = 0, inputs: Any = None):
     """The registry's factory (`task=openenv`); ValueError naming the key for what the environment or the rows lack."""
     from datasets import Dataset
@@ -44,12 +59,9 @@ def make_task(data_cfg: Any = None, seed: int = 0, inputs: Any = None):
     from rayllm_rl.environments.config import OpenEnvConfig
     from rayllm_rl.environments.source import resolve_source
     from rayllm_rl.envs.task import Task, in_memory
+    from rayllm_rl.object_path import import_object
 
     cfg = OpenEnvConfig() if data_cfg is None else data_cfg.openenv
-    if data_cfg is not None and data_cfg.eval_size:
-        raise ValueError(f"data.eval_size={data_cfg.eval_size}: task=openenv has no held-out greedy evaluation (an "
-                         "environment's prompt is known only once it is reset, its reward once it is played); set "
-                         "data.eval_size=0")
     cfg.check()
     source = resolve_source(cfg, getattr(inputs, "environment", None))
     reward = EpisodeReward(getattr(inputs, "reward_fns", ()) or (), getattr(inputs, "reward_weights", ()) or ())
@@ -57,6 +69,12 @@ def make_task(data_cfg: Any = None, seed: int = 0, inputs: Any = None):
         raise ValueError(f"{source.label} has no get_reward() and no reward function was given: give TRL-style "
                          "reward functions (reward.fn=package.module:fn or reward_fn=; each gets environments=[...]) "
                          "or define get_reward() on the environment")
+    eval_size = 0 if data_cfg is None else (data_cfg.eval_size or 0)
     train = Dataset.from_list(rows(cfg))
-    return Task("openenv", in_memory(train), in_memory(train.select([])), reward,
-                workflow=functools.partial(make_workflow, source=source))
+    held = Dataset.from_list(rows(cfg, cfg.train_size, eval_size)) if eval_size else train.select([])
+    demonstrate = None
+    if cfg.demonstration:
+        demonstrate = functools.partial(demonstrations, source, reward,
+                                        import_object(cfg.demonstration, "data.openenv.demonstration"))
+    return Task("openenv", in_memory(train), in_memory(held), reward,
+                workflow=functools.partial(make_workflow, source=source), demonstrate=demonstrate)

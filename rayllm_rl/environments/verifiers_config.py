@@ -35,6 +35,10 @@ class VerifiersConfig:
     `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (agents/openai_proxy.py)."""
     train_size: NonNegInt = 0
     """Rows taken from the environment's dataset (`env.get_dataset(n=train_size)`); 0 = every row."""
+    demonstration: str = ""
+    """'package.module:function' giving a row's solved rollout for the SFT warm start (`sft.steps`): `fn(row) ->
+    [reply, ...]`, the text of each assistant turn in order, with `row` the environment's dataset row (`prompt`,
+    `answer`, `info`, ...), played through the environment (`environments.demonstrations`). Empty: none."""
     rollout_timeout_s: PosFloat = 300.0
     """One rollout (every turn, tool call and `env_response` of an episode, and each chat completion); past it the
     sample fails with cause `timeout` (docs/failed-episodes.md). The rubric scores within 30 s (`RewardCaller`'s
@@ -44,8 +48,10 @@ class VerifiersConfig:
         """Errors naming the key: an `env_id` whose module is not importable, a `tool_parser` that does not import."""
         from rayllm_rl.object_path import import_object
 
-        if self.tool_parser and not callable(import_object(self.tool_parser, "data.verifiers.tool_parser")):
-            raise ValueError(f"data.verifiers.tool_parser={self.tool_parser!r} is not callable")
+        for key in ("tool_parser", "demonstration"):
+            path = getattr(self, key)
+            if path and not callable(import_object(path, f"data.verifiers.{key}")):
+                raise ValueError(f"data.verifiers.{key}={path!r} is not callable")
         if self.env_id and importlib.util.find_spec(env_module_name(self.env_id)) is None:
             raise ValueError(f"data.verifiers.env_id={self.env_id!r}: no module {env_module_name(self.env_id)!r} to "
                              "import (install the environment's package, e.g. `pip install <its package>`; an "

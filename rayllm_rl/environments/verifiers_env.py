@@ -222,6 +222,21 @@ def rows(env: Any, train_size: int, label: str) -> list[dict[str, Any]]:
     if dataset is None or len(dataset) == 0:
         raise ValueError(f"{label} has no dataset rows (its `dataset=` / `get_dataset()`): task=verifiers trains on "
                          "them")
+    return _rows_of(dataset, label)
+
+
+def eval_rows(env: Any, eval_size: int, label: str) -> list[dict[str, Any]]:
+    """The first `eval_size` rows of the environment's `eval_dataset`, as `rows` makes them (`data.eval_size`).
+    ValueError when it has none: verifiers' `get_eval_dataset` would fall back to the training rows, and a held-out
+    evaluation on rows trained on would say nothing."""
+    env.build_eval_dataset()
+    if env.eval_dataset is None or len(env.eval_dataset) == 0:
+        raise ValueError(f"data.eval_size={eval_size} but {label} has no eval_dataset: give the environment "
+                         "`eval_dataset=` (rows never trained on), or set data.eval_size=0")
+    return _rows_of(env.get_eval_dataset(n=eval_size), label)
+
+
+def _rows_of(dataset, label: str) -> list[dict[str, Any]]:
     if "prompt" not in dataset.column_names:
         raise ValueError(f"{label}'s dataset has no `prompt` column (columns: {dataset.column_names})")
     out = []

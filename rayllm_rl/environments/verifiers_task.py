@@ -4,13 +4,29 @@ The registry's factory (`make_task`) runs on the driver before any actor starts:
 (`verifiers_env.resolve_verifiers`: `data.verifiers.env_id` loaded with verifiers' `load_environment`, or the object
 given to `train(environment=...)`), takes its dataset's rows (`verifiers_env.rows`), and returns a `Task` whose
 reward is the rubric's (`verifiers_env.RubricReward`) and whose `workflow` plays the environment
-(`verifiers_workflow.make_workflow`). No held-out evaluation: a rollout's reward is known once it is played
-(`data.eval_size` must be 0).
+(`verifiers_workflow.make_workflow`). The held-out rows (`data.eval_size`) are the environment's `eval_dataset`'s,
+each evaluated as one greedy rollout; the SFT warm start imitates `data.verifiers.demonstration`'s scripted replies
+played through the environment (`environments.demonstrations`).
 """
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any
+
+
+def demonstrations(source, reward, demonstrate, tokenizer, rows_: list[dict[str, Any]]):
+    """`Task.demonstrate`: the SFT batch of `rows_`' scripted rollouts, each played by the task's own
+    `VerifiersWorkflow`; `demonstrate` gets the environment's dataset row (the row's `vf_input`)."""
+    from rayllm_rl.environments.demonstrations import demonstration_batch
+    from rayllm_rl.environments.verifiers_workflow import VerifiersWorkflow
+    from rayllm_rl.inference.protocol import SamplingParams
+
+    def vf_row(row: dict[str, Any]):
+        return demonstrate(json.loads(row["vf_input"]))
+
+    workflow = VerifiersWorkflow(source, reward, tokenizer, SamplingParams())  # the environment loaded once
+    return demonstration_batch(lambda replies: workflow, vf_row, tokenizer, rows_)
 
 
 def make_task(data_cfg: Any = None, seed: int = 0, inputs: Any = None):
@@ -20,15 +36,20 @@ def make_task(data_cfg: Any = None, seed: int = 0, inputs: Any = None):
 
     from rayllm_rl.envs.task import Task, in_memory
     from rayllm_rl.environments.verifiers_config import VerifiersConfig
-    from rayllm_rl.environments.verifiers_env import RubricReward, component_names, resolve_verifiers, rows
+    from rayllm_rl.environments.verifiers_env import RubricReward, component_names, eval_rows, resolve_verifiers, rows
     from rayllm_rl.environments.verifiers_workflow import make_workflow
+    from rayllm_rl.object_path import import_object
 
     cfg = VerifiersConfig() if data_cfg is None else data_cfg.verifiers
-    if data_cfg is not None and data_cfg.eval_size:
-        raise ValueError(f"data.eval_size={data_cfg.eval_size}: task=verifiers has no held-out greedy evaluation (a "
-                         "rollout's reward is known once the environment has played it); set data.eval_size=0")
     cfg.check()
     source, env = resolve_verifiers(cfg, getattr(inputs, "environment", None))
     train = Dataset.from_list(rows(env, cfg.train_size, source.label))
-    return Task("verifiers", in_memory(train), in_memory(train.select([])), RubricReward(component_names(env.rubric)),
-                workflow=functools.partial(make_workflow, source=source))
+    eval_size = 0 if data_cfg is None else (data_cfg.eval_size or 0)
+    held = Dataset.from_list(eval_rows(env, eval_size, source.label)) if eval_size else train.select([])
+    reward = RubricReward(component_names(env.rubric))
+    demonstrate = None
+    if cfg.demonstration:
+        demonstrate = functools.partial(demonstrations, source, reward,
+                                        import_object(cfg.demonstration, "data.verifiers.demonstration"))
+    return Task("verifiers", in_memory(train), in_memory(held), reward,
+                workflow=functools.partial(make_workflow, source=source), demonstrate=demonstrate)

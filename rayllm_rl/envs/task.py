@@ -29,6 +29,10 @@ class Task:
     """The task's own rollout workflow: a factory the job calls with the keywords it names of
     `workflows.custom.JOB_KEYWORDS` (the OpenEnv task's, which plays its environment); `rollout.workflow=auto`
     runs it (None: the built-in workflows)."""
+    demonstrate: Callable[[Any, list], Any] | None = None
+    """`(tokenizer, rows) -> SFT batch` for a task whose demonstrations are whole episodes (task=openenv: scripted
+    replies played through the environment, `environments.demonstrations`): a trajectory TensorDict whose
+    `loss_mask` marks the demonstrated replies' tokens. None: `sft_target`'s one reply per row, if any."""
 
     @functools.cached_property
     def make_env(self) -> Callable[..., Any] | None:

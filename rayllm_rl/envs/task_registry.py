@@ -105,7 +105,8 @@ TASKS: Mapping[str, TaskEntry] = MappingProxyType({
                            "data.path", data_keys=("prompt_column", "system_prompt", "sft_column"), takes_reward=True,
                            example_path="rows.jsonl", plan_rows="rayllm_rl.envs.prompt_task:plan_rows"),
     # an OpenEnv environment or a TRL environment_factory class, played in the env workers; its reward is the
-    # environment's (plus TRL-style reward functions, if given); no held-out greedy evaluation (environments.task)
+    # environment's (plus TRL-style reward functions, if given); held-out rows are seeds after the training ones,
+    # each evaluated as one greedy episode (environments.task)
     OPENENV_TASK: TaskEntry("rayllm_rl.environments.task:make_task", _presets(128, 0), _ADAPTER_LR, 64, "generated",
                             data_keys=("openenv",), takes_reward=True, needs_reward=False),
     # a verifiers environment (classic API): its dataset's rows, its rollout loop over our chat-completions proxy,

@@ -89,8 +89,23 @@ def training_task(cfg: GRPOJobConfig, task: Task, reward_scorers: Mapping[str, A
     return task.with_reward(CombinedReward.from_config(cfg.reward, task.reward_fn, reward_scorers or {}))
 
 
+def build_evaluation(cfg: GRPOJobConfig, task: Task, tokenizer) -> Callable[..., Any]:
+    """`evaluation(engine, progress=None) -> awaitable {"eval_reward": ..., "eval_n": ..., ...}`: the held-out
+    evaluation both backends run over their engine (or router), decided here once. A task that plays its own episodes
+    (`Task.workflow`, task=openenv) plays one greedy episode of that workflow per held-out row (`evaluate_episodes`);
+    every other task scores one greedy answer per prompt with its reward (`evaluate_greedy`)."""
+    from rayllm_rl.workflows.evaluation import evaluate_episodes, evaluate_greedy
+
+    if task.workflow is not None:
+        workflow = build_workflow(cfg, task, tokenizer, evaluation=True)
+        return lambda engine, progress=None: evaluate_episodes(engine, workflow, task.eval, progress)
+    return lambda engine, progress=None: evaluate_greedy(engine, tokenizer, task.eval, task.reward_fn,
+                                                         cfg.rollout.max_new_tokens, progress=progress)
+
+
 def build_workflow(cfg: GRPOJobConfig, task: Task, tokenizer, make_tools: Callable[[], list] = local_python_tools,
-                   reward_scorers: Mapping[str, Any] | None = None, custom: CustomWorkflow | None = None):
+                   reward_scorers: Mapping[str, Any] | None = None, custom: CustomWorkflow | None = None,
+                   evaluation: bool = False):
     """The rollout workflow: the user's own (`custom`, the job's `JobInputs.workflow`) built with the job's
     keywords (`workflows.custom.JOB_KEYWORDS`), else the built-in one `rollout.workflow` names ('auto': the
     task's own workflow if it has one, `Task.workflow`, else its env if it has one). The one place that turns a
@@ -98,11 +113,13 @@ def build_workflow(cfg: GRPOJobConfig, task: Task, tokenizer, make_tools: Callab
 
     `make_tools()` builds one episode's tools for `python_tool`; `reward_scorers` ({"model": ..., "judge":
     ...}) score for `reward.*`; each backend hands in its own (in-process, or Ray actors), so nothing here
-    asks which backend runs."""
+    asks which backend runs. `evaluation`: the held-out evaluation's copy, greedy and one sample a row."""
     task = training_task(cfg, task, reward_scorers)
     r = cfg.rollout
-    offered = {"reward_fn": task.reward_fn, "tokenizer": tokenizer, "sampling": build_sampling(cfg),
-               "group_size": r.group_size, "max_turns": r.max_turns, "turn_discount": r.turn_discount,
+    sampling = SamplingParams(max_new_tokens=r.max_new_tokens, greedy=True) if evaluation else build_sampling(cfg)
+    offered = {"reward_fn": task.reward_fn, "tokenizer": tokenizer, "sampling": sampling,
+               "group_size": 1 if evaluation else r.group_size, "max_turns": r.max_turns,
+               "turn_discount": r.turn_discount,
                "sample_timeout_s": r.sample_timeout_s,
                "task": task.worker_part(), "config": cfg}
     if custom is not None:
@@ -122,28 +139,28 @@ def build_workflow(cfg: GRPOJobConfig, task: Task, tokenizer, make_tools: Callab
         from rayllm_rl.workflows.chat_env_workflow import ChatEnvWorkflow
 
         make_env = functools.partial(task.make_env, tokenizer, seed=cfg.trainer.seed)
-        return ChatEnvWorkflow(make_env, build_sampling(cfg), group_size=r.group_size, max_turns=r.max_turns)
+        return ChatEnvWorkflow(make_env, sampling, group_size=offered["group_size"], max_turns=r.max_turns)
     if kind == "openai_agent":
         from rayllm_rl.agents.openai_workflow import OpenAIAgentWorkflow
 
         if not r.agent:
             raise ValueError("rollout.workflow=openai_agent needs rollout.agent='package.module:async_function'")
-        return OpenAIAgentWorkflow(import_object(r.agent), tokenizer, group_size=r.group_size,
-                                   reward_fn=task.reward_fn, max_tokens=r.max_new_tokens, sampling=build_sampling(cfg))
+        return OpenAIAgentWorkflow(import_object(r.agent), tokenizer, group_size=offered["group_size"],
+                                   reward_fn=task.reward_fn, max_tokens=r.max_new_tokens, sampling=sampling)
     if kind == "python_tool":
         from rayllm_rl.agents.tool_agent import ToolAgentWorkflow
 
-        return ToolAgentWorkflow(tokenizer, make_tools, build_sampling(cfg), reward_fn=task.reward_fn,
-                                 system_prompt=PYTHON_TOOL_PROMPT, group_size=r.group_size,
+        return ToolAgentWorkflow(tokenizer, make_tools, sampling, reward_fn=task.reward_fn,
+                                 system_prompt=PYTHON_TOOL_PROMPT, group_size=offered["group_size"],
                                  max_turns=max(r.max_turns, 1))
     if kind == "multi_turn":
         from rayllm_rl.workflows.grouped import GroupedWorkflow
         from rayllm_rl.workflows.multi_turn import MultiTurnWorkflow
 
-        agent = MultiTurnWorkflow(task.reward_fn, tokenizer, build_sampling(cfg), max_turns=max(r.max_turns, 1),
+        agent = MultiTurnWorkflow(task.reward_fn, tokenizer, sampling, max_turns=max(r.max_turns, 1),
                                   turn_discount=r.turn_discount)
-        return GroupedWorkflow(agent, r.group_size, timeout_s=r.sample_timeout_s)
-    return RLVRWorkflow(task.reward_fn, tokenizer, build_sampling(cfg), group_size=r.group_size)
+        return GroupedWorkflow(agent, offered["group_size"], timeout_s=r.sample_timeout_s)
+    return RLVRWorkflow(task.reward_fn, tokenizer, sampling, group_size=offered["group_size"])
 
 
 def has_reward_variance(episode) -> bool:

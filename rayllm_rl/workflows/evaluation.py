@@ -38,3 +38,43 @@ async def evaluate_greedy(engine: InferenceEngine, tokenizer, rows: Iterable[Map
     out.setdefault("eval_reward", 0.0)
     out["eval_n"] = float(len(rows))
     return out
+
+
+async def evaluate_episodes(engine: InferenceEngine, workflow, rows: Iterable[Mapping[str, Any]],
+                            progress: Callable[[int], Any] | None = None) -> dict[str, float]:
+    """The held-out evaluation of a task that plays episodes (task=openenv): one greedy episode of `workflow` (the
+    task's own, built with greedy sampling and one sample a row) per row, all concurrently.
+
+    Returns {"eval_reward": mean episode reward, "eval_n": rows, "eval_failed": failed episodes, "eval_<key>": the
+    mean of each per-episode metric (`num_turns`, `tool_calls`, `invalid_actions`, `env_done`, the reward's
+    components)}. The means are over the episodes that finished: a failed one (an environment that raised, a call
+    past its bound) is counted in `eval_failed`, never scored 0 (docs/failed-episodes.md)."""
+    from rayllm_rl.data.failures import FAILED_KEY
+    from rayllm_rl.data.trajectory import TOKEN_KEYS
+
+    rows = list(rows)
+
+    async def play(i: int, row: Mapping[str, Any]):
+        episode = await workflow.arun_episode(engine, {**row, "group_id": i})
+        if progress is not None:
+            progress(1)
+        return episode
+
+    episodes = await asyncio.gather(*[play(i, r) for i, r in enumerate(rows)])
+    totals: dict[str, float] = {}
+    finished = failed = 0
+    for episode in episodes:
+        for j in range(episode.batch_size[0]):
+            if FAILED_KEY in episode.keys() and float(episode[FAILED_KEY][j]) != 0:
+                failed += 1
+                continue
+            finished += 1
+            for key, value in episode.items():
+                if key in TOKEN_KEYS or key in ("group_id", FAILED_KEY) or value.dim() != 1:
+                    continue
+                name = "reward" if key == "rewards" else key
+                totals[name] = totals.get(name, 0.0) + float(value[j])
+    out = {f"eval_{k}": v / max(1, finished) for k, v in totals.items()}
+    out.setdefault("eval_reward", 0.0)
+    out.update(eval_n=float(len(rows)), eval_failed=float(failed))
+    return out

@@ -24,10 +24,10 @@ from rayllm_rl.algorithm.batch_prep import prepare_batch
 from rayllm_rl.orchestration.backend import ROLE_KINDS, backend_summary
 from rayllm_rl.rollout.collector import run_and_store
 from rayllm_rl.orchestration.fault_ledger import FaultLedger
-from rayllm_rl.orchestration.factories import build_episode_filter, build_workflow, local_python_tools
+from rayllm_rl.orchestration.factories import (build_episode_filter, build_evaluation, build_workflow,
+                                               local_python_tools)
 from rayllm_rl.orchestration.local.reward_scorers import local_reward_scorers
 from rayllm_rl.job.plan import JobPlan
-from rayllm_rl.workflows.evaluation import evaluate_greedy
 from rayllm_rl.workflows.rewards import workflow_reward_counters
 
 
@@ -57,6 +57,7 @@ class LocalBackend:
             torch.set_num_threads(cfg.trainer.num_threads)
         model_path = resolve_model_path(model_path, cfg.model.revision)  # a hub id -> its local snapshot
         self.cfg, self.model_path, self.task, self.tokenizer = cfg, model_path, task, tokenizer
+        self.evaluation = build_evaluation(cfg, task, tokenizer)
         self.timeout_s = cfg.trainer.call_timeout_s
         self.reward_scorers: dict[str, Any] = {}
         self.loop: EventLoopThread | None = None
@@ -139,9 +140,7 @@ class LocalBackend:
             self.frozen[spec.name] = spec.build(policy_path=self.model_path, weights=weights)
 
     def evaluate(self, progress=None) -> dict[str, Any]:
-        coro = evaluate_greedy(self.engine, self.tokenizer, self.task.eval, self.task.reward_fn,
-                               self.cfg.rollout.max_new_tokens, progress=progress)
-        return self.loop.call(coro, self.timeout_s, "greedy evaluation")
+        return self.loop.call(self.evaluation(self.engine, progress=progress), self.timeout_s, "greedy evaluation")
 
     def role_states(self) -> dict[str, Any]:
         return {"collector": self.loop.run(self.collector.state_dict),

@@ -19,7 +19,7 @@ from rayllm_rl.orchestration.ray.cluster import (
 from rayllm_rl.orchestration.ray.session import init_ray, session_for_job
 from rayllm_rl.hub import resolve_model_path
 from rayllm_rl.envs.task import Task
-from rayllm_rl.orchestration.factories import build_workflow
+from rayllm_rl.orchestration.factories import build_evaluation, build_workflow
 from rayllm_rl.job.config import GRPOJobConfig
 from rayllm_rl.job.plan import JobPlan
 from rayllm_rl.orchestration.ray.router import ReplicaRouter
@@ -28,7 +28,6 @@ from rayllm_rl.orchestration.ray.reward_actors import (
 )
 from rayllm_rl.orchestration.ray.tool_services import ray_python_tools
 from rayllm_rl.workflows.custom import CustomWorkflow
-from rayllm_rl.workflows.evaluation import evaluate_greedy
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +96,7 @@ class RayBackend:
         init_ray(plan.config)
         self.plan, self.cfg = plan, plan.config
         self.model_path, self.task, self.tokenizer = model_path, task, tokenizer
+        self.evaluation = build_evaluation(self.cfg, task, tokenizer)
         self._driver_bytes = 0
         """Data the driver fetched from or sent to the roles since `driver_bytes()` last read it."""
         self.faults = FaultLedger(ROLE_KINDS)
@@ -207,9 +207,7 @@ class RayBackend:
 
         def run() -> None:
             try:
-                done.set_result(asyncio.run(evaluate_greedy(router, self.tokenizer, self.task.eval,
-                                                            self.task.reward_fn, self.cfg.rollout.max_new_tokens,
-                                                            progress=progress)))
+                done.set_result(asyncio.run(self.evaluation(router, progress=progress)))
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
                 done.set_exception(exc)
 
