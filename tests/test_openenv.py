@@ -597,6 +597,7 @@ def calculator():
     import sys
 
     sys.path.insert(0, str(CALCULATOR))
+    sys.modules.pop("calculator_env", None)  # the other example has a calculator_env.py too
     import calculator_env
     import calculator_trl
 

@@ -329,6 +329,7 @@ def vf_calculator():
     import sys
 
     sys.path.insert(0, str(VF_CALCULATOR))
+    sys.modules.pop("calculator_env", None)  # the other example has a calculator_env.py too
     import calculator_env
 
     spec = importlib.util.spec_from_file_location("verifiers_calculator_train", VF_CALCULATOR / "train.py")

@@ -34,8 +34,8 @@ FULL = [f"model.path={SMOLLM2}", "model.dtype=float32", "rollout.prompts_per_ste
         "optim.warmup_steps=5", "optim.max_tokens_per_micro_batch=2048", "trainer.steps=200",
         "trainer.time_budget_s=2700", "trainer.log_every=1", "trainer.checkpoint_every=0",
         "data.openenv.system_prompt=Solve the question with the tools: call the calculator, then give the answer.",
-        "sft.steps=30", "sft.batch_size=8", "sft.lr=1e-4", "sft.warmup_steps=5", "data.eval_size=64",
-        "trainer.eval_every=10"]
+        "sft.steps=6", "sft.batch_size=8", "sft.lr=1e-4", "sft.warmup_steps=2", "data.eval_size=64",
+        "trainer.eval_every=10", "trainer.call_timeout_s=600"]
 """SmolLM2-135M-Instruct at recipes/smollm2-135m_reasoning-gym_cpu.yaml's settings, up to 4 turns an episode, after
 a short SFT warm start on demonstrated episodes (`demonstration` of the form's module): the model never writes a
 tool call on its own (docs/environments.md), so without it no group has a reward to compare."""

@@ -33,7 +33,7 @@ FULL = [f"model.path={SMOLLM2}", "model.dtype=float32", "rollout.prompts_per_ste
         "optim.max_tokens_per_micro_batch=2048", "trainer.steps=200", "trainer.time_budget_s=2700",
         "trainer.log_every=1", "trainer.checkpoint_every=0", "sft.steps=6", "sft.batch_size=8", "sft.lr=1e-4",
         "sft.warmup_steps=2", "data.verifiers.demonstration=calculator_env:demonstration", "data.eval_size=64",
-        "trainer.eval_every=10"]
+        "trainer.eval_every=10", "trainer.call_timeout_s=600"]
 """SmolLM2-135M-Instruct at recipes/smollm2-135m_reasoning-gym_cpu.yaml's settings, after a short SFT warm start on
 demonstrated rollouts (`calculator_env.demonstration`), evaluated on 64 held-out questions (`eval_questions`)."""
 FULL_SYSTEM_PROMPT = (
