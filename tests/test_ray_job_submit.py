@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -17,10 +18,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 TEST_TIMEOUT_S = 900
 """pytest-timeout's limit for this test; every bound below fits inside it."""
-SCRIPT_BOUNDS_S = {"RAYLLM_HEAD_TIMEOUT_S": 90, "RAYLLM_AGENT_TIMEOUT_S": 90, "RAYLLM_JOB_TIMEOUT_S": 330}
+SCRIPT_BOUNDS_S = {"RAYLLM_HEAD_TIMEOUT_S": 90, "RAYLLM_AGENT_TIMEOUT_S": 90, "RAYLLM_JOB_TIMEOUT_S": 600}
 """submit_local.py's own waits: it gives up, and stops its head, before the subprocess bound below."""
-SUBPROCESS_TIMEOUT_S = 560
+SUBPROCESS_TIMEOUT_S = 840
 """Above the script's waits plus stopping the head (~40 s), below TEST_TIMEOUT_S."""
+JOB_MARK_LINE = "=== rayllm test: next job ===\n"
+JOB_MARK = shlex.join(["echo", JOB_MARK_LINE.strip()])
+"""Printed between the jobs that test_jobs_submitted_... runs in one submission, to split its log."""
 
 
 
@@ -206,20 +210,25 @@ def test_jobs_submitted_with_a_working_dir_train_the_users_reward_and_the_smollm
     token = script.write_token(temp_dir)
     head, address = script.start_head(temp_dir, token, SCRIPT_BOUNDS_S["RAYLLM_HEAD_TIMEOUT_S"])
     try:
-        def submit(entrypoint: list[str]) -> str:
-            code, log = script.submit(address, token, [], SCRIPT_BOUNDS_S["RAYLLM_AGENT_TIMEOUT_S"],
-                                      SCRIPT_BOUNDS_S["RAYLLM_JOB_TIMEOUT_S"], entrypoint=entrypoint)
-            assert code == 0 and "succeeded" in log, log[-3000:]
-            return log
-
-        users = submit(["python", "jobs/grpo.py", "reward.fn=examples.user_reward.myreward:score", f"data.path={rows}",
-                        "trainer.steps=3", "data.eval_size=4", "trainer.eval_every=0", "rollout.prompts_per_step=4",
-                        "rollout.group_size=2", "rollout.max_new_tokens=6", f"trainer.run_dir={tmp_path / 'runs'}"])
-        # the dry runs, then the training (its lines last, as a job's): one submission
-        log = submit(["bash", "-c", 'python -c "$0" && exec python jobs/grpo.py "$@"', dry_runs, *smollm2_job])
+        # The three jobs in one submission (one `ray job submit`, one upload of the working dir, one job driver):
+        # each command starts as the job's entrypoint would, in the job's working dir and runtime env, and a
+        # marker line after each splits the log into the three jobs' own.
+        users = ["python", "jobs/grpo.py", "reward.fn=examples.user_reward.myreward:score", f"data.path={rows}",
+                 "trainer.steps=3", "data.eval_size=4", "trainer.eval_every=0", "rollout.prompts_per_step=4",
+                 "rollout.group_size=2", "rollout.max_new_tokens=6", f"trainer.run_dir={tmp_path / 'runs'}"]
+        # 2. the dry runs, then the training (its lines last, as a job's)
+        smollm2 = [["python", "-c", dry_runs], ["python", "jobs/grpo.py", *smollm2_job]]
         # 3. Tinker's primitives on the cluster: `rayllm-rl serve --backend ray` in the job, a client in another
         # process driving it through the unmodified SDK
-        tinker_log = submit(["python", "examples/tinker_loop/serve_and_drive.py", "--steps", "3", "--sft-steps", "3"])
+        tinker = ["python", "examples/tinker_loop/serve_and_drive.py", "--steps", "3", "--sft-steps", "3"]
+        commands = [shlex.join(users), JOB_MARK, *map(shlex.join, smollm2), JOB_MARK, shlex.join(tinker)]
+        code, whole = script.submit(address, token, [], SCRIPT_BOUNDS_S["RAYLLM_AGENT_TIMEOUT_S"],
+                                    SCRIPT_BOUNDS_S["RAYLLM_JOB_TIMEOUT_S"],
+                                    entrypoint=["bash", "-c", " && ".join(commands)])
+        assert code == 0 and "succeeded" in whole, whole[-3000:]
+        parts = whole.split(JOB_MARK_LINE)
+        assert len(parts) == 3, whole[-3000:]  # every command ran (each `&&` needs the one before it to succeed)
+        users, log, tinker_log = parts
     finally:
         script.stop_head(head)
         shutil.rmtree(temp_dir, ignore_errors=True)
