@@ -89,6 +89,7 @@ class ScriptPolicy:
     async def agenerate(self, request):
         from rayllm_rl.environments.demonstrations import ScriptedEngine
 
+        assert request.sampling.greedy, f"the held-out evaluation sampled: {request.sampling}"
         text = self.tokenizer.decode(request.input_ids)
         scripted = ScriptedEngine(self.tokenizer, self.script(text))
         scripted.turn = text.count("<tool_call>")

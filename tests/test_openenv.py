@@ -721,29 +721,33 @@ def test_a_demonstration_is_its_episode_played_through_the_environment_and_only_
         assert "What is " in context and str(answer) in context  # the question and the calculator's product
 
 
-def test_a_demonstration_that_stops_short_or_is_no_list_of_replies_is_refused_naming_the_row(calculator, tmp_path):
+def test_a_demonstration_that_is_no_solved_episode_is_refused_naming_the_key_and_the_row(calculator, tmp_path):
+    """Each broken script fails the warm start naming `data.openenv.demonstration` and the row: one that stops short,
+    one with replies left over, one whose reply the environment takes as an invalid action, one that is no list of
+    strings, one that raises."""
     from transformers import AutoTokenizer
 
-    from rayllm_rl.environments.demonstrations import demonstration_batch
-    from rayllm_rl.environments.workflow import EnvWorkflow
-    from rayllm_rl.inference.protocol import SamplingParams
+    from rayllm_rl.environments.task import demonstrations
 
-    env_mod, _, script = calculator
+    _, _, script = calculator
     tokenizer = AutoTokenizer.from_pretrained(script.tiny_model_with_tools(tmp_path))
     task, demonstration = calculator_task(calculator, "openenv")
     source = task.workflow.keywords["source"]
-    reward = task.reward_fn
+    tool_call = __import__("arithmetic").tool_call
 
     def batch(fn):
-        def workflow(n):
-            return EnvWorkflow(source, reward, tokenizer, SamplingParams(), max_turns=n + 1)
-        return demonstration_batch(workflow, fn, tokenizer, [task.train[1]])
+        return demonstrations(source, task.reward_fn, fn, tokenizer, [task.train[1]])
 
-    with pytest.raises(ValueError, match=r"row 0 \(seed=1\) has 1 replies, but its episode asked for reply 2"):
+    key_row = r"data.openenv.demonstration of the row with seed=1"
+    with pytest.raises(ValueError, match=key_row + " has 1 replies, but its episode asked for reply 2"):
         batch(lambda row: demonstration(row)[:1])
-    with pytest.raises(ValueError, match=r"returned 'x' for row 0 \(seed=1\): expected a non-empty list"):
+    with pytest.raises(ValueError, match=key_row + " has 3 replies, but its episode ended after 2"):
+        batch(lambda row: [*demonstration(row), "and more"])
+    with pytest.raises(ValueError, match=key_row + ": the environment took 1 of its replies as invalid actions"):
+        batch(lambda row: [tool_call("calculator", {"expression": "1 + 1"}), *demonstration(row)])
+    with pytest.raises(ValueError, match=r"data.openenv.demonstration returned 'x' for the row with seed=1: expected"):
         batch(lambda row: "x")
-    with pytest.raises(ValueError, match=r"raised on row 0 \(seed=1\): KeyError"):
+    with pytest.raises(ValueError, match=r"data.openenv.demonstration raised on the row with seed=1: KeyError"):
         batch(lambda row: {}["seed"])
 
 
@@ -779,3 +783,38 @@ def test_the_held_out_evaluation_plays_one_greedy_episode_per_held_out_seed(calc
     assert out["eval_reward"] == pytest.approx(odd / 6) and 0 < odd < 6
     assert out["eval_reward_calculated_answer"] == 1.0 and out["eval_num_turns"] == turns
     assert out["eval_invalid_actions"] == 0.0
+
+
+def test_a_held_out_episode_that_fails_is_counted_by_cause_never_scored_and_all_failing_is_no_score(calculator,
+                                                                                                   tmp_path):
+    """The policy raises on the questions whose first factor is even: those episodes are `eval_failed` (cause
+    `raised`) and the score is over the others (each right: 1.0, not diluted by zeros); when every episode fails the
+    evaluation raises, naming the cause, instead of a score of 0."""
+    from transformers import AutoTokenizer
+
+    from rayllm_rl.job.config import GRPOJobConfig
+    from rayllm_rl.orchestration.factories import build_evaluation
+
+    _, _, script = calculator
+    tokenizer = AutoTokenizer.from_pretrained(script.tiny_model_with_tools(tmp_path))
+    task, demonstration = calculator_task(calculator, "openenv", eval_size=6)
+    arithmetic = __import__("arithmetic")
+    seeds = {arithmetic.question(s)[0]: s for s in range(8, 14)}
+    even = sum(1 - arithmetic.operands(s)[0] % 2 for s in range(8, 14))
+
+    def script_or_raise(everywhere: bool):
+        def play(text: str) -> list[str]:
+            seed = seeds[QUESTION.findall(text)[-1]]
+            if everywhere or arithmetic.operands(seed)[0] % 2 == 0:
+                raise RuntimeError("the policy's server broke")
+            return demonstration({"seed": seed})
+        return play
+
+    cfg = GRPOJobConfig()
+    cfg.task, cfg.rollout.max_turns, cfg.rollout.max_new_tokens = "openenv", 4, 64
+    evaluation = build_evaluation(cfg, task, tokenizer)
+    out = asyncio.run(evaluation(ScriptPolicy(tokenizer, script_or_raise(False))))
+    assert 0 < even < 6 and out["eval_failed"] == out["eval_failed/raised"] == float(even)
+    assert out["eval_reward"] == 1.0 and out["eval_n"] == 6.0
+    with pytest.raises(RuntimeError, match=r"every one of the 6 held-out episodes failed \(\{'raised': 6\}\)"):
+        asyncio.run(evaluation(ScriptPolicy(tokenizer, script_or_raise(True))))

@@ -106,7 +106,8 @@ class ChatCompletionsSession:
 
     def _sampling(self, body: dict[str, Any], max_tokens: int) -> SamplingParams:
         """The request's sampling: the job's temperature / top_p / top_k where it gives none; temperature 0 is
-        greedy. Another value than the job's fails, naming both (its logprobs would not be the learner's)."""
+        greedy, and so is a request without a temperature of a greedy job (the held-out evaluation's). Another value
+        than the job's fails, naming both (its logprobs would not be the learner's)."""
         job = self.sampling or SamplingParams()
         temperature = float(body["temperature"]) if body.get("temperature") is not None else job.temperature
         top_p = float(body["top_p"]) if body.get("top_p") is not None else job.top_p
@@ -116,7 +117,8 @@ class ChatCompletionsSession:
                     raise ValueError(f"{key}={asked:g} in the request, but the job samples and scores at "
                                      f"rollout.{key}={own:g}; leave {key} out or set rollout.{key}")
         return SamplingParams(max_new_tokens=max_tokens, temperature=max(temperature, 1e-6), top_p=top_p,
-                              top_k=job.top_k, greedy=temperature == 0.0)
+                              top_k=job.top_k, greedy=temperature == 0.0 or (body.get("temperature") is None
+                                                                              and job.greedy))
 
     # ------------------------------------------------------------------ the endpoint
     async def create(self, body: dict[str, Any]) -> dict[str, Any]:

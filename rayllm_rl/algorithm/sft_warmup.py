@@ -67,7 +67,7 @@ def sft_warm_start(cfg: GRPOJobConfig, task: Task, tokenizer, reporter,
     with reporter.task_progress(cfg.sft.steps, "sft warm start") as tick:
         for step in range(1, cfg.sft.steps + 1):
             metrics = train_step(sft_batch(task, tokenizer, loader.next_rows(cfg.sft.batch_size)), loss)
-            metrics.pop("trace", None)  # the RL steps' token trace (trace.jsonl), not a metric of the warm start
+            metrics.pop("trace", None)  # the RL steps' token trace (traces.jsonl), not a metric
             reporter.log({"phase": "sft", "sft_step": step, **metrics}, show=step % 50 == 0)
             tick(1)
             if cfg.sft.time_budget_s and time.perf_counter() - t0 > cfg.sft.time_budget_s:

@@ -51,7 +51,7 @@ class OpenEnvConfig:
     demonstration: str = ""
     """'package.module:function' giving a row's solved episode for the SFT warm start (`sft.steps`): `fn(row) ->
     [reply, ...]`, the text of each assistant turn in order, played through the environment
-    (`environments.demonstrations`). Empty: no demonstrations (`sft.steps` must then be 0)."""
+    (`environments.demonstrations`). Empty: no demonstrations (`sft.steps` > 0 then warns and skips the warm start)."""
     call_timeout_s: PosFloat = 60.0
     """One reset, step or tool call; past it the sample fails with cause `timeout` (docs/failed-episodes.md)."""
 

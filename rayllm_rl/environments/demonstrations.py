@@ -12,70 +12,89 @@ observations and chat-template turns. Its `loss_mask` marks the replies' tokens 
 token `eos_token_id`, the one the engine stops on) and nothing else. Shapes: the batch is `[n, T]`, one row per
 demonstrated episode, with zero `advantages` like every SFT batch (`data.sft.make_sft_batch`).
 
-Errors name the row. A script that runs out of replies before the episode ends is refused. So is one that raises,
-and so is a row whose episode failed (`failed` set): the warm start never imitates a broken episode.
+Errors name the key and the row. Refused: a script that raises or returns no list of strings; one that runs out of
+replies before the episode ends, or whose episode ends with replies left over; a reply the environment took as an
+invalid action; and an episode that failed (`failed` set, or raised). The warm start never imitates a broken episode.
 """
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import threading
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from rayllm_rl.inference.protocol import LLMRequest, LLMResponse
 
-DEMONSTRATION_TIMEOUT_S = 300.0
-"""All the demonstrations of one SFT batch together (each step of the environment has its own `call_timeout_s`)."""
+DEMONSTRATION_TIMEOUT_S = 600.0
+"""All the demonstrations of one SFT batch together (each call into the environment has its own bound); past it the
+episodes are cancelled (their sessions closed) and a TimeoutError says so."""
 
 
 class ScriptedEngine:
     """An `InferenceEngine` whose replies are given: the i-th `agenerate` returns the i-th reply's tokens, closed by
-    the end-of-turn token, with logprob 0 and policy version 0 (an SFT batch trains on neither)."""
+    the end-of-turn token, with logprob 0 and policy version -1 (the mark of a token no engine sampled, as
+    `make_sft_batch`'s: mismatch figures and traces leave it out)."""
 
-    def __init__(self, tokenizer, replies: Sequence[str], label: str = "") -> None:
-        self.tokenizer, self.replies, self.label, self.turn = tokenizer, list(replies), label, 0
+    def __init__(self, tokenizer, replies: Sequence[str], label: str = "", key: str = "the demonstration") -> None:
+        self.tokenizer, self.replies, self.label, self.key, self.turn = tokenizer, list(replies), label, key, 0
 
     async def agenerate(self, request: LLMRequest) -> LLMResponse:
         if self.turn >= len(self.replies):
-            raise ValueError(f"the demonstration of {self.label} has {len(self.replies)} replies, but its episode "
-                             f"asked for reply {self.turn + 1}: the script must play the episode to its end")
+            raise ValueError(f"{self.key} of {self.label} has {len(self.replies)} replies, but its episode asked for "
+                             f"reply {self.turn + 1}: the script must play the episode to its end")
         reply = self.replies[self.turn]
         self.turn += 1
         tokens = list(self.tokenizer.encode(reply, add_special_tokens=False)) + [self.tokenizer.eos_token_id]
-        return LLMResponse(list(request.input_ids), tokens, [0.0] * len(tokens), [0] * len(tokens), "stop",
+        return LLMResponse(list(request.input_ids), tokens, [0.0] * len(tokens), [-1] * len(tokens), "stop",
                            rid=request.rid)
 
 
-def script_of(demonstrate: Callable[[dict], Any], row: Mapping[str, Any], label: str) -> list[str]:
-    """The row's replies as a list of strings; ValueError naming the row for anything else."""
+def script_of(demonstrate: Callable[[dict], Any], row: Mapping[str, Any], label: str, key: str) -> list[str]:
+    """The row's replies as a list of strings; ValueError naming the key and the row for anything else."""
     try:
         replies = demonstrate(dict(row))
     except Exception as exc:
-        raise ValueError(f"data.openenv.demonstration raised on {label}: {type(exc).__name__}: {exc}") from exc
+        raise ValueError(f"{key} raised on {label}: {type(exc).__name__}: {exc}") from exc
     if isinstance(replies, str) or not isinstance(replies, Sequence) or not replies or not all(
             isinstance(r, str) for r in replies):
-        raise ValueError(f"data.openenv.demonstration returned {replies!r:.120} for {label}: expected a non-empty list "
-                         "of reply strings, one per assistant turn")
+        raise ValueError(f"{key} returned {replies!r:.120} for {label}: expected a non-empty list of reply strings, "
+                         "one per assistant turn")
     return list(replies)
 
 
 async def play_demonstrations(make_workflow: Callable[[int], Any], demonstrate: Callable[[dict], Any], tokenizer,
-                              rows: Sequence[Mapping[str, Any]]):
-    """One demonstrated episode per row, as the SFT batch `[len(rows), T]`. `make_workflow(max_turns)` builds the
-    task's `EnvWorkflow` for a script of that many replies."""
+                              rows: Sequence[Mapping[str, Any]], key: str = "the demonstration",
+                              label_of: Callable[[int, Mapping[str, Any]], str] | None = None):
+    """One demonstrated episode per row, as the SFT batch `[len(rows), T]`. `make_workflow(replies)` builds the
+    task's workflow for a script of that many replies; `label_of(i, row)` names a row in errors."""
     from rayllm_rl.data.failures import FAILED_KEY, cause_of_code
     from rayllm_rl.data.trajectory import concat_padded
 
+    label_of = label_of or (lambda i, row: f"the row with seed={row.get('seed')}")
+
     async def one(i: int, row: Mapping[str, Any]):
-        label = f"row {i} (seed={row.get('seed')})"
-        replies = script_of(demonstrate, row, label)
-        episode = await make_workflow(len(replies)).arun_episode(ScriptedEngine(tokenizer, replies, label),
-                                                                 {**row, "group_id": i})
+        label = label_of(i, row)
+        replies = script_of(demonstrate, row, label, key)
+        engine = ScriptedEngine(tokenizer, replies, label, key)
+        try:
+            episode = await make_workflow(len(replies)).arun_episode(engine, {**row, "group_id": i})
+        except Exception as exc:
+            if isinstance(exc, ValueError) and str(exc).startswith(key):  # the script stopped short: named already
+                raise
+            raise ValueError(f"the demonstration of {label} ({key}) raised in the environment: "
+                             f"{type(exc).__name__}: {exc}") from exc
         failed = episode.get(FAILED_KEY, None)
         if failed is not None and bool((failed != 0).any()):
-            raise ValueError(f"the demonstration of {label} failed ({cause_of_code(float(failed.max()))}): the SFT "
-                             "warm start imitates only episodes that finish")
+            raise ValueError(f"the demonstration of {label} ({key}) failed ({cause_of_code(float(failed.max()))}): "
+                             "the SFT warm start imitates only episodes that finish")
+        invalid = episode.get("invalid_actions", None)
+        if invalid is not None and float(invalid.sum()) > 0:
+            raise ValueError(f"{key} of {label}: the environment took {int(invalid.sum())} of its replies as invalid "
+                             "actions (a tool name or argument it does not have?); the warm start would imitate them")
+        if engine.turn < len(replies):
+            raise ValueError(f"{key} of {label} has {len(replies)} replies, but its episode ended after "
+                             f"{engine.turn}: the replies left over would never be trained on")
         return episode
 
     batch = concat_padded(await asyncio.gather(*[one(i, r) for i, r in enumerate(rows)]))
@@ -84,16 +103,29 @@ async def play_demonstrations(make_workflow: Callable[[int], Any], demonstrate: 
 
 
 def demonstration_batch(make_workflow: Callable[[int], Any], demonstrate: Callable[[dict], Any], tokenizer,
-                        rows: Sequence[Mapping[str, Any]]):
-    """`play_demonstrations` from sync code (the SFT warm start on the driver), on a thread of its own so that a
-    caller already inside an event loop (a notebook) is not blocked; bounded by `DEMONSTRATION_TIMEOUT_S`."""
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="demonstrations")
-    try:
-        future = pool.submit(asyncio.run, play_demonstrations(make_workflow, demonstrate, tokenizer, rows))
+                        rows: Sequence[Mapping[str, Any]], key: str = "the demonstration",
+                        label_of: Callable[[int, Mapping[str, Any]], str] | None = None,
+                        timeout_s: float = DEMONSTRATION_TIMEOUT_S):
+    """`play_demonstrations` from sync code (the SFT warm start on the driver), on a daemon thread with an event loop
+    of its own, so it runs the same whether or not the caller is inside one (a notebook). Past `timeout_s` the
+    episodes are cancelled on that loop and a TimeoutError is raised here."""
+    done: dict[str, Any] = {}
+
+    async def bounded():
+        return await asyncio.wait_for(play_demonstrations(make_workflow, demonstrate, tokenizer, rows, key, label_of),
+                                      timeout_s)
+
+    def run() -> None:
         try:
-            return future.result(timeout=DEMONSTRATION_TIMEOUT_S)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"{len(rows)} demonstrations did not finish within {DEMONSTRATION_TIMEOUT_S:g} s") \
-                from None
-    finally:
-        pool.shutdown(wait=False)
+            done["batch"] = asyncio.run(bounded())
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            done["error"] = exc
+
+    thread = threading.Thread(target=run, name="demonstrations", daemon=True)
+    thread.start()
+    thread.join(timeout_s + 30.0)  # the loop's own bound fires first; this one only if cancelling hangs
+    if thread.is_alive() or isinstance(done.get("error"), asyncio.TimeoutError):
+        raise TimeoutError(f"{len(rows)} demonstrations ({key}) did not finish within {timeout_s:g} s")
+    if "error" in done:
+        raise done["error"]
+    return done["batch"]

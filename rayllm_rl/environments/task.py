@@ -49,7 +49,7 @@ def demonstrations(source, reward, demonstrate, tokenizer, rows_: list[dict[str,
     def workflow(replies: int):  # one turn more than the script: a script that stops short is refused, not cut
         return EnvWorkflow(source, reward, tokenizer, SamplingParams(), max_turns=replies + 1)
 
-    return demonstration_batch(workflow, demonstrate, tokenizer, rows_)
+    return demonstration_batch(workflow, demonstrate, tokenizer, rows_, key="data.openenv.demonstration")
 
 
 def make_task(data_cfg: Any = None, seed: int = 0, inputs: Any = None):

@@ -25,8 +25,13 @@ def demonstrations(source, reward, demonstrate, tokenizer, rows_: list[dict[str,
     def vf_row(row: dict[str, Any]):
         return demonstrate(json.loads(row["vf_input"]))
 
+    def label(i: int, row: dict[str, Any]) -> str:
+        vf_input = json.loads(row["vf_input"])
+        return f"the dataset row {vf_input.get('example_id', i)} ({str(vf_input.get('question', ''))[:60]!r})"
+
     workflow = VerifiersWorkflow(source, reward, tokenizer, SamplingParams())  # the environment loaded once
-    return demonstration_batch(lambda replies: workflow, vf_row, tokenizer, rows_)
+    return demonstration_batch(lambda replies: workflow, vf_row, tokenizer, rows_, key="data.verifiers.demonstration",
+                               label_of=label)
 
 
 def make_task(data_cfg: Any = None, seed: int = 0, inputs: Any = None):

@@ -45,7 +45,7 @@ class Task:
         """This task without its rows: what an env worker needs (reward fn, env class, SFT target), shipped to it
         by value in its constructor arguments (Ray's cloudpickle: a reward defined in the user's script or
         notebook travels too). The driver loads and checks the rows once; workers get each row per episode."""
-        return dataclasses.replace(self, train=None, eval=None)
+        return dataclasses.replace(self, train=None, eval=None, demonstrate=None)  # demonstrations: the driver's
 
     def with_reward(self, reward_fn: Callable[..., Any]) -> "Task":
         """This task scoring with `reward_fn` instead of its rule (its env, if any, too), e.g. the weighted

@@ -110,7 +110,7 @@ TASKS: Mapping[str, TaskEntry] = MappingProxyType({
     OPENENV_TASK: TaskEntry("rayllm_rl.environments.task:make_task", _presets(128, 0), _ADAPTER_LR, 64, "generated",
                             data_keys=("openenv",), takes_reward=True, needs_reward=False),
     # a verifiers environment (classic API): its dataset's rows, its rollout loop over our chat-completions proxy,
-    # its rubric's reward; no held-out greedy evaluation (environments/verifiers_task.py)
+    # its rubric's reward; its eval_dataset's rows held out, one greedy rollout each (environments/verifiers_task.py)
     VERIFIERS_TASK: TaskEntry("rayllm_rl.environments.verifiers_task:make_task", _presets(128, 0), _ADAPTER_LR,
                               96, "generated", data_keys=("verifiers",)),
 })

@@ -48,8 +48,9 @@ async def evaluate_episodes(engine: InferenceEngine, workflow, rows: Iterable[Ma
     Returns {"eval_reward": mean episode reward, "eval_n": rows, "eval_failed": failed episodes, "eval_<key>": the
     mean of each per-episode metric (`num_turns`, `tool_calls`, `invalid_actions`, `env_done`, the reward's
     components)}. The means are over the episodes that finished: a failed one (an environment that raised, a call
-    past its bound) is counted in `eval_failed`, never scored 0 (docs/failed-episodes.md)."""
-    from rayllm_rl.data.failures import FAILED_KEY
+    past its bound) is counted in `eval_failed` and `eval_failed/<cause>`, never scored 0 (docs/failed-episodes.md);
+    when none finished there is no score, and a RuntimeError names the causes."""
+    from rayllm_rl.data.failures import FAILED_KEY, cause_of_code
     from rayllm_rl.data.trajectory import TOKEN_KEYS
 
     rows = list(rows)
@@ -62,11 +63,13 @@ async def evaluate_episodes(engine: InferenceEngine, workflow, rows: Iterable[Ma
 
     episodes = await asyncio.gather(*[play(i, r) for i, r in enumerate(rows)])
     totals: dict[str, float] = {}
-    finished = failed = 0
+    causes: dict[str, int] = {}
+    finished = 0
     for episode in episodes:
         for j in range(episode.batch_size[0]):
             if FAILED_KEY in episode.keys() and float(episode[FAILED_KEY][j]) != 0:
-                failed += 1
+                cause = cause_of_code(float(episode[FAILED_KEY][j]))
+                causes[cause] = causes.get(cause, 0) + 1
                 continue
             finished += 1
             for key, value in episode.items():
@@ -74,7 +77,11 @@ async def evaluate_episodes(engine: InferenceEngine, workflow, rows: Iterable[Ma
                     continue
                 name = "reward" if key == "rewards" else key
                 totals[name] = totals.get(name, 0.0) + float(value[j])
+    if rows and not finished:
+        raise RuntimeError(f"every one of the {len(rows)} held-out episodes failed ({causes}): no evaluation score "
+                           "(the env workers' logs say why)")
     out = {f"eval_{k}": v / max(1, finished) for k, v in totals.items()}
     out.setdefault("eval_reward", 0.0)
-    out.update(eval_n=float(len(rows)), eval_failed=float(failed))
+    out.update(eval_n=float(len(rows)), eval_failed=float(sum(causes.values())),
+               **{f"eval_failed/{c}": float(n) for c, n in causes.items()})
     return out
