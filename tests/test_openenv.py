@@ -428,7 +428,8 @@ JOB = ["trainer.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=4", 
        "trainer.call_timeout_s=120", "data.openenv.train_size=64", "data.openenv.prompt=Play:"]
 """2 RL steps of 2 prompts x 4 episodes of `STEPS` turns of at most 6 tokens, no warm start, no eval."""
 OPENENV = [*JOB, "task=openenv", "data.openenv.env=test_openenv:CountEnv",
-           "data.openenv.action_parser=test_openenv:parse_answer"]
+           "data.openenv.action_parser=test_openenv:parse_answer", "data.eval_size=3"]
+"""The OpenEnv form also evaluates 3 held-out seeds before RL and after (one greedy episode each, on the driver)."""
 TRL = [*JOB[:4], f"rollout.max_turns={STEPS + 1}", *JOB[5:], "data.openenv.tool_parser=test_openenv:say_everything"]
 """The TRL form given as objects (`GRPOTrainer(environment_factory=..., reward_funcs=...)`); STEPS + 1 turns: the
 third call of `say` answers {"error": "Game over."}, fed back as TRL does, and max_turns ends the episode."""
@@ -509,6 +510,11 @@ def check_env_job(summary, tokenizer, form: str) -> None:
         assert sample["reward"] == pytest.approx(env_reward * (2 if form == "trl" else 1), abs=1e-5)
         rewards.append(env_reward)
     assert len(set(rewards)) > 1  # dense: the replies scored apart
+    if form == "openenv":  # the held-out seeds 64-66 (after the 64 training rows), each one greedy episode of 2 turns
+        for held in (summary["eval_before"], summary["eval_after"]):
+            assert (held["eval_n"], held["eval_failed"], held["eval_num_turns"], held["eval_env_done"]) == (
+                3.0, 0.0, float(STEPS), 1.0)
+            assert 0.0 <= held["eval_reward"] == held["eval_env_reward"] <= STEPS
 
 
 @pytest.mark.slow
@@ -662,9 +668,16 @@ def test_the_calculator_example_trains_two_local_steps(calculator, form, tmp_pat
     """The example's train.py in process at its small size, 2 steps: the OpenEnv form's replies are no tool calls
     (invalid actions, fed back, 3 turns); the TRL form's are made calculator calls, each answered."""
     _, _, script = calculator
-    keys = ["data.openenv.tool_parser=test_openenv:calculate_everything"] if form == "trl" else []
+    keys = (["data.openenv.tool_parser=test_openenv:calculate_everything"] if form == "trl" else
+            ["sft.steps=2", "sft.batch_size=2", "sft.lr=1e-3", "data.eval_size=2",
+             "data.openenv.demonstration=calculator_env:demonstration"])  # 2 x 2 demonstrated episodes, 2 held out
     out = script.main(["--form", form, "--steps", "2", "--backend", "local", "--out", str(tmp_path), *keys])
     assert (out["steps"], out["backend"], out["failed_episodes"], out["turns"]) == (2, "local", 0, 3.0)
+    if form == "openenv":
+        records = [json.loads(x) for x in (Path(out["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+        sft = [r for r in records if r.get("phase") == "sft"]
+        assert [r["sft_step"] for r in sft] == [1, 2] and all(r["loss"] > 0 and r["mismatch_tokens"] == 0 for r in sft)
+        assert out["eval_before"]["eval_n"] == out["eval_after"]["eval_n"] == 2.0
     assert out["tool_calls"] == (3.0 if form == "trl" else 0.0) and out["env_done"] == 0.0
     rl = rl_records({"run_dir": out["run_dir"]})
     assert len(rl) == 2 and all(r["seqs"] == 2 * 4 and r["num_turns"] >= 1 for r in rl)

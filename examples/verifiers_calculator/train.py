@@ -28,14 +28,15 @@ SMALL = ["rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_
 """The offline tiny model (random weights): the mechanics only. It writes no tool call, so each episode is one reply
 (verifiers ends it: no tool called) and every reward is 0; a seed at which it never replies with nothing (verifiers
 aborts a rollout on an empty reply: a failed sample)."""
-FULL = [f"model.path={SMOLLM2}", "model.dtype=float32", "rollout.prompts_per_step=8", "rollout.group_size=8",
-        "rollout.max_new_tokens=64", "rollout.temperature=0.7", "optim.lr=2e-5", "optim.warmup_steps=5",
-        "optim.max_tokens_per_micro_batch=2048", "trainer.steps=200", "trainer.time_budget_s=2700",
-        "trainer.log_every=1", "trainer.checkpoint_every=0", "sft.steps=6", "sft.batch_size=8", "sft.lr=1e-4",
-        "sft.warmup_steps=2", "data.verifiers.demonstration=calculator_env:demonstration", "data.eval_size=64",
-        "trainer.eval_every=10", "trainer.call_timeout_s=600"]
-"""SmolLM2-135M-Instruct at recipes/smollm2-135m_reasoning-gym_cpu.yaml's settings, after a short SFT warm start on
-demonstrated rollouts (`calculator_env.demonstration`), evaluated on 64 held-out questions (`eval_questions`)."""
+FULL = [f"model.path={SMOLLM2}", "model.dtype=float32", "inference.engine=vllm", "trainer.backend=ray",
+        "rollout.prompts_per_step=4", "rollout.group_size=8", "rollout.max_new_tokens=48", "rollout.temperature=0.7",
+        "optim.lr=3e-5", "optim.warmup_steps=2", "optim.max_tokens_per_micro_batch=2048", "trainer.steps=200",
+        "trainer.time_budget_s=1980", "trainer.log_every=1", "trainer.checkpoint_every=0",
+        "trainer.call_timeout_s=600", "sft.steps=2", "sft.batch_size=8", "sft.lr=5e-5", "sft.warmup_steps=0",
+        "data.verifiers.demonstration=calculator_env:demonstration", "data.eval_size=64", "trainer.eval_every=0"]
+"""SmolLM2-135M-Instruct at the OpenEnv example's `--full` settings (examples/openenv_calculator/train.py): two SFT
+steps on 8 demonstrated rollouts each (`calculator_env.demonstration`), GRPO within 33 minutes on Ray with vLLM's CPU
+engine, 64 held-out questions (`eval_questions`) evaluated after the warm start and after RL."""
 FULL_SYSTEM_PROMPT = (
     'Solve the question with the calculator. Call it by writing <tool_call>{"name": "calculator", "arguments": '
     '{"expression": "347 * 29"}}</tool_call>, read its result, then reply with the number alone.')
@@ -59,7 +60,7 @@ def main(argv: list[str]) -> dict:
     parser.add_argument("--steps", type=int, help="RL steps (default: 10 small, 200 --full)")
     parser.add_argument("--backend", choices=("local", "ray"), help="trainer.backend (default: the job's)")
     parser.add_argument("--questions", type=int, default=64, help="rows of the environment's dataset")
-    parser.add_argument("--max-turns", type=int, help="the ToolEnv's max_turns (default: 3 small, 4 --full)")
+    parser.add_argument("--max-turns", type=int, help="the ToolEnv's max_turns (default 3)")
     parser.add_argument("--out", default="runs/examples/verifiers_calculator", help="where the run goes")
     parser.add_argument("overrides", nargs="*", help="job overrides key.sub=value (they win)")
     args = parser.parse_args(argv)
@@ -73,7 +74,7 @@ def main(argv: list[str]) -> dict:
 
     from rayllm_rl import train
 
-    env_args = {"num_questions": args.questions, "max_turns": args.max_turns or (4 if args.full else 3)}
+    env_args = {"num_questions": args.questions, "max_turns": args.max_turns or 3}
     if args.full:
         env_args.update(system_prompt=FULL_SYSTEM_PROMPT, eval_questions=64)
     preset = FULL if args.full else [f"model.path={tiny_model_with_tools(Path(args.out))}", *SMALL]
