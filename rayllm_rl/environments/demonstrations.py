@@ -19,6 +19,7 @@ invalid action; and an episode that failed (`failed` set, or raised). The warm s
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from typing import Any, Callable, Mapping, Sequence
 
@@ -29,6 +30,14 @@ from rayllm_rl.inference.protocol import LLMRequest, LLMResponse
 DEMONSTRATION_TIMEOUT_S = 600.0
 """All the demonstrations of one SFT batch together (each call into the environment has its own bound); past it the
 episodes are cancelled (their sessions closed) and a TimeoutError says so."""
+
+
+def demonstrations_of(path: str, key: str, play: Callable[..., Any], *args: Any) -> Callable[..., Any] | None:
+    """`Task.demonstrate` of a task=openenv / verifiers job: `play(*args, fn, tokenizer, rows)`, with `fn` the function
+    `path` (the value of `key`) names; None when `path` is empty (no demonstrations)."""
+    from rayllm_rl.object_path import import_object
+
+    return functools.partial(play, *args, import_object(path, key)) if path else None
 
 
 class ScriptedEngine:

@@ -59,7 +59,7 @@ def make_task(data_cfg: Any = None, seed: int = 0, inputs: Any = None):
     from rayllm_rl.environments.config import OpenEnvConfig
     from rayllm_rl.environments.source import resolve_source
     from rayllm_rl.envs.task import Task, in_memory
-    from rayllm_rl.object_path import import_object
+    from rayllm_rl.environments.demonstrations import demonstrations_of
 
     cfg = OpenEnvConfig() if data_cfg is None else data_cfg.openenv
     cfg.check()
@@ -72,9 +72,6 @@ def make_task(data_cfg: Any = None, seed: int = 0, inputs: Any = None):
     eval_size = 0 if data_cfg is None else (data_cfg.eval_size or 0)
     train = Dataset.from_list(rows(cfg))
     held = Dataset.from_list(rows(cfg, cfg.train_size, eval_size)) if eval_size else train.select([])
-    demonstrate = None
-    if cfg.demonstration:
-        demonstrate = functools.partial(demonstrations, source, reward,
-                                        import_object(cfg.demonstration, "data.openenv.demonstration"))
+    demonstrate = demonstrations_of(cfg.demonstration, "data.openenv.demonstration", demonstrations, source, reward)
     return Task("openenv", in_memory(train), in_memory(held), reward,
                 workflow=functools.partial(make_workflow, source=source), demonstrate=demonstrate)

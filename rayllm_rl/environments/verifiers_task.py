@@ -43,7 +43,7 @@ def make_task(data_cfg: Any = None, seed: int = 0, inputs: Any = None):
     from rayllm_rl.environments.verifiers_config import VerifiersConfig
     from rayllm_rl.environments.verifiers_env import RubricReward, component_names, eval_rows, resolve_verifiers, rows
     from rayllm_rl.environments.verifiers_workflow import make_workflow
-    from rayllm_rl.object_path import import_object
+    from rayllm_rl.environments.demonstrations import demonstrations_of
 
     cfg = VerifiersConfig() if data_cfg is None else data_cfg.verifiers
     cfg.check()
@@ -52,9 +52,6 @@ def make_task(data_cfg: Any = None, seed: int = 0, inputs: Any = None):
     eval_size = 0 if data_cfg is None else (data_cfg.eval_size or 0)
     held = Dataset.from_list(eval_rows(env, eval_size, source.label)) if eval_size else train.select([])
     reward = RubricReward(component_names(env.rubric))
-    demonstrate = None
-    if cfg.demonstration:
-        demonstrate = functools.partial(demonstrations, source, reward,
-                                        import_object(cfg.demonstration, "data.verifiers.demonstration"))
+    demonstrate = demonstrations_of(cfg.demonstration, "data.verifiers.demonstration", demonstrations, source, reward)
     return Task("verifiers", in_memory(train), in_memory(held), reward,
                 workflow=functools.partial(make_workflow, source=source), demonstrate=demonstrate)
