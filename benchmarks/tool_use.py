@@ -36,7 +36,7 @@ PARTS = {"base": ["--steps", "0", "sft.steps=0", "optim.lr_schedule=constant"], 
 
 
 def run_part(part: str, backend: str, overrides: list[str], python: str) -> dict:
-    out = RESULTS / "runs" / part
+    out = ROOT / "runs" / "benchmarks" / "tool_use" / part  # the run dirs (checkpoints too) stay out of git
     argv = [python, str(EXAMPLE), "--full", "--backend", backend, "--out", str(out), *PARTS[part], *overrides]
     Contention.mark_environment(f"tool-use-{part}")
     with Contention(f"tool-use-{part}") as cpu:
