@@ -45,19 +45,16 @@ def rubrics_of(rubric: Any) -> list[Any]:
 
 def _raising(fn: Any) -> Any:
     """`fn` (a rubric function, sync or async) recording what it raises in `_RAISED` before verifiers catches it.
-    `functools.wraps` keeps its name and (through `__wrapped__`) the signature verifiers reads to pass arguments."""
-    def note(exc: Exception) -> None:
-        raised = _RAISED.get()
-        if raised is not None:
-            raised.append((getattr(fn, "__name__", repr(fn)), exc))
-
+    `functools.wraps` keeps its name and (through `__wrapped__`) the signature verifiers reads to pass arguments. The
+    wrapper reaches `_RAISED` only through the module-level `_note` (which pickles by reference), so an environment
+    whose rubric is made strict on the driver (the held-out evaluation's workflow) still pickles to the env workers."""
     if inspect.iscoroutinefunction(fn):
         @functools.wraps(fn)
         async def wrapper(*args: Any, **kwargs: Any) -> Any:
             try:
                 return await fn(*args, **kwargs)
             except Exception as exc:
-                note(exc)
+                _note(fn, exc)
                 raise
     else:
         @functools.wraps(fn)
@@ -65,18 +62,25 @@ def _raising(fn: Any) -> Any:
             try:
                 result = fn(*args, **kwargs)
             except Exception as exc:
-                note(exc)
+                _note(fn, exc)
                 raise
-            return _noted(result, note) if inspect.isawaitable(result) else result
+            return _noted(result, fn) if inspect.isawaitable(result) else result
     wrapper.rayllm_strict = True
     return wrapper
 
 
-async def _noted(awaitable: Any, note: Any) -> Any:
+def _note(fn: Any, exc: Exception) -> None:
+    """Record that rubric function `fn` raised `exc`, while `RubricReward` scores (`_RAISED` set)."""
+    raised = _RAISED.get()
+    if raised is not None:
+        raised.append((getattr(fn, "__name__", repr(fn)), exc))
+
+
+async def _noted(awaitable: Any, fn: Any) -> Any:
     try:
         return await awaitable
     except Exception as exc:
-        note(exc)
+        _note(fn, exc)
         raise
 
 

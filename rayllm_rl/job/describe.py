@@ -347,8 +347,7 @@ def plan_decisions(plan: JobPlan) -> dict[str, Any]:
         "schedule": {"sft_steps": cfg.sft.steps, "rl_steps": cfg.trainer.steps, "optim_lr": cfg.optim.lr,
                      "optim_lr_schedule": lr_schedule_text(cfg.optim),
                      "trainer_time_budget_s": cfg.trainer.time_budget_s,
-                     "eval": cfg.data.eval_path or f"{cfg.data.eval_size} held-out prompts (rows, seeds or "
-                                                             "eval_dataset rows the task never trains on)"},
+                     "eval": cfg.data.eval_path or f"{cfg.data.eval_size} prompts held out of the training rows"},
         "actors": [a.describe() for a in plan.actors], "placement": placement_plan(plan),
         "weight_transport": plan.transport.describe(), "needs_reference": REFERENCE in plan.frozen_names(),
         "buffer_capacity": plan.buffer_capacity, "batch_stages": plan.batch_pipeline.names,
