@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import threading
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from rayllm_rl.inference.protocol import LLMRequest, LLMResponse
+from rayllm_rl.loop_thread import run_bounded
 
 DEMONSTRATION_TIMEOUT_S = 600.0
 """All the demonstrations of one SFT batch together (each call into the environment has its own bound); past it the
@@ -115,26 +115,17 @@ def demonstration_batch(make_workflow: Callable[[int], Any], demonstrate: Callab
                         rows: Sequence[Mapping[str, Any]], key: str = "the demonstration",
                         label_of: Callable[[int, Mapping[str, Any]], str] | None = None,
                         timeout_s: float = DEMONSTRATION_TIMEOUT_S):
-    """`play_demonstrations` from sync code (the SFT warm start on the driver), on a daemon thread with an event loop
-    of its own, so it runs the same whether or not the caller is inside one (a notebook). Past `timeout_s` the
-    episodes are cancelled on that loop and a TimeoutError is raised here."""
-    done: dict[str, Any] = {}
+    """`play_demonstrations` from sync code (the SFT warm start on the driver), with an event loop of its own on a
+    daemon thread (`run_bounded`), so it runs the same whether or not the caller is inside one (a notebook). Past
+    `timeout_s` the episodes are cancelled on that loop and a TimeoutError is raised here."""
+    what = f"{len(rows)} demonstrations ({key})"
 
     async def bounded():
-        return await asyncio.wait_for(play_demonstrations(make_workflow, demonstrate, tokenizer, rows, key, label_of),
-                                      timeout_s)
-
-    def run() -> None:
         try:
-            done["batch"] = asyncio.run(bounded())
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-            done["error"] = exc
+            return await asyncio.wait_for(play_demonstrations(make_workflow, demonstrate, tokenizer, rows, key,
+                                                              label_of), timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{what} did not finish within {timeout_s:g} s") from None
 
-    thread = threading.Thread(target=run, name="demonstrations", daemon=True)
-    thread.start()
-    thread.join(timeout_s + 30.0)  # the loop's own bound fires first; this one only if cancelling hangs
-    if thread.is_alive() or isinstance(done.get("error"), asyncio.TimeoutError):
-        raise TimeoutError(f"{len(rows)} demonstrations ({key}) did not finish within {timeout_s:g} s")
-    if "error" in done:
-        raise done["error"]
-    return done["batch"]
+    # the loop's own bound fires first; run_bounded's only if cancelling the episodes hangs
+    return run_bounded(lambda: asyncio.run(bounded()), timeout_s + 30.0, what)
