@@ -5,6 +5,13 @@ from __future__ import annotations
 
 import os
 
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+"""One torch thread in every process of the suite, set before anything imports torch: the pytest workers, the jobs
+and engines they start and (through the environment) the actors of their Ray sessions. The suite runs more busy
+processes than cores (two workers on two cores, each with its Ray actors), and a second OpenMP thread then only
+spin-waits for a core: tests/test_one_driver.py took 27 s of CPU with one thread against 47 s with two beside one
+busy core (docs/testing.md, "Time"). A value set outside the suite is kept."""
+
 import pytest
 
 import leak_guard
@@ -133,8 +140,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture()
 def one_torch_thread():
-    """Tiny matmuls: one torch thread is far faster on a busy 2-core box (no spin-waiting) and matches
-    the FSDP ranks'. Use with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    """One torch thread even where the suite was started with OMP_NUM_THREADS above 1 (its default is 1, set at
+    the top of this file): the module's figures were derived with one, as the FSDP ranks' are. Use with
+    `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
     import torch
 
     before = torch.get_num_threads()
