@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-"""One torch thread in every process of the suite, set before anything imports torch: the pytest workers, the jobs
-and engines they start and (through the environment) the actors of their Ray sessions. The suite runs more busy
-processes than cores (two workers on two cores, each with its Ray actors), and a second OpenMP thread then only
-spin-waits for a core: tests/test_one_driver.py took 27 s of CPU with one thread against 47 s with two beside one
-busy core (docs/testing.md, "Time"). A value set outside the suite is kept."""
-
 import pytest
 
 import leak_guard
 from ray_sessions import local_ray_session
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+"""One torch thread in every process of the suite, set here before anything imports torch (a value set outside the
+suite is kept): the pytest workers, the jobs and vLLM engine cores they start, and (through the environment) the
+actors of their Ray sessions. The suite runs more busy processes than cores (two workers on two cores, each with its
+Ray actors and engines), and a second OpenMP thread then only spin-waits for a core: test_one_driver.py took 27 s of
+CPU with one thread against 47 s with two, beside one busy core (docs/testing.md, "Time")."""
 
 SESSION_START = leak_guard.own_start_ticks()
 
